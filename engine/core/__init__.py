@@ -1,0 +1,1 @@
+"""Engine core: scheduler, KV-cache manager, model runner and the busy loop that owns the device."""
