@@ -31,14 +31,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | None = None
+    order: int = 0  # admission order at the core: lower = higher priority (FCFS, preemption victim = highest)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of all_token_ids
+    num_registered_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
 
     @classmethod
-    def from_core_request(cls, r: EngineCoreRequest, client: bytes = b"") -> Request:
-        return cls(r.request_id, list(r.prompt_token_ids), r.sampling, r.eos_token_id, r.arrival_time, client)
+    def from_core_request(cls, r: EngineCoreRequest, client: bytes = b"", order: int = 0) -> Request:
+        return cls(r.request_id, list(r.prompt_token_ids), r.sampling, r.eos_token_id, r.arrival_time, client,
+                   order=order)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,250 @@
+"""The core process: an EngineCore behind a ZMQ ROUTER socket, driven by a busy loop.
+
+Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]`` (``engine/protocol.py``).
+The loop drains incoming messages without blocking while there is work, steps the core, and sends each front
+end one ``outputs`` message per step with its own requests' outputs. When idle it blocks in ``poll`` (so an
+idle core costs nothing) and keeps every front end's gauges fresh with ``stats`` at most every 100 ms.
+It never waits on a front end: sends never block (unlimited high-water mark, unknown peers dropped).
+
+Run as ``python -m engine.core.process <engine flags> --model-path DIR --input-address ipc://...`` or call
+``run_core`` in a child process. SIGTERM drains: requests already in the core finish (up to
+``--shutdown-timeout``), then the process exits 0. SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from engine import protocol as P
+from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
+from engine.core.engine_core import EngineCore, RequestRejected
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.1  # freshest gauges a front end gets between outputs
+STATS_HEARTBEAT_S = 1.0  # unchanged stats are still re-sent this often
+IDLE_POLL_MS = 100
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_sent: float = 0.0
+    last_stats: P.SchedulerStats | None = None
+
+
+@dataclass(slots=True)
+class _State:
+    peers: dict[bytes, _Peer] = field(default_factory=dict)
+    owner: dict[str, bytes] = field(default_factory=dict)  # request id -> front-end identity
+    draining_since: float | None = None
+    stop_now: bool = False
+
+
+class CoreServer:
+    """Message handling and the loop; split from ``run_core`` so the pieces stay small."""
+
+    def __init__(self, core: EngineCore, sock: zmq.Socket, shutdown_timeout: float,
+                 state: _State | None = None) -> None:
+        self.core = core
+        self.sock = sock
+        self.shutdown_timeout = shutdown_timeout
+        self.state = state or _State()
+        self._info = P.encode(core.core_info())
+
+    # ---- incoming -------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.handle(frames)
+
+    def handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            logger.warning("dropping a malformed message of %d frames", len(frames))
+            return
+        ident, kind = frames[0], frames[1]
+        payload = frames[2] if len(frames) > 2 else b""
+        self.state.peers.setdefault(ident, _Peer())
+        if kind == P.HELLO:
+            self.sock.send_multipart([ident, P.READY, self._info])
+            return
+        if kind not in (P.ADD, P.ABORT):
+            logger.warning("dropping a message of unknown kind %r", kind[:32])
+            return
+        try:
+            body = P.decode(payload)
+            if kind == P.ADD:
+                body = P.request_from_dict(body)
+            elif not isinstance(body, list):
+                raise TypeError(f"abort wants a list of request ids, got {type(body).__name__}")
+        except Exception as e:  # a bad payload must not take the core down
+            logger.warning("dropping a bad %r message: %s", kind, e)
+            return
+        if kind == P.ADD:
+            self._add(ident, body)
+        else:
+            for rid in self.core.abort(body):
+                self.state.owner.pop(rid, None)
+
+    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(req, ident)
+        except RequestRejected as e:
+            err = {"request_id": req.request_id, "message": e.message, "status": e.status}
+            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            return
+        self.state.owner[req.request_id] = ident
+
+    # ---- outgoing -------------------------------------------------------------------------------------
+    def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
+        owner = self.state.owner
+        by_peer: dict[bytes, list[P.EngineCoreOutput]] = {}
+        for o in outputs:
+            ident = owner.get(o.request_id)
+            if ident is None:
+                continue
+            if o.finish_reason is not None:
+                del owner[o.request_id]
+            by_peer.setdefault(ident, []).append(o)
+        if not by_peer:
+            return
+        stats = self.core.stats()
+        wall = time.time()
+        for ident, outs in by_peer.items():
+            msg = P.encode_outputs(P.EngineCoreOutputs(outs, stats, wall))
+            self.sock.send_multipart([ident, P.OUTPUTS, msg])
+            peer = self.state.peers.setdefault(ident, _Peer())
+            peer.last_sent, peer.last_stats = now, stats
+
+    def send_stats(self, now: float) -> None:
+        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by)."""
+        stats = None
+        for ident, peer in self.state.peers.items():
+            if now - peer.last_sent < STATS_INTERVAL_S:
+                continue
+            stats = stats or self.core.stats()
+            if stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
+                continue
+            self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
+            peer.last_sent, peer.last_stats = now, stats
+
+    # ---- loop -----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        core, state = self.core, self.state
+        next_stats = 0.0
+        while not state.stop_now:
+            if core.has_work():
+                self.drain()
+            else:
+                if state.draining_since is not None:
+                    break  # SIGTERM and nothing left to finish
+                if self.sock.poll(IDLE_POLL_MS):
+                    self.drain()
+            if state.draining_since is not None and \
+                    time.monotonic() - state.draining_since > self.shutdown_timeout:
+                logger.warning("shutdown timeout: exiting with %d requests unfinished",
+                               len(core.scheduler.requests))
+                break
+            now = time.monotonic()
+            if core.has_work():
+                self.send_outputs(core.step(), now)
+            if now >= next_stats:
+                self.send_stats(now)
+                next_stats = now + STATS_INTERVAL_S
+
+
+def _install_signals(state: _State) -> None:
+    def on_term(signum: int, frame: object) -> None:
+        if state.draining_since is None:
+            logger.info("SIGTERM: finishing the requests in the core, then exiting")
+            state.draining_since = time.monotonic()
+        else:
+            state.stop_now = True
+
+    def on_int(signum: int, frame: object) -> None:
+        state.stop_now = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
+
+
+def _set_pdeathsig() -> None:
+    try:
+        from engine.procutil import set_pdeathsig
+    except ImportError:  # procutil is optional for the core; fall back to prctl directly
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+        return
+    set_pdeathsig(signal.SIGKILL)
+
+
+def configure_logging(args: EngineArgs) -> None:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [core rank={args.rank} pid=%(process)d] %(name)s: %(message)s",
+    )
+
+
+def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
+    """Load the model, bind ``input_address`` (a ROUTER), and serve front ends until told to stop."""
+    _set_pdeathsig()
+    configure_logging(args)
+    from engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics(args.model_name, args.rank)
+    core = EngineCore(args, model_path, metrics=metrics)
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(input_address)
+    state = _State()
+    _install_signals(state)  # only now: a signal during the model load just ends the process
+    logger.info("core ready on %s (pid %d)", input_address, os.getpid())
+    server = CoreServer(core, sock, args.shutdown_timeout, state)
+    try:
+        server.run()
+    except Exception:
+        logger.exception("core loop failed")
+        raise
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        _remove_ipc_file(input_address)
+        logger.info("core exited")
+
+
+def _remove_ipc_file(address: str) -> None:
+    """libzmq leaves the socket file of a closed ipc:// endpoint behind; a restarted core would reuse it."""
+    path = address.removeprefix("ipc://")
+    if path != address and not path.startswith("@"):  # "@": Linux abstract namespace, no file
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("python -m engine.core.process")
+    parser.add_argument("--model-path", required=True, help="local model folder (config.json + safetensors)")
+    parser.add_argument("--input-address", required=True, help="ZMQ address to bind, e.g. ipc:///tmp/core.sock")
+    ns = parser.parse_args(argv)
+    args = engine_args_from_namespace(ns)
+    validate(args, parser)
+    run_core(args, ns.model_path, ns.input_address)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Continuous-batching scheduler (vLLM v1 style): one token budget shared by decodes and prefill chunks.
+
+Each step: running requests first, in priority order (a decode costs 1 token, a request still in chunked
+prefill gets its next chunk), then waiting requests FCFS, all within ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` running requests. When the KV cache cannot hold a running request's next tokens, the
+lowest-priority running request (latest admitted) is preempted by recompute: its blocks are freed, its
+computed-token count reset, and it goes back to the front of the waiting queue with the tokens it generated,
+so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
+conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.protocol import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_LOG_EVERY = 50  # a warning on the first preemption, then on every 50th (vLLM logs similarly)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Cumulative counts the core turns into Prometheus counters (it records deltas)."""
+
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt length of each request, counted when its first token is sampled
+    generation_tokens: int = 0
+
+
+class RequestRejected(Exception):
+    """A request the core will not take; ``status`` is the HTTP status the front end should answer."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by priority (Request.order), highest first
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+        self._finished_ids: list[str] = []  # freed since the last SchedulerOutput
+        self._waiting_tokens = 0
+        self._next_order = 0
+
+    # ---- intake ---------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue ``req`` (raises RequestRejected with an HTTP status if it cannot be taken)."""
+        cfg = self.config
+        if req.request_id in self.requests:
+            raise RequestRejected(f"Request id {req.request_id} is already running", 400)
+        if not req.prompt_token_ids:
+            raise RequestRejected("The prompt is empty: at least one token is needed", 400)
+        if req.num_tokens > cfg.max_model_len:
+            raise RequestRejected(
+                f"The prompt has {req.num_tokens} tokens, more than the model's context length "
+                f"(max_model_len={cfg.max_model_len})", 400)
+        if cfg.max_num_queued_reqs is not None and len(self.waiting) >= cfg.max_num_queued_reqs:
+            raise RequestRejected(
+                f"Scheduler waiting queue is full ({len(self.waiting)} requests waiting, "
+                f"max_num_queued_reqs={cfg.max_num_queued_reqs})", 503)
+        if (cfg.max_num_queued_tokens is not None
+                and self._waiting_tokens + req.num_tokens > cfg.max_num_queued_tokens):
+            raise RequestRejected(
+                f"Scheduler waiting queue is full ({self._waiting_tokens} prompt tokens waiting, this "
+                f"request adds {req.num_tokens}, max_num_queued_tokens={cfg.max_num_queued_tokens})", 503)
+        req.order = self._next_order
+        self._next_order += 1
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self._waiting_tokens += req.num_tokens
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Finish the given requests now and free their blocks; returns the ids that were known."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # already finished or never seen: aborts race with completions
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+                self._waiting_tokens -= req.num_tokens
+            req.finish_reason = "abort"
+            self._finish(req)
+            aborted.append(rid)
+        return aborted
+
+    # ---- scheduling -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        budget, preempted = self._schedule_running(budget, decodes, prefills)
+        if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
+            self._schedule_waiting(budget, decodes, prefills)
+        if not decodes and not prefills:
+            return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
+        decodes.extend(prefills)
+        out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids)
+        self._finished_ids = []
+        return out
+
+    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq],
+                          prefills: list[ScheduledSeq]) -> tuple[int, bool]:
+        running = self.running
+        preemptions_before = self.counters.num_preemptions
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, num_new):
+                break  # req itself was the lowest priority left, and is now waiting
+            seq = ScheduledSeq(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
+            (decodes if num_new == 1 else prefills).append(seq)
+            budget -= num_new
+            i += 1
+        return budget, self.counters.num_preemptions != preemptions_before
+
+    def _make_room(self, req: Request, num_new: int) -> bool:
+        """Allocate ``req``'s next tokens, preempting from the tail of ``running`` (the lowest priority,
+        never one already scheduled this step) until they fit; False if ``req`` had to go itself."""
+        while not self.kv.allocate_for(req, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq],
+                          prefills: list[ScheduledSeq]) -> None:
+        waiting, running, kv = self.waiting, self.running, self.kv
+        max_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(running) < max_seqs:
+            req = waiting[0]
+            computed, num_cached = kv.get_computed_prefix(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not kv.allocate_for(req, num_new, computed):
+                break  # FCFS: nobody overtakes the head of the queue
+            waiting.popleft()
+            self._waiting_tokens -= req.num_tokens
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            # Stays sorted by priority: a preempted request was the latest admitted and, back at the head of
+            # the queue, re-enters before anyone admitted after it.
+            running.append(req)
+            seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
+            (decodes if num_new == 1 else prefills).append(seq)
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self._waiting_tokens += req.num_tokens
+        self.counters.num_preemptions += 1
+        n = self.counters.num_preemptions
+        if n == 1 or n % PREEMPTION_LOG_EVERY == 0:
+            logger.warning(
+                "Request %s is preempted by recompute because there is not enough KV cache space. This can "
+                "affect end-to-end performance; give the KV cache more memory (--kv-cache-memory-bytes or "
+                "--gpu-memory-utilization) or lower --max-num-seqs. total_num_cumulative_preemption=%d",
+                req.request_id, n)
+
+    # ---- results --------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, finish what must stop; outputs per request."""
+        kv, counters = self.kv, self.counters
+        max_model_len = self.config.max_model_len
+        outputs: list[EngineCoreOutput] = []
+        k = 0
+        any_finished = False
+        for seq in out.seqs:
+            req = seq.request
+            req.num_computed_tokens += seq.num_new_tokens
+            kv.cache_blocks(req)
+            if not seq.sample:
+                continue
+            tok = sampled[k]
+            k += 1
+            req.append_token(tok.token_id)
+            num_out = len(req.output_token_ids)
+            first = num_out == 1
+            if first:
+                counters.prompt_tokens += req.num_prompt_tokens
+            counters.generation_tokens += 1
+            o = EngineCoreOutput(req.request_id, [tok.token_id],
+                                 [tok.logprobs] if tok.logprobs is not None else None,
+                                 num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0)
+            if self._check_stop(req, tok.token_id, num_out, max_model_len):
+                o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
+                self._finish(req)
+                any_finished = True
+            outputs.append(o)
+        if k != len(sampled):
+            raise RuntimeError(f"runner returned {len(sampled)} tokens for {k} sampling sequences")
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    @staticmethod
+    def _check_stop(req: Request, token: int, num_out: int, max_model_len: int) -> bool:
+        """vLLM's order: length caps first, then (past min_tokens) eos, then stop token ids."""
+        sp = req.sampling
+        if num_out >= sp.max_tokens or req.num_tokens >= max_model_len:
+            req.finish_reason = "length"
+            return True
+        if num_out < sp.min_tokens:
+            return False
+        if token == req.eos_token_id and not sp.ignore_eos:
+            req.finish_reason = "stop"
+            return True
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+            return True
+        return False
+
+    def _finish(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # ---- introspection --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return self._waiting_tokens
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=self.kv.usage, num_blocks=self.config.num_blocks,
+                              block_size=self.config.block_size)
