@@ -1,0 +1,42 @@
+"""`lbd supervise`: run this node's DP ranks, each an engine server on its own port, behind one health port.
+
+Exit codes: 0 after SIGTERM/SIGINT (every rank stopped), 1 when a rank failed under --on-rank-failure exit,
+2 on a bad command line (one line on stderr; nothing started, no port left bound) and when a rank exits with
+code 2 before it was ever ready (an engine usage error such as a model that does not exist).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from supervisor.config import PROG, SupervisorArgError, bind_health_socket, parse_args
+
+
+def _setup_logging(node_rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s %(levelname)s supervisor[node {node_rank}] %(message)s"))
+    logger = logging.getLogger("lbd.supervisor")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        sock = bind_health_socket(cfg.supervisor_host, cfg.supervisor_port)
+    except SupervisorArgError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(cfg.node_rank)
+    import uvloop
+
+    from supervisor.node import Supervisor
+
+    return uvloop.run(Supervisor(cfg).run(sock))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""`lbd supervise` flags, their validation and the launch spec of every local rank.
+
+Everything here runs before anything is started: a bad command line exits 2 with one line that names the
+flag and the fix, binds no port and spawns nothing. Engine flags come from `engine.args` (the only module
+of ours the supervisor imports), so every engine flag is accepted, validated and passed through to each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.args import add_engine_arguments, engine_args_from_namespace, validate
+
+PROG = "lbd supervise"
+ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
+# Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
+RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
+                            "data_parallel_start_rank"})
+FAILURE_POLICIES = ("restart", "exit")
+WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
+
+
+class SupervisorArgError(Exception):
+    """A command-line problem found after argparse (ports, devices): one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error as one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+@dataclass(slots=True)
+class RankSpec:
+    """How to start one local rank: its identity, its port and its command line."""
+
+    rank: int
+    local_rank: int
+    port: int
+    argv: list[str]
+    env: dict[str, str]  # overrides on top of the supervisor's environment
+    devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
+    probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
+    bind_host: str | None  # the engine's --host (None: all interfaces)
+
+    @property
+    def probe_url(self) -> str:
+        return f"http://{_url_host(self.probe_host)}:{self.port}"
+
+
+@dataclass(slots=True)
+class SupervisorConfig:
+    dp_size: int
+    dp_size_local: int
+    dp_start_rank: int
+    node_rank: int
+    base_port: int
+    supervisor_host: str
+    supervisor_port: int
+    probe_interval_s: float
+    probe_timeout_s: float
+    probe_failure_threshold: int
+    startup_timeout_s: float
+    ready_policy: str  # "all", "any" or a positive integer as text
+    on_rank_failure: str
+    admin_token: str | None
+    shutdown_timeout_s: float
+    drain_timeout_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    backoff_reset_s: float
+    ranks: list[RankSpec] = field(default_factory=list)
+
+    @property
+    def ready_needed(self) -> int:
+        """How many ready ranks make the node ready under --ready-policy."""
+        if self.ready_policy == "all":
+            return self.dp_size_local
+        if self.ready_policy == "any":
+            return 1
+        return int(self.ready_policy)
+
+    @property
+    def hang_detection_bound_s(self) -> float:
+        return self.probe_interval_s * self.probe_failure_threshold + self.probe_timeout_s
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _ready_policy(text: str) -> str:
+    if text in ("all", "any") or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"use all, any or a positive number of ranks, got {text!r}")
+
+
+def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("supervisor")
+    g.add_argument("--data-parallel-multi-port-external-lb", action="store_true",
+                   help="one engine server per DP rank on its own port (vLLM's mode; always on here)")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; --data-parallel-start-rank defaults to node_rank x local size")
+    g.add_argument("--data-parallel-supervisor-port", type=int, default=9256,
+                   help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
+    g.add_argument("--supervisor-host", default="0.0.0.0", help="bind address of the health port")
+    g.add_argument("--dp-supervisor-probe-interval-s", type=_positive_float, default=5.0,
+                   help="seconds between two /health probes of a rank")
+    g.add_argument("--dp-supervisor-probe-timeout-s", type=_positive_float, default=5.0,
+                   help="a probe not answered within this counts as a failure")
+    g.add_argument("--dp-supervisor-probe-failure-threshold", type=_positive_int, default=3,
+                   help="consecutive failed probes (timeouts, connection errors) that make a rank unhealthy")
+    g.add_argument("--dp-supervisor-startup-timeout-s", type=_positive_float, default=1800.0,
+                   help="a rank not ready this long after its start is restarted")
+    g.add_argument("--ready-policy", type=_ready_policy, default="all",
+                   help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
+    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
+                   help="restart: restart the failed rank alone, with backoff; exit: stop the node, exit 1")
+    g.add_argument("--admin-token", default=None,
+                   help=f"bearer token of the drain/restart endpoints (or ${ADMIN_TOKEN_ENV}); "
+                        "without one they answer 404")
+    g.add_argument("--drain-timeout-s", type=_non_negative_float, default=None,
+                   help="longest wait for a draining rank's in-flight requests (default: --shutdown-timeout)")
+    g.add_argument("--restart-backoff-initial-s", type=_non_negative_float, default=1.0,
+                   help="delay before the first restart of a failed rank; doubles on each further failure")
+    g.add_argument("--restart-backoff-max-s", type=_non_negative_float, default=60.0,
+                   help="cap of the restart delay")
+    g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
+                   help="a rank ready this long gets the initial delay again on its next failure")
+
+
+def make_parser() -> tuple[OneLineParser, set[str]]:
+    """The full parser, and the dests that belong to the engine (passed through to ranks)."""
+    parser = OneLineParser(prog=PROG, allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description="Run this node's DP ranks, each an engine server on its own port; "
+                                       "probe, restart and drain them; serve one health port.")
+    add_engine_arguments(parser)
+    engine_dests = {a.dest for a in parser._actions if a.dest != "help"}
+    add_supervisor_arguments(parser)
+    return parser, engine_dests
+
+
+def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests: set[str]) -> list[str]:
+    """Rebuild the engine flags the user changed from their defaults, in parser order."""
+    out: list[str] = []
+    for action in parser._actions:
+        if action.dest not in dests or action.dest in RANK_OVERRIDES or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true / store_false / store_const
+            if value == action.const:
+                out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *map(str, value)]
+        else:
+            out.append(f"{flag}={value}")  # one token: a value that starts with "-" stays a value
+    return out
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def probe_host_for(bind_host: str | None) -> str:
+    """Where to reach a server bound to ``bind_host`` from this machine."""
+    if bind_host in (None, "", "0.0.0.0"):
+        return "127.0.0.1"
+    if bind_host == "::":
+        return "::1"
+    return bind_host
+
+
+def _nvidia_device_count() -> int:
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return sum(1 for _ in proc.iterdir())
+    return sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))
+
+
+def visible_cuda_devices(env: dict[str, str], device: str) -> list[str] | None:
+    """The inherited CUDA device ids, or None when the ranks will not run on CUDA."""
+    if device in ("cpu", "sim"):
+        return None
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    else:
+        ids = [str(i) for i in range(_nvidia_device_count())]
+    if not ids and device != "cuda":
+        return None  # device auto on a machine without GPUs: the engine falls back to the CPU
+    return ids
+
+
+def port_in_use(host: str | None, port: int) -> str | None:
+    """Why ``port`` cannot be bound on ``host`` (None when it can); the test socket is closed at once."""
+    bind = host if host not in (None, "") else "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve {bind!r} ({e})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers set SO_REUSEADDR too: a port in TIME_WAIT is no conflict, a listening one is.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return f"port {port} on {bind} is already in use ({e.strerror})"
+    return None
+
+
+def bind_health_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on the health port now, so nothing can take it between validation and serving."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {port} on {host} is already in use "
+                                 f"({e.strerror}): pick a free port") from e
+    return sock
+
+
+def _check_topology(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """(N, L, S) after the DP-size checks; raises SupervisorArgError naming the flag."""
+    n = ns.data_parallel_size
+    local = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
+    if local <= 0:
+        raise SupervisorArgError(f"--data-parallel-size-local must be a positive number, got {local}")
+    if local > n:
+        raise SupervisorArgError(f"--data-parallel-size-local {local} is larger than --data-parallel-size "
+                                 f"{n}: a node cannot run more ranks than the whole group")
+    if n % local:
+        raise SupervisorArgError(f"--data-parallel-size {n} is not divisible by --data-parallel-size-local "
+                                 f"{local}: every node must run the same number of ranks")
+    if ns.node_rank < 0:
+        raise SupervisorArgError(f"--node-rank must be >= 0, got {ns.node_rank}")
+    start = ns.data_parallel_start_rank if ns.data_parallel_start_rank is not None else ns.node_rank * local
+    if ns.data_parallel_start_rank is None and start + local > n:
+        raise SupervisorArgError(f"--node-rank {ns.node_rank} puts this node's ranks at {start}.."
+                                 f"{start + local - 1} but --data-parallel-size is {n}: use a node rank "
+                                 f"below {n // local}")
+    if start < 0 or start + local > n:
+        raise SupervisorArgError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} "
+                                 f"exceeds --data-parallel-size {n}: use a start rank in 0..{n - local}")
+    if ns.data_parallel_rank is not None:
+        raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it "
+                                 "(use --data-parallel-start-rank)")
+    return n, local, start
+
+
+def _check_ports(ns: argparse.Namespace, local: int) -> None:
+    last = ns.port + local - 1
+    if last > 65535:
+        raise SupervisorArgError(f"--port {ns.port} + {local} ranks runs past 65535: lower --port")
+    sport = ns.data_parallel_supervisor_port
+    if not 0 < sport <= 65535:
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {sport} is out of range: use 1..65535")
+    if ns.port <= sport <= last:
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {sport} is inside the rank ports "
+                                 f"{ns.port}..{last}: move it (or --port) out of that range")
+    for i, port in enumerate(range(ns.port, last + 1)):
+        problem = port_in_use(ns.host, port)
+        if problem:
+            raise SupervisorArgError(f"--port {ns.port}: local rank {i}'s {problem}: pick a free --port")
+
+
+def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> list[str | None]:
+    per_rank = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    ids = visible_cuda_devices(env, ns.device)
+    if ids is None:
+        return [None] * local
+    need = local * per_rank
+    if len(ids) < need:
+        raise SupervisorArgError(
+            f"--data-parallel-size-local {local} x --tensor-parallel-size {ns.tensor_parallel_size} x "
+            f"--pipeline-parallel-size {ns.pipeline_parallel_size} needs {need} CUDA devices but {len(ids)} "
+            f"are visible (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+            "lower the sizes or expose more devices")
+    return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
+
+
+def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
+               env: dict[str, str]) -> list[RankSpec]:
+    slices = _device_slices(ns, local, env)
+    specs = []
+    for i in range(local):
+        argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
+                "--data-parallel-rank", str(start + i), "--data-parallel-size", str(n)]
+        child_env = {"PYTHONUNBUFFERED": "1"}
+        if slices[i] is not None:
+            child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+        specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
+                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host))
+    return specs
+
+
+def parse_args(argv: list[str], env: dict[str, str] | None = None) -> SupervisorConfig:
+    """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
+    env = dict(os.environ) if env is None else env
+    parser, engine_dests = make_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
+                     "lists them)")
+    validate(engine_args_from_namespace(ns), parser)
+    try:
+        n, local, start = _check_topology(ns)
+        if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
+            raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
+                                     f"{local} of this node: use at most {local}, or all")
+        _check_ports(ns, local)
+        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env)
+    except SupervisorArgError as e:
+        parser.error(str(e))
+    return SupervisorConfig(
+        dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
+        supervisor_host=ns.supervisor_host, supervisor_port=ns.data_parallel_supervisor_port,
+        probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
+        probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
+        startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,
+        on_rank_failure=ns.on_rank_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
+        backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
+        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs)

@@ -1,0 +1,31 @@
+"""The supervisor's Prometheus metrics, in a registry of its own (never multiprocess mode)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SupervisorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rank_ready = Gauge("lbd_supervisor_rank_ready", "1 when the rank answers its probes and serves.",
+                                ["rank"], registry=self.registry)
+        self.rank_restarts = Counter("lbd_supervisor_rank_restarts_total", "Restarts of the rank's process.",
+                                     ["rank"], registry=self.registry)
+        self.probe_duration = Histogram("lbd_supervisor_probe_duration_seconds",
+                                        "Duration of /health probes of the ranks, timeouts included.",
+                                        buckets=_PROBE_BUCKETS, registry=self.registry)
+        self.probe_failures = Counter("lbd_supervisor_probe_failures_total",
+                                      "Failed /health probes of a serving rank, by reason.",
+                                      ["rank", "reason"], registry=self.registry)
+        self.node_ready = Gauge("lbd_supervisor_ready", "1 when /readyz answers 200.", registry=self.registry)
+
+    def add_rank(self, rank: int) -> None:
+        """Export a rank's series at 0 from the start, so dashboards see every rank before its first event."""
+        self.rank_ready.labels(rank=str(rank)).set(0)
+        self.rank_restarts.labels(rank=str(rank))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,356 @@
+"""One local rank's lifecycle: start, probe, declare unhealthy, restart with backoff, drain.
+
+Each rank is an actor: one task (`RankWorker.run`) owns the process and reacts to events from its exit
+watcher, its probe loop, its start-up timer and the admin endpoints, all through one queue. Events carry the
+generation (process incarnation) they are about, so a late event of a killed process is ignored. Everything
+the health port reads is plain attributes updated here: answering never waits on a child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from supervisor.config import RankSpec, SupervisorConfig
+from supervisor.metrics import SupervisorMetrics
+from supervisor.probe import CORE_DEAD, Prober, ProbeResult
+from supervisor.process import RankProcess
+
+log = logging.getLogger("lbd.supervisor")
+
+STARTUP_PROBE_INTERVAL_S = 0.25  # while starting, probe this often (connection refused costs nothing)
+FAILED_STOP_GRACE_S = 3.0  # a hung or dead rank gets this long to exit on SIGTERM before SIGKILL
+DRAIN_POLL_S = 0.2  # how often a draining rank's in-flight count is read
+DRAIN_SETTLE_S = 1.0  # least time in `draining`, so routers polling /status see it before the restart
+
+
+class RankState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class FailureAction(enum.StrEnum):
+    """What the node decides when a rank fails (see Supervisor.on_rank_failure)."""
+
+    RESTART_RANK = "restart"  # this rank alone, after its backoff; the others keep serving
+    EXIT = "exit"  # the node shuts down and exits non-zero (vLLM's behaviour)
+    # Seam for coupled MoE expert-parallel groups: a RESTART_GROUP action would have the node stop every
+    # worker and start them again in step (their torch.distributed group cannot lose one member alone).
+
+
+class Command(enum.StrEnum):
+    RESTART = "restart"  # graceful stop (SIGTERM; the engine finishes its requests), then start again
+    DRAIN = "drain"  # routers stop sending, wait for zero in-flight requests, then restart
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Restart delays: initial, doubling up to maximum; back to initial after `reset_after` s of health."""
+
+    initial: float
+    maximum: float
+    reset_after: float
+    _next: float = -1.0
+
+    def next_delay(self, healthy_for_s: float) -> float:
+        if self._next < 0 or healthy_for_s >= self.reset_after:
+            self._next = self.initial
+        delay = self._next
+        self._next = min(max(self._next * 2, self.initial), self.maximum)
+        return min(delay, self.maximum)
+
+
+@dataclass(slots=True)
+class _Event:
+    generation: int | None  # None: a command, valid for whichever process is current
+    kind: str  # exited | unhealthy | startup_timeout | command
+    detail: str
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec, cfg: SupervisorConfig, prober: Prober, metrics: SupervisorMetrics,
+                 on_failure: Callable[[RankWorker, str, bool], FailureAction]) -> None:
+        self.spec = spec
+        self.cfg = cfg
+        self.prober = prober
+        self.metrics = metrics
+        self._on_failure = on_failure
+        self.backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_reset_s)
+        self.state = RankState.STARTING
+        self.state_since = time.time()
+        self.generation = 0
+        self.restarts = 0
+        self.pid: int | None = None
+        self.consecutive_failures = 0
+        self.last_probe_latency_s: float | None = None
+        self.last_probe_at: float | None = None
+        self.last_probe_error: str | None = None
+        self.last_failure: str | None = None
+        self.last_failure_at: float | None = None
+        self.last_exit_code: int | None = None
+        self.next_start_at: float | None = None
+        self.operation: str | None = None  # admin command being carried out
+        self._started_mono: float | None = None
+        self._ready_mono: float | None = None
+        self._ever_ready = False
+        self._proc: RankProcess | None = None
+        self._spawn_task: asyncio.Task[RankProcess] | None = None
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        metrics.add_rank(spec.rank)
+
+    # ---- public, called by the node and the health server -------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"rank-{self.spec.rank}")
+
+    def request(self, command: Command) -> str | None:
+        """Queue an admin command; returns why it cannot be taken (None when accepted)."""
+        if self._stopping or self.state in (RankState.STOPPED, RankState.FAILED):
+            return f"rank {self.spec.rank} is {self.state.value}: the supervisor is shutting down"
+        if self.operation is not None:
+            return f"rank {self.spec.rank} is already carrying out {self.operation!r}"
+        self.operation = command.value
+        self._events.put_nowait(_Event(None, "command", command.value))
+        return None
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop the lifecycle, SIGTERM the rank, SIGKILL its tree after ``grace_s``."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._spawn_task is not None and self._proc is None:
+            with contextlib.suppress(Exception):
+                self._proc = await self._spawn_task
+        if self.state is not RankState.FAILED:
+            self._set_state(RankState.STOPPED)
+        await self._stop_process(grace_s)
+
+    async def kill_now(self) -> None:
+        if self._proc is not None:
+            await self._proc.kill_tree()
+
+    def status(self, url_host: str) -> dict[str, object]:
+        """This rank's entry in /status (see supervisor/health.py for the shape)."""
+        now = time.monotonic()
+        return {
+            "rank": self.spec.rank, "local_rank": self.spec.local_rank,
+            "url": f"http://{url_host}:{self.spec.port}", "port": self.spec.port, "pid": self.pid,
+            "state": self.state.value, "routable": self.state is RankState.READY,
+            "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
+            "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
+            "last_probe_at": self.last_probe_at, "last_probe_error": self.last_probe_error,
+            "uptime_s": now - self._started_mono if self._started_mono is not None else None,
+            "ready_for_s": now - self._ready_mono if self._ready_mono is not None else None,
+            "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
+            "last_exit_code": self.last_exit_code,
+            "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
+            "operation": self.operation, "devices": self.spec.devices,
+        }
+
+    # ---- the lifecycle ------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopping:
+            kind, detail = await self._run_once()
+            if kind == "failure":
+                healthy_for = 0.0 if self._ready_mono is None else time.monotonic() - self._ready_mono
+                self._record_failure(detail)
+                # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
+                usage_error = self.last_exit_code == 2 and not self._ever_ready
+                if self._on_failure(self, detail, usage_error) is FailureAction.EXIT:
+                    self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
+                    await self._stop_process(FAILED_STOP_GRACE_S)
+                    return
+                await self._stop_process(FAILED_STOP_GRACE_S)
+                await self._backoff(healthy_for)
+            self.restarts += 1
+            self.metrics.rank_restarts.labels(rank=str(self.spec.rank)).inc()
+
+    async def _run_once(self) -> tuple[str, str]:
+        """Start one incarnation and wait for its end: ("failure", why) or ("planned", command)."""
+        self.generation += 1
+        gen = self.generation
+        self.consecutive_failures = 0
+        self._ready_mono = None
+        self._set_state(RankState.STARTING)
+        try:
+            proc = await self._spawn()
+        except OSError as e:
+            return "failure", f"could not start: {e}"
+        loop = asyncio.get_running_loop()
+        log.info("rank %d: started pid %d on port %d (generation %d)", self.spec.rank, proc.pid,
+                 self.spec.port, gen)
+        helpers = [asyncio.create_task(self._watch_exit(gen, proc)),
+                   asyncio.create_task(self._probe_loop(gen))]
+        timer = loop.call_later(self.cfg.startup_timeout_s, self._startup_timeout, gen)
+        try:
+            while True:
+                ev = await self._events.get()
+                if ev.generation is not None and ev.generation != gen:
+                    continue  # about a process that is already gone
+                if ev.kind == "startup_timeout" and self.state is RankState.STARTING:
+                    return "failure", ev.detail
+                if ev.kind in ("exited", "unhealthy"):
+                    return "failure", ev.detail
+                if ev.kind == "command":
+                    await self._planned_stop(gen, Command(ev.detail))
+                    return "planned", ev.detail
+        finally:
+            timer.cancel()
+            for task in helpers:
+                task.cancel()
+
+    async def _spawn(self) -> RankProcess:
+        # Shielded: if shutdown() cancels us mid-spawn, the process still gets recorded and stopped there.
+        self._spawn_task = asyncio.ensure_future(RankProcess.start(self.spec))
+        proc = await asyncio.shield(self._spawn_task)
+        self._proc, self._spawn_task = proc, None
+        self.pid = proc.pid
+        self._started_mono = time.monotonic()
+        self.operation = None  # a restart command is done once the new process exists
+        return proc
+
+    async def _planned_stop(self, gen: int, command: Command) -> None:
+        if command is Command.DRAIN and self.state is RankState.READY:
+            await self._drain(gen)
+        log.info("rank %d: %s: stopping pid %s", self.spec.rank, command.value, self.pid)
+        grace = FAILED_STOP_GRACE_S if self.state is RankState.UNHEALTHY else self.cfg.shutdown_timeout_s + 5
+        self._set_state(RankState.RESTARTING)  # from here on, probe failures are expected and ignored
+        await self._stop_process(grace)
+
+    async def _drain(self, gen: int) -> None:
+        """Routers stop sending (state draining); wait until the rank has no request in flight."""
+        self._set_state(RankState.DRAINING)
+        loop = asyncio.get_running_loop()
+        settle = loop.time() + DRAIN_SETTLE_S
+        deadline = loop.time() + max(self.cfg.drain_timeout_s, DRAIN_SETTLE_S)
+        while loop.time() < deadline:
+            n = await self.prober.in_flight(self.spec.probe_url)
+            if loop.time() >= settle and (n is None or n == 0):
+                # n is None: the rank tells no count; its graceful SIGTERM still lets requests finish.
+                return
+            with contextlib.suppress(TimeoutError):
+                ev = await asyncio.wait_for(self._events.get(), DRAIN_POLL_S)
+                if ev.generation == gen and ev.kind in ("exited", "unhealthy"):
+                    return
+        log.warning("rank %d: still busy after the %.0f s drain timeout; restarting anyway", self.spec.rank,
+                    self.cfg.drain_timeout_s)
+
+    async def _backoff(self, healthy_for: float) -> None:
+        """Wait out the restart delay (reset if the rank had been ready long); an admin restart ends it."""
+        delay = self.backoff.next_delay(healthy_for)
+        self._set_state(RankState.RESTARTING)
+        self.next_start_at = time.time() + delay
+        log.info("rank %d: restarting in %.1f s", self.spec.rank, delay)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay
+        try:
+            while (left := deadline - loop.time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    ev = await asyncio.wait_for(self._events.get(), left)
+                    if ev.kind == "command":
+                        return
+        finally:
+            self.next_start_at = None
+
+    async def _stop_process(self, grace_s: float) -> None:
+        proc = self._proc
+        if proc is not None:
+            t0 = time.monotonic()
+            code = await proc.stop(grace_s)
+            self.last_exit_code = code if code is not None else self.last_exit_code
+            log.info("rank %d: pid %d stopped (exit code %s) in %.1f s", self.spec.rank, proc.pid, code,
+                     time.monotonic() - t0)
+            if self._proc is proc:  # cleared only once stopped: a cancelled stop is finished by shutdown()
+                self._proc = None
+        self.pid = None
+        self._started_mono = None
+        self._ready_mono = None
+
+    # ---- event sources ------------------------------------------------------------------------------------
+    async def _watch_exit(self, gen: int, proc: RankProcess) -> None:
+        code = await proc.wait()
+        self.last_exit_code = code
+        why = f"exited with code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+        if self.state in (RankState.STARTING, RankState.READY):  # not one we are stopping on purpose
+            log.warning("rank %d: pid %d %s", self.spec.rank, proc.pid, why)
+        self._events.put_nowait(_Event(gen, "exited", why))
+
+    def _startup_timeout(self, gen: int) -> None:
+        self._events.put_nowait(_Event(gen, "startup_timeout",
+                                       f"not ready {self.cfg.startup_timeout_s:g} s after its start"))
+
+    async def _probe_loop(self, gen: int) -> None:
+        """Probe on a fixed cadence, overlapping if need be: a hang shows in interval*threshold + timeout."""
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task[None]] = set()
+        tick = loop.time()
+        try:
+            while True:
+                starting = self.state is RankState.STARTING
+                if not (starting and pending):  # while starting, one probe at a time is plenty
+                    task = asyncio.create_task(self._probe_once(gen))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                interval = self.cfg.probe_interval_s
+                tick += min(interval, STARTUP_PROBE_INTERVAL_S) if starting else interval
+                tick = max(tick, loop.time())  # after a stall, do not fire a burst to catch up
+                await asyncio.sleep(tick - loop.time())
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _probe_once(self, gen: int) -> None:
+        result = await self.prober.health(self.spec.probe_url)
+        if gen == self.generation:
+            self._on_probe(gen, result)
+
+    def _on_probe(self, gen: int, res: ProbeResult) -> None:
+        self.metrics.probe_duration.observe(res.latency_s)
+        self.last_probe_latency_s = res.latency_s
+        self.last_probe_at = time.time()
+        self.last_probe_error = res.detail
+        if res.ok:
+            self.consecutive_failures = 0
+            if self.state is RankState.STARTING:
+                self._ready_mono = time.monotonic()
+                self._ever_ready = True
+                self._set_state(RankState.READY)
+                log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
+                         self._ready_mono - (self._started_mono or self._ready_mono))
+            return
+        if self.state not in (RankState.READY, RankState.DRAINING):
+            return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
+        self.consecutive_failures += 1
+        self.metrics.probe_failures.labels(rank=str(self.spec.rank), reason=res.reason or "unknown").inc()
+        if res.reason == CORE_DEAD or self.consecutive_failures >= self.cfg.probe_failure_threshold:
+            why = f"{res.detail} ({self.consecutive_failures} consecutive failed probes)"
+            log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
+            self._set_state(RankState.UNHEALTHY)
+            self._events.put_nowait(_Event(gen, "unhealthy", why))
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------
+    def _set_state(self, state: RankState) -> None:
+        if state is not self.state:
+            self.state = state
+            self.state_since = time.time()
+        self.metrics.rank_ready.labels(rank=str(self.spec.rank)).set(1 if state is RankState.READY else 0)
+
+    def _record_failure(self, why: str) -> None:
+        self.last_failure = why
+        self.last_failure_at = time.time()
+        if self.state is not RankState.UNHEALTHY:
+            log.warning("rank %d: failed: %s", self.spec.rank, why)
+            self._set_state(RankState.UNHEALTHY)

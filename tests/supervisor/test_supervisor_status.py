@@ -1,0 +1,59 @@
+"""Readiness answers and /status fields from rank states, without starting any rank."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+from supervisor_harness import free_port_range
+
+from supervisor.config import parse_args
+from supervisor.health import HealthServer
+from supervisor.node import Supervisor
+from supervisor.rank import RankState
+
+
+def _supervisor(*extra: str) -> Supervisor:
+    base = free_port_range(5)  # up to 4 ranks, then the health port
+    return Supervisor(parse_args(["--port", str(base), "--data-parallel-supervisor-port", str(base + 4),
+                                  "--device", "cpu", "--data-parallel-size", "2", *extra], env={}))
+
+
+@pytest.mark.parametrize(("policy", "ready_with_one"), [("all", False), ("any", True), ("1", True),
+                                                         ("2", False)])
+def test_readiness_follows_the_policy(policy: str, ready_with_one: bool) -> None:
+    sup = _supervisor("--ready-policy", policy)
+    ok, reason = sup.readiness()
+    assert not ok and "rank 0 starting, rank 1 starting" in reason
+    sup.workers[0].state = RankState.READY
+    sup.workers[1].state = RankState.DRAINING
+    ok, reason = sup.readiness()
+    assert ok is ready_with_one, reason
+    assert reason.startswith(f"1/2 ranks ready (policy {policy}")
+    sup.workers[1].state = RankState.READY
+    assert sup.readiness() == (True, f"2/2 ranks ready (policy {policy})")
+    sup.phase = "stopping"
+    assert sup.readiness() == (False, "supervisor is stopping")
+    assert sup.liveness()[0]
+
+
+def test_status_lists_every_rank_with_its_url() -> None:
+    sup = _supervisor("--host", "127.0.0.1", "--data-parallel-size-local", "2")
+    status = sup.status("127.0.0.1")
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+    first = status["ranks"][0]
+    assert first["url"] == f"http://127.0.0.1:{first['port']}" and first["state"] == "starting"
+    assert first["routable"] is False and first["restarts"] == 0 and first["pid"] is None
+    assert status["ready"] is False and status["ready_ranks"] == 0
+    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3}
+
+
+@pytest.mark.parametrize(("bind", "host_header", "expected"), [
+    (None, "node-a:9256", "node-a"), (None, "10.1.2.3:9256", "10.1.2.3"),
+    (None, "[fd00::5]:9256", "[fd00::5]"), (None, "node-b", "node-b"),
+    ("127.0.0.1", "node-a:9256", "127.0.0.1"),
+])
+def test_rank_url_host(bind: str | None, host_header: str, expected: str) -> None:
+    sup = _supervisor(*(["--host", bind] if bind else []))
+    server = HealthServer(sup)
+    request = make_mocked_request("GET", "/status", headers={"Host": host_header})
+    assert server._url_host(request) == expected
