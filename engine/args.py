@@ -121,26 +121,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=None, help="bind address (default: all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and one core")
     g.add_argument("--max-request-body-bytes", type=_bytes, default=32 * 1024 * 1024,
                    help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
-    g.add_argument("--data-parallel-size", type=int, default=1)
-    g.add_argument("--data-parallel-size-local", type=int, default=None)
-    g.add_argument("--data-parallel-start-rank", type=int, default=None)
-    g.add_argument("--data-parallel-address", default=None)
-    g.add_argument("--data-parallel-rpc-port", type=int, default=None)
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks in the whole deployment")
+    g.add_argument("--data-parallel-size-local", type=int, default=None, help="DP ranks on this node")
+    g.add_argument("--data-parallel-start-rank", type=int, default=None, help="first DP rank on this node")
+    g.add_argument("--data-parallel-address", default=None, help="address of DP rank 0 (coordinator)")
+    g.add_argument("--data-parallel-rpc-port", type=int, default=None, help="DP coordinator port")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices per rank for tensor parallelism")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per rank")
+    g.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts across DP ranks")
     return parser
 
 

@@ -1,0 +1,61 @@
+"""Process helpers: die with the parent (PR_SET_PDEATHSIG) and signal whole process trees.
+
+Every child we start calls `set_pdeathsig()` first thing, so a SIGKILL of its parent (which runs no
+cleanup) still takes it down; this is what keeps "kill -9 the launcher" from leaving orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
+    """Ask Linux to send `sig` to this process when its parent *thread* dies (no-op off Linux).
+
+    Because it is per thread, parents must start children from their main thread (or a thread that
+    lives as long as the process).
+
+    Pass `expected_parent` (the parent's pid, known before the fork/spawn) to close the race where the
+    parent dies before this call: then we were already reparented and exit now, as the signal never comes.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def terminate_tree(pid: int, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to `pid` and all its descendants, wait up to `timeout`, SIGKILL whatever is left."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=1.0)
+
+
+def kill_children(timeout: float = 5.0) -> None:
+    """Terminate every descendant of this process (used on our own shutdown path)."""
+    for child in psutil.Process().children(recursive=False):
+        terminate_tree(child.pid, timeout=timeout)

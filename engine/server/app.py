@@ -1,0 +1,99 @@
+"""One front-end process: the aiohttp app on a SO_REUSEPORT listener, connected to the core over ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.args import EngineArgs
+from engine.server.core_client import CoreClient
+from engine.server.errors import APIError, error_response
+from engine.server.request_io import STATE
+from engine.server.routes import add_routes
+from engine.server.state import FrontendState
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+PID_HEADER = "x-lbd-frontend-pid"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(APIError(f"{e.reason}: {request.method} {request.path}", e.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+
+
+def build_app(state: FrontendState) -> web.Application:
+    app = web.Application(client_max_size=state.args.max_request_body_bytes, middlewares=[_errors])
+    app[STATE] = state
+    pid = str(state.pid)
+
+    async def tag(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[PID_HEADER] = pid  # shows which front end served it (--api-server-count > 1)
+
+    app.on_response_prepare.append(tag)
+    add_routes(app)
+    return app
+
+
+class Frontend:
+    """Lifecycle of one front end: connect + wait for the core, listen, drain, close."""
+
+    def __init__(self, args: EngineArgs, model_path: str | Path, address: str, core_pid: int | None,
+                 index: int = 0) -> None:
+        self.args = args
+        self.model_path = str(model_path)
+        self.client = CoreClient(address, core_pid)
+        self.index = index
+        self.state: FrontendState | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def connect(self, hello_timeout: float) -> None:
+        """Load the tokenizer and wait until the core answers (it may still be loading the model)."""
+        from engine.metrics import EngineMetrics
+
+        self.client.start()
+        tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
+                                            self.args.chat_template)
+        info = await self.client.hello(hello_timeout)
+        self.state = FrontendState(self.args, info, tokenizer, self.client,
+                                   EngineMetrics(self.args.model_name, self.args.rank), self.index)
+
+    async def listen(self) -> None:
+        assert self.state is not None, "connect() first"
+        self._runner = web.AppRunner(build_app(self.state), handler_cancellation=True,
+                                     shutdown_timeout=self.args.shutdown_timeout, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.args.host, self.args.port, reuse_port=True, backlog=2048)
+        await site.start()
+        logger.info("front end %d (pid %d) listening on %s:%d", self.index, os.getpid(),
+                    self.args.host or "*", self.args.port)
+
+    async def drain(self) -> None:
+        """Close the listener, answer 503 to new requests, let in-flight ones finish (--shutdown-timeout)."""
+        if self.state is not None:
+            self.state.draining = True
+            if self.state.in_flight:
+                logger.info("draining %d in-flight requests (up to %.0fs)", self.state.in_flight,
+                            self.args.shutdown_timeout)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        await self.client.close()

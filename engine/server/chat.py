@@ -1,0 +1,91 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from engine.server.errors import bad_request
+from engine.server.generate import Delta, Generation, PromptInput, Sequence
+from engine.server.logprobs import chat_entries
+from engine.server.openai_protocol import ChatRequest, parse_chat, plan_tokens
+from engine.server.request_io import checked_state, read_json
+from engine.server.streaming import respond
+from engine.tokenizer import ChatTemplateError
+
+_LONG_PROMPT_CHARS = 16_384  # tokenize longer prompts off the event loop
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = checked_state(request)
+    req = parse_chat(await read_json(request), state.limits)
+    model = state.check_model(req.common.model)
+    ids = await _prompt_ids(state.tokenizer, req)
+    max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
+    gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
+    return await respond(request, gen, ChatFormatter(gen, model))
+
+
+async def _prompt_ids(tok: Any, req: ChatRequest) -> list[int]:
+    try:
+        text = tok.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                               req.template_kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+    if len(text) > _LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(tok.encode, text, False)
+    return tok.encode(text, False)
+
+
+class ChatFormatter:
+    def __init__(self, gen: Generation, model: str) -> None:
+        self.gen = gen
+        self.model = model
+        self.tok = gen.state.tokenizer
+        self.want_logprobs = gen.common.logprobs is not None
+        n = len(gen.seqs)
+        self._text: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
+                "model": self.model, "choices": [choice]}
+
+    def stream_start(self, seq: Sequence) -> dict[str, Any] | None:
+        return self._chunk({"index": seq.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+            return None
+        choice: dict[str, Any] = {"index": delta.seq.index,
+                                  "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": self._lp(delta), "finish_reason": delta.seq.finish_reason}
+        if delta.finished:
+            choice["stop_reason"] = delta.seq.stop_reason
+        return self._chunk(choice)
+
+    def _lp(self, delta: Delta) -> dict[str, Any] | None:
+        if not self.want_logprobs or delta.logprobs is None:
+            return None
+        return {"content": chat_entries(self.tok, delta.token_ids, delta.logprobs)}
+
+    def collect(self, delta: Delta) -> None:
+        i = delta.seq.index
+        self._text[i].append(delta.text)
+        if self.want_logprobs and delta.logprobs is not None:
+            self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": s.index,
+                    "message": {"role": "assistant", "content": "".join(self._text[s.index])},
+                    "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
+                    "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
+        return {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
+                "model": self.model, "choices": choices, "usage": self.gen.usage()}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
+                "model": self.model, "choices": [], "usage": self.gen.usage()}

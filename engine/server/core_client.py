@@ -1,0 +1,167 @@
+"""Async ZMQ client of the engine core: one DEALER socket per front end, one queue per HTTP request.
+
+A reader task routes each ``outputs`` entry to the queue registered for its request id; a watcher task
+notices the core process dying and fails every registered queue, so no handler waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+
+import psutil
+import zmq
+import zmq.asyncio
+
+from engine.protocol import (
+    ABORT,
+    ADD,
+    ERROR,
+    HELLO,
+    OUTPUTS,
+    READY,
+    STATS,
+    CoreInfo,
+    EngineCoreRequest,
+    SchedulerStats,
+    decode,
+    encode,
+    outputs_from_dict,
+)
+
+logger = logging.getLogger(__name__)
+_WATCH_INTERVAL_S = 0.2
+# A hello sent before the core binds is queued by ZMQ and delivered at bind; resending is only a safety net.
+_HELLO_RESEND_S = 2.0
+
+
+class CoreError(Exception):
+    """The core refused or lost a request (``status`` is the HTTP status to answer with)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class CoreClient:
+    def __init__(self, address: str, core_pid: int | None) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, f"fe-{os.getpid()}-{secrets.token_hex(4)}".encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Never drop outputs: a slow front end should slow down, not lose tokens.
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.connect(address)
+        self._core_pid = core_pid
+        self._routes: dict[str, asyncio.Queue] = {}
+        self._info: asyncio.Future[CoreInfo] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.stats = SchedulerStats()
+        self.dead_reason: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None
+
+    def start(self) -> None:
+        self._info = asyncio.get_running_loop().create_future()
+        self._tasks = [asyncio.create_task(self._read(), name="core-reader"),
+                       asyncio.create_task(self._watch(), name="core-watcher")]
+
+    async def hello(self, timeout: float) -> CoreInfo:
+        """Ask until the core answers with its CoreInfo (it may still be loading the model)."""
+        assert self._info is not None, "start() first"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._info.done():
+            if not self.alive:
+                raise CoreError(self.dead_reason or "engine core died", 503)
+            if loop.time() > deadline:
+                raise TimeoutError(f"engine core did not answer within {timeout:.0f}s")
+            await self._sock.send_multipart([HELLO, b""])
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._info), _HELLO_RESEND_S)
+        return self._info.result()
+
+    def register(self, request_id: str, queue: asyncio.Queue) -> None:
+        self._routes[request_id] = queue
+
+    def unregister(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    async def add(self, req: EngineCoreRequest) -> None:
+        if not self.alive:
+            raise CoreError(self.dead_reason or "engine core died", 503)
+        await self._sock.send_multipart([ADD, encode(req)])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.alive:
+            await self._sock.send_multipart([ABORT, encode(request_ids)])
+
+    async def _read(self) -> None:
+        while True:
+            kind, payload = await self._sock.recv_multipart(copy=True)
+            try:
+                self._dispatch(kind, decode(payload))
+            except Exception:  # a malformed message must not kill the reader (and every request with it)
+                logger.exception("bad %r message from the core", kind)
+
+    def _dispatch(self, kind: bytes, msg: object) -> None:
+        if kind == OUTPUTS:
+            outs = outputs_from_dict(msg)
+            self.stats = outs.stats
+            for out in outs.outputs:
+                queue = self._routes.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+        elif kind == STATS:
+            self.stats = SchedulerStats(**msg)
+        elif kind == ERROR:
+            queue = self._routes.get(msg.get("request_id") or "")
+            if queue is not None:
+                message = msg.get("message", "engine core error")
+                queue.put_nowait(CoreError(message, int(msg.get("status", 500))))
+            else:
+                logger.warning("core error: %s", msg.get("message"))
+        elif kind == READY and self._info is not None and not self._info.done():
+            self._info.set_result(CoreInfo(**msg))
+
+    async def _watch(self) -> None:
+        if self._core_pid is None:
+            return
+        try:
+            core = psutil.Process(self._core_pid)
+        except psutil.NoSuchProcess:
+            core = None
+        while core is not None and _running(core):
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+        self._die(f"engine core process {self._core_pid} died")
+
+    def _die(self, reason: str) -> None:
+        logger.error("%s: failing %d in-flight requests", reason, len(self._routes))
+        self.dead_reason = reason
+        err = CoreError(reason, 503)
+        for queue in self._routes.values():
+            queue.put_nowait(err)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _running(proc: psutil.Process) -> bool:
+    """True while ``proc`` lives; a zombie (dead, not yet reaped by its parent) counts as dead."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

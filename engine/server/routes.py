@@ -1,0 +1,108 @@
+"""The small endpoints: models, tokenize/detokenize, health, ping, version, load, metrics."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine import metrics
+from engine.server.errors import APIError, bad_request
+from engine.server.fields import Fields
+from engine.server.openai_protocol import parse_message
+from engine.server.request_io import read_json, state_of
+from engine.server.streaming import json_response
+from engine.tokenizer import ChatTemplateError
+
+try:
+    _VERSION = version("lbd")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    _VERSION = "0.0.0+unknown"
+
+
+async def models(request: web.Request) -> web.Response:
+    state = state_of(request)
+    data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "lbd",
+             "root": state.info.model_path, "parent": None, "max_model_len": state.info.max_model_len,
+             "permission": []} for name in state.args.model_names]
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = state_of(request)
+    state.check_available()
+    return web.Response(status=200)
+
+
+async def version_info(request: web.Request) -> web.Response:
+    return json_response({"version": _VERSION})
+
+
+async def load(request: web.Request) -> web.Response:
+    return json_response({"server_load": state_of(request).in_flight})
+
+
+async def metrics_text(request: web.Request) -> web.Response:
+    resp = web.Response(body=metrics.render())
+    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return resp
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = state_of(request)
+    f = Fields(await read_json(request))
+    state.check_model(f.str("model"))
+    tok = state.tokenizer
+    if f.has("messages"):
+        messages = f.raw("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list", "messages")
+        try:
+            text = tok.render_chat([parse_message(m, i) for i, m in enumerate(messages)],
+                                   f.bool("add_generation_prompt", True),
+                                   f.bool("continue_final_message", False))
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from e
+        ids = tok.encode(text, f.bool("add_special_tokens", False))
+    else:
+        prompt = f.required("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' must be a string", "prompt")
+        ids = tok.encode(prompt, f.bool("add_special_tokens", True))
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
+                            "token_strs": None}
+    if f.bool("return_token_strs", False):
+        body["token_strs"] = [tok.rust.id_to_token(i) for i in ids]
+    return json_response(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = state_of(request)
+    f = Fields(await read_json(request))
+    state.check_model(f.str("model"))
+    f.required("tokens")
+    ids = f.int_list("tokens", lo=0)
+    limit = max(state.info.vocab_size, state.tokenizer.vocab_size)
+    bad = [t for t in ids if t >= limit]
+    if bad:
+        raise APIError(f"token ids outside the vocabulary (size {limit}): {bad[:8]}", 400, "tokens")
+    return json_response({"prompt": state.tokenizer.decode(ids)})
+
+
+def add_routes(app: web.Application) -> None:
+    from engine.server.chat import chat_completions
+    from engine.server.completions import completions
+
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version_info)
+    app.router.add_get("/load", load)
+    app.router.add_get("/metrics", metrics_text)

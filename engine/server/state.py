@@ -1,0 +1,52 @@
+"""What every handler of one front-end process shares."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from engine.args import EngineArgs
+from engine.metrics import EngineMetrics
+from engine.protocol import CoreInfo
+from engine.server.core_client import CoreClient
+from engine.server.errors import APIError
+from engine.server.openai_protocol import Limits
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class FrontendState:
+    args: EngineArgs
+    info: CoreInfo
+    tokenizer: Tokenizer
+    client: CoreClient
+    metrics: EngineMetrics
+    index: int = 0  # which front end of this rank (0 runs in the launcher)
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+    in_flight: int = 0
+    draining: bool = False
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_model_len=self.info.max_model_len, max_logprobs=self.args.max_logprobs,
+                      vocab_size=self.info.vocab_size)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.info.eos_token_id if self.info.eos_token_id is not None else self.tokenizer.eos_token_id
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return self.args.model_name
+        if model not in self.args.model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+        return model
+
+    def check_available(self) -> None:
+        if self.draining:
+            raise APIError("The server is shutting down.", 503)
+        if not self.client.alive:
+            raise APIError(f"The engine core is not running: {self.client.dead_reason}", 503)

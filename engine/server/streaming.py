@@ -1,0 +1,101 @@
+"""Drive one Generation to an HTTP answer: a JSON body, or SSE chunks flushed as the core produces them.
+
+A streamed response's headers are sent only once the first output arrives, so a refusal by the core (e.g.
+admission 503) still gets its own HTTP status. Errors after that become an SSE error event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from engine.server.errors import APIError, error_body
+from engine.server.generate import Delta, Generation, Sequence
+
+logger = logging.getLogger(__name__)
+_DONE = b"data: [DONE]\n\n"
+
+
+class Formatter(Protocol):
+    """Turns deltas into one endpoint's JSON shapes."""
+
+    def stream_start(self, seq: Sequence) -> dict[str, Any] | None: ...
+
+    def stream_chunk(self, delta: Delta) -> dict[str, Any] | None: ...
+
+    def collect(self, delta: Delta) -> None: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+    def usage_chunk(self) -> dict[str, Any]: ...
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def respond(request: web.Request, gen: Generation, fmt: Formatter) -> web.StreamResponse:
+    state = gen.state
+    state.in_flight += 1
+    deltas = gen.deltas()
+    try:
+        await gen.start()
+        if not gen.common.stream:
+            async for delta in deltas:
+                fmt.collect(delta)
+            _log_done(gen)
+            return json_response(fmt.response())
+        first = await anext(deltas, None)
+        return await _stream(request, gen, fmt, first, deltas)
+    finally:
+        await deltas.aclose()
+        await gen.close()
+        state.in_flight -= 1
+
+
+async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: Delta | None,
+                  rest: AsyncIterator[Delta]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    started: set[int] = set()
+    usage_each = gen.common.continuous_usage
+    usage_key = gen.common.include_usage or usage_each
+    try:
+        try:
+            delta = first
+            while delta is not None:
+                chunks = []
+                if delta.seq.index not in started:
+                    started.add(delta.seq.index)
+                    chunks.append(fmt.stream_start(delta.seq))
+                chunks.append(fmt.stream_chunk(delta))
+                for chunk in chunks:
+                    if chunk is not None:
+                        if usage_key:
+                            chunk["usage"] = gen.usage() if usage_each else None
+                        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                delta = await anext(rest, None)
+            if gen.common.include_usage:
+                await resp.write(b"data: " + orjson.dumps(fmt.usage_chunk()) + b"\n\n")
+            _log_done(gen)
+        except APIError as e:
+            logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
+            await resp.write(b"data: " + orjson.dumps(error_body(e.message, e.status)) + b"\n\n")
+        await resp.write(_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away; respond()'s finally aborts its core requests
+        logger.info("client of %s disconnected", gen.id)
+    return resp
+
+
+def _log_done(gen: Generation) -> None:
+    if not gen.state.args.disable_log_requests:
+        reasons = ",".join(str(s.finish_reason) for s in gen.seqs)
+        logger.info("%s done: prompt %d tokens, completion %d tokens, finish %s, %.3fs", gen.id,
+                    gen.prompt_tokens, gen.completion_tokens, reasons, time.monotonic() - gen.arrival)
