@@ -4,7 +4,8 @@ Wiring: the core binds a ROUTER socket at ``input_address``; each front end conn
 unique identity and sends ``[kind, payload]`` frames. The core answers through the same ROUTER to the
 identity that sent the request, so N front ends share one core and each gets only its own requests' outputs.
 
-Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` (list of request ids), ``hello`` (empty).
+Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` ({"ids", "reason"}; see abort_from_payload),
+``hello`` (empty).
 Core -> front end kinds:  ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
 it with ``outputs_from_dict(decode(payload))``), ``ready`` (CoreInfo, answer to ``hello``), ``error``
 ({"request_id", "message", "status"}), ``stats`` (SchedulerStats, sent at most every 100 ms when idle so
@@ -165,3 +166,15 @@ def outputs_from_dict(d: dict[str, Any] | list[Any]) -> EngineCoreOutputs:
         o["new_logprobs"] = [TokenLogprobs(**lp) for lp in lps] if lps is not None else None
         outs.append(EngineCoreOutput(**o))
     return EngineCoreOutputs(outputs=outs, stats=SchedulerStats(**d["stats"]), timestamp=d["timestamp"])
+
+
+def abort_from_payload(body: Any) -> tuple[list[str], str]:
+    """An ``abort`` payload: ``{"ids": [...], "reason": "abort"|"stop"}`` or a bare list of ids."""
+    if isinstance(body, list):
+        return [str(i) for i in body], "abort"
+    if isinstance(body, dict) and isinstance(body.get("ids"), list):
+        reason = body.get("reason", "abort")
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"unknown abort reason {reason!r}")
+        return [str(i) for i in body["ids"]], reason
+    raise TypeError(f"abort wants a list of request ids or {{ids, reason}}, got {type(body).__name__}")

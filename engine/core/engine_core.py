@@ -128,9 +128,10 @@ class EngineCore:
             raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
         self.scheduler.add_request(req)
 
-    def abort(self, request_ids: list[str]) -> list[str]:
-        aborted = self.scheduler.abort(list(request_ids))
-        self._finished_reasons["abort"] += len(aborted)
+    def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
+        """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
+        aborted = self.scheduler.abort(list(request_ids), reason)
+        self._finished_reasons[reason] += len(aborted)
         if self.metrics is not None:
             self._record()
         return aborted

@@ -86,15 +86,16 @@ class CoreServer:
             body = P.decode(payload)
             if kind == P.ADD:
                 body = P.request_from_dict(body)
-            elif not isinstance(body, list):
-                raise TypeError(f"abort wants a list of request ids, got {type(body).__name__}")
+            else:
+                body = P.abort_from_payload(body)
         except Exception as e:  # a bad payload must not take the core down
             logger.warning("dropping a bad %r message: %s", kind, e)
             return
         if kind == P.ADD:
             self._add(ident, body)
         else:
-            for rid in self.core.abort(body):
+            ids, reason = body
+            for rid in self.core.abort(ids, reason):
                 self.state.owner.pop(rid, None)
 
     def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:

@@ -95,7 +95,7 @@ class Scheduler:
         self.waiting.append(req)
         self._waiting_tokens += req.num_tokens
 
-    def abort(self, request_ids: list[str]) -> list[str]:
+    def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish the given requests now and free their blocks; returns the ids that were known."""
         aborted = []
         for rid in request_ids:
@@ -107,7 +107,7 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
                 self._waiting_tokens -= req.num_tokens
-            req.finish_reason = "abort"
+            req.finish_reason = reason
             self._finish(req)
             aborted.append(rid)
         return aborted

@@ -99,9 +99,10 @@ class CoreClient:
             raise CoreError(self.dead_reason or "engine core died", 503)
         await self._sock.send_multipart([ADD, encode(req)])
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Stop requests in the core; reason "stop" counts them as finished by a stop string."""
         if request_ids and self.alive:
-            await self._sock.send_multipart([ABORT, encode(request_ids)])
+            await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
 
     async def _read(self) -> None:
         while True:

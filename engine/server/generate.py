@@ -145,7 +145,7 @@ class Generation:
                 pending -= 1
                 if not seq.core_done:
                     seq.core_done = True
-                    await self.state.client.abort([seq.request_id])
+                    await self.state.client.abort([seq.request_id], reason=seq.finish_reason or "abort")
             yield delta
 
     def _record(self, seq: Sequence, delta: Delta) -> None:

@@ -194,7 +194,9 @@ def test_stop_strings(client: openai.OpenAI, http: httpx.Client) -> None:
     assert clean, f"no clean substring in {base!r}"
     stop = base[clean[0]:clean[0] + 3]
     expected = base[:base.find(stop)]
-    gen_before = metric_value(http.get("/metrics").text, "vllm:generation_tokens_total")
+    before = http.get("/metrics").text
+    gen_before = metric_value(before, "vllm:generation_tokens_total")
+    stops_before = metric_value(before, "vllm:request_success_total", finished_reason="stop")
     out = client.completions.create(max_tokens=400, stop=[stop, "never-appears"], **kw)
     choice = out.choices[0]
     assert (choice.text, choice.finish_reason) == (expected, "stop")
@@ -203,6 +205,8 @@ def test_stop_strings(client: openai.OpenAI, http: httpx.Client) -> None:
     text = wait_metrics(http, **{"vllm:num_requests_running": 0})
     # the front end aborted the core request at the stop string instead of letting it run to 400 tokens
     assert metric_value(text, "vllm:generation_tokens_total") - gen_before < 100
+    # ... and it counts as finished by "stop", not as an abort
+    assert metric_value(text, "vllm:request_success_total", finished_reason="stop") == stops_before + 1
     streamed = list(client.completions.create(max_tokens=40, stop=stop, stream=True, **kw))
     assert "".join(c.choices[0].text for c in streamed) == expected
     assert streamed[-1].choices[0].finish_reason == "stop"
