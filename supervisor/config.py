@@ -320,7 +320,9 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     specs = []
     for i in range(local):
         argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
-                "--data-parallel-rank", str(start + i), "--data-parallel-size", str(n)]
+                "--data-parallel-rank", str(start + i), "--data-parallel-size", str(n),
+                # ranks on one node share its CPUs: the engine sizes its thread pool by the local count
+                "--data-parallel-size-local", str(local)]
         child_env = {"PYTHONUNBUFFERED": "1"}
         if slices[i] is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = slices[i]

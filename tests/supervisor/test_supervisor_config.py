@@ -35,7 +35,7 @@ def test_ranks_get_ports_ranks_and_passthrough_flags() -> None:
     for i, spec in enumerate(cfg.ranks):
         ns = _engine_ns(spec.argv)
         assert (ns.port, ns.data_parallel_rank, ns.data_parallel_size) == (base + i, 2 + i, 4)
-        assert ns.data_parallel_size_local is None and ns.data_parallel_start_rank is None
+        assert ns.data_parallel_size_local == 2 and ns.data_parallel_start_rank is None
         assert ns.host == "127.0.0.1" and ns.device == "cpu" and ns.max_num_seqs == 4
         assert ns.enable_prefix_caching is False and ns.enforce_eager is True
         assert ns.served_model_name == ["a", "b"] and ns.kv_cache_memory_bytes == 1 << 30
@@ -50,7 +50,8 @@ def test_defaults_pass_nothing_extra() -> None:
     _, cfg = _cfg("--data-parallel-size", "1", "--device", "cpu")
     (spec,) = cfg.ranks
     assert spec.argv[3:] == ["--device=cpu", "--host=127.0.0.1", "--port", str(spec.port),
-                             "--data-parallel-rank", "0", "--data-parallel-size", "1"]
+                             "--data-parallel-rank", "0", "--data-parallel-size", "1",
+                             "--data-parallel-size-local", "1"]
     assert cfg.ready_needed == 1 and cfg.on_rank_failure == "restart"
     assert (cfg.probe_interval_s, cfg.probe_timeout_s, cfg.probe_failure_threshold) == (5.0, 5.0, 3)
     assert cfg.hang_detection_bound_s == 20.0
