@@ -1,0 +1,296 @@
+"""`lbd route` flags, their validation (exit 2 naming the flag) and the upstream specs they name."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import policies
+
+PROG = "lbd route"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error as one line naming the flag and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+@dataclass(slots=True, frozen=True)
+class Upstream:
+    """An engine base URL, or a supervisor whose /status lists a node's ranks."""
+
+    kind: str  # "engine" | "supervisor"
+    url: str  # http(s)://host:port with no trailing slash (a supervisor's health-port base)
+
+    @property
+    def status_url(self) -> str:
+        return self.url + "/status"
+
+
+def parse_upstream(text: str) -> Upstream:
+    """``http://host:port``, ``https://...`` or ``supervisor://host:port`` (IPv6 literals in brackets)."""
+    raw = text.strip()
+    if "://" not in raw:
+        raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https", "supervisor"):
+        raise ValueError(f"{raw!r}: scheme must be http, https or supervisor")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise ValueError(f"{raw!r}: {e}") from None
+    if not host:
+        raise ValueError(f"{raw!r} has no host")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"{raw!r}: give the base URL only (no path or query)")
+    try:
+        netloc_host = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        netloc_host = host
+    if parts.scheme == "supervisor":
+        return Upstream("supervisor", f"http://{netloc_host}:{port or 9256}")
+    default = 443 if parts.scheme == "https" else 80
+    return Upstream("engine", f"{parts.scheme}://{netloc_host}:{port or default}")
+
+
+def read_upstreams_file(path: Path) -> list[Upstream]:
+    """One upstream per line (commas allowed); ``#`` starts a comment."""
+    out: list[Upstream] = []
+    for line in path.read_text().splitlines():
+        for item in line.split("#", 1)[0].split(","):
+            if item.strip():
+                out.append(parse_upstream(item))
+    return out
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    upstreams: list[Upstream]
+    upstreams_file: Path | None
+    host: str
+    port: int
+    policy: str
+    workers: int
+    scrape_interval_s: float
+    scrape_timeout_s: float
+    stale_after_s: float
+    health_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    supervisor_poll_interval_s: float
+    connect_timeout_s: float
+    response_timeout_s: float
+    stream_idle_timeout_s: float
+    max_retries: int
+    retry_budget_s: float
+    max_request_body_bytes: int
+    pin_fallback: bool
+    debug_headers: bool
+    session_header: str
+    prefill_tokens_per_s: float | None
+    log_level: str
+
+
+def _bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    for suffix, mult in units.items():
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * mult)
+    return int(float(low))
+
+
+def make_parser() -> OneLineParser:
+    p = OneLineParser(
+        prog=PROG,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Balance OpenAI HTTP traffic over DP rank endpoints using their telemetry.",
+    )
+    g = p.add_argument_group("upstreams")
+    g.add_argument(
+        "--upstreams",
+        action="append",
+        default=[],
+        metavar="URL[,URL...]",
+        help="engine base URLs (http://host:8001) or supervisors (supervisor://host:9256); repeatable",
+    )
+    g.add_argument(
+        "--upstreams-file", type=Path, default=None, help="file with one upstream per line; re-read on SIGHUP"
+    )
+    g.add_argument(
+        "--supervisor-poll-interval-s",
+        type=float,
+        default=0.5,
+        help="how often each supervisor's /status is read (ranks, drains, restarts)",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="bind address")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes sharing the port (SO_REUSEPORT) and their load counters",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=_bytes,
+        default=32 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    g.add_argument(
+        "--debug-headers",
+        action="store_true",
+        help="add x-lbd-endpoint and x-lbd-route-reason to every response",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("policy")
+    g.add_argument(
+        "--policy",
+        default=policies.DEFAULT_POLICY,
+        choices=sorted(policies.available()),
+        help="; ".join(f"{k}: {v}" for k, v in policies.available().items()),
+    )
+    g.add_argument("--session-header", default="X-Session-ID", help="header the session policy hashes on")
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="predicted_ttft prefill rate; default: learned from observed times to first byte",
+    )
+    g.add_argument(
+        "--pin-fallback",
+        action="store_true",
+        help="route a request pinned to an unhealthy or draining rank elsewhere instead of 503",
+    )
+    g = p.add_argument_group("telemetry and health")
+    g.add_argument(
+        "--scrape-interval-ms", type=float, default=100.0, help="how often each rank's /metrics is read"
+    )
+    g.add_argument("--scrape-timeout-ms", type=float, default=1000.0)
+    g.add_argument(
+        "--stale-after-ms",
+        type=float,
+        default=None,
+        help="telemetry older than this is ignored (default: 10 scrape intervals, at least 1000)",
+    )
+    g.add_argument(
+        "--health-check-interval-s",
+        type=float,
+        default=5.0,
+        help="/health probe interval; also the half-open re-admission probe of ejected endpoints",
+    )
+    g.add_argument("--health-check-timeout-s", type=float, default=5.0)
+    g.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=3,
+        help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
+    )
+    g = p.add_argument_group("timeouts and retries")
+    g.add_argument("--connect-timeout-s", type=float, default=5.0)
+    g.add_argument(
+        "--response-timeout-s",
+        type=float,
+        default=600.0,
+        help="time to the upstream's response headers (a non-streamed answer sends them at the end)",
+    )
+    g.add_argument(
+        "--stream-idle-timeout-s", type=float, default=300.0, help="longest gap between two chunks"
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="other endpoints tried when one fails before any byte reached the client",
+    )
+    g.add_argument("--retry-budget-s", type=float, default=30.0, help="no retry starts after this long")
+    return p
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    p = make_parser()
+    ns = p.parse_args(argv)
+    upstreams: list[Upstream] = []
+    for item in (x for arg in ns.upstreams for x in arg.split(",") if x.strip()):
+        try:
+            upstreams.append(parse_upstream(item))
+        except ValueError as e:
+            p.error(f"--upstreams: {e}")
+    if ns.upstreams_file is not None:
+        try:
+            read_upstreams_file(ns.upstreams_file)
+        except OSError as e:
+            p.error(f"--upstreams-file {ns.upstreams_file}: {e.strerror or e}")
+        except ValueError as e:
+            p.error(f"--upstreams-file {ns.upstreams_file}: {e}")
+    elif not upstreams:
+        p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
+    _check_numbers(p, ns)
+    stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
+    return RouterConfig(
+        upstreams=upstreams,
+        upstreams_file=ns.upstreams_file,
+        host=ns.host,
+        port=ns.port,
+        policy=ns.policy,
+        workers=ns.workers,
+        scrape_interval_s=ns.scrape_interval_ms / 1000,
+        scrape_timeout_s=ns.scrape_timeout_ms / 1000,
+        stale_after_s=stale / 1000,
+        health_interval_s=ns.health_check_interval_s,
+        health_timeout_s=ns.health_check_timeout_s,
+        health_failure_threshold=ns.health_failure_threshold,
+        supervisor_poll_interval_s=ns.supervisor_poll_interval_s,
+        connect_timeout_s=ns.connect_timeout_s,
+        response_timeout_s=ns.response_timeout_s,
+        stream_idle_timeout_s=ns.stream_idle_timeout_s,
+        max_retries=ns.max_retries,
+        retry_budget_s=ns.retry_budget_s,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        pin_fallback=ns.pin_fallback,
+        debug_headers=ns.debug_headers,
+        session_header=ns.session_header,
+        prefill_tokens_per_s=ns.prefill_tokens_per_s,
+        log_level=ns.log_level,
+    )
+
+
+def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
+    positive = {
+        "--workers": ns.workers,
+        "--scrape-interval-ms": ns.scrape_interval_ms,
+        "--scrape-timeout-ms": ns.scrape_timeout_ms,
+        "--health-check-interval-s": ns.health_check_interval_s,
+        "--health-check-timeout-s": ns.health_check_timeout_s,
+        "--health-failure-threshold": ns.health_failure_threshold,
+        "--supervisor-poll-interval-s": ns.supervisor_poll_interval_s,
+        "--connect-timeout-s": ns.connect_timeout_s,
+        "--response-timeout-s": ns.response_timeout_s,
+        "--stream-idle-timeout-s": ns.stream_idle_timeout_s,
+        "--max-request-body-bytes": ns.max_request_body_bytes,
+    }
+    if ns.stale_after_ms is not None:
+        positive["--stale-after-ms"] = ns.stale_after_ms
+    if ns.prefill_tokens_per_s is not None:
+        positive["--prefill-tokens-per-s"] = ns.prefill_tokens_per_s
+    for flag, value in positive.items():
+        if not value > 0:
+            p.error(f"{flag} must be positive, got {value}")
+    for flag, value in {
+        "--max-retries": ns.max_retries,
+        "--retry-budget-s": ns.retry_budget_s,
+    }.items():
+        if value < 0:
+            p.error(f"{flag} must be >= 0, got {value}")
+    if not 0 <= ns.port <= 65535:
+        p.error(f"--port {ns.port} is out of range: use 0..65535")
+    if ns.workers > 64:
+        p.error(f"--workers {ns.workers} is more than 64")

@@ -1,0 +1,219 @@
+"""Background loops: scrape each endpoint's /metrics, probe /health (eject, half-open re-admit), learn each
+endpoint's models, and follow supervisors' /status and the upstreams file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lbd.router.config import Upstream, read_upstreams_file
+from lbd.router.endpoints import Endpoint
+from lbd.router.state import RouterState
+from lbd.router.telemetry import parse_metrics
+
+log = logging.getLogger("lbd.router")
+
+
+class Monitor:
+    def __init__(self, state: RouterState, session: aiohttp.ClientSession) -> None:
+        self.state = state
+        self.cfg = state.cfg
+        self.session = session
+        self.tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self.source_tasks: list[asyncio.Task[None]] = []
+        self.file_urls: set[str] = set()
+        state.on_added.append(self._start_endpoint)
+        state.on_removed.append(self._stop_endpoint)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for up in self.cfg.upstreams:
+            self._start_source(up, "static")
+        if self.cfg.upstreams_file is not None:
+            self.reload_file()
+
+    def _start_source(self, up: Upstream, source: str) -> None:
+        if up.kind == "supervisor":
+            self.source_tasks.append(asyncio.ensure_future(self._follow_supervisor(up)))
+        else:
+            self.state.add(up.url, source)
+
+    def reload_file(self) -> None:
+        """(Re)read --upstreams-file: add what is new, drop file endpoints that are gone (SIGHUP)."""
+        assert self.cfg.upstreams_file is not None
+        try:
+            ups = read_upstreams_file(self.cfg.upstreams_file)
+        except (OSError, ValueError) as e:
+            log.error("cannot reload %s: %s (keeping the previous list)", self.cfg.upstreams_file, e)
+            return
+        urls = {u.url for u in ups if u.kind == "engine"}
+        for url in self.file_urls - urls:
+            self.state.remove(url)
+        for up in ups:
+            if up.kind == "engine" and up.url not in self.file_urls:
+                self.state.add(up.url, "file")
+            elif up.kind == "supervisor" and up.url not in self._followed():
+                self._start_source(up, "file")
+        self.file_urls = urls
+        log.info(
+            "upstreams file read: %d engines, %d supervisors",
+            len(urls),
+            sum(u.kind == "supervisor" for u in ups),
+        )
+
+    def _followed(self) -> set[str]:
+        return {getattr(t, "lbd_url", "") for t in self.source_tasks}
+
+    async def close(self) -> None:
+        tasks = [t for ts in self.tasks.values() for t in ts] + self.source_tasks
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start_endpoint(self, ep: Endpoint) -> None:
+        self.tasks[ep.url] = [
+            asyncio.ensure_future(self._scrape_loop(ep)),
+            asyncio.ensure_future(self._health_loop(ep)),
+        ]
+        self._refetch_models(ep)
+
+    def _refetch_models(self, ep: Endpoint) -> None:
+        """A (re)started process may serve other models: ask again (tracked, so removal cancels it)."""
+        tasks = self.tasks.setdefault(ep.url, [])
+        tasks[:] = [t for t in tasks if not t.done()]
+        tasks.append(asyncio.ensure_future(self._fetch_models(ep)))
+
+    def _stop_endpoint(self, ep: Endpoint) -> None:
+        for t in self.tasks.pop(ep.url, []):
+            t.cancel()
+
+    # ---- telemetry ------------------------------------------------------------------------------------
+    async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
+        async with asyncio.timeout(timeout):
+            async with self.session.get(url) as resp:
+                return resp.status, await resp.read()
+
+    async def _scrape_loop(self, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.scrape_interval_s
+        while True:
+            began = loop.time()
+            if ep.healthy and ep.routable:
+                await self.scrape(ep)
+            await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
+
+    async def scrape(self, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        totals = self.state.shared.totals(ep.slot)
+        began = loop.time()
+        try:
+            status, body = await self._get(ep.url + "/metrics", self.cfg.scrape_timeout_s)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self._scrape_failed(ep, f"/metrics: {type(e).__name__}: {e}".rstrip(": "))
+            return
+        if status >= 500:
+            self._scrape_failed(ep, f"/metrics answered {status}")
+            return
+        if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
+            return
+        if ep.take_sample(
+            parse_metrics(body.decode("utf-8", "replace")), began, totals.dispatched, totals.finished
+        ):
+            self.state.reorder()
+        ep.record_success("scrape")
+
+    def _scrape_failed(self, ep: Endpoint, error: str) -> None:
+        ep.scrape_errors += 1
+        self.state.metrics.scrape_errors.labels(ep.url).inc()
+        self.state.fail(ep, "scrape", error)
+
+    async def _health_loop(self, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            if not ep.routable:
+                continue
+            ok, error = await self.probe(ep)
+            if not ep.healthy:
+                # half-open: one good probe, at least an interval after the ejection, re-admits
+                if ok and loop.time() - ep.ejected_at >= self.cfg.health_interval_s * 0.5:
+                    self.state.readmit(ep, "health probe answered 200")
+                    self._refetch_models(ep)
+                continue
+            if ok:
+                ep.record_success("probe")
+            else:
+                self.state.fail(ep, "probe", error)
+
+    async def probe(self, ep: Endpoint) -> tuple[bool, str]:
+        try:
+            status, _ = await self._get(ep.url + "/health", self.cfg.health_timeout_s)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return False, f"/health: {type(e).__name__}: {e}".rstrip(": ")
+        if status >= 500:
+            return False, f"/health answered {status}"
+        return True, ""
+
+    async def _fetch_models(self, ep: Endpoint) -> None:
+        """Learn the served models from /v1/models (retried until it answers)."""
+        delay = 0.2
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
+                status, body = await self._get(ep.url + "/v1/models", self.cfg.health_timeout_s)
+                if status == 200:
+                    cards = [
+                        c for c in orjson.loads(body).get("data", []) if isinstance(c, dict) and "id" in c
+                    ]
+                    ep.model_cards = cards
+                    ep.models = frozenset(str(c["id"]) for c in cards)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    # ---- supervisors --------------------------------------------------------------------------------
+    async def _follow_supervisor(self, up: Upstream) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            task.lbd_url = up.url  # type: ignore[attr-defined]
+        warned = False
+        while True:
+            try:
+                status, body = await self._get(up.status_url, max(1.0, self.cfg.health_timeout_s))
+                if status != 200:
+                    raise ValueError(f"/status answered {status}")
+                self.apply_status(up.url, orjson.loads(body))
+                warned = False
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                if not warned:
+                    log.warning("supervisor %s unreachable (%s); keeping its last known ranks", up.url, e)
+                    warned = True
+            await asyncio.sleep(self.cfg.supervisor_poll_interval_s)
+
+    def apply_status(self, source: str, data: dict[str, Any]) -> None:
+        """Mirror a supervisor's /status: ranks appear, leave, drain, restart (new pid)."""
+        ranks = data.get("ranks") or []
+        seen: set[str] = set()
+        for r in ranks:
+            url = str(r.get("url", "")).rstrip("/")
+            if not url:
+                continue
+            seen.add(url)
+            rank = r.get("rank")
+            ep = self.state.add(url, source, int(rank) if isinstance(rank, int) else None)
+            state = str(r.get("state", ""))
+            routable = bool(r.get("routable", state == "ready"))
+            ep.draining = state == "draining"
+            pid = r.get("pid")
+            if routable and (not ep.routable or (pid is not None and ep.pid is not None and pid != ep.pid)):
+                # a (re)started process the supervisor found ready: start clean
+                self.state.readmit(ep, f"supervisor reports {state} (pid {pid})")
+                self._refetch_models(ep)
+            ep.routable = routable or ep.draining
+            ep.pid = pid if isinstance(pid, int) else ep.pid
+        for url in [u for u, e in self.state.endpoints.items() if e.source == source and u not in seen]:
+            self.state.remove(url)

@@ -1,0 +1,139 @@
+"""The router's endpoint table: add/remove endpoints, health transitions, snapshots for the policies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterable
+
+from lbd.router.config import RouterConfig
+from lbd.router.endpoints import Endpoint
+from lbd.router.metrics import RouterMetrics
+from lbd.router.shared import SharedCounters
+from lbd.router.upstream import UpstreamPool
+from policies import EndpointSnapshot, Policy, make_policy
+
+log = logging.getLogger("lbd.router")
+
+
+class RouterState:
+    def __init__(self, cfg: RouterConfig, shared: SharedCounters) -> None:
+        self.cfg = cfg
+        self.shared = shared
+        self.loop = asyncio.get_running_loop()
+        self.endpoints: dict[str, Endpoint] = {}
+        self.pools: dict[str, UpstreamPool] = {}
+        self.order: list[Endpoint] = []
+        self.policy: Policy = make_policy(
+            cfg.policy,
+            stale_s=cfg.stale_after_s,
+            seed=shared.worker,
+            prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+        )
+        self.metrics = RouterMetrics(self.live_rows)
+        self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
+        self.on_removed: list = []
+
+    def add(self, url: str, source: str, rank: int | None = None) -> Endpoint:
+        ep = self.endpoints.get(url)
+        if ep is not None:
+            if rank is not None and rank != ep.rank:
+                ep.rank = rank
+                self.reorder()
+            return ep
+        slot = self.shared.slot(url)
+        if slot < 0:
+            raise RuntimeError(f"shared counter table is full; cannot add {url}")
+        ep = Endpoint(url=url, source=source, slot=slot, rank=rank)
+        self.endpoints[url] = ep
+        self.pools[url] = UpstreamPool(url, self.cfg.connect_timeout_s)
+        self.reorder()
+        log.info("endpoint added: %s (rank %s, from %s)", url, rank, source)
+        for cb in self.on_added:
+            cb(ep)
+        return ep
+
+    def remove(self, url: str) -> None:
+        ep = self.endpoints.pop(url, None)
+        if ep is None:
+            return
+        self.reorder()
+        self.policy.forget(url)
+        pool = self.pools.pop(url, None)
+        if pool is not None:
+            pool.close()
+        log.info("endpoint removed: %s (rank %s)", url, ep.rank)
+        for cb in self.on_removed:
+            cb(ep)
+
+    def reorder(self) -> None:
+        self.order = sorted(
+            self.endpoints.values(), key=lambda e: (e.rank if e.rank is not None else 1 << 30, e.url)
+        )
+
+    def snapshots(self) -> list[EndpointSnapshot]:
+        now = self.loop.time()
+        return [ep.snapshot(self.shared, now) for ep in self.order]
+
+    def fail(self, ep: Endpoint, source: str, error: str) -> None:
+        """A connect error, timeout or 5xx from ``ep`` seen by ``source`` (probe, scrape or request)."""
+        if ep.record_failure(source, error, self.cfg.health_failure_threshold, self.loop.time()):
+            self.metrics.ejections.labels(ep.url).inc()
+            log.warning(
+                "endpoint ejected: %s (rank %s) after %d failures: %s", ep.url, ep.rank, ep.failures, error
+            )
+
+    def readmit(self, ep: Endpoint, why: str) -> None:
+        if not ep.healthy:
+            self.metrics.readmissions.labels(ep.url).inc()
+            log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
+        ep.readmit()
+
+    def ready(self) -> bool:
+        """At least one endpoint takes traffic and has answered us (a scrape or its model list)."""
+        return any(
+            e.healthy and e.routable and not e.draining and (e.sample is not None or e.model_cards)
+            for e in self.order
+        )
+
+    def live_rows(self) -> Iterable[tuple[str, int, bool, float]]:
+        now = self.loop.time()
+        for ep in self.order:
+            age = now - ep.sample_at if ep.sample is not None else math.inf
+            ok = ep.healthy and ep.routable and not ep.draining
+            yield ep.url, self.shared.totals(ep.slot).inflight, ok, age
+
+    def models(self) -> list[dict[str, object]]:
+        """The union of the endpoints' model cards (/v1/models)."""
+        seen: dict[str, dict[str, object]] = {}
+        for ep in self.order:
+            for card in ep.model_cards:
+                seen.setdefault(str(card.get("id")), card)
+            for name in ep.models:
+                seen.setdefault(name, {"id": name, "object": "model", "owned_by": "lbd"})
+        return list(seen.values())
+
+    def status(self) -> list[dict[str, object]]:
+        now = self.loop.time()
+        out = []
+        for ep in self.order:
+            snap = ep.snapshot(self.shared, now)
+            out.append(
+                {
+                    "url": ep.url,
+                    "rank": ep.rank,
+                    "state": ep.state(),
+                    "source": ep.source,
+                    "models": sorted(ep.models),
+                    "inflight": snap.inflight,
+                    "running": snap.running,
+                    "waiting": snap.waiting,
+                    "kv_usage": snap.kv_usage,
+                    "delta": snap.delta,
+                    "scrape_age_s": None if math.isinf(snap.age_s) else round(snap.age_s, 3),
+                    "failures": ep.failures,
+                    "last_error": ep.last_error or None,
+                }
+            )
+        return out

@@ -1,0 +1,146 @@
+"""What a policy sees and returns, the policy base class, and the registry by name.
+
+Policies are pure: no I/O and no clock reads. Everything time-dependent (the age of a scrape) arrives
+already computed in the snapshot; randomness comes from a seeded generator the policy owns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True, frozen=True)
+class RequestFacts:
+    """What the router parsed out of one request (no tokenization: lengths are estimates)."""
+
+    model: str | None = None
+    prefix_hashes: tuple[int, ...] = ()  # chained hashes of fixed-size chunks of the request text
+    session_key: str | None = None
+    pinned_rank: int | None = None
+    prompt_tokens: int = 0  # estimate (characters / 4)
+
+
+@dataclass(slots=True)
+class EndpointSnapshot:
+    """One rank endpoint as the router sees it at decision time.
+
+    ``running``/``waiting``/``kv_usage`` come from the last scrape, ``age_s`` old (inf: never scraped).
+    ``delta`` is the router's net dispatches since that scrape began (dispatched minus finished, over every
+    router worker), so a burst between scrapes is counted. ``inflight`` is exact router-side in-flight;
+    ``unstarted``/``unstarted_tokens`` are the router's requests there that have not produced a byte yet.
+    """
+
+    key: str
+    rank: int | None = None
+    models: frozenset[str] = frozenset()
+    healthy: bool = True
+    draining: bool = False
+    inflight: int = 0
+    delta: int = 0
+    unstarted: int = 0
+    unstarted_tokens: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    block_size: int = 16
+    num_blocks: int = 0
+    age_s: float = math.inf
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+    def fresh(self, stale_s: float) -> bool:
+        return self.age_s <= stale_s
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen endpoint, a low-cardinality ``reason`` (a metric label) and a human ``detail`` line."""
+
+    endpoint: EndpointSnapshot
+    reason: str
+    detail: str = ""
+    cost_tokens: float = 0.0  # predicted_ttft: prefill tokens it expected ahead of and in this request
+    predicted_s: float = 0.0
+
+    def line(self) -> str:
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
+
+def queue_score(ep: EndpointSnapshot, stale_s: float) -> float:
+    """vLLM's internal-LB score (waiting x 4 + running) plus the router's net dispatches since the scrape.
+
+    With stale or missing telemetry only the router's exact in-flight count is trusted.
+    """
+    if not ep.fresh(stale_s):
+        return float(ep.inflight)
+    return max(0.0, 4.0 * ep.waiting + ep.running + ep.delta, float(ep.inflight))
+
+
+def ties(values: Sequence[float], eps: float = 1e-9) -> list[int]:
+    """Indices whose value equals the minimum."""
+    low = min(values)
+    return [i for i, v in enumerate(values) if v <= low + eps]
+
+
+class Policy:
+    """Base class. ``choose`` gets a non-empty list of eligible endpoints (healthy, serving the model)."""
+
+    name: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+
+    def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
+        self.stale_s = stale_s
+        self.seed = seed
+        self._turn = 0  # rotates among equal choices so cold requests spread
+
+    def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
+        raise NotImplementedError
+
+    def charge_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> float:
+        """Prefill tokens this request adds to ``ep``'s queue until its first byte (ttft: uncached part)."""
+        return float(facts.prompt_tokens)
+
+    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
+        """The request was sent to ``key`` (whoever chose it: this policy, a pin or a retry)."""
+
+    def on_first_byte(self, decision: Decision, ttft_s: float) -> None:
+        """The response's first body byte arrived ``ttft_s`` after dispatch (learning hook)."""
+
+    def forget(self, key: str) -> None:
+        """The endpoint ``key`` is gone for good."""
+
+    def rotate(self, candidates: list[int]) -> int:
+        pick = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return pick
+
+    def least_loaded(self, endpoints: Sequence[EndpointSnapshot]) -> tuple[int, list[float]]:
+        scores = [queue_score(e, self.stale_s) for e in endpoints]
+        return self.rotate(ties(scores)), scores
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"policy name {cls.name!r} is empty or taken")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> dict[str, str]:
+    """Registered policy names with their one-line help."""
+    return {name: cls.help for name, cls in sorted(_REGISTRY.items())}
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return cls(**options)

@@ -1,0 +1,70 @@
+"""An approximate prefix index per endpoint over fixed-size chunks of request text.
+
+The router does not tokenize; it hashes the request text in fixed-size character chunks, each hash chained
+on the ones before it, so a chunk hash stands for the whole prefix that ends there. An endpoint's index holds
+the chunk hashes of the requests sent to it (bounded, least recently used out first), which approximates the
+blocks its prefix cache holds.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+CHUNK_CHARS = 128  # ~32 tokens: small enough to catch shared system prompts, big enough to be cheap
+
+
+def chunk_hashes(text: str | bytes, chunk_chars: int = CHUNK_CHARS, limit: int = 256) -> tuple[int, ...]:
+    """Chained 64-bit hashes of the complete ``chunk_chars`` chunks of ``text`` (a partial tail is skipped).
+
+    crc32 and adler32 both continue from a running value, so chaining is free and the result is the same in
+    every process (unlike ``hash()``), which lets router workers agree.
+    """
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    out: list[int] = []
+    c, a = 0, 1
+    for start in range(0, min(len(data), chunk_chars * limit) - chunk_chars + 1, chunk_chars):
+        piece = data[start : start + chunk_chars]
+        c = zlib.crc32(piece, c)
+        a = zlib.adler32(piece, a)
+        out.append((c << 32) | a)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Chunk hashes per endpoint key, each endpoint bounded to ``capacity`` entries (LRU)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._by_key: dict[str, OrderedDict[int, None]] = {}
+
+    def match(self, key: str, hashes: Sequence[int]) -> int:
+        """How many leading chunks of ``hashes`` endpoint ``key`` has seen."""
+        seen = self._by_key.get(key)
+        if not seen:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        return n
+
+    def insert(self, key: str, hashes: Iterable[int]) -> None:
+        seen = self._by_key.get(key)
+        if seen is None:
+            seen = self._by_key[key] = OrderedDict()
+        for h in hashes:
+            if h in seen:
+                seen.move_to_end(h)
+            else:
+                seen[h] = None
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+    def size(self, key: str) -> int:
+        return len(self._by_key.get(key, ()))
+
+    def forget(self, key: str) -> None:
+        self._by_key.pop(key, None)

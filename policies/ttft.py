@@ -1,0 +1,114 @@
+"""predicted_ttft (the default): the endpoint with the lowest estimated time to first token.
+
+Estimate per endpoint, in prefill-token equivalents divided by a prefill rate (tokens/s):
+    tokens ahead   = the router's own requests there without a first byte yet (their uncached tokens, exact)
+                   + other clients' waiting requests x the average prompt length seen
+    decode drag    = running requests x ``running_tokens`` (each takes a slot of every step's token budget)
+    this request   = its prompt minus the prefix that endpoint already holds (approximate prefix index)
+    KV pressure    = ``kv_penalty_tokens`` x how far KV use is past ``kv_threshold`` (near full = preemption)
+The rate is a flag, or learned from observed times to first byte (EWMA) when not given.
+Bounded stickiness: endpoints whose queue score is past the least one by a gap are not considered, so a
+cached prefix never outweighs a large load gap; equal estimates rotate so cold bursts spread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from policies.affinity import within_gap
+from policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
+from policies.prefix import CHUNK_CHARS, PrefixIndex
+
+CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
+
+
+@register
+class PredictedTtft(Policy):
+    name = "predicted_ttft"
+    help = "lowest estimated time to first token: queue ahead + uncached prefill, KV pressure as a penalty"
+
+    def __init__(
+        self,
+        prefill_tokens_per_s: float | None = None,
+        running_tokens: float = 16.0,
+        kv_threshold: float = 0.8,
+        kv_penalty_tokens: float = 4096.0,
+        gap_abs: float = 8.0,
+        gap_rel: float = 0.5,
+        index_capacity: int = 65536,
+        learn_alpha: float = 0.1,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.learn = prefill_tokens_per_s is None
+        self.rate = float(prefill_tokens_per_s or 4000.0)
+        self.running_tokens, self.kv_threshold, self.kv_penalty_tokens = (
+            running_tokens,
+            kv_threshold,
+            kv_penalty_tokens,
+        )
+        self.gap_abs, self.gap_rel, self.alpha = gap_abs, gap_rel, learn_alpha
+        self.avg_prompt_tokens = 256.0
+        self.index = PrefixIndex(index_capacity)
+
+    def uncached_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, int]:
+        matched = self.index.match(ep.key, facts.prefix_hashes) if facts.prefix_hashes else 0
+        return max(0.0, facts.prompt_tokens - matched * CHUNK_CHARS / CHARS_PER_TOKEN), matched
+
+    def cost(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, float, int]:
+        """(total prefill-token equivalents, this request's uncached tokens, matched chunks)."""
+        own_running = max(0, ep.inflight - ep.unstarted)
+        if ep.fresh(self.stale_s):
+            others_waiting = max(0.0, ep.waiting - ep.unstarted)
+            running = max(ep.running, float(own_running))
+            over = max(0.0, ep.kv_usage - self.kv_threshold) / max(1e-9, 1.0 - self.kv_threshold)
+        else:
+            others_waiting, running, over = 0.0, float(own_running), 0.0
+        uncached, matched = self.uncached_tokens(facts, ep)
+        ahead = ep.unstarted_tokens + others_waiting * self.avg_prompt_tokens
+        total = ahead + running * self.running_tokens + uncached + over * self.kv_penalty_tokens
+        return total, uncached, matched
+
+    def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
+        costs = [self.cost(facts, e) for e in endpoints]
+        scores = [queue_score(e, self.stale_s) for e in endpoints]
+        least = min(scores)
+        allowed = [i for i, s in enumerate(scores) if within_gap(s, least, self.gap_abs, self.gap_rel)]
+        totals = [costs[i][0] for i in allowed]
+        pick = allowed[self.rotate(ties(totals, eps=1e-6))]
+        best_any = min(c[0] for c in costs)
+        ep = endpoints[pick]
+        total, uncached, matched = costs[pick]
+        if total > best_any + 1e-6:
+            reason = "load_gap"
+        elif not ep.fresh(self.stale_s):
+            reason = "stale_telemetry"
+        elif matched and matched == max(c[2] for c in costs):
+            reason = "prefix_hit"
+        else:
+            reason = "lowest_ttft"
+        detail = (
+            f"est {total / self.rate * 1000:.1f} ms ({total:.0f} tok at {self.rate:.0f} tok/s, "
+            f"{uncached:.0f} uncached, {matched} chunks cached)"
+        )
+        return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / self.rate)
+
+    def charge_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> float:
+        return self.uncached_tokens(facts, ep)[0]
+
+    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
+        if facts.prompt_tokens:
+            self.avg_prompt_tokens += 0.05 * (facts.prompt_tokens - self.avg_prompt_tokens)
+        if facts.prefix_hashes:
+            self.index.insert(key, facts.prefix_hashes)
+
+    def on_first_byte(self, decision: Decision, ttft_s: float) -> None:
+        # Tiny estimates are all overhead (HTTP, scheduling), not prefill: they would inflate the rate.
+        if not self.learn or decision.cost_tokens < 64 or ttft_s <= 0.002:
+            return
+        sample = decision.cost_tokens / ttft_s
+        self.rate = min(1e6, max(50.0, self.rate + self.alpha * (sample - self.rate)))
+
+    def forget(self, key: str) -> None:
+        self.index.forget(key)

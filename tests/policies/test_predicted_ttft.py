@@ -1,0 +1,105 @@
+"""predicted_ttft: queueing + uncached prefill, KV penalty, bounded stickiness, cold spread, learning."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from test_policies import dispatch, eps, hot
+
+from policies import CHUNK_CHARS, EndpointSnapshot, RequestFacts, chunk_hashes, make_policy
+
+
+def test_cold_burst_spreads_evenly() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    e = eps(4)
+    facts = RequestFacts(prompt_tokens=100)
+    keys = dispatch(p, facts, e, 12)
+    assert Counter(keys) == {f"http://e{i}": 3 for i in range(4)}
+    assert p.choose(facts, eps(4)).reason == "lowest_ttft"
+
+
+def test_cached_prefix_wins_when_loads_are_close() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    facts = hot(16)
+    p.on_dispatch(facts, "http://e2")
+    e = eps(3)
+    e[2] = replace(e[2], running=2)  # a little busier, but holds 512 prompt tokens
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e2" and d.reason == "prefix_hit"
+    assert d.predicted_s < p.choose(facts, e[:2]).predicted_s
+
+
+def test_large_load_gap_overrides_a_hot_prefix() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000, gap_abs=8.0, gap_rel=0.5)
+    facts = hot(16)
+    p.on_dispatch(facts, "http://e0")
+    e = eps(2)
+    e[0] = replace(e[0], running=8)  # 8 <= 0 + 8: still allowed, cache wins
+    assert p.choose(facts, e).endpoint.key == "http://e0"
+    e[0] = replace(e[0], running=9)  # past the gap: excluded even though its estimate is lower
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e1" and d.reason == "load_gap"
+
+
+def test_hot_prefix_burst_is_bounded() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    keys = dispatch(p, hot(16), eps(3), 60)
+    counts = Counter(keys)
+    assert len(counts) == 3 and max(counts.values()) - min(counts.values()) <= 10
+
+
+def test_queue_ahead_counts_waiting_requests_and_router_unstarted_tokens() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    facts = RequestFacts(prompt_tokens=100)
+    e = eps(2)
+    e[0] = replace(e[0], waiting=1)  # another client's request of ~avg_prompt_tokens ahead
+    e[1] = replace(e[1], unstarted=1, unstarted_tokens=int(p.avg_prompt_tokens) + 10, inflight=1, delta=1)
+    assert p.choose(facts, e).endpoint.key == "http://e0"
+    e[1] = replace(e[1], unstarted_tokens=int(p.avg_prompt_tokens) - 10)
+    assert p.choose(facts, e).endpoint.key == "http://e1"
+
+
+def test_kv_pressure_penalty_each_side_of_threshold() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000, kv_threshold=0.8, kv_penalty_tokens=4096)
+    facts = RequestFacts(prompt_tokens=100)
+    a = EndpointSnapshot(key="a", running=4, kv_usage=0.2, age_s=0)  # 4 x 16 = 64 tokens of decode drag
+    b = EndpointSnapshot(key="b", running=0, kv_usage=0.8, age_s=0)
+    assert p.choose(facts, [a, b]).endpoint.key == "b"
+    b = replace(b, kv_usage=0.81)  # 0.05 x 4096 = 205 tokens of penalty > 64
+    assert p.choose(facts, [a, b]).endpoint.key == "a"
+
+
+def test_stale_telemetry_falls_back_to_router_counts() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000, stale_s=0.5)
+    facts = RequestFacts(prompt_tokens=100)
+    stale = EndpointSnapshot(key="a", running=50, waiting=50, kv_usage=0.99, age_s=3.0)
+    fresh = EndpointSnapshot(key="b", running=1, age_s=0.1)
+    d = p.choose(facts, [stale, fresh])
+    assert d.endpoint.key == "a" and d.reason == "stale_telemetry"
+
+
+def test_rate_is_learned_from_first_bytes_unless_fixed() -> None:
+    p = make_policy("predicted_ttft")
+    d = p.choose(RequestFacts(prompt_tokens=2000), eps(1))
+    start = p.rate
+    for _ in range(60):
+        p.on_first_byte(d, ttft_s=d.cost_tokens / 500.0)  # this endpoint really does 500 tok/s
+    assert abs(p.rate - 500.0) < 0.05 * start
+    tiny = p.choose(RequestFacts(prompt_tokens=10), eps(1))
+    before = p.rate
+    p.on_first_byte(tiny, ttft_s=0.5)  # tiny prompts measure overhead, not prefill: ignored
+    assert p.rate == before
+    fixed = make_policy("predicted_ttft", prefill_tokens_per_s=1234)
+    fixed.on_first_byte(d, ttft_s=10.0)
+    assert fixed.rate == 1234
+
+
+def test_uncached_part_shrinks_with_the_cached_prefix() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    text = "abcdefgh" * (CHUNK_CHARS // 8) * 10
+    facts = RequestFacts(prefix_hashes=chunk_hashes(text), prompt_tokens=len(text) // 4)
+    half = RequestFacts(prefix_hashes=chunk_hashes(text[: len(text) // 2]), prompt_tokens=len(text) // 8)
+    p.on_dispatch(half, "http://e0")
+    ep = eps(1)[0]
+    assert p.charge_tokens(facts, ep) == facts.prompt_tokens - 5 * CHUNK_CHARS / 4

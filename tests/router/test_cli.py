@@ -1,0 +1,78 @@
+"""`lbd route` flag validation: one line naming the flag, exit 2, nothing bound; the router stays light."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from support import free_port
+
+LBD = [sys.executable, "-m", "lbd", "route"]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        ([], "--upstreams"),
+        (["--upstreams", "localhost:8000"], "--upstreams"),
+        (["--upstreams", "ftp://h:1"], "--upstreams"),
+        (["--upstreams", "http://h:99999"], "--upstreams"),
+        (["--upstreams", "http://h:1/v1"], "--upstreams"),
+        (["--upstreams-file", "/nonexistent/file"], "--upstreams-file"),
+        (["--upstreams", "http://h:1", "--workers", "0"], "--workers"),
+        (["--upstreams", "http://h:1", "--scrape-interval-ms", "0"], "--scrape-interval-ms"),
+        (["--upstreams", "http://h:1", "--port", "70000"], "--port"),
+        (["--upstreams", "http://h:1", "--policy", "nope"], "--policy"),
+        (["--upstreams", "http://h:1", "--max-retries", "-1"], "--max-retries"),
+        (["--upstreams", "http://h:1", "--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args: list[str], flag: str) -> None:
+    r = subprocess.run([*LBD, *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert flag in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_port_in_use_exits_2_naming_the_port() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        r = subprocess.run(
+            [*LBD, "--upstreams", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert r.returncode == 2 and f"--port {port}" in r.stderr
+
+
+def test_help_lists_every_policy_and_defaults() -> None:
+    out = subprocess.run([*LBD, "--help"], capture_output=True, text=True, timeout=30).stdout
+    for name in (
+        "predicted_ttft",
+        "least_load",
+        "prefix_affinity",
+        "session",
+        "kv_aware",
+        "p2c",
+        "round_robin",
+    ):
+        assert name in out
+    assert "default: predicted_ttft" in out and "--scrape-interval-ms" in out
+
+
+def test_router_imports_nothing_heavy_and_starts_fast() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); import lbd.router.cli, lbd.router.app; "
+        "print(time.perf_counter() - t, any(m in sys.modules for m in ('torch', 'transformers', 'engine')))"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    assert out[1] == "False"
+    assert float(out[0]) < 1.0 and time.monotonic() - t0 < 5.0

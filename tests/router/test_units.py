@@ -1,0 +1,86 @@
+"""Pure pieces of the router: upstream parsing, metrics parsing, request facts, shared counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from lbd.router.config import parse_upstream
+from lbd.router.facts import BadRequest, parse_facts
+from lbd.router.shared import SharedCounters
+from lbd.router.telemetry import parse_metrics
+from policies import CHUNK_CHARS
+
+
+def test_upstream_specs_including_ipv6_and_supervisors() -> None:
+    assert parse_upstream("http://[::1]:8001/").url == "http://[::1]:8001"
+    sup = parse_upstream("supervisor://[fe80::1]")
+    assert sup.kind == "supervisor" and sup.status_url == "http://[fe80::1]:9256/status"
+    assert parse_upstream("https://example.org").url == "https://example.org:443"
+    for bad in ("localhost:1", "http://:1", "gopher://x:1", "http://x:1/path"):
+        with pytest.raises(ValueError):
+            parse_upstream(bad)
+
+
+ENGINE_TEXT = """# HELP vllm:num_requests_running x
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="3",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="3",model_name="m"} 5.0
+vllm:kv_cache_usage_perc{engine="3",model_name="m"} 0.25
+vllm:prefix_cache_queries_total{engine="3",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="3",model_name="m"} 400.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="3",model_name="m",num_gpu_blocks="2048"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="3",le="0.1",model_name="m"} 7.0
+vllm:request_success_total{engine="3",finished_reason="stop",model_name="m"} 9.0
+"""
+
+
+def test_parse_engine_metrics() -> None:
+    s = parse_metrics(ENGINE_TEXT)
+    assert (s.running, s.waiting, s.kv_usage) == (2.0, 5.0, 0.25)
+    assert (s.prefix_queries, s.prefix_hits, s.block_size, s.num_blocks) == (1000.0, 400.0, 16, 2048)
+    assert s.ranks == {3} and s.models == {"m"}
+    assert parse_metrics('vllm:gpu_cache_usage_perc{model_name="a \\"q\\""} 0.5\n').models == {'a "q"'}
+
+
+def test_request_facts_from_completions_chat_and_token_prompts() -> None:
+    h = {"X-Session-ID": "s1", "X-data-parallel-rank": " 2 "}
+    f = parse_facts(b'{"model": "m", "prompt": "' + b"a" * 400 + b'"}', h, "X-Session-ID")
+    assert f.model == "m" and f.pinned_rank == 2 and f.session_key == "s1" and f.prompt_tokens == 101
+    assert len(f.prefix_hashes) == 400 // CHUNK_CHARS
+    chat = [
+        {"role": "system", "content": "x" * 300},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    import orjson
+
+    one = parse_facts(orjson.dumps({"model": "m", "messages": chat}), {}, "X-Session-ID")
+    two = parse_facts(
+        orjson.dumps({"model": "m", "messages": [*chat, {"role": "user", "content": "y" * 300}]}),
+        {},
+        "X-Session-ID",
+    )
+    assert one.prefix_hashes and two.prefix_hashes[: len(one.prefix_hashes)] == one.prefix_hashes
+    ids = parse_facts(orjson.dumps({"prompt": list(range(100)), "user": "u"}), {}, "X-Session-ID")
+    assert ids.prompt_tokens == 100 and len(ids.prefix_hashes) == 3 and ids.session_key == "u"
+    with pytest.raises(BadRequest):
+        parse_facts(b"[1, 2]", {}, "X-Session-ID")
+    with pytest.raises(BadRequest) as e:
+        parse_facts(b"{}", {"X-data-parallel-rank": "x"}, "X-Session-ID")
+    assert e.value.param == "X-data-parallel-rank"
+
+
+def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:
+    c = SharedCounters(workers=2, slots=8)
+    a, b = c.slot("http://a:1"), c.slot("http://b:1")
+    assert a != b and c.slot("http://a:1") == a
+    c.dispatch(a, 100)
+    c.bind_worker(1)
+    c.dispatch(a, 50)
+    c.start(a, 50)
+    t = c.totals(a)
+    assert (t.inflight, t.unstarted, t.unstarted_tokens) == (2, 1, 100)
+    c.close_out(0)  # worker 0 died with its request
+    t = c.totals(a)
+    assert (t.inflight, t.unstarted, t.unstarted_tokens) == (1, 0, 0)
+    c.finish(a)
+    assert c.totals(a).inflight == 0 and c.totals(b).dispatched == 0
