@@ -1,0 +1,109 @@
+"""The one place that chooses a kernel implementation.
+
+``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
+the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
+``auto`` (the default) runs Triton for CUDA tensors and the references otherwise. The Triton modules are
+imported on first use, so a CPU-only process never pays for importing triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.reference import attention as _ref_attn
+from kernels.reference import elementwise as _ref_elem
+from kernels.reference import moe as _ref_moe
+from kernels.reference import rotary as _ref_rotary
+from kernels.rope_cache import build_rope_cache
+
+__all__ = [
+    "MODE", "backend_for", "build_rope_cache", "rms_norm", "silu_and_mul", "rotary_embedding",
+    "write_kv_cache", "paged_attention", "topk_softmax", "fused_moe",
+]
+
+_MODES = ("auto", "torch", "triton")
+
+
+def _read_mode() -> str:
+    mode = os.environ.get("LBD_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"LBD_KERNELS must be one of {_MODES}, got {mode!r}")
+    return mode
+
+
+MODE: str = _read_mode()
+_triton_mod: ModuleType | None = None
+logger = logging.getLogger(__name__)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """'triton' or 'torch': what runs for tensors on ``device`` (for logs and the engine's startup line)."""
+    if MODE == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return MODE
+
+
+def _tri(t: torch.Tensor) -> ModuleType | None:
+    """The Triton implementation module when it should run for tensor ``t``, else None."""
+    global _triton_mod
+    if MODE == "torch" or (MODE == "auto" and not t.is_cuda):
+        return None
+    if _triton_mod is None:
+        from kernels import triton_ops
+
+        _triton_mod = triton_ops
+        logger.info("Triton kernels in use (LBD_KERNELS=%s, TRITON_INTERPRET=%s, first call on %s)", MODE,
+                    os.environ.get("TRITON_INTERPRET", "0"), t.device)
+    return _triton_mod
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight; with ``residual``: returns (norm(x + residual) * weight, x + residual)."""
+    impl = _tri(x) or _ref_elem
+    return impl.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    return (_tri(x) or _ref_elem).silu_and_mul(x)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                     head_dim: int, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q[T, H*d] and k[T, Hkv*d] in place by ``cos_sin[positions]``; returns (q, k)."""
+    impl = _tri(q) or _ref_rotary
+    return impl.rotary_embedding(positions, q, k, cos_sin, head_dim, is_neox)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store key/value [T, Hkv, d] at ``slot_mapping`` in caches [NB, BS, Hkv, d]; fp8 caches hold x/scale."""
+    impl = _tri(key) or _ref_attn
+    impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of query[T, H, d] over the paged cache for a mixed decode+prefill batch."""
+    impl = _tri(query) or _ref_attn
+    return impl.paged_attention(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing: (weights fp32 [T, k], expert ids int32 [T, k])."""
+    return (_tri(router_logits) or _ref_moe).topk_softmax(router_logits, top_k, renormalize)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
+              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixture-of-experts MLP: hidden[T, D] -> [T, D]; ``expert_map[g]`` = local expert index or -1."""
+    impl = _tri(hidden) or _ref_moe
+    return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize, expert_map)

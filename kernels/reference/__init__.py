@@ -1,0 +1,1 @@
+"""Vectorised torch implementations of every kernel: the CPU path and the oracle for the Triton kernels."""

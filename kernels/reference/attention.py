@@ -1,0 +1,114 @@
+"""Paged KV-cache write and paged attention over a mixed decode+prefill batch, in vectorised torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn; out-of-range values saturate instead of becoming NaN
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, d] into the caches [NB, BS, Hkv, d] at ``slot_mapping`` (-1 = skip)."""
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    kc = key_cache.view(-1, *key_cache.shape[2:])
+    vc = value_cache.view(-1, *value_cache.shape[2:])
+    kc[slots] = _quantise(key[:n][keep], key_cache.dtype, k_scale)
+    vc[slots] = _quantise(value[:n][keep], value_cache.dtype, v_scale)
+
+
+def _quantise(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def _dequantise(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return x.to(dtype) * scale
+    return x.to(dtype)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """cache[block_ids] as [..., n_blocks * BS, Hkv, d] in the compute dtype (one index op)."""
+    g = cache.index_select(0, block_ids.reshape(-1))
+    g = g.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    return _dequantise(g, dtype, scale)
+
+
+def _host_lens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    if meta.query_lens_cpu is not None:
+        return list(meta.query_lens_cpu), list(seq_lens)
+    qsl = meta.query_start_loc.tolist()
+    return [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)], list(seq_lens)
+
+
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float,
+            k_scale: float, v_scale: float) -> torch.Tensor:
+    """One query per sequence: query [B, H, d] -> [B, H, d].
+
+    K/V are gathered once into [B, L, Hkv, d] and handed to SDPA as strided [B, Hkv, L, d] views: the CPU
+    flash kernel reads them in place (no transpose copy) and does GQA without repeating K/V.
+    """
+    b, h, d = query.shape
+    bs = key_cache.shape[1]
+    n_blocks = (max_len + bs - 1) // bs
+    ids = block_tables[:b, :n_blocks].long()
+    k = _gather(key_cache, ids, query.dtype, k_scale).transpose(1, 2)
+    v = _gather(value_cache, ids, query.dtype, v_scale).transpose(1, 2)
+    pad = torch.arange(k.shape[2], device=query.device)[None, :] >= seq_lens[:b, None].long()
+    bias = torch.zeros(pad.shape, dtype=query.dtype, device=query.device).masked_fill_(pad, float("-inf"))
+    out = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=bias[:, None, None, :],
+                                         scale=scale, enable_gqa=k.shape[1] != h).view(b, h, d)
+    # A padding entry (seq_len 0, e.g. a CUDA-graph filler) has no keys: answer zeros, not NaN.
+    return out.masked_fill_((seq_lens[:b] == 0)[:, None, None], 0.0)
+
+
+def _prefill_one(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor,
+                 seq_len: int, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    """Queries q [n, H, d] are the last n of seq_len tokens; causal over the cached prefix + themselves."""
+    n, h, d = q.shape
+    bs = key_cache.shape[1]
+    ids = block_row[: (seq_len + bs - 1) // bs].long()
+    k = _gather(key_cache, ids, q.dtype, k_scale)[:seq_len].transpose(0, 1)  # [Hkv, S, d]
+    v = _gather(value_cache, ids, q.dtype, v_scale)[:seq_len].transpose(0, 1)
+    qh = q.transpose(0, 1)  # [H, n, d]
+    gqa = k.shape[0] != h
+    if n == seq_len:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """query [T, H, d] -> out [T, H, d]; rows past the batch's tokens (padding) are zero."""
+    query_lens, seq_lens = _host_lens(meta)
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        max_len = max(seq_lens[:nd])
+        out[:nd] = _decode(query[:nd], key_cache, value_cache, meta.block_tables, meta.seq_lens, max_len,
+                           scale, k_scale, v_scale)
+    start = nd
+    for i in range(nd, len(seq_lens)):
+        n = query_lens[i]
+        if n:
+            out[start:start + n] = _prefill_one(query[start:start + n], key_cache, value_cache,
+                                                meta.block_tables[i], seq_lens[i], scale, k_scale, v_scale)
+        start += n
+    if start < query.shape[0]:
+        out[start:].zero_()
+    return out

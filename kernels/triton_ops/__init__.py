@@ -1,0 +1,14 @@
+"""Triton kernels, one module per family; same call signatures as ``kernels.reference``.
+
+Importing this package imports triton, so ``kernels.ops`` does it lazily. Every launch is graph-capturable:
+grids and buffers depend only on tensor shapes and host ints in the metadata, never on device data.
+"""
+
+from kernels.triton_ops.attention import paged_attention
+from kernels.triton_ops.elementwise import rms_norm, silu_and_mul
+from kernels.triton_ops.kv_cache import write_kv_cache
+from kernels.triton_ops.moe import fused_moe, topk_softmax
+from kernels.triton_ops.rotary import rotary_embedding
+
+__all__ = ["fused_moe", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "topk_softmax",
+           "write_kv_cache"]
