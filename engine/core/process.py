@@ -26,6 +26,7 @@ import zmq
 from engine import protocol as P
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
 from engine.core.engine_core import EngineCore, RequestRejected
+from engine.procutil import keep_freed_memory, set_pdeathsig
 
 logger = logging.getLogger(__name__)
 
@@ -180,17 +181,6 @@ def _install_signals(state: _State) -> None:
     signal.signal(signal.SIGINT, on_int)
 
 
-def _set_pdeathsig() -> None:
-    try:
-        from engine.procutil import set_pdeathsig
-    except ImportError:  # procutil is optional for the core; fall back to prctl directly
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-        return
-    set_pdeathsig(signal.SIGKILL)
-
-
 def configure_logging(args: EngineArgs) -> None:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -200,7 +190,8 @@ def configure_logging(args: EngineArgs) -> None:
 
 def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     """Load the model, bind ``input_address`` (a ROUTER), and serve front ends until told to stop."""
-    _set_pdeathsig()
+    set_pdeathsig(signal.SIGKILL)
+    keep_freed_memory()
     configure_logging(args)
     from engine.metrics import EngineMetrics
 
