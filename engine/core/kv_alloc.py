@@ -1,0 +1,72 @@
+"""Sizing and allocating the paged KV cache, and the fp8 scale calibration."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 4 << 30
+CPU_RAM_FRACTION = 0.5  # never take more than this share of the RAM that is free at start
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_HEADROOM = 4.0  # calibrated amax lands at FP8_MAX / FP8_HEADROOM: room for larger values later
+ZERO_PAGES_BYTES = 64 << 20  # larger CPU buffers come from fresh mmap (zero pages) in glibc
+
+
+@dataclass(slots=True)
+class KVSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype {name!r} is not supported: use auto or fp8")
+
+
+def cpu_num_blocks(spec: KVSpec, requested_bytes: int | None) -> int:
+    """Blocks that fit ``--kv-cache-memory-bytes`` (default 4 GiB), capped at half of the free RAM."""
+    import psutil
+
+    budget = requested_bytes or DEFAULT_CPU_KV_BYTES
+    cap = int(psutil.virtual_memory().available * CPU_RAM_FRACTION)
+    if budget > cap:
+        logger.warning("KV-cache budget %.2f GiB exceeds half of the free RAM; using %.2f GiB",
+                       budget / 2**30, cap / 2**30)
+        budget = cap
+    return budget // spec.bytes_per_block
+
+
+def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One buffer for every layer's K and V, [layers, 2, blocks, block_size, Hkv, d]; a view pair per layer.
+
+    Attention multiplies zero weights with the unused slots of a sequence's last block, so those must hold
+    finite numbers: the buffer starts zeroed. On CPU a large buffer is fresh zero pages from mmap, so it is
+    left untouched and costs RAM only as blocks get used (a multi-GiB budget is then free until needed).
+    """
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    nbytes = spec.bytes_per_block * num_blocks
+    if device.type == "cpu" and nbytes >= ZERO_PAGES_BYTES:
+        buf = torch.empty(shape, dtype=spec.dtype, device=device)
+    else:
+        buf = torch.zeros(shape, dtype=spec.dtype, device=device)
+    return [(buf[i, 0], buf[i, 1]) for i in range(spec.num_layers)]
+
+
+def fp8_scale(amax: float) -> float:
+    """Scale so that ``amax`` is stored at FP8_MAX / FP8_HEADROOM (stored value = x / scale)."""
+    return max(amax, 1e-6) * FP8_HEADROOM / FP8_MAX

