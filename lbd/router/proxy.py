@@ -11,13 +11,13 @@ engine abort the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import uuid
+import os
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
@@ -43,8 +43,9 @@ _HOP = frozenset(
         "content-length",
     }
 )
-_HOP_REQ = _HOP | {"x-request-id"}
-_HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower()}
+# Request headers are forwarded as the client's raw bytes (no decode/encode per header).
+_HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
+_HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
 _RESP_DROP = _HOP | {"date", "server", "x-request-id"}
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent as one Response
 
@@ -73,11 +74,15 @@ class Proxy:
         self.state = state
         self.cfg = state.cfg
         self.loop = asyncio.get_running_loop()
+        # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
+        # request costs more than the rest of the id handling together).
+        self._rid_prefix = os.urandom(8).hex()
+        self._rid_count = itertools.count()
 
     # ---- entry --------------------------------------------------------------------------------------
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0 = self.loop.time()
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = request.headers.get("X-Request-Id") or f"{self._rid_prefix}{next(self._rid_count):016x}"
         rid_header = {"X-Request-Id": rid}
         limit = self.cfg.max_request_body_bytes
         if request.content_length is not None and request.content_length > limit:
@@ -144,17 +149,19 @@ class Proxy:
         etype = {502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
         return error_response(f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
 
-    def _forward_headers(self, request: web.Request, rid: str, drop: frozenset[str] = _HOP_REQ) -> bytes:
-        """The client's headers minus hop-by-hop ones, serialized once (Host and Content-Length are added by
-        the pool); the request id is set to ours."""
-        parts = [f"{k}: {v}\r\n" for k, v in request.headers.items() if k.lower() not in drop]
-        parts.append(f"X-Request-Id: {rid}\r\n")
-        return "".join(parts).encode("utf-8", "surrogateescape")
+    def _forward_headers(
+        self, request: web.BaseRequest, rid: str, drop: frozenset[bytes] = _HOP_REQ
+    ) -> bytes:
+        """The client's raw headers minus hop-by-hop ones, serialized once (Host and Content-Length are added
+        by the pool); the request id is set to ours."""
+        parts = [b"%s: %s\r\n" % kv for kv in request.raw_headers if kv[0].lower() not in drop]
+        parts.append(b"X-Request-Id: %s\r\n" % rid.encode("utf-8", "surrogateescape"))
+        return b"".join(parts)
 
     # ---- one try on one endpoint --------------------------------------------------------------------
     async def _attempt(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         d: Decision,
         facts: RequestFacts,
         body: bytes,
@@ -178,8 +185,9 @@ class Proxy:
             headers = self._forward_headers(request, rid, _HOP_REQ_UNPINNED)
         try:
             try:
-                async with asyncio.timeout(self.cfg.response_timeout_s):
-                    upstream = await pool.request(request.method, target, headers, body)
+                upstream = await pool.request(
+                    request.method, target, headers, body, self.cfg.response_timeout_s
+                )
             except TimeoutError:
                 state.fail(ep, "request", "no response headers in time")
                 status = "504"
@@ -244,32 +252,28 @@ class Proxy:
             self.state.fail(ep, "request", f"answered {upstream.status}")
             self.state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
             kind = "upstream_5xx"
-        ctype = upstream.headers.get("Content-Type") or "application/json"
+        ctype = upstream.content_type or "application/json"
         return Failure(
             upstream.status, f"upstream {ep.url} answered {upstream.status}", kind, True, data or None, ctype
         )
 
-    def _response_headers(self, upstream: Response, d: Decision, rid: str) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
-        for k, v in upstream.headers.items:
-            if k.lower() not in _RESP_DROP:
-                out.add(k, v)
-        out["X-Request-Id"] = rid
+    def _response_headers(self, upstream: Response, d: Decision, rid: str) -> list[tuple[str, str]]:
+        out = [kv for kv in upstream.headers if kv[0].lower() not in _RESP_DROP]
+        out.append(("X-Request-Id", rid))
         if self.cfg.debug_headers:
-            out["x-lbd-endpoint"] = d.endpoint.key
-            out["x-lbd-route-reason"] = d.line()
+            out.append(("x-lbd-endpoint", d.endpoint.key))
+            out.append(("x-lbd-route-reason", d.line()))
         return out
 
     async def _relay(
-        self, request: web.Request, a: _Attempt, upstream: Response, rid: str
+        self, request: web.BaseRequest, a: _Attempt, upstream: Response, rid: str
     ) -> web.StreamResponse | Failure:
         """Pass the answer through; a failure before its first byte is still retryable."""
         idle = self.cfg.stream_idle_timeout_s
         length = upstream.content_length
-        small = length is not None and length <= _SMALL_BODY and "Transfer-Encoding" not in upstream.headers
+        small = length is not None and length <= _SMALL_BODY and not upstream.chunked
         try:
-            async with asyncio.timeout(idle):
-                first = await (upstream.read() if small else upstream.read_chunk())
+            first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
         except (UpstreamError, TimeoutError) as e:
             gone = not isinstance(e, TimeoutError)
             self.state.fail(a.ep, "request", f"{type(e).__name__} before the first byte")
@@ -284,7 +288,7 @@ class Proxy:
             )
         a.started = True
         self.state.shared.start(a.ep.slot, a.charge)
-        if not small and "text/event-stream" in (upstream.headers.get("Content-Type") or ""):
+        if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
             self.state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
         headers = self._response_headers(upstream, a.decision, rid)
@@ -302,7 +306,7 @@ class Proxy:
 
     async def _pump(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         out: web.StreamResponse,
         upstream: Response,
         chunk: bytes,
@@ -328,7 +332,7 @@ class Proxy:
 
     async def _end_broken_stream(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         out: web.StreamResponse,
         upstream: Response,
         url: str,
@@ -339,7 +343,7 @@ class Proxy:
         self.state.metrics.upstream_errors.labels(url, "mid_stream").inc()
         log.warning("upstream %s %s mid-stream: %s", url, what, type(e).__name__)
         try:
-            if "text/event-stream" in (upstream.headers.get("Content-Type") or ""):
+            if "text/event-stream" in upstream.content_type:
                 err = {
                     "error": {
                         "message": f"upstream {what} mid-stream ({type(e).__name__}); the response is "

@@ -2,21 +2,27 @@
 
 Why not aiohttp's client here: measured on the build machine, aiohttp's server costs ~45 us of CPU per request
 but its client ~150 us, three quarters of the router's whole cost. A proxy needs little of it (no cookies,
-redirects, auth, decompression), so requests go out as one pre-serialized write and responses are parsed by a
-small incremental parser (status line, headers, Content-Length / chunked / until-close bodies) that hands body
-bytes over as they arrive, so streams are never buffered. Closing a response before its end closes the
-connection, which is how the engine learns that the client went away and aborts the request.
+redirects, auth, decompression), so requests go out as one pre-serialized write and responses are parsed by
+llhttp (through httptools, the parser uvicorn uses), whose callbacks hand body bytes over as they arrive, so
+streams are never buffered. Closing a response before its end closes the connection, which is how the engine
+learns that the client went away and aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import ssl as ssl_mod
 from urllib.parse import urlsplit
 
-_MAX_HEAD = 64 * 1024
+import httptools
+
 _HIGH_WATER = 1 << 20  # pause reading the upstream when this much body waits for a slow client
+
+
+def _expire(fut: asyncio.Future) -> None:
+    # A bare timer handle per wait: asyncio.timeout() costs several times more, on every proxied request.
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 class UpstreamError(Exception):
@@ -27,43 +33,20 @@ class UpstreamError(Exception):
         self.before_response = before_response
 
 
-class Headers:
-    """Response headers: the raw list (order and case kept) and a lower-case lookup."""
-
-    __slots__ = ("items", "_lower")
-
-    def __init__(self, items: list[tuple[str, str]]) -> None:
-        self.items = items
-        self._lower = {k.lower(): v for k, v in items}
-
-    def get(self, name: str, default: str | None = None) -> str | None:
-        return self._lower.get(name.lower(), default)
-
-    def __contains__(self, name: str) -> bool:
-        return name.lower() in self._lower
-
-
 class _Conn(asyncio.Protocol):
-    """One keep-alive connection; serves one request at a time."""
+    """One keep-alive connection, one request at a time; llhttp parses and calls the ``on_*`` methods."""
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.head = bytearray()
-        self.head_done = False
-        self.got_bytes = False
-        self.response: asyncio.Future[Response] | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[Response] | None = None  # the current request's response head
+        self.timer: asyncio.TimerHandle | None = None  # bounds the wait for the head
         self.resp: Response | None = None
-        self.no_body = False
-        # body decoding state
-        self.mode = ""  # "length" | "chunked" | "close" | "none"
-        self.remaining = 0
-        self.chunk_state = 0  # 0 size line, 1 data, 2 data CRLF, 3 trailers
-        self.pending = bytearray()
+        self.headers: list[tuple[str, str]] = []
+        self.head_request = False
+        self.got_bytes = False
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -72,154 +55,80 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
-        if self.response is not None and not self.response.done():
-            self.response.set_exception(
-                UpstreamError(f"connection closed before the response ({exc or 'EOF'})", not self.got_bytes)
+        self._stop_timer()
+        why = exc or "EOF"
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(
+                UpstreamError(f"connection closed before the response ({why})", not self.got_bytes)
             )
         elif self.resp is not None and not self.resp.complete:
-            if self.mode == "close":
+            if self.resp.until_close:  # a body without length or chunks ends with the connection
                 self.resp._finish()
             else:
-                self.resp._fail(UpstreamError(f"connection closed mid-body ({exc or 'EOF'})", False))
-
-    def pause_writing(self) -> None:  # the request body is written at once; nothing to throttle
-        pass
-
-    def resume_writing(self) -> None:
-        pass
+                self.resp._fail(UpstreamError(f"connection closed mid-body ({why})", False))
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        if not self.head_done:
-            self.head += data
-            end = self.head.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.head) > _MAX_HEAD:
-                    self._protocol_error("response head too large")
-                return
-            rest = bytes(self.head[end + 4 :])
-            try:
-                self._start_response(bytes(self.head[:end]))
-            except (ValueError, IndexError) as e:
-                self._protocol_error(f"bad response head: {e}")
-                return
-            if not rest:
-                return
-            data = rest
-        if self.resp is not None:
-            self._body(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._protocol_error(f"bad response from upstream: {e}")
 
-    # -- parsing --
-    def _start_response(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        status = int(parts[1])
-        if 100 <= status < 200:  # interim (100 Continue): wait for the real one
-            self.head = bytearray()
+    # -- llhttp callbacks --
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        headers, self.headers = self.headers, []
+        if status < 200:  # interim (100 Continue): llhttp parses the real response next
             return
-        items = []
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            items.append((name.strip(), value.strip()))
-        headers = Headers(items)
-        self.head_done = True
-        te = (headers.get("transfer-encoding") or "").lower()
-        length = headers.get("content-length")
-        if self.no_body or status in (204, 304):
-            self.mode = "none"
-        elif "chunked" in te:
-            self.mode = "chunked"
-        elif length is not None:
-            self.mode, self.remaining = "length", int(length)
-        else:
-            self.mode = "close"
-        keep = (headers.get("connection") or "").lower() != "close" and self.mode != "close"
-        resp = self.resp = Response(
-            self, status, headers, int(length) if length and self.mode == "length" else None, keep
-        )
-        if self.mode == "none" or (self.mode == "length" and self.remaining == 0):
+        self._stop_timer()
+        if self.waiter is None or self.waiter.done():  # nobody asked (or gave up): unusable connection
+            self._protocol_error("unsolicited response")
+            return
+        resp = self.resp = Response(self, status, headers)
+        if self.head_request:  # llhttp cannot know that a HEAD answer has no body: finish, then close
+            resp.keep_alive = False
             resp._finish()
-        if self.response is not None and not self.response.done():
-            self.response.set_result(resp)
+        self.waiter.set_result(resp)
 
-    def _body(self, data: bytes) -> None:
+    def on_body(self, body: bytes) -> None:
+        if self.resp is not None:
+            self.resp._feed(body)
+
+    def on_message_complete(self) -> None:
         resp = self.resp
-        assert resp is not None
-        if self.mode == "length":
-            if len(data) >= self.remaining:
-                resp._feed(data[: self.remaining])
-                self.remaining = 0
-                resp._finish()
-            else:
-                self.remaining -= len(data)
-                resp._feed(data)
-        elif self.mode == "chunked":
-            self._chunked(data)
-        elif self.mode == "close":
-            resp._feed(data)
+        if resp is not None and not resp.complete:  # None: the end of an interim 1xx message
+            resp.keep_alive = self.parser.should_keep_alive()
+            resp._finish()
 
-    def _chunked(self, data: bytes) -> None:
-        buf = self.pending
-        buf += data
-        out: list[bytes] = []
-        pos = 0
-        while True:
-            if self.chunk_state == 0:
-                nl = buf.find(b"\r\n", pos)
-                if nl < 0:
-                    break
-                size = int(bytes(buf[pos:nl]).split(b";", 1)[0].strip() or b"0", 16)
-                pos = nl + 2
-                if size == 0:
-                    self.chunk_state = 3
-                else:
-                    self.remaining, self.chunk_state = size, 1
-            elif self.chunk_state == 1:
-                take = min(self.remaining, len(buf) - pos)
-                if take == 0:
-                    break
-                out.append(bytes(buf[pos : pos + take]))
-                pos += take
-                self.remaining -= take
-                if self.remaining == 0:
-                    self.chunk_state = 2
-            elif self.chunk_state == 2:
-                if len(buf) - pos < 2:
-                    break
-                pos += 2
-                self.chunk_state = 0
-            else:  # trailers: lines until an empty one
-                nl = buf.find(b"\r\n", pos)
-                if nl < 0:
-                    break
-                empty = nl == pos
-                pos = nl + 2
-                if empty:
-                    del buf[:pos]
-                    if out:
-                        self.resp._feed(b"".join(out))  # type: ignore[union-attr]
-                    self.resp._finish()  # type: ignore[union-attr]
-                    return
-        del buf[:pos]
-        if out:
-            self.resp._feed(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
-
+    # -- use --
     def _protocol_error(self, message: str) -> None:
-        err = UpstreamError(message, not self.head_done)
-        if self.response is not None and not self.response.done():
-            self.response.set_exception(err)
+        err = UpstreamError(message, not self.got_bytes)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(err)
         elif self.resp is not None:
             self.resp._fail(err)
         self.abort()
 
-    # -- use --
-    def send(self, data: bytes, no_body: bool) -> asyncio.Future[Response]:
-        self._reset()
-        self.no_body = no_body
-        self.response = self.pool.loop.create_future()
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def send(self, head: bytes, body: bytes, head_request: bool, timeout: float) -> asyncio.Future[Response]:
+        """Write the request; the future gets the response head, or TimeoutError after ``timeout`` s."""
+        self.resp, self.got_bytes, self.head_request = None, False, head_request
+        loop = self.pool.loop
+        self.waiter = loop.create_future()
+        self.timer = loop.call_at(loop.time() + timeout, _expire, self.waiter)
         assert self.transport is not None
-        self.transport.write(data)
-        return self.response
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        return self.waiter
 
     def abort(self) -> None:
         self.closed = True
@@ -228,21 +137,23 @@ class _Conn(asyncio.Protocol):
 
     def done_with(self, reusable: bool) -> None:
         if reusable and not self.closed:
-            self.resp = None
-            self.response = None
-            self.pool.put_back(self)
+            self.resp = self.waiter = None
+            self.pool.idle.append(self)
         else:
             self.abort()
 
 
 class Response:
-    """Status, headers and the body as it arrives (``read_chunk`` until b"")."""
+    """Status, headers (raw list: order and case kept), the body as it arrives (``read_chunk`` until b"")."""
 
     __slots__ = (
         "_conn",
         "status",
         "headers",
+        "content_type",
         "content_length",
+        "chunked",
+        "until_close",
         "keep_alive",
         "complete",
         "_chunks",
@@ -253,18 +164,24 @@ class Response:
         "_paused",
     )
 
-    def __init__(
-        self, conn: _Conn, status: int, headers: Headers, content_length: int | None, keep: bool
-    ) -> None:
+    def __init__(self, conn: _Conn, status: int, headers: list[tuple[str, str]]) -> None:
         self._conn = conn
-        self.status, self.headers, self.content_length, self.keep_alive = (
-            status,
-            headers,
-            content_length,
-            keep,
-        )
+        self.status, self.headers = status, headers
+        self.content_type = ""
+        self.content_length: int | None = None
+        self.chunked = False
+        for k, v in headers:  # the few headers the proxy decides on (llhttp validated the framing ones)
+            k = k.lower()
+            if k == "content-type":
+                self.content_type = v
+            elif k == "content-length":
+                self.content_length = int(v)
+            elif k == "transfer-encoding":
+                self.chunked = "chunked" in v.lower()  # else (gzip alone) the body runs until close
+        self.until_close = self.content_length is None and not self.chunked
+        self.keep_alive = True
         self.complete = False
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._chunks: list[bytes] = []
         self._size = 0
         self._waiter: asyncio.Future[None] | None = None
         self._error: UpstreamError | None = None
@@ -292,34 +209,38 @@ class Response:
         self._error = err
         self._wake()
 
-    async def read_chunk(self) -> bytes:
-        """The body bytes that arrived since the last call (waiting for some); b"" at the end."""
+    async def read_chunk(self, timeout: float | None = None) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some, at most ``timeout`` s, then
+        TimeoutError); b"" at the end."""
         while not self._chunks:
             if self.complete:
                 self.release()
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = self._conn.pool.loop.create_future()
-            await self._waiter
-            self._waiter = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
+            loop = self._conn.pool.loop
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_at(loop.time() + timeout, _expire, waiter) if timeout is not None else None
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        chunks, self._chunks = self._chunks, []
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._size -= len(data)
         if self._paused and self._size < _HIGH_WATER // 4 and self._conn.transport is not None:
             self._paused = False
             self._conn.transport.resume_reading()
         return data
 
-    def _drain(self) -> list[bytes]:
-        out = list(self._chunks)
-        self._chunks.clear()
-        return out
-
-    async def read(self) -> bytes:
+    async def read(self, timeout: float | None = None) -> bytes:
+        """The whole body; ``timeout`` bounds each wait for more bytes."""
         parts = []
-        while chunk := await self.read_chunk():
+        while chunk := await self.read_chunk(timeout):
             parts.append(chunk)
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
         """Done with the response: a complete one gives its connection back, anything else closes it."""
@@ -347,9 +268,6 @@ class UpstreamPool:
         if conn in self.idle:
             self.idle.remove(conn)
 
-    def put_back(self, conn: _Conn) -> None:
-        self.idle.append(conn)
-
     async def _connect(self) -> _Conn:
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -360,9 +278,12 @@ class UpstreamPool:
             raise ConnectionError(f"connect timed out after {self.connect_timeout:g}s") from None
         return conn
 
-    async def request(self, method: str, target: str, headers: bytes, body: bytes) -> Response:
-        """Send one request; returns once the response head arrived. ``headers``: serialized header lines
-        (``Name: value\\r\\n`` each) without Host and Content-Length."""
+    async def request(
+        self, method: str, target: str, headers: bytes, body: bytes, timeout: float = 300.0
+    ) -> Response:
+        """Send one request; returns once the response head arrived, or raises TimeoutError when it has not
+        ``timeout`` s after the request went out. ``headers``: serialized header lines (``Name: value\\r\\n``
+        each) without Host and Content-Length."""
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
             method.encode("latin-1"),
             target.encode("latin-1"),
@@ -370,31 +291,23 @@ class UpstreamPool:
             headers,
             len(body),
         )
-        data = head + body if len(body) < 65536 else None
+        head_request = method == "HEAD"
         while self.idle:
             conn = self.idle.pop()
             if conn.closed:
                 continue
             try:
-                return await self._send(conn, data, head, body, method == "HEAD")
+                return await self._send(conn, head, body, head_request, timeout)
             except UpstreamError as e:
                 if not e.before_response:
                     raise
                 # a kept-alive connection the upstream had just closed: not the endpoint's fault; fresh one
-        conn = await self._connect()
-        return await self._send(conn, data, head, body, method == "HEAD")
+        return await self._send(await self._connect(), head, body, head_request, timeout)
 
-    async def _send(
-        self, conn: _Conn, data: bytes | None, head: bytes, body: bytes, no_body: bool
-    ) -> Response:
-        if data is None:
-            fut = conn.send(head, no_body)
-            assert conn.transport is not None
-            conn.transport.write(body)
-        else:
-            fut = conn.send(data, no_body)
+    @staticmethod
+    async def _send(conn: _Conn, head: bytes, body: bytes, head_request: bool, timeout: float) -> Response:
         try:
-            return await fut
+            return await conn.send(head, body, head_request, timeout)
         except BaseException:
             conn.abort()
             raise
