@@ -132,7 +132,7 @@ def make_parser() -> OneLineParser:
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="bind address")
-    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--port", type=int, default=8080, help="listen port")
     g.add_argument(
         "--workers",
         type=int,
@@ -150,7 +150,8 @@ def make_parser() -> OneLineParser:
         action="store_true",
         help="add x-lbd-endpoint and x-lbd-route-reason to every response",
     )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity")
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -174,7 +175,8 @@ def make_parser() -> OneLineParser:
     g.add_argument(
         "--scrape-interval-ms", type=float, default=100.0, help="how often each rank's /metrics is read"
     )
-    g.add_argument("--scrape-timeout-ms", type=float, default=1000.0)
+    g.add_argument("--scrape-timeout-ms", type=float, default=1000.0,
+                   help="a scrape slower than this counts as failed")
     g.add_argument(
         "--stale-after-ms",
         type=float,
@@ -187,7 +189,8 @@ def make_parser() -> OneLineParser:
         default=5.0,
         help="/health probe interval; also the half-open re-admission probe of ejected endpoints",
     )
-    g.add_argument("--health-check-timeout-s", type=float, default=5.0)
+    g.add_argument("--health-check-timeout-s", type=float, default=5.0,
+                   help="a /health probe slower than this counts as failed")
     g.add_argument(
         "--health-failure-threshold",
         type=int,
@@ -195,7 +198,8 @@ def make_parser() -> OneLineParser:
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
     )
     g = p.add_argument_group("timeouts and retries")
-    g.add_argument("--connect-timeout-s", type=float, default=5.0)
+    g.add_argument("--connect-timeout-s", type=float, default=5.0,
+                   help="TCP connect to an upstream")
     g.add_argument(
         "--response-timeout-s",
         type=float,
