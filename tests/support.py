@@ -77,6 +77,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A port P such that P .. P+count-1 were all free just now (ranks take consecutive ports)."""
+    for _ in range(100):
+        base = free_port(host)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
 def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
               ok: tuple[int, ...] = (200,)) -> None:
     """Poll ``url`` until it answers one of ``ok``; fail early if ``proc`` exits."""
