@@ -131,7 +131,8 @@ def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tm
     srv = start(tiny_llama, tmp_path, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
                 "--shutdown-timeout", "60")
     try:
-        first = Stream(srv.base_url, max_tokens=80)
+        # long enough that the queue is still full when the third request comes, even on a fast machine
+        first = Stream(srv.base_url, max_tokens=450)
         first.start()
         assert first.first.wait(30) and first.status == 200
         second = Stream(srv.base_url, max_tokens=30)
@@ -151,7 +152,7 @@ def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tm
             if r.status_code == 503:
                 raise httpx.HTTPError("503")
         assert srv.proc.wait(90) == 0
-        for s, n in ((first, 80), (second, 30)):
+        for s, n in ((first, 450), (second, 30)):
             s.join(10)
             assert s.error is None and s.events[-1] == "[DONE]"
             assert s.finish_reason() == "length"
