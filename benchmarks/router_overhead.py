@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT / ".venv-peers" / "bin"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 ANSWER = json.dumps(
     {
@@ -359,69 +361,13 @@ def router_commands(tmp: Path, ups: list[str]) -> dict[str, tuple[list[str], int
     out: dict[str, tuple[list[str], int, str]] = {}
     for workers in (1, 2):
         port = free_port()
-        out[f"lbd route ({workers} worker{'s' if workers > 1 else ''})"] = (
-            [
-                sys.executable,
-                "-m",
-                "lbd",
-                "route",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--upstreams",
-                ",".join(ups),
-                "--workers",
-                str(workers),
-                "--log-level",
-                "warning",
-            ],
-            port,
-            "/readyz",
-        )
-    if (PEERS / "vllm-router").exists():
-        port = free_port()
-        out["vllm-router"] = (
-            [
-                str(PEERS / "vllm-router"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *ups,
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warning",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            port,
-            "/health",
-        )
-    if (PEERS / "sglang-router").exists():
-        port = free_port()
-        out["sglang-router"] = (
-            [
-                str(PEERS / "sglang-router"),
-                "launch",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *ups,
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warn",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            port,
-            "/health",
-        )
+        argv, ready = lbd_route_argv(port, ",".join(ups), "--workers", str(workers))
+        out[f"lbd route ({workers} worker{'s' if workers > 1 else ''})"] = (argv, port, ready)
+    for kind in PEER_KINDS:
+        if peer_installed(kind):
+            port = free_port()
+            argv, ready = peer_argv(kind, port, ups, "round_robin")
+            out[kind] = (argv, port, ready)
     if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
         port = free_port()
         out["nginx"] = (nginx_conf(tmp, port, ups), port, "/v1/models")

@@ -38,8 +38,9 @@ import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 from support import free_port, spawn, stop, wait_http  # noqa: E402
 
 from lbd.bench.client import Target  # noqa: E402
@@ -49,7 +50,6 @@ from lbd.bench.stats import percentile  # noqa: E402
 from lbd.bench.tokenizer import load_tokenizer  # noqa: E402
 from lbd.bench.workloads import TextSource, WorkloadSpec  # noqa: E402
 
-PEERS = ROOT / ".venv-peers" / "bin"
 PY = sys.executable
 
 
@@ -180,64 +180,9 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
     """argv and readiness path of target ``name`` (``lbd:<policy>``, ``vllm-router:<policy>``, ...)."""
     kind, _, policy = name.partition(":")
     if kind == "lbd":
-        return (
-            [
-                PY,
-                "-m",
-                "lbd",
-                "route",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--upstreams",
-                f"supervisor://127.0.0.1:{fleet.sup_port}",
-                "--policy",
-                policy,
-                "--log-level",
-                "warning",
-            ],
-            "/readyz",
-        )
-    if kind == "vllm-router":
-        return (
-            [
-                str(PEERS / "vllm-router"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *fleet.urls,
-                "--policy",
-                policy,
-                "--log-level",
-                "warning",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            "/health",
-        )
-    if kind == "sglang-router":
-        return (
-            [
-                str(PEERS / "sglang-router"),
-                "launch",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *fleet.urls,
-                "--policy",
-                policy,
-                "--log-level",
-                "warn",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            "/health",
-        )
+        return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", "--policy", policy)
+    if kind in PEER_KINDS:
+        return peer_argv(kind, port, fleet.urls, policy)
     raise ValueError(name)
 
 
@@ -245,9 +190,9 @@ def available_targets() -> list[str]:
     import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
-    if (PEERS / "vllm-router").exists():
+    if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
-    if (PEERS / "sglang-router").exists():
+    if peer_installed("sglang-router"):
         names += ["sglang-router:cache_aware"]
     return names
 
