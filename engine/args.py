@@ -68,8 +68,8 @@ class EngineArgs:
         return list(self.served_model_name) if self.served_model_name else [self.model_name]
 
 
-def _bytes(text: str) -> int:
-    """Parse 4GiB, 512MiB, 1e9 or a plain integer."""
+def parse_bytes(text: str) -> int:
+    """Parse 4GiB, 512MiB, 1e9 or a plain integer (shared by every CLI that takes a byte size)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
     low = text.strip().lower()
     for suffix, mult in units.items():
@@ -109,7 +109,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="reuse cached KV blocks of shared prompt prefixes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + activations + KV cache (CUDA)")
-    g.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV-cache byte budget, e.g. 4GiB (default on CPU: 4GiB; on CUDA overrides "
                         "--gpu-memory-utilization)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -126,7 +126,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and one core")
-    g.add_argument("--max-request-body-bytes", type=_bytes, default=32 * 1024 * 1024,
+    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 * 1024 * 1024,
                    help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
