@@ -43,7 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tokenizer", help="tokenizer folder or .gguf for prompt lengths (default: the default model's)"
     )
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="OpenAI API to call")
     g.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
@@ -75,17 +76,18 @@ def make_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
     g.add_argument("--seed", type=int, default=0, help="same seed, same workload")
-    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream responses (needed for TTFT and inter-token latency)")
     g.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="ask for exactly max_tokens (vLLM's ignore_eos)",
     )
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="random")
+    g.add_argument("--workload", choices=WORKLOADS, default="random", help="request mix to generate")
     g.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
     g.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±ratio)")
