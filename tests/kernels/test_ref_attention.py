@@ -76,3 +76,11 @@ def test_write_kv_cache_scatters_and_skips_padding(cache_dtype: torch.dtype) -> 
     untouched[[13, 0, 22]] = False
     assert torch.equal(flat_k[untouched].float(), before_k.view(-1, hkv, d)[untouched].float())
     assert torch.equal(flat_v[untouched].float(), before_v.view(-1, hkv, d)[untouched].float())
+
+
+def test_many_decodes_of_mixed_lengths_match_dense() -> None:
+    """Enough decodes of very different lengths that the reference groups them by length."""
+    lens = [(1, n) for n in (3, 70, 9, 41, 120, 5, 66, 33, 97, 2, 18, 55, 128, 7, 81, 24, 60)] + [(6, 30)]
+    case = make_case(lens, heads=6, kv_heads=2, head_dim=64, block_size=8)
+    out = paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    torch.testing.assert_close(out.double(), dense_attention(case), **FP32_TOL)
