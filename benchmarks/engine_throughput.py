@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support import EngineServer  # noqa: E402
+from support import EngineServer, exit_on_sigterm  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -127,6 +127,7 @@ def start_server(model: str | None, threads: int, cache_dir: str, log: Path) -> 
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from support import exit_on_sigterm  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 ANSWER = json.dumps(
@@ -459,6 +460,7 @@ def _row(name: str, runs: list[tuple[Load, Load, float, int]], d: Load) -> Row:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=3.0, help="length of each closed-loop run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")

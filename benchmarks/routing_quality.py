@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from support import free_port, spawn, stop, wait_http  # noqa: E402
+from support import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
 
 from lbd.bench.client import Target  # noqa: E402
 from lbd.bench.oracle import oracle_hit_rate  # noqa: E402
@@ -415,6 +415,7 @@ def plot(rows: list[Row], path: Path, scale: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--sim-profile", default="h100-llama3-8b")

@@ -26,7 +26,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "supervisor")]
 
 from supervisor_harness import SupervisorNode  # noqa: E402
-from support import make_tiny_llama  # noqa: E402
+from support import exit_on_sigterm, make_tiny_llama  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -107,6 +107,7 @@ def row(name: str, value: str, note: str = "") -> None:
 
 
 def main() -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model folder (default: a tiny random Llama)")
     p.add_argument("--repeats", type=int, default=3, help="hangs and kills per measurement")

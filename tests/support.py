@@ -194,3 +194,8 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(pairs.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so `finally` blocks stop the servers a script started."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
