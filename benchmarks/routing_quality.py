@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from support import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
+from support import exit_on_sigterm, free_port, free_port_run, spawn, stop, wait_http  # noqa: E402
 
 from lbd.bench.client import Target  # noqa: E402
 from lbd.bench.oracle import oracle_hit_rate  # noqa: E402
@@ -115,31 +115,8 @@ class Fleet:
         return [f"http://127.0.0.1:{self.base_port + i}" for i in range(self.ranks)]
 
 
-def _free_block(n: int) -> int:
-    """A base port with n free ports after it, below Linux's ephemeral range (32768+): there no outgoing
-    connection can take a rank's port between this check and the rank's bind."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - n)
-        if all(_port_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no block of free ports")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def start_fleet(args: argparse.Namespace, log: Path) -> Fleet:
-    base, sup = _free_block(args.ranks), free_port()
+    base, sup = free_port_run(args.ranks), free_port()
     argv = [
         PY,
         "-m",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,10 +79,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """A port P such that P .. P+count-1 were all free just now (ranks take consecutive ports)."""
-    for _ in range(100):
-        base = free_port(host)
-        socks = []
+    """A port P such that P .. P+count-1 are free now (a supervisor's ranks take consecutive ports).
+
+    Chosen below Linux's ephemeral range (32768+), so no outgoing connection can take one of them between
+    this check and the server's bind.
+    """
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - count)
+        socks: list[socket.socket] = []
         try:
             for port in range(base, base + count):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

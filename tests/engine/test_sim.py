@@ -280,37 +280,14 @@ def test_sim_engine_latencies_follow_the_profile(tiny_llama: Path, tmp_path: Pat
         assert expected_itl * 0.98 <= mean_itl <= expected_itl * 1.10, (mean_itl, expected_itl)
 
 
-def _free_port_block(n: int) -> int:
-    """A base port with the n - 1 ports after it free too (the supervisor gives rank i base + i), below
-    Linux's ephemeral range (32768+) so no outgoing connection takes one before the rank binds it."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
-
-
 @pytest.mark.slow
 def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, tmp_path: Path) -> None:
     import httpx
     import psutil
-    from support import free_port, spawn, stop, wait_http
+    from support import free_port, free_port_run, spawn, stop, wait_http
 
     n, sup = 16, free_port()
-    base = _free_port_block(n)
+    base = free_port_run(n)
     ports = [base + i for i in range(n)]
     argv = [sys.executable, "-m", "lbd", "supervise", "--data-parallel-multi-port-external-lb",
             "--data-parallel-size", str(n), "--data-parallel-size-local", str(n), "--host", "127.0.0.1",

@@ -14,9 +14,7 @@ from typing import Any
 
 import httpx
 import psutil
-from support import free_port, spawn, stop
-
-from supervisor.config import port_in_use
+from support import free_port_run, spawn, stop
 
 # Small engines: two ranks share two cores with everyone else's tests.
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512",
@@ -26,15 +24,6 @@ ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory-bytes", "32MiB", "--max-mo
 MARK_ENV = "LBD_TEST_SUPERVISOR_NODE"
 
 
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free consecutive ports after it."""
-    for _ in range(100):
-        base = free_port()
-        if base + n < 65000 and all(port_in_use("127.0.0.1", p) is None for p in range(base, base + n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 class SupervisorNode:
     """`lbd supervise` with ``ranks`` ranks of ``model``; close() leaves no process behind."""
 
@@ -42,7 +31,7 @@ class SupervisorNode:
                  timeout: float = 1.0, threshold: int = 2, log: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.ranks = ranks
-        self.base_port = free_port_range(ranks + 1)
+        self.base_port = free_port_run(ranks + 1)
         self.sport = self.base_port + ranks
         self.interval, self.timeout, self.threshold = interval, timeout, threshold
         self.argv = [sys.executable, "-m", "lbd", "supervise", "--data-parallel-multi-port-external-lb",

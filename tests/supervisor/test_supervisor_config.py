@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from supervisor_harness import free_port_range
+from support import free_port_run
 
 from engine.args import make_parser
 from supervisor.config import parse_args, visible_cuda_devices
@@ -13,7 +13,7 @@ from supervisor.rank import Backoff
 
 
 def _cfg(*extra: str, env: dict[str, str] | None = None):
-    base = free_port_range(5)  # up to 4 ranks, then the health port
+    base = free_port_run(5)  # up to 4 ranks, then the health port
     args = ["--host", "127.0.0.1", "--port", str(base), "--supervisor-host", "127.0.0.1",
             "--data-parallel-supervisor-port", str(base + 4), *extra]
     return base, parse_args(args, env=env or {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
-from supervisor_harness import free_port_range
+from support import free_port_run
 
 from supervisor.config import parse_args
 from supervisor.health import HealthServer
@@ -13,7 +13,7 @@ from supervisor.rank import RankState
 
 
 def _supervisor(*extra: str) -> Supervisor:
-    base = free_port_range(5)  # up to 4 ranks, then the health port
+    base = free_port_run(5)  # up to 4 ranks, then the health port
     return Supervisor(parse_args(["--port", str(base), "--data-parallel-supervisor-port", str(base + 4),
                                   "--device", "cpu", "--data-parallel-size", "2", *extra], env={}))
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from supervisor_harness import free_port_range
+from support import free_port_run
 
 from supervisor.config import port_in_use
 
@@ -43,7 +43,7 @@ def _base_args(base: int, sport: int, size: int = 2, local: int | None = 2) -> l
 
 @pytest.fixture
 def ports() -> tuple[int, int]:
-    base = free_port_range(8)
+    base = free_port_run(8)
     return base, base + 6
 
 
