@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from support import exit_on_sigterm  # noqa: E402
+from support import exit_on_sigterm, tree_usage  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 ANSWER = json.dumps(
@@ -310,26 +310,6 @@ def stop(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def tree_usage(pid: int) -> tuple[float, int]:
-    """(CPU seconds user+system, RSS bytes) of a process and its descendants."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0, 0
-    cpu, rss = 0.0, 0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            cpu += t.user + t.system
-            rss += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return cpu, rss
 
 
 # ---- routers ------------------------------------------------------------------------------------------

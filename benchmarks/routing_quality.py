@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from support import exit_on_sigterm, free_port, free_port_run, spawn, stop, wait_http  # noqa: E402
+from support import exit_on_sigterm, free_port, free_port_run, spawn, stop, tree_usage, wait_http  # noqa: E402
 
 from lbd.bench.client import Target  # noqa: E402
 from lbd.bench.oracle import oracle_hit_rate  # noqa: E402
@@ -183,24 +183,6 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-def _tree_cpu(pids: list[int]) -> float:
-    """CPU seconds used so far by these processes and their descendants."""
-    total = 0.0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-    return total
-
-
 def scrape(fleet: Fleet) -> list[dict[str, float]]:
     out = []
     for url in fleet.urls:
@@ -255,12 +237,12 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
         model = httpx.get(fleet.urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         psutil.cpu_percent(None)
         trees = [os.getpid()]  # this client and its children: the fleet and the router
-        cpu0, t0 = _tree_cpu(trees), time.monotonic()
+        cpu0, t0 = tree_usage(*trees)[0], time.monotonic()
         result: RunResult = asyncio.run(
             run_target(wl.cfg, wl.spec, Target(target, f"http://127.0.0.1:{port}", model), src)
         )
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
-        own_cores = (_tree_cpu(trees) - cpu0) / (time.monotonic() - t0)  # ranks + router + this client
+        own_cores = (tree_usage(*trees)[0] - cpu0) / (time.monotonic() - t0)  # ranks + router + this client
         per_rank = scrape(fleet)
     finally:
         if router is not None:

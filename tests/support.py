@@ -201,6 +201,27 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def tree_usage(*pids: int) -> tuple[float, int]:
+    """(CPU seconds user+system, RSS bytes) so far of these processes and all their descendants."""
+    import psutil
+
+    cpu, rss = 0.0, 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                cpu += t.user + t.system
+                rss += proc.memory_info().rss
+            except psutil.Error:
+                pass
+    return cpu, rss
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so `finally` blocks stop the servers a script started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -283,8 +283,7 @@ def test_sim_engine_latencies_follow_the_profile(tiny_llama: Path, tmp_path: Pat
 @pytest.mark.slow
 def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, tmp_path: Path) -> None:
     import httpx
-    import psutil
-    from support import free_port, free_port_run, spawn, stop, wait_http
+    from support import free_port, free_port_run, spawn, stop, tree_usage, wait_http
 
     n, sup = 16, free_port()
     base = free_port_run(n)
@@ -300,22 +299,11 @@ def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, 
         assert [r["state"] for r in status["ranks"]] == ["ready"] * n
         for port in ports:
             _one_request(f"http://127.0.0.1:{port}")
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-
-        def cpu_seconds() -> float:
-            total = 0.0
-            for p in tree:
-                try:
-                    t = p.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:
-                    pass
-            return total
-
-        before = cpu_seconds()
+        before, _ = tree_usage(proc.pid)
         time.sleep(5.0)
-        idle_share = (cpu_seconds() - before) / 5.0  # in cores
-        rss_gib = sum(p.memory_info().rss for p in tree if p.is_running()) / 2**30
+        after, rss = tree_usage(proc.pid)
+        idle_share = (after - before) / 5.0  # in cores
+        rss_gib = rss / 2**30
         # idle cores block on their sockets and front ends on their event loops: 16 ranks stay < 0.3 core
         print(f"16 idle sim ranks: {idle_share:.3f} cores, {rss_gib:.2f} GiB RSS")
         assert idle_share < 0.3, f"16 idle sim ranks use {idle_share:.2f} cores"
