@@ -55,12 +55,6 @@ def terminate_tree(pid: int, timeout: float = 5.0, sig: int = signal.SIGTERM) ->
     psutil.wait_procs(alive, timeout=1.0)
 
 
-def kill_children(timeout: float = 5.0) -> None:
-    """Terminate every descendant of this process (used on our own shutdown path)."""
-    for child in psutil.Process().children(recursive=False):
-        terminate_tree(child.pid, timeout=timeout)
-
-
 def keep_freed_memory() -> None:
     """Stop glibc from returning every large freed block to the OS (no-op off glibc).
 
