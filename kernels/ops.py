@@ -2,7 +2,8 @@
 
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
-``auto`` (the default) runs Triton for CUDA tensors and the references otherwise. The Triton modules are
+``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C decode attention of
+``kernels.cpu`` when it builds (fp32 caches) and the references for everything else. The Triton modules are
 imported on first use, so a CPU-only process never pays for importing triton.
 """
 
@@ -14,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import cpu as _cpu
 from kernels.metadata import AttentionMetadata
 from kernels.reference import attention as _ref_attn
 from kernels.reference import elementwise as _ref_elem
@@ -92,8 +94,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of query[T, H, d] over the paged cache for a mixed decode+prefill batch."""
-    impl = _tri(query) or _ref_attn
-    return impl.paged_attention(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
+    impl = _tri(query)
+    if impl is None and MODE == "auto" and _cpu.supports(query, key_cache) and _cpu.library() is not None:
+        return _cpu.paged_attention(query, key_cache, value_cache, meta, scale)
+    return (impl or _ref_attn).paged_attention(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int,

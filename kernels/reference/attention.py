@@ -42,7 +42,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, sc
     return _dequantise(g, dtype, scale)
 
 
-def _host_lens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+def host_lens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     if meta.query_lens_cpu is not None:
         return list(meta.query_lens_cpu), list(seq_lens)
@@ -80,15 +80,19 @@ def _prefill_one(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     ids = block_row[: (seq_len + bs - 1) // bs].long()
     k = _gather(key_cache, ids, q.dtype, k_scale)[:seq_len].transpose(0, 1)  # [Hkv, S, d]
     v = _gather(value_cache, ids, q.dtype, v_scale)[:seq_len].transpose(0, 1)
-    qh = q.transpose(0, 1)  # [H, n, d]
-    gqa = k.shape[0] != h
+    # 4-D operands and a float mask: with 3-D ones or a bool mask SDPA falls back to its math path on the
+    # CPU, measured 9x (causal, 512 tokens) to 11x (a chunk after a cached prefix) slower than flash.
+    qh = q.transpose(0, 1)[None]  # [1, H, n, d]
+    k, v = k[None], v[None]
+    gqa = k.shape[1] != h
     if n == seq_len:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > pos[:, None]
+        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 _MAX_BUCKETS = 4
@@ -117,7 +121,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0) -> torch.Tensor:
     """query [T, H, d] -> out [T, H, d]; rows past the batch's tokens (padding) are zero."""
-    query_lens, seq_lens = _host_lens(meta)
+    query_lens, seq_lens = host_lens(meta)
     out = torch.empty_like(query)
     nd = meta.num_decodes
     for rows, max_len in _decode_buckets(seq_lens[:nd]):
@@ -128,8 +132,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             idx = torch.tensor(rows, device=query.device)
             out[idx] = _decode(query[idx], key_cache, value_cache, meta.block_tables[idx], meta.seq_lens[idx],
                                max_len, scale, k_scale, v_scale)
-    start = nd
-    for i in range(nd, len(seq_lens)):
+    attend_prefills(query, key_cache, value_cache, meta, query_lens, seq_lens, scale, out, k_scale, v_scale)
+    return out
+
+
+def attend_prefills(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], scale: float,
+                    out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Fill ``out`` for the batch's prefill rows (after its ``num_decodes`` decodes) and zero the padding."""
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, len(seq_lens)):
         n = query_lens[i]
         if n:
             out[start:start + n] = _prefill_one(query[start:start + n], key_cache, value_cache,
@@ -137,4 +149,3 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         start += n
     if start < query.shape[0]:
         out[start:].zero_()
-    return out

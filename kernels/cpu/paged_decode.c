@@ -1,0 +1,117 @@
+/* Decode attention over a paged KV cache for the CPU, reading K/V in place.
+ *
+ * The torch reference gathers each sequence's blocks into a dense copy before SDPA: for 64 decodes of
+ * ~500 tokens that is ~1.5 GB written and read again per step, more time than the model's matmuls. Here
+ * each sequence walks its block table and reads every K and V row once, in two passes: the scores of all
+ * query heads (a head reads its kv head's part of the row: GQA without copies), a softmax per head
+ * (max-subtracted, the same math as SDPA), then the probability-weighted sum of V rows.
+ * Layouts: q/out [B, H, D] with row strides in floats, caches [num_blocks, BS, Hkv, D] contiguous,
+ * block_tables [B, bt_stride] int32, seq_lens [B] int32 (0 = padding: the output rows are zero).
+ */
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One 64-byte vector per step and a single horizontal sum per dot: left to itself, gcc reduces the
+ * vectorised dot through 16 dependent scalar adds, which made this pass 5x slower than its memory reads. */
+static inline float dot(const float *a, const float *b, int64_t D) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX512F__)
+    __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+    for (; i + 32 <= D; i += 32) {
+        v0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v0);
+        v1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), v1);
+    }
+    for (; i + 16 <= D; i += 16) v0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v0);
+    acc = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+    for (; i + 16 <= D; i += 16) {
+        v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+        v1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), v1);
+    }
+    for (; i + 8 <= D; i += 8) v0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v0);
+    v0 = _mm256_add_ps(v0, v1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v0), _mm256_extractf128_ps(v0, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    acc = _mm_cvtss_f32(h);
+#endif
+    for (; i < D; ++i) acc += a[i] * b[i];
+    return acc;
+}
+
+/* scores s[h * L + t] of every query head against every key of one sequence, block by block: a block's
+ * rows are contiguous (all kv heads of a token side by side), so the reads stream and prefetch well. */
+static void scores(const float *qb, const float *kc, const int32_t *bt, int64_t L, int64_t H, int64_t G,
+                   int64_t D, int64_t BS, int64_t row, float scale, float *s) {
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const float *k = kc + (int64_t)bt[blk] * BS * row;
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j, k += row)
+            for (int64_t h = 0; h < H; ++h) s[h * L + t0 + j] = dot(qb + h * D, k + (h / G) * D, D) * scale;
+    }
+}
+
+static void softmax_rows(float *s, int64_t H, int64_t L) {
+    for (int64_t h = 0; h < H; ++h) {
+        float *r = s + h * L;
+        float m = r[0];
+        for (int64_t t = 1; t < L; ++t) m = r[t] > m ? r[t] : m;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < L; ++t) {
+            r[t] = expf(r[t] - m);
+            sum += r[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < L; ++t) r[t] *= inv;
+    }
+}
+
+/* o[h] = sum_t p[h, t] * v_t: token-outer so each V row is read once for all heads; the H output rows
+ * (a few KB) stay in L1 and their accumulations are independent of each other. */
+static void weighted_values(const float *p, const float *vc, const int32_t *bt, int64_t L, int64_t H,
+                            int64_t G, int64_t D, int64_t BS, int64_t row, float *o) {
+    memset(o, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const float *v = vc + (int64_t)bt[blk] * BS * row;
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j, v += row)
+            for (int64_t h = 0; h < H; ++h) {
+                const float w = p[h * L + t0 + j];
+                const float *vh = v + (h / G) * D;
+                float *oh = o + h * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; ++i) oh[i] += w * vh[i];
+            }
+    }
+}
+
+/* Work items [begin, end) are sequences, so callers split a batch across threads by sequence. */
+int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
+                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
+                         int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                         int64_t begin, int64_t end, int64_t max_len) {
+    const int64_t G = H / Hkv, row = Hkv * D;
+    float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
+    if (s == NULL) return -1;
+    for (int64_t b = begin; b < end; ++b) {
+        const int64_t L = seq_lens[b];
+        float *o = out + b * out_row_stride;
+        if (L <= 0) {
+            memset(o, 0, (size_t)(H * D) * sizeof(float));
+            continue;
+        }
+        const int32_t *bt = block_tables + b * bt_stride;
+        scores(q + b * q_row_stride, kc, bt, L, H, G, D, BS, row, scale, s);
+        softmax_rows(s, H, L);
+        weighted_values(s, vc, bt, L, H, G, D, BS, row, o);
+    }
+    free(s);
+    return 0;
+}

@@ -1,0 +1,78 @@
+"""The C decode attention (kernels.cpu) against the dense fp64 oracle and the torch reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.reference import attention as ref
+from tests.kernels.paged_cases import dense_attention, make_case
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build kernels.cpu")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 80, 32), (6, 2, 32, 8)])
+def test_mixed_batch_matches_dense(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    # decodes of very different lengths (1 token to several blocks), then two prefill chunks
+    lens = [(1, 1), (1, 17), (1, 300), (1, 64), (1, 5), (7, 40), (12, 12)]
+    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                     pad_tokens=3)
+    out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    n = sum(q for q, _ in lens)
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-5, rtol=1e-5)
+    assert out[n:].abs().max() == 0  # padding rows are zero
+
+
+def test_strided_query_and_padding_sequence() -> None:
+    """A query that is a view into a fused qkv row (as in the model), and a seq_len-0 filler row."""
+    case = make_case([(1, 33), (1, 70), (1, 2)], heads=9, kv_heads=3, head_dim=64, block_size=16)
+    qkv = torch.randn(3, (9 + 6) * 64)
+    qkv[:, : 9 * 64] = case.query.reshape(3, -1)
+    query = qkv[:, : 9 * 64].view(3, 9, 64)
+    lens = case.meta.seq_lens.clone()
+    lens[2] = 0
+    out = torch.full_like(case.query, float("nan"))
+    cpu.paged_decode(query, case.key_cache, case.value_cache, case.meta.block_tables, lens, lens.tolist(),
+                     case.scale, out)
+    want = ref.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    torch.testing.assert_close(out[:2], want[:2], atol=1e-5, rtol=1e-5)
+    assert out[2].abs().max() == 0
+
+
+def test_split_balances_work_and_covers_every_sequence() -> None:
+    lens = [500, 10, 10, 10, 480, 5, 5]
+    spans = cpu._split(lens, 2)
+    assert spans[0][0] == 0 and spans[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    shares = [sum(lens[a:b]) for a, b in spans]
+    assert max(shares) < 0.7 * sum(lens)
+    assert cpu._split([3], 4) == [(0, 1)]
+
+
+def test_many_threads_match_one() -> None:
+    case = make_case([(1, n) for n in (90, 400, 33, 250, 1, 128, 77, 512)], heads=9, kv_heads=3, head_dim=64,
+                     block_size=16)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+        torch.set_num_threads(2)
+        two = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
+    code = ("import kernels.cpu as c; from kernels import ops; import torch;"
+            "print(c.library() is None)")
+    env = {"PATH": "/nonexistent", "LBD_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert "no C compiler" in out.stderr
