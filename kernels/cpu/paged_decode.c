@@ -46,15 +46,24 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return acc;
 }
 
+/* Blocks sit anywhere in the cache, so the hardware prefetcher restarts at each one: while a block is read,
+ * the same row of the next block is requested. */
+static inline void prefetch_row(const float *r, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(r + i);
+}
+
 /* scores s[h * L + t] of every query head against every key of one sequence, block by block: a block's
- * rows are contiguous (all kv heads of a token side by side), so the reads stream and prefetch well. */
+ * rows are contiguous (all kv heads of a token side by side), so the reads stream within a block. */
 static void scores(const float *qb, const float *kc, const int32_t *bt, int64_t L, int64_t H, int64_t G,
                    int64_t D, int64_t BS, int64_t row, float scale, float *s) {
     for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
         const float *k = kc + (int64_t)bt[blk] * BS * row;
+        const float *next = t0 + BS < L ? kc + (int64_t)bt[blk + 1] * BS * row : NULL;
         const int64_t n = L - t0 < BS ? L - t0 : BS;
-        for (int64_t j = 0; j < n; ++j, k += row)
+        for (int64_t j = 0; j < n; ++j, k += row) {
+            if (next != NULL) prefetch_row(next + j * row, row);
             for (int64_t h = 0; h < H; ++h) s[h * L + t0 + j] = dot(qb + h * D, k + (h / G) * D, D) * scale;
+        }
     }
 }
 
@@ -73,10 +82,44 @@ static void softmax_rows(float *s, int64_t H, int64_t L) {
     }
 }
 
-/* o[h] = sum_t p[h, t] * v_t: token-outer so each V row is read once for all heads; the H output rows
- * (a few KB) stay in L1 and their accumulations are independent of each other. */
+#if defined(__AVX512F__)
+/* One head's output (n 16-float chunks, unrolled for the common head sizes) held in registers across the
+ * whole context; the head's V rows are re-read from L2 by the other heads of its kv head. */
+static inline __attribute__((always_inline)) void head_values_avx512(const float *p, const float *vc,
+                                                                      const int32_t *bt, int64_t L, int64_t BS,
+                                                                      int64_t row, int64_t head_off, float *o,
+                                                                      const int n) {
+    __m512 acc[8];
+    for (int c = 0; c < n; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const float *v = vc + (int64_t)bt[blk] * BS * row + head_off;
+        const float *next = t0 + BS < L ? vc + (int64_t)bt[blk + 1] * BS * row + head_off : NULL;
+        const int64_t m = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < m; ++j, v += row) {
+            if (next != NULL) prefetch_row(next + j * row, 16 * n);
+            const __m512 w = _mm512_set1_ps(p[t0 + j]);
+            for (int c = 0; c < n; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        }
+    }
+    for (int c = 0; c < n; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+}
+#endif
+
+/* o[h] = sum_t p[h, t] * v_t. The portable loop is token-outer so each V row is read once for all heads;
+ * their accumulations into the (L1-resident) output rows are independent of each other. */
 static void weighted_values(const float *p, const float *vc, const int32_t *bt, int64_t L, int64_t H,
                             int64_t G, int64_t D, int64_t BS, int64_t row, float *o) {
+#if defined(__AVX512F__)
+    if (D == 64 || D == 128) {
+        for (int64_t h = 0; h < H; ++h) {
+            if (D == 64)
+                head_values_avx512(p + h * L, vc, bt, L, BS, row, (h / G) * D, o + h * D, 4);
+            else
+                head_values_avx512(p + h * L, vc, bt, L, BS, row, (h / G) * D, o + h * D, 8);
+        }
+        return;
+    }
+#endif
     memset(o, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
         const float *v = vc + (int64_t)bt[blk] * BS * row;
@@ -92,11 +135,10 @@ static void weighted_values(const float *p, const float *vc, const int32_t *bt, 
     }
 }
 
-/* Work items [begin, end) are sequences, so callers split a batch across threads by sequence. */
-int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
-                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
-                         int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
-                         int64_t begin, int64_t end, int64_t max_len) {
+static int decode_range(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
+                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
+                        int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                        int64_t begin, int64_t end, int64_t max_len) {
     const int64_t G = H / Hkv, row = Hkv * D;
     float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
     if (s == NULL) return -1;
@@ -114,4 +156,20 @@ int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, 
     }
     free(s);
     return 0;
+}
+
+/* All B sequences, spread over the OpenMP threads. Built with -fopenmp, this library needs libgomp.so.1,
+ * which resolves to the one torch already loaded: the same thread pool and thread count
+ * (torch.set_num_threads) as torch's own ops, so no second set of threads spins against them. Sequences
+ * are handed out a few at a time (dynamic), since their lengths differ. */
+int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
+                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
+                         int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                         int64_t B, int64_t max_len) {
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t b = 0; b < B; ++b)
+        failed |= decode_range(q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out, out_row_stride,
+                               H, Hkv, D, BS, scale, b, b + 1, max_len) != 0;
+    return failed ? -1 : 0;
 }

@@ -44,16 +44,6 @@ def test_strided_query_and_padding_sequence() -> None:
     assert out[2].abs().max() == 0
 
 
-def test_split_balances_work_and_covers_every_sequence() -> None:
-    lens = [500, 10, 10, 10, 480, 5, 5]
-    spans = cpu._split(lens, 2)
-    assert spans[0][0] == 0 and spans[-1][1] == len(lens)
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-    shares = [sum(lens[a:b]) for a, b in spans]
-    assert max(shares) < 0.7 * sum(lens)
-    assert cpu._split([3], 4) == [(0, 1)]
-
-
 def test_many_threads_match_one() -> None:
     case = make_case([(1, n) for n in (90, 400, 33, 250, 1, 128, 77, 512)], heads=9, kv_heads=3, head_dim=64,
                      block_size=16)
@@ -66,6 +56,12 @@ def test_many_threads_match_one() -> None:
     finally:
         torch.set_num_threads(old)
     assert torch.equal(one, two)
+
+
+def test_shares_torchs_openmp_runtime() -> None:
+    """One libgomp in the process: the kernel's threads are torch's threads."""
+    maps = open("/proc/self/maps").read()
+    assert len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line}) == 1
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
