@@ -44,7 +44,11 @@ class PrefixAffinity(Policy):
             return Decision(endpoints[pick], "cold", f"no cached prefix; score {scores[pick]:.0f}")
         holders = [i for i, m in enumerate(matches) if m == best]
         holder = holders[self.rotate(ties([scores[i] for i in holders]))]
-        detail = f"{best}/{len(hashes)} chunks, score {scores[holder]:.0f} vs least {least:.0f}"
+        holder_score = scores[holder]
+
+        def detail() -> str:
+            return f"{best}/{len(hashes)} chunks, score {holder_score:.0f} vs least {least:.0f}"
+
         if within_gap(scores[holder], least, self.gap_abs, self.gap_rel):
             return Decision(endpoints[holder], "prefix_hit", detail)
         pick = self.rotate(ties(scores))

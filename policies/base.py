@@ -7,14 +7,15 @@ already computed in the snapshot; randomness comes from a seeded generator the p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RequestFacts:
-    """What the router parsed out of one request (no tokenization: lengths are estimates)."""
+    """What the router parsed out of one request (no tokenization: lengths are estimates). Treat as
+    read-only; not frozen because a frozen dataclass's __init__ costs three times as much (every request)."""
 
     model: str | None = None
     prefix_hashes: tuple[int, ...] = ()  # chained hashes of fixed-size chunks of the request text
@@ -59,16 +60,27 @@ class EndpointSnapshot:
 
 @dataclass(slots=True)
 class Decision:
-    """The chosen endpoint, a low-cardinality ``reason`` (a metric label) and a human ``detail`` line."""
+    """The chosen endpoint, a low-cardinality ``reason`` (a metric label) and a human ``detail`` line.
+
+    ``detail`` may be a function that builds the line: most decisions are never explained to anyone (only
+    ``--debug-headers`` and logs read it), and formatting the numbers on every request costs more than the
+    rest of a cheap policy's decision."""
 
     endpoint: EndpointSnapshot
     reason: str
-    detail: str = ""
+    detail: str | Callable[[], str] = ""
     cost_tokens: float = 0.0  # predicted_ttft: prefill tokens it expected ahead of and in this request
     predicted_s: float = 0.0
 
+    def explain(self) -> str:
+        """The detail line (built now if it was deferred)."""
+        if callable(self.detail):
+            self.detail = self.detail()
+        return self.detail
+
     def line(self) -> str:
-        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+        detail = self.explain()
+        return f"{self.reason}: {detail}" if detail else self.reason
 
 
 def queue_score(ep: EndpointSnapshot, stale_s: float) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from policies.affinity import within_gap
 from policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
 from policies.prefix import CHUNK_CHARS, PrefixIndex
 
@@ -53,46 +52,65 @@ class PredictedTtft(Policy):
         self.index = PrefixIndex(index_capacity)
 
     def uncached_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, int]:
-        matched = self.index.match(ep.key, facts.prefix_hashes) if facts.prefix_hashes else 0
-        return max(0.0, facts.prompt_tokens - matched * CHUNK_CHARS / CHARS_PER_TOKEN), matched
+        if not facts.prefix_hashes:
+            return float(facts.prompt_tokens), 0
+        matched = self.index.match(ep.key, facts.prefix_hashes)
+        uncached = facts.prompt_tokens - matched * CHUNK_CHARS / CHARS_PER_TOKEN
+        return (uncached if uncached > 0.0 else 0.0), matched
 
     def cost(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, float, int]:
-        """(total prefill-token equivalents, this request's uncached tokens, matched chunks)."""
-        own_running = max(0, ep.inflight - ep.unstarted)
-        if ep.fresh(self.stale_s):
-            others_waiting = max(0.0, ep.waiting - ep.unstarted)
-            running = max(ep.running, float(own_running))
-            over = max(0.0, ep.kv_usage - self.kv_threshold) / max(1e-9, 1.0 - self.kv_threshold)
+        """(total prefill-token equivalents, this request's uncached tokens, matched chunks).
+
+        Runs for every endpoint on every request: conditional expressions instead of max() calls."""
+        own_running = ep.inflight - ep.unstarted
+        if own_running < 0:
+            own_running = 0
+        if ep.age_s <= self.stale_s:  # fresh telemetry
+            others_waiting = ep.waiting - ep.unstarted
+            if others_waiting < 0.0:
+                others_waiting = 0.0
+            running = ep.running if ep.running > own_running else float(own_running)
+            over = ep.kv_usage - self.kv_threshold
+            over = over / (1.0 - self.kv_threshold) if over > 0.0 and self.kv_threshold < 1.0 else 0.0
         else:
             others_waiting, running, over = 0.0, float(own_running), 0.0
         uncached, matched = self.uncached_tokens(facts, ep)
-        ahead = ep.unstarted_tokens + others_waiting * self.avg_prompt_tokens
-        total = ahead + running * self.running_tokens + uncached + over * self.kv_penalty_tokens
+        total = (
+            ep.unstarted_tokens
+            + others_waiting * self.avg_prompt_tokens
+            + running * self.running_tokens
+            + uncached
+            + over * self.kv_penalty_tokens
+        )
         return total, uncached, matched
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
+        stale_s = self.stale_s
         costs = [self.cost(facts, e) for e in endpoints]
-        scores = [queue_score(e, self.stale_s) for e in endpoints]
+        scores = [queue_score(e, stale_s) for e in endpoints]
         least = min(scores)
-        allowed = [i for i, s in enumerate(scores) if within_gap(s, least, self.gap_abs, self.gap_rel)]
-        totals = [costs[i][0] for i in allowed]
-        pick = allowed[self.rotate(ties(totals, eps=1e-6))]
-        best_any = min(c[0] for c in costs)
+        bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
+        allowed = [i for i, s in enumerate(scores) if s <= bound]
+        pick = allowed[self.rotate(ties([costs[i][0] for i in allowed], eps=1e-6))]
         ep = endpoints[pick]
         total, uncached, matched = costs[pick]
-        if total > best_any + 1e-6:
+        if len(allowed) < len(costs) and total > min(c[0] for c in costs) + 1e-6:
             reason = "load_gap"
-        elif not ep.fresh(self.stale_s):
+        elif ep.age_s > stale_s:
             reason = "stale_telemetry"
         elif matched and matched == max(c[2] for c in costs):
             reason = "prefix_hit"
         else:
             reason = "lowest_ttft"
-        detail = (
-            f"est {total / self.rate * 1000:.1f} ms ({total:.0f} tok at {self.rate:.0f} tok/s, "
-            f"{uncached:.0f} uncached, {matched} chunks cached)"
-        )
-        return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / self.rate)
+        rate = self.rate
+
+        def detail() -> str:
+            return (
+                f"est {total / rate * 1000:.1f} ms ({total:.0f} tok at {rate:.0f} tok/s, "
+                f"{uncached:.0f} uncached, {matched} chunks cached)"
+            )
+
+        return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / rate)
 
     def charge_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> float:
         return self.uncached_tokens(facts, ep)[0]

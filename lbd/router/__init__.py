@@ -1,1 +1,3 @@
-"""`lbd route`: the cluster router (aiohttp + uvloop) over DP rank endpoints; `policies/` decides."""
+"""`lbd route`: the cluster router (uvloop, llhttp via httptools) over DP rank endpoints.
+
+`policies/` decides where each request goes."""

@@ -10,6 +10,11 @@ from lbd.router.shared import SharedCounters
 from lbd.router.telemetry import Sample
 from policies import EndpointSnapshot
 
+# Endpoint fields the policies' snapshot copies (besides the per-request counters and the sample's age).
+_SNAPSHOT_INPUTS = frozenset(
+    {"url", "rank", "models", "healthy", "routable", "draining", "sample", "prefix_hit_rate"}
+)
+
 
 @dataclass(slots=True)
 class Endpoint:
@@ -35,8 +40,8 @@ class Endpoint:
     base_finished: int = 0
     prefix_hit_rate: float = 0.0
     scrape_errors: int = 0
-    metric_children: dict[str, Any] = field(default_factory=dict)
     snap: EndpointSnapshot | None = None
+    snap_stale: bool = True  # set by __setattr__ when one of _SNAPSHOT_INPUTS changes
 
     @property
     def key(self) -> str:
@@ -80,27 +85,43 @@ class Endpoint:
             return True
         return False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Any change to what the snapshot copies from the endpoint marks the copy stale (rare: scrapes,
+        # probes, supervisor updates); the hot path then copies only the per-request numbers.
+        object.__setattr__(self, name, value)
+        if name in _SNAPSHOT_INPUTS:
+            object.__setattr__(self, "snap_stale", True)
+
     def snapshot(self, shared: SharedCounters, now: float) -> EndpointSnapshot:
         """This endpoint as the policies see it now. One object per endpoint, updated in place (the hot path
-        builds one per endpoint per request); a decision keeps only its key past the current request step."""
+        builds one per endpoint per request); a decision keeps only its key past the current request step.
+        What changes only with scrapes and health is copied only after it changed."""
         d, f, st, dt, stt = shared.sums(self.slot)
+        snap = self.snap
+        if snap is None or self.snap_stale:
+            snap = self._refresh_snapshot()
+        snap.inflight, snap.unstarted, snap.unstarted_tokens = d - f, d - st, dt - stt
+        if self.sample is not None:
+            snap.delta = (d - self.base_dispatched) - (f - self.base_finished)
+            age = now - self.sample_at
+            snap.age_s = age if age > 0.0 else 0.0
+        return snap
+
+    def _refresh_snapshot(self) -> EndpointSnapshot:
         snap = self.snap
         if snap is None or snap.key != self.url:
             snap = self.snap = EndpointSnapshot(key=self.url)
         snap.rank, snap.models = self.rank, self.models
         snap.healthy, snap.draining = self.healthy and self.routable, self.draining
-        snap.inflight, snap.unstarted, snap.unstarted_tokens = d - f, d - st, dt - stt
         s = self.sample
-        if s is None:
-            return snap
-        snap.delta = (d - self.base_dispatched) - (f - self.base_finished)
-        snap.running, snap.waiting, snap.kv_usage = s.running, s.waiting, s.kv_usage
-        snap.prefix_hit_rate, snap.block_size, snap.num_blocks = (
-            self.prefix_hit_rate,
-            s.block_size or 16,
-            s.num_blocks,
-        )
-        snap.age_s = max(0.0, now - self.sample_at)
+        if s is not None:
+            snap.running, snap.waiting, snap.kv_usage = s.running, s.waiting, s.kv_usage
+            snap.prefix_hit_rate, snap.block_size, snap.num_blocks = (
+                self.prefix_hit_rate,
+                s.block_size or 16,
+                s.num_blocks,
+            )
+        object.__setattr__(self, "snap_stale", False)
         return snap
 
     def state(self) -> str:

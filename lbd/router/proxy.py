@@ -3,9 +3,9 @@
 A response's status and headers reach the client only when the upstream's first body bytes do, so an upstream
 that dies or answers 503 before that can still be retried on another endpoint ("before any byte reached the
 client"). After that no retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or
-a cut connection for a sized body). A client that goes away cancels the handler (aiohttp handler
-cancellation): its slot is released in ``finally`` and the upstream connection is closed, which makes the
-engine abort the request and free its KV blocks.
+a cut connection for a sized body). A client that goes away cancels the handler (``lbd.router.server``
+cancels the task of a connection that closes): its slot is released in ``finally`` and the upstream
+connection is closed, which makes the engine abort the request and free its KV blocks.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import os
 from dataclasses import dataclass
 
 import orjson
-from aiohttp import web
 
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
+from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
-from lbd.router.upstream import Response, UpstreamError
+from lbd.router.upstream import Response as UpstreamResponse
+from lbd.router.upstream import UpstreamError
 from policies import Decision, Refusal, RequestFacts, route
 
 log = logging.getLogger("lbd.router")
@@ -46,15 +47,17 @@ _HOP = frozenset(
 # Request headers are forwarded as the client's raw bytes (no decode/encode per header).
 _HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
 _HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
-_RESP_DROP = _HOP | {"date", "server", "x-request-id"}
-_SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent as one Response
+_RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
+_SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
+_JSON = b"Content-Type: application/json\r\n"
 
 
-def error_response(
-    status: int, message: str, etype: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> web.Response:
+def send_error(
+    out: Response, status: int, message: str, etype: str, param: str | None = None, headers: bytes = b""
+) -> None:
+    """An OpenAI-style error answer; ``headers``: extra serialized header lines."""
     body = orjson.dumps({"error": {"message": message, "type": etype, "param": param, "code": status}})
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    out.send(status, _JSON + headers, body)
 
 
 @dataclass(slots=True)
@@ -76,41 +79,36 @@ class Proxy:
         self.loop = asyncio.get_running_loop()
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
         # request costs more than the rest of the id handling together).
-        self._rid_prefix = os.urandom(8).hex()
+        self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
 
     # ---- entry --------------------------------------------------------------------------------------
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: Request, out: Response) -> None:
         t0 = self.loop.time()
-        rid = request.headers.get("X-Request-Id") or f"{self._rid_prefix}{next(self._rid_count):016x}"
-        rid_header = {"X-Request-Id": rid}
-        limit = self.cfg.max_request_body_bytes
-        if request.content_length is not None and request.content_length > limit:
+        rid = request.headers.get("X-Request-Id")
+        if rid:
+            rid_header = b"X-Request-Id: %s\r\n" % rid.encode("latin-1")  # headers decode as latin-1
+        else:
+            rid_header = b"X-Request-Id: %s%016x\r\n" % (self._rid_prefix, next(self._rid_count))
+        if request.too_large:
+            limit = self.cfg.max_request_body_bytes
+            size = f"of {request.content_length} bytes " if request.content_length is not None else ""
             return self._refuse(
+                out,
                 413,
-                f"request body of {request.content_length} bytes is over the {limit}-byte "
-                "limit (--max-request-body-bytes)",
+                f"request body {size}is over the {limit}-byte limit (--max-request-body-bytes)",
                 "RequestTooLargeError",
                 rid_header,
             )
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._refuse(
-                413,
-                f"request body is over the {limit}-byte limit (--max-request-body-bytes)",
-                "RequestTooLargeError",
-                rid_header,
-            )
+        body = request.body
         try:
             if request.method == "POST":
                 facts = parse_facts(body, request.headers, self.cfg.session_header)
             else:
                 facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
         except BadRequest as e:
-            return self._refuse(400, e.message, "BadRequestError", rid_header, e.param)
-        headers = self._forward_headers(request, rid)
-        target = request.raw_path
+            return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        headers = self._forward_headers(request, rid_header)
         exclude: list[str] = []
         failure: Failure | None = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -119,57 +117,64 @@ class Proxy:
                 if failure is None:
                     self.state.metrics.decision(self.cfg.policy, decision.reason)
                     return self._refuse(
-                        decision.status, decision.message, decision.type, rid_header, decision.param
+                        out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
                 break
-            result = await self._attempt(request, decision, facts, body, headers, target, rid, t0)
-            if not isinstance(result, Failure):
-                return result
-            failure = result
+            failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0)
+            if failure is None:
+                return
             out_of_budget = self.loop.time() - t0 > self.cfg.retry_budget_s
             if not failure.retryable or attempt == self.cfg.max_retries or out_of_budget:
                 break
             self.state.metrics.retries.labels(failure.kind).inc()
             exclude.append(decision.endpoint.key)
-            log.info("request %s: %s on %s; retrying elsewhere", rid, failure.kind, decision.endpoint.key)
+            log.info(
+                "request %s: %s on %s; retrying elsewhere",
+                rid_header[14:-2].decode("latin-1"),
+                failure.kind,
+                decision.endpoint.key,
+            )
         assert failure is not None
-        return self._failure_response(failure, rid_header)
+        self._failure_response(out, failure, rid_header)
 
     def _refuse(
-        self, status: int, message: str, etype: str, headers: dict[str, str], param: str | None = None
-    ) -> web.Response:
-        self.state.metrics.requests.labels("none", str(status)).inc()
-        return error_response(status, message, etype, param, headers)
+        self, out: Response, status: int, message: str, etype: str, headers: bytes, param: str | None = None
+    ) -> None:
+        self.state.metrics.request("none", str(status), None)
+        send_error(out, status, message, etype, param, headers)
 
-    def _failure_response(self, f: Failure, headers: dict[str, str]) -> web.Response:
+    def _failure_response(self, out: Response, f: Failure, headers: bytes) -> None:
         if f.body is not None:
-            return web.Response(
-                status=f.status, body=f.body, headers={**headers, "Content-Type": f.content_type}
+            out.send(
+                f.status, b"%sContent-Type: %s\r\n" % (headers, f.content_type.encode("latin-1")), f.body
             )
+            return
         etype = {502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
-        return error_response(f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
+        send_error(out, f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
 
     def _forward_headers(
-        self, request: web.BaseRequest, rid: str, drop: frozenset[bytes] = _HOP_REQ
+        self, request: Request, rid_header: bytes, drop: frozenset[bytes] = _HOP_REQ
     ) -> bytes:
         """The client's raw headers minus hop-by-hop ones, serialized once (Host and Content-Length are added
         by the pool); the request id is set to ours."""
-        parts = [b"%s: %s\r\n" % kv for kv in request.raw_headers if kv[0].lower() not in drop]
-        parts.append(b"X-Request-Id: %s\r\n" % rid.encode("utf-8", "surrogateescape"))
+        h = request.headers
+        parts = [b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True) if name not in drop]
+        parts.append(rid_header)
         return b"".join(parts)
 
     # ---- one try on one endpoint --------------------------------------------------------------------
     async def _attempt(
         self,
-        request: web.BaseRequest,
+        request: Request,
+        out: Response,
         d: Decision,
         facts: RequestFacts,
         body: bytes,
         headers: bytes,
-        target: str,
-        rid: str,
+        rid_header: bytes,
         t0: float,
-    ) -> web.StreamResponse | Failure:
+    ) -> Failure | None:
+        """None when an answer (or the start of one) reached the client."""
         state = self.state
         ep = state.endpoints.get(d.endpoint.key)
         pool = state.pools.get(d.endpoint.key)
@@ -180,13 +185,13 @@ class Proxy:
         state.policy.on_dispatch(facts, ep.url)
         state.metrics.decision(self.cfg.policy, d.reason)
         status = "client_gone"
-        upstream: Response | None = None
+        upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
-            headers = self._forward_headers(request, rid, _HOP_REQ_UNPINNED)
+            headers = self._forward_headers(request, rid_header, _HOP_REQ_UNPINNED)
         try:
             try:
                 upstream = await pool.request(
-                    request.method, target, headers, body, self.cfg.response_timeout_s
+                    request.method, request.raw_path, headers, body, self.cfg.response_timeout_s
                 )
             except TimeoutError:
                 state.fail(ep, "request", "no response headers in time")
@@ -209,12 +214,12 @@ class Proxy:
                 status = str(failure.status)
                 return failure
             ep.record_success("request")
-            answer = await self._relay(request, a, upstream, rid)
-            status = str(answer.status)
-            return answer
-        except _ClientGone as gone:
+            failure = await self._relay(out, a, upstream, rid_header)
+            status = str(failure.status if failure is not None else out.status)
+            return failure
+        except _ClientGone:
             state.metrics.disconnects.labels(ep.url).inc()
-            return gone.response
+            return None
         except asyncio.CancelledError:
             state.metrics.disconnects.labels(ep.url).inc()
             raise
@@ -224,21 +229,9 @@ class Proxy:
             if not a.started:
                 state.shared.start(ep.slot, a.charge)
             state.shared.finish(ep.slot)
-            self._count(ep, status, self.loop.time() - t0)
+            state.metrics.request(ep.url, status, self.loop.time() - t0)
 
-    def _count(self, ep: Endpoint, status: str, seconds: float) -> None:
-        """requests_total and the latency histogram, with the labelled children cached on the endpoint."""
-        children = ep.metric_children
-        counter = children.get(status)
-        if counter is None:
-            counter = children[status] = self.state.metrics.requests.labels(ep.url, status)
-        counter.inc()
-        hist = children.get("latency")
-        if hist is None:
-            hist = children["latency"] = self.state.metrics.latency.labels(ep.url)
-        hist.observe(seconds)
-
-    async def _upstream_5xx(self, ep: Endpoint, upstream: Response) -> Failure:
+    async def _upstream_5xx(self, ep: Endpoint, upstream: UpstreamResponse) -> Failure:
         try:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
                 data = await upstream.read()
@@ -257,23 +250,27 @@ class Proxy:
             upstream.status, f"upstream {ep.url} answered {upstream.status}", kind, True, data or None, ctype
         )
 
-    def _response_headers(self, upstream: Response, d: Decision, rid: str) -> list[tuple[str, str]]:
-        out = [kv for kv in upstream.headers if kv[0].lower() not in _RESP_DROP]
-        out.append(("X-Request-Id", rid))
+    def _response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
+        """The upstream's raw headers minus hop-by-hop ones, plus ours, serialized."""
+        parts = [b"%s: %s\r\n" % kv for kv in upstream.raw_headers if kv[0].lower() not in _RESP_DROP]
+        parts.append(rid_header)
         if self.cfg.debug_headers:
-            out.append(("x-lbd-endpoint", d.endpoint.key))
-            out.append(("x-lbd-route-reason", d.line()))
-        return out
+            extra = (("x-lbd-endpoint", d.endpoint.key), ("x-lbd-route-reason", d.line()))
+            parts.append(serialize_headers(extra))
+        return b"".join(parts)
 
     async def _relay(
-        self, request: web.BaseRequest, a: _Attempt, upstream: Response, rid: str
-    ) -> web.StreamResponse | Failure:
+        self, out: Response, a: _Attempt, upstream: UpstreamResponse, rid_header: bytes
+    ) -> Failure | None:
         """Pass the answer through; a failure before its first byte is still retryable."""
         idle = self.cfg.stream_idle_timeout_s
         length = upstream.content_length
-        small = length is not None and length <= _SMALL_BODY and not upstream.chunked
+        # sized and small, or already whole (a 204 or 304 has no body: it must not be sent as a chunked one)
+        small = (length is not None and length <= _SMALL_BODY and not upstream.chunked) or upstream.complete
         try:
-            first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
+            first = upstream.take_whole() if small else None
+            if first is None:
+                first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
         except (UpstreamError, TimeoutError) as e:
             gone = not isinstance(e, TimeoutError)
             self.state.fail(a.ep, "request", f"{type(e).__name__} before the first byte")
@@ -291,77 +288,103 @@ class Proxy:
         if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
             self.state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
-        headers = self._response_headers(upstream, a.decision, rid)
-        if small:
-            return web.Response(status=upstream.status, body=first, headers=headers)
-        out = web.StreamResponse(status=upstream.status, headers=headers)
-        if length is not None:
-            out.content_length = length
+        headers = self._response_headers(upstream, a.decision, rid_header)
         try:
-            await out.prepare(request)
+            if small:
+                out.send(upstream.status, headers, first)
+                return None
+            out.start(upstream.status, headers, length)
         except ConnectionResetError:
-            raise _ClientGone(out) from None
-        await self._pump(request, out, upstream, first, a.ep.url, idle)
-        return out
+            raise _ClientGone() from None
+        await self._pump(out, upstream, first, a.ep.url, idle)
+        return None
 
     async def _pump(
-        self,
-        request: web.BaseRequest,
-        out: web.StreamResponse,
-        upstream: Response,
-        chunk: bytes,
-        url: str,
-        idle: float,
+        self, out: Response, upstream: UpstreamResponse, chunk: bytes, url: str, idle: float
     ) -> None:
+        """Copy the stream; a gap of ``idle`` s (waiting on the upstream or on a slow client) ends it."""
+        task = asyncio.current_task()
+        assert task is not None
+        dog = _Watchdog(self.loop, idle, task)
         try:
-            async with asyncio.timeout(idle) as timer:
-                while chunk:
-                    try:
-                        await out.write(chunk)
-                    except ConnectionResetError:
-                        raise _ClientGone(out) from None
-                    timer.reschedule(self.loop.time() + idle)
-                    chunk = await upstream.read_chunk()
-        except (UpstreamError, TimeoutError) as e:
-            await self._end_broken_stream(request, out, upstream, url, e)
+            while chunk:
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError:
+                    raise _ClientGone() from None
+                dog.last = self.loop.time()
+                chunk = await upstream.read_chunk()
+        except asyncio.CancelledError:
+            if not dog.fired:
+                raise
+            task.uncancel()
+            await self._end_broken_stream(out, upstream, url, TimeoutError())
             return
+        except UpstreamError as e:
+            await self._end_broken_stream(out, upstream, url, e)
+            return
+        finally:
+            dog.cancel()
         try:
-            await out.write_eof()
+            out.end()
         except ConnectionResetError:
-            raise _ClientGone(out) from None
+            raise _ClientGone() from None
 
     async def _end_broken_stream(
-        self,
-        request: web.BaseRequest,
-        out: web.StreamResponse,
-        upstream: Response,
-        url: str,
-        e: BaseException,
+        self, out: Response, upstream: UpstreamResponse, url: str, e: BaseException
     ) -> None:
         """After bytes went out no retry is possible: end the stream with a clear error."""
         what = "stalled" if isinstance(e, TimeoutError) else "failed"
         self.state.metrics.upstream_errors.labels(url, "mid_stream").inc()
         log.warning("upstream %s %s mid-stream: %s", url, what, type(e).__name__)
-        try:
-            if "text/event-stream" in upstream.content_type:
-                err = {
-                    "error": {
-                        "message": f"upstream {what} mid-stream ({type(e).__name__}); the response is "
-                        "incomplete",
-                        "type": "BadGatewayError",
-                        "param": None,
-                        "code": 502,
-                    }
+        sse = "text/event-stream" in upstream.content_type and upstream.content_length is None
+        if sse and not out.backed_up:  # (a client that stopped reading would never take the error event)
+            err = {
+                "error": {
+                    "message": f"upstream {what} mid-stream ({type(e).__name__}); the response is incomplete",
+                    "type": "BadGatewayError",
+                    "param": None,
+                    "code": 502,
                 }
+            }
+            try:
                 await out.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
-                await out.write_eof()
+                out.end()
                 return
-        except ConnectionResetError:
-            raise _ClientGone(out) from None
+            except ConnectionResetError:
+                raise _ClientGone() from None
         # A sized or non-SSE body: cut the connection so the client cannot take a truncated body for whole.
-        if request.transport is not None:
-            request.transport.abort()
-        raise _ClientGone(out)
+        out.abort()
+        raise _ClientGone()
+
+
+class _Watchdog:
+    """Cancels ``task`` once ``last`` (loop time, set by the caller per event) is ``idle`` s old.
+
+    One timer per stream, moved only when it fires early: per event the caller just stores the time, where
+    rescheduling a timeout per chunk (asyncio.timeout) cancelled and created a timer handle per token."""
+
+    __slots__ = ("loop", "idle", "task", "last", "fired", "_handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float, task: asyncio.Task[object]) -> None:
+        self.loop, self.idle, self.task = loop, idle, task
+        self.last = loop.time()
+        self.fired = False
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self.last + idle, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.idle
+        if self.loop.time() < due:
+            self._handle = self.loop.call_at(due, self._check)
+            return
+        self._handle = None
+        self.fired = True
+        self.task.cancel()
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 @dataclass(slots=True)
@@ -374,8 +397,4 @@ class _Attempt:
 
 
 class _ClientGone(Exception):
-    """The client is gone (or the connection was cut on purpose): hand aiohttp the started response."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__()
-        self.response = response
+    """The client is gone (or the connection was cut on purpose) after the answer began."""

@@ -83,23 +83,24 @@ class SharedCounters:
         i = self._base(self.worker, slot) + field
         self._q[i] += amount
 
+    # dispatch/start/finish/sums run on every request: the row offset is computed inline, not via _base.
     def dispatch(self, slot: int, tokens: int) -> None:
-        base = self._base(self.worker, slot)
-        self._q[base + DISPATCHED] += 1
-        self._q[base + DISPATCHED_TOKENS] += tokens
+        q, base = self._q, self.slots * (1 + self.worker * FIELDS) + slot * FIELDS
+        q[base + DISPATCHED] += 1
+        q[base + DISPATCHED_TOKENS] += tokens
 
     def start(self, slot: int, tokens: int) -> None:
-        base = self._base(self.worker, slot)
-        self._q[base + STARTED] += 1
-        self._q[base + STARTED_TOKENS] += tokens
+        q, base = self._q, self.slots * (1 + self.worker * FIELDS) + slot * FIELDS
+        q[base + STARTED] += 1
+        q[base + STARTED_TOKENS] += tokens
 
     def finish(self, slot: int) -> None:
-        self._q[self._base(self.worker, slot) + FINISHED] += 1
+        self._q[self.slots * (1 + self.worker * FIELDS) + slot * FIELDS + FINISHED] += 1
 
     def sums(self, slot: int) -> tuple[int, int, int, int, int]:
         """(dispatched, finished, started, dispatched_tokens, started_tokens) summed over the workers."""
         q = self._q
-        base = self._base(0, slot)
+        base = self.slots + slot * FIELDS
         if self.workers == 1:
             return q[base], q[base + 1], q[base + 2], q[base + 3], q[base + 4]
         d = f = s = dt = st = 0

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 1 << 20  # pause reading the upstream when this much body waits for a slow client
+_SWEEP_S = 0.02  # how often a pool checks its requests' response-head deadlines
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -42,9 +43,9 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[Response] | None = None  # the current request's response head
-        self.timer: asyncio.TimerHandle | None = None  # bounds the wait for the head
+        self.deadline = 0.0  # loop time by which the response head must have arrived
         self.resp: Response | None = None
-        self.headers: list[tuple[str, str]] = []
+        self.headers: list[tuple[bytes, bytes]] = []
         self.head_request = False
         self.got_bytes = False
 
@@ -76,7 +77,7 @@ class _Conn(asyncio.Protocol):
 
     # -- llhttp callbacks --
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.headers.append((name, value))  # raw: the proxy filters and forwards bytes
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -113,16 +114,15 @@ class _Conn(asyncio.Protocol):
         self.abort()
 
     def _stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.pool.waiting.discard(self)
 
     def send(self, head: bytes, body: bytes, head_request: bool, timeout: float) -> asyncio.Future[Response]:
         """Write the request; the future gets the response head, or TimeoutError after ``timeout`` s."""
         self.resp, self.got_bytes, self.head_request = None, False, head_request
         loop = self.pool.loop
         self.waiter = loop.create_future()
-        self.timer = loop.call_at(loop.time() + timeout, _expire, self.waiter)
+        self.deadline = loop.time() + timeout
+        self.pool.wait_for_head(self)
         assert self.transport is not None
         if body:
             self.transport.writelines((head, body))
@@ -144,12 +144,13 @@ class _Conn(asyncio.Protocol):
 
 
 class Response:
-    """Status, headers (raw list: order and case kept), the body as it arrives (``read_chunk`` until b"")."""
+    """Status, headers (``raw_headers``: byte pairs, order and case kept; ``headers``: the same decoded), the
+    body as it arrives (``read_chunk`` until b"")."""
 
     __slots__ = (
         "_conn",
         "status",
-        "headers",
+        "raw_headers",
         "content_type",
         "content_length",
         "chunked",
@@ -164,20 +165,20 @@ class Response:
         "_paused",
     )
 
-    def __init__(self, conn: _Conn, status: int, headers: list[tuple[str, str]]) -> None:
+    def __init__(self, conn: _Conn, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._conn = conn
-        self.status, self.headers = status, headers
+        self.status, self.raw_headers = status, headers
         self.content_type = ""
         self.content_length: int | None = None
         self.chunked = False
         for k, v in headers:  # the few headers the proxy decides on (llhttp validated the framing ones)
-            k = k.lower()
-            if k == "content-type":
-                self.content_type = v
-            elif k == "content-length":
+            n = len(k)
+            if n == 12 and k.lower() == b"content-type":
+                self.content_type = v.decode("latin-1")
+            elif n == 14 and k.lower() == b"content-length":
                 self.content_length = int(v)
-            elif k == "transfer-encoding":
-                self.chunked = "chunked" in v.lower()  # else (gzip alone) the body runs until close
+            elif n == 17 and k.lower() == b"transfer-encoding":
+                self.chunked = b"chunked" in v.lower()  # else (gzip alone) the body runs until close
         self.until_close = self.content_length is None and not self.chunked
         self.keep_alive = True
         self.complete = False
@@ -187,6 +188,10 @@ class Response:
         self._error: UpstreamError | None = None
         self._released = False
         self._paused = False
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
 
     def _wake(self) -> None:
         w = self._waiter
@@ -235,8 +240,20 @@ class Response:
             self._conn.transport.resume_reading()
         return data
 
+    def take_whole(self) -> bytes | None:
+        """The whole body if it has all arrived (the usual small answer), without a coroutine; else None."""
+        if not self.complete or self._error is not None or self._paused:
+            return None
+        chunks, self._chunks = self._chunks, []
+        self._size = 0
+        self.release()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     async def read(self, timeout: float | None = None) -> bytes:
         """The whole body; ``timeout`` bounds each wait for more bytes."""
+        whole = self.take_whole()
+        if whole is not None:
+            return whole
         parts = []
         while chunk := await self.read_chunk(timeout):
             parts.append(chunk)
@@ -263,6 +280,23 @@ class UpstreamPool:
         self.host_header = parts.netloc.encode("latin-1")
         self.connect_timeout = connect_timeout
         self.idle: list[_Conn] = []
+        # Connections waiting for a response head, checked against their deadlines every _SWEEP_S while
+        # any wait: a timer handle per request (created, then cancelled) cost more than the sweeps.
+        self.waiting: set[_Conn] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def wait_for_head(self, conn: _Conn) -> None:
+        self.waiting.add(conn)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(_SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in [c for c in self.waiting if c.deadline <= now]:
+            self.waiting.discard(conn)
+            if conn.waiter is not None:
+                _expire(conn.waiter)
+        self._sweeper = self.loop.call_later(_SWEEP_S, self._sweep) if self.waiting else None
 
     def forget(self, conn: _Conn) -> None:
         if conn in self.idle:
@@ -292,27 +326,28 @@ class UpstreamPool:
             len(body),
         )
         head_request = method == "HEAD"
-        while self.idle:
-            conn = self.idle.pop()
-            if conn.closed:
-                continue
-            try:
-                return await self._send(conn, head, body, head_request, timeout)
-            except UpstreamError as e:
-                if not e.before_response:
-                    raise
-                # a kept-alive connection the upstream had just closed: not the endpoint's fault; fresh one
-        return await self._send(await self._connect(), head, body, head_request, timeout)
-
-    @staticmethod
-    async def _send(conn: _Conn, head: bytes, body: bytes, head_request: bool, timeout: float) -> Response:
+        conn: _Conn | None = None
         try:
+            while self.idle:
+                conn = self.idle.pop()
+                if conn.closed:
+                    continue
+                try:
+                    return await conn.send(head, body, head_request, timeout)
+                except UpstreamError as e:
+                    if not e.before_response:
+                        raise
+                    # a kept-alive connection the upstream had just closed: not the endpoint's fault
+                    conn.abort()
+            conn = None
+            conn = await self._connect()
             return await conn.send(head, body, head_request, timeout)
-        except BaseException:
-            conn.abort()
+        except BaseException:  # timeout, failure or cancellation: the connection is in an unknown state
+            if conn is not None:
+                conn.abort()
             raise
 
     def close(self) -> None:
         for conn in self.idle:
             conn.abort()
-        self.idle.clear()
+        self.idle.clear()  # requests still in flight keep their deadlines: the sweeps stop when they end

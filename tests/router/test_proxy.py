@@ -384,11 +384,18 @@ async def test_workers_share_one_port_and_their_load_view(start_router, workers:
         ranks = [json.loads(x.content)["rank"] for x in res]
         counts = {k: ranks.count(k) for k in range(3)}
         assert 3 <= counts[0] <= 6 and 12 <= counts[1] <= 14 and 12 <= counts[2] <= 14, counts
-        text = await r.metrics()
-        total = sum(
-            metric_value(text, "lbd_router_requests_total", endpoint=u.url, status="200") for u in ups
-        )
-        assert total == 30  # counters from both workers are summed
+        # Counters from both workers are summed; each worker flushes its tally into the shared files every
+        # 100 ms, so the other worker's last requests may take that long to appear.
+        deadline = time.monotonic() + 2.0
+        while True:
+            text = await r.metrics()
+            total = sum(
+                metric_value(text, "lbd_router_requests_total", endpoint=u.url, status="200") for u in ups
+            )
+            if total == 30 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert total == 30
         assert sum(metric_value(text, "lbd_router_inflight_requests", endpoint=u.url) for u in ups) == 0
         pids = {line for line in r.log_text().splitlines() if "listening on" in line}
         assert len(pids) == workers

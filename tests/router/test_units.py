@@ -84,3 +84,25 @@ def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:
     assert (t.inflight, t.unstarted, t.unstarted_tokens) == (1, 0, 0)
     c.finish(a)
     assert c.totals(a).inflight == 0 and c.totals(b).dispatched == 0
+
+
+def test_endpoint_snapshot_follows_every_change_after_it_was_cached() -> None:
+    from lbd.router.endpoints import Endpoint
+
+    c = SharedCounters(workers=1, slots=8)
+    ep = Endpoint(url="http://a:1", source="static", slot=c.slot("http://a:1"))
+    snap = ep.snapshot(c, now=10.0)
+    assert snap.healthy and snap.rank is None and snap.age_s == float("inf")
+    ep.take_sample(parse_metrics(ENGINE_TEXT), began_at=9.5, base_dispatched=0, base_finished=0)
+    c.dispatch(ep.slot, 10)
+    snap = ep.snapshot(c, now=10.0)  # the same object, refreshed
+    assert (snap.rank, snap.waiting, snap.running, snap.kv_usage) == (3, 5.0, 2.0, 0.25)
+    assert (snap.inflight, snap.delta, snap.unstarted_tokens, snap.age_s) == (1, 1, 10, 0.5)
+    ep.healthy = False
+    assert not ep.snapshot(c, now=10.0).healthy
+    ep.healthy, ep.draining = True, True
+    assert ep.snapshot(c, now=10.0).healthy and ep.snapshot(c, now=10.0).draining
+    ep.routable, ep.draining = False, False
+    assert not ep.snapshot(c, now=10.0).healthy
+    ep.models = frozenset({"x"})
+    assert ep.snapshot(c, now=11.0).models == {"x"} and ep.snapshot(c, now=11.0).age_s == 1.5
