@@ -67,9 +67,56 @@ static void scores(const float *qb, const float *kc, const int32_t *bt, int64_t 
     }
 }
 
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (softmax inputs after the max is subtracted): x = n ln2 + r, |r| <= ln2/2, and
+ * exp(r) by Cephes' degree-7 polynomial (~1 ulp). libm's expf is scalar here (glibc's vector variants are
+ * declared only under -ffast-math) and took a quarter of the kernel's time. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));  /* below this exp is 0 in fp32 anyway */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 static void softmax_rows(float *s, int64_t H, int64_t L) {
     for (int64_t h = 0; h < H; ++h) {
         float *r = s + h * L;
+#if defined(__AVX512F__)
+        if (L >= 16) {
+            __m512 mv = _mm512_loadu_ps(r);
+            int64_t t = 16;
+            for (; t + 16 <= L; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(r + t));
+            float m = _mm512_reduce_max_ps(mv);
+            for (; t < L; ++t) m = r[t] > m ? r[t] : m;
+            const __m512 mb = _mm512_set1_ps(m);
+            __m512 sv = _mm512_setzero_ps();
+            for (t = 0; t + 16 <= L; t += 16) {
+                const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(r + t), mb));
+                _mm512_storeu_ps(r + t, e);
+                sv = _mm512_add_ps(sv, e);
+            }
+            if (t < L) {
+                const __mmask16 k = (__mmask16)((1u << (L - t)) - 1);
+                const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + t), mb));
+                _mm512_mask_storeu_ps(r + t, k, e);
+                sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+            for (t = 0; t + 16 <= L; t += 16) _mm512_storeu_ps(r + t, _mm512_mul_ps(_mm512_loadu_ps(r + t), inv));
+            for (; t < L; ++t) r[t] *= _mm512_cvtss_f32(inv);
+            continue;
+        }
+#endif
         float m = r[0];
         for (int64_t t = 1; t < L; ++t) m = r[t] > m ? r[t] : m;
         float sum = 0.0f;
