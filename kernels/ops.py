@@ -2,9 +2,9 @@
 
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
-``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C decode attention of
-``kernels.cpu`` when it builds (fp32 caches) and the references for everything else. The Triton modules are
-imported on first use, so a CPU-only process never pays for importing triton.
+``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
+when they build (fp32: decode attention, RMSNorm, SiLU-and-mul, neox rotary) and the references for the
+rest. The Triton modules are imported on first use, so a CPU-only process never pays for importing triton.
 """
 
 from __future__ import annotations
@@ -64,23 +64,36 @@ def _tri(t: torch.Tensor) -> ModuleType | None:
     return _triton_mod
 
 
+def _cpu_c(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernels of ``kernels.cpu`` take these (fp32, CPU) tensors."""
+    return MODE == "auto" and _cpu.elementwise_ok(*tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight; with ``residual``: returns (norm(x + residual) * weight, x + residual)."""
-    impl = _tri(x) or _ref_elem
-    return impl.rms_norm(x, weight, eps, residual)
+    impl = _tri(x)
+    rows = (x,) if residual is None else (x, residual)
+    if impl is None and weight.dtype == torch.float32 and _cpu_c(*rows):
+        return _cpu.rms_norm(x, weight, eps, residual)
+    return (impl or _ref_elem).rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return (_tri(x) or _ref_elem).silu_and_mul(x)
+    impl = _tri(x)
+    if impl is None and _cpu_c(x):
+        return _cpu.silu_and_mul(x)
+    return (impl or _ref_elem).silu_and_mul(x)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
                      head_dim: int, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q[T, H*d] and k[T, Hkv*d] in place by ``cos_sin[positions]``; returns (q, k)."""
-    impl = _tri(q) or _ref_rotary
-    return impl.rotary_embedding(positions, q, k, cos_sin, head_dim, is_neox)
+    impl = _tri(q)
+    if impl is None and is_neox and cos_sin.dtype == torch.float32 and _cpu_c(q, k):
+        return _cpu.rotary_neox(positions, q, k, cos_sin, head_dim)
+    return (impl or _ref_rotary).rotary_embedding(positions, q, k, cos_sin, head_dim, is_neox)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,100 +1,30 @@
-"""C kernels for the CPU hot path, built with the system C compiler at first use and loaded with ctypes.
+"""C kernels for the CPU hot path (fp32), with the torch references as the fallback.
 
-Why C and not torch: decode attention over a paged cache in torch must gather every sequence's blocks into a
-dense copy first; in C each row is read in place (see ``paged_decode.c``). Why ctypes and not a torch
-extension: a plain C file with no torch headers compiles in well under a second, so the engine can build it
-at start-up on any machine with ``cc``; the ``.so`` is cached per source, flags and CPU under
-``$LBD_CACHE_DIR/kernels`` (default ``~/.cache/lbd/kernels``). Without a compiler, or when the build fails,
-``library()`` returns None and callers keep the torch reference (logged once).
-
-Threads: the kernel is OpenMP; its ``libgomp.so.1`` resolves to the copy torch has loaded, so it shares
-torch's thread pool and ``torch.set_num_threads``. (A Python thread pool splitting the batch, tried first,
-lost ~0.8 ms per layer waiting for its worker while torch's OpenMP threads spun on the same cores.)
+Why C: decode attention over a paged cache in torch must gather every sequence's blocks into a dense copy
+first; in C each row is read in place (``paged_decode.c``). The per-token ops of a layer (RMSNorm with the
+residual add, SiLU-and-mul, rotary) are a few torch ops each, and at decode batch sizes torch's per-op
+dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). How they are built and
+loaded: ``kernels.cpu.build``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
+from kernels.cpu.build import library
 from kernels.metadata import AttentionMetadata
 from kernels.reference import attention as _ref
 
-logger = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_lib: ctypes.CDLL | None = None
-_tried = False
 
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LBD_CACHE_DIR") or str(Path.home() / ".cache" / "lbd")
-    return Path(root) / "kernels"
-
-
-def _cpu_key() -> bytes:
-    """The CPU's feature flags: a .so built with -march=native must not run on another CPU."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return os.uname().machine.encode()
-
-
-def _build(cc: str) -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{digest}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(tmp, target)  # atomic: ranks building at once all end with one whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or LBD_CPU_KERNELS=0)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("LBD_CPU_KERNELS", "1") == "0":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.warning("no C compiler (cc/gcc) found: CPU decode attention uses the slower torch reference")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("building the CPU kernels failed (%s %s): using the torch reference", e,
-                       detail.decode(errors="replace")[-500:])
-        return None
-    fn = lib.lbd_paged_decode_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64,
-                   _I64]
-    _lib = lib
+def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kernels.cpu could not be built: check library() before calling its kernels")
     return lib
+
+
+__all__ = ["library", "supports", "paged_decode", "paged_attention", "elementwise_ok", "rms_norm",
+           "silu_and_mul", "rotary_neox"]
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -106,8 +36,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], scale: float,
                  out: torch.Tensor) -> None:
     """out[b] = attention of query[b] ([B, H, d]) over sequence b's first ``lens[b]`` cached tokens."""
-    lib = library()
-    assert lib is not None
+    lib = _loaded()
     b, h, d = query.shape
     _, bs, hkv, _ = key_cache.shape
     tables = block_tables[:b].to(torch.int32).contiguous()
@@ -131,3 +60,47 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                      scale, out)
     _ref.attend_prefills(query, key_cache, value_cache, meta, query_lens, seq_lens, scale, out)
     return out
+
+
+def elementwise_ok(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU tensors whose rows are dense (any row stride), and the kernels loaded."""
+    return all(t.dtype == torch.float32 and not t.is_cuda and t.dim() == 2 and t.stride(1) == 1
+               for t in tensors) and library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract for x [T, D]: norm(x), or (norm(x + residual), x + residual)."""
+    t, d = x.shape
+    out = torch.empty((t, d), dtype=x.dtype)
+    lib = _loaded()
+    if residual is None:
+        lib.lbd_rms_norm_f32(x.data_ptr(), x.stride(0), None, None, weight.data_ptr(), out.data_ptr(), t, d,
+                             eps)
+        return out
+    residual = residual.contiguous()
+    new_residual = torch.empty((t, d), dtype=x.dtype)
+    lib.lbd_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), new_residual.data_ptr(),
+                         weight.data_ptr(), out.data_ptr(), t, d, eps)
+    return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    t, two_i = x.shape
+    out = torch.empty((t, two_i // 2), dtype=x.dtype)
+    lib = _loaded()
+    lib.lbd_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, two_i // 2)
+    return out
+
+
+def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq*d] and k [T, Hk*d] in place (neox layout) by ``cos_sin[positions]``."""
+    pos = positions.reshape(-1).to(torch.int64).contiguous()
+    table = cos_sin.contiguous()
+    lib = _loaded()
+    lib.lbd_rotary_neox_f32(pos.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                            table.data_ptr(), pos.numel(), q.shape[1] // head_dim, k.shape[1] // head_dim,
+                            head_dim, table.shape[1])
+    return q, k

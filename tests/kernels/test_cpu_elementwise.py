@@ -1,0 +1,58 @@
+"""The C RMSNorm, SiLU-and-mul and rotary (kernels.cpu) against the torch references, and their dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu, ops
+from kernels.reference import elementwise as ref_elem
+from kernels.reference import rotary as ref_rotary
+from kernels.rope_cache import build_rope_cache
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build kernels.cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the threshold where rows go parallel
+def test_rms_norm_matches_reference(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    fused = torch.randn(rows, 960, generator=g) * 3
+    x = fused[:, :576]  # rows of a wider buffer, as a projection's output slice would be
+    weight, residual = torch.randn(576, generator=g), torch.randn(rows, 576, generator=g)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), ref_elem.rms_norm(x, weight, 1e-5),
+                               atol=1e-5, rtol=1e-5)
+    out, new_residual = cpu.rms_norm(x, weight, 1e-6, residual)
+    want, want_residual = ref_elem.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(new_residual, want_residual)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul_matches_reference(rows: int) -> None:
+    x = torch.randn(rows, 2 * 1536) * 4
+    torch.testing.assert_close(cpu.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "rot_dim"), [(64, 64), (128, 64)])  # full and partial rotary
+def test_rotary_matches_reference(head_dim: int, rot_dim: int) -> None:
+    table = build_rope_cache(rot_dim, 256, 10000.0, None, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(40, (8 + 2 * 2) * head_dim)
+    positions = torch.randint(0, 256, (40,))
+    v_before = qkv[:, 10 * head_dim :].clone()
+    want_q, want_k = qkv[:, : 8 * head_dim].clone(), qkv[:, 8 * head_dim : 10 * head_dim].clone()
+    ref_rotary.rotary_embedding(positions, want_q, want_k, table, head_dim)
+    q, k = qkv[:, : 8 * head_dim], qkv[:, 8 * head_dim : 10 * head_dim]
+    cpu.rotary_neox(positions, q, k, table, head_dim)  # in place, on views into the fused buffer
+    torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, want_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 10 * head_dim :], v_before)  # v, beside k in the same rows, untouched
+
+
+def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
+    x = torch.randn(4, 32)
+    assert cpu.elementwise_ok(x)
+    assert not cpu.elementwise_ok(x.double())
+    assert not cpu.elementwise_ok(x.t())  # columns, not rows, are contiguous
+    half = torch.randn(4, 32, dtype=torch.float16)  # other dtypes still go to the reference
+    out = ops.rms_norm(half, torch.ones(32, dtype=torch.float16), 1e-5)
+    assert out.dtype == torch.float16
