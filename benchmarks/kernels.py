@@ -7,7 +7,7 @@ exits 0.
 
     .venv/bin/python benchmarks/kernels.py                      # print the table
     .venv/bin/python benchmarks/kernels.py --write benchmarks/RESULTS.md
-    .venv/bin/python benchmarks/kernels.py --cpu                # the torch references on this CPU instead
+    .venv/bin/python benchmarks/kernels.py --cpu                # this CPU: torch references vs kernels.cpu
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -168,37 +169,50 @@ def cpu_ms(fn: Callable[[], object], n: int = 50) -> tuple[float, float]:
 
 
 def cpu_references(threads: int) -> None:
-    """The CPU serving path: torch references at SmolLM2-135M's shapes (9/3 heads, d64, hidden 576)."""
+    """The CPU serving path at SmolLM2-135M's shapes (9/3 heads, d64, hidden 576): the torch references and,
+    where one exists, the C kernel of ``kernels.cpu`` on the same inputs, side by side."""
+    from kernels import cpu
     from kernels.reference import attention, elementwise, moe, rotary
     from kernels.rope_cache import build_rope_cache
 
     torch.set_num_threads(threads)
+    c = cpu.library() is not None
     heads, kv_heads, d, hidden = 9, 3, 64, 576
-    cases: list[tuple[str, Callable[[], object]]] = []
+    cases: list[tuple[str, Callable[[], object], Callable[[], object] | None]] = []
     for label, lens in (("decode 32 seqs x 256 ctx", [(1, 256)] * 32),
+                        ("decode 64 seqs x 450 ctx", [(1, 450)] * 64),
                         ("prefill 4 x 128 new + 1 x 64 on a 192 prefix", [(128, 128)] * 4 + [(64, 256)])):
         q, kc, vc, meta = _paged_cpu(lens, heads, kv_heads, d)
-        def attend(q=q, kc=kc, vc=vc, meta=meta) -> torch.Tensor:
-            return attention.paged_attention(q, kc, vc, meta, d**-0.5)
-
-        cases.append((f"paged_attention {label}", attend))
-    x, r, w = torch.randn(32, hidden), torch.randn(32, hidden), torch.rand(hidden)
-    cases.append(("rms_norm + residual, 32 x 576", lambda: elementwise.rms_norm(x, w, 1e-5, r)))
-    cos_sin = build_rope_cache(d, 8192, 100000.0, None, torch.float32, "cpu")
-    qk = torch.randn(32, (heads + kv_heads) * d)
-    pos = torch.randint(0, 8192, (32,))
-    q_part, k_part = qk[:, :heads * d], qk[:, heads * d:]
-    cases.append(("rotary 32 tokens", lambda: rotary.rotary_embedding(pos, q_part, k_part, cos_sin, d)))
-    gu = torch.randn(32, 2 * 1536)
-    cases.append(("silu_and_mul 32 x 1536", lambda: elementwise.silu_and_mul(gu)))
+        ref = partial(attention.paged_attention, q, kc, vc, meta, d**-0.5)
+        cases.append((f"paged_attention {label}", ref,
+                      partial(cpu.paged_attention, q, kc, vc, meta, d**-0.5) if c else None))
+    for rows in (32, 512):
+        x, r, w = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.rand(hidden)
+        cases.append((f"rms_norm + residual, {rows} x 576", partial(elementwise.rms_norm, x, w, 1e-5, r),
+                      partial(cpu.rms_norm, x, w, 1e-5, r) if c else None))
+        cos_sin = build_rope_cache(d, 8192, 100000.0, None, torch.float32, "cpu")
+        qk = torch.randn(rows, (heads + kv_heads) * d)
+        pos = torch.randint(0, 8192, (rows,))
+        q_part, k_part = qk[:, :heads * d], qk[:, heads * d:]
+        rot_args = (pos, q_part, k_part, cos_sin, d)
+        cases.append((f"rotary {rows} tokens", partial(rotary.rotary_embedding, *rot_args),
+                      partial(cpu.rotary_neox, *rot_args) if c else None))
+        gu = torch.randn(rows, 2 * 1536)
+        cases.append((f"silu_and_mul {rows} x 1536", partial(elementwise.silu_and_mul, gu),
+                      partial(cpu.silu_and_mul, gu) if c else None))
     h, logits = torch.randn(32, hidden), torch.randn(32, 8)
     w13, w2 = torch.randn(8, 2 * 512, hidden) / 24, torch.randn(8, hidden, 512) / 22
     cases.append(("fused_moe 32 tokens, 8 experts top-2, I512",
-                  lambda: moe.fused_moe(h, w13, w2, logits, 2, True)))
-    print(f"torch references on CPU, {threads} thread(s): min / median ms")
-    for name, fn in cases:
-        lo, med = cpu_ms(fn)
-        print(f"  {name:55s} {lo:8.3f} / {med:8.3f}")
+                  partial(moe.fused_moe, h, w13, w2, logits, 2, True), None))
+    print(f"CPU, {threads} thread(s), min / median ms (C kernels {'built' if c else 'NOT built: no cc'})")
+    print(f"  {'case':55s} {'torch reference':>19} {'C (kernels.cpu)':>19} {'speed-up':>9}")
+    for name, ref, native in cases:
+        lo, med = cpu_ms(ref)
+        line = f"  {name:55s} {lo:8.3f} / {med:8.3f}"
+        if native is not None:
+            c_lo, c_med = cpu_ms(native)
+            line += f" {c_lo:8.3f} / {c_med:8.3f} {lo / c_lo:8.1f}x"
+        print(line)
 
 
 def _paged_cpu(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -227,7 +241,8 @@ def _paged_cpu(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, help="also write the table (markdown) to this file")
-    parser.add_argument("--cpu", action="store_true", help="time the torch references on this CPU instead")
+    parser.add_argument("--cpu", action="store_true",
+                        help="time the torch references and the C kernels on this CPU instead")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --cpu")
     args = parser.parse_args()
     if args.cpu:

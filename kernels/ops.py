@@ -24,7 +24,7 @@ from kernels.reference import rotary as _ref_rotary
 from kernels.rope_cache import build_rope_cache
 
 __all__ = [
-    "MODE", "backend_for", "build_rope_cache", "rms_norm", "silu_and_mul", "rotary_embedding",
+    "MODE", "backend_for", "build_rope_cache", "linear", "rms_norm", "silu_and_mul", "rotary_embedding",
     "write_kv_cache", "paged_attention", "topk_softmax", "fused_moe",
 ]
 
@@ -67,6 +67,17 @@ def _tri(t: torch.Tensor) -> ModuleType | None:
 def _cpu_c(*tensors: torch.Tensor) -> bool:
     """Whether the C kernels of ``kernels.cpu`` take these (fp32, CPU) tensors."""
     return MODE == "auto" and _cpu.elementwise_ok(*tensors)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias): the BLAS, except a few fp32 CPU rows (decode of a handful of
+    sequences), which ``kernels.cpu`` streams through the weights once."""
+    if (x.dim() == 2 and 0 < x.shape[0] <= _cpu.MAX_SKINNY_ROWS and weight.is_contiguous()
+            and weight.dtype == torch.float32 and _cpu_c(x)):
+        out = _cpu.linear_few_rows(x, weight)
+        if out is not None:
+            return out if bias is None else out.add_(bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

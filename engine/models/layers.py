@@ -25,7 +25,7 @@ class Linear(nn.Module):
         self.bias = _empty(sum(self.shard_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

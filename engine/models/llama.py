@@ -128,4 +128,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] (only the rows that sample) -> logits [N, V]."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+        return ops.linear(hidden, self.lm_head.weight)

@@ -3,8 +3,9 @@
 Why C: decode attention over a paged cache in torch must gather every sequence's blocks into a dense copy
 first; in C each row is read in place (``paged_decode.c``). The per-token ops of a layer (RMSNorm with the
 residual add, SiLU-and-mul, rotary) are a few torch ops each, and at decode batch sizes torch's per-op
-dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). How they are built and
-loaded: ``kernels.cpu.build``.
+dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). A projection of up to 8
+rows streams its weights once for all rows, faster than the BLAS's packing GEMM (``skinny_gemm.c``).
+How they are built and loaded: ``kernels.cpu.build``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
 
 
 __all__ = ["library", "supports", "paged_decode", "paged_attention", "elementwise_ok", "rms_norm",
-           "silu_and_mul", "rotary_neox"]
+           "silu_and_mul", "rotary_neox", "MAX_SKINNY_ROWS", "linear_few_rows"]
+MAX_SKINNY_ROWS = 8
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -104,3 +106,14 @@ def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_s
                             table.data_ptr(), pos.numel(), q.shape[1] // head_dim, k.shape[1] // head_dim,
                             head_dim, table.shape[1])
     return q, k
+
+
+def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight[N, K]^T for M <= MAX_SKINNY_ROWS, or None where the kernel does not take the shape
+    (no AVX-512, K not a multiple of 16): the caller then uses the BLAS."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    code = _loaded().lbd_skinny_gemm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), n, k, out.data_ptr(),
+                                         n, m)
+    return out if code == 0 else None

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 logger = logging.getLogger("kernels.cpu")
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.c", "elementwise.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.c", "elementwise.c", "skinny_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # name: (restype, argtypes)
@@ -31,6 +31,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
+    "lbd_skinny_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
