@@ -17,6 +17,14 @@ from support import make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def slower_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer, 512-wide random Llama (60 MB, 1024 positions) for tests that need a request to still be
+    running a moment later: the 2-layer one now writes 400 tokens in well under a second."""
+    return make_tiny_llama(tmp_path_factory.mktemp("slower-llama"), layers=4, hidden=512, heads=8, kv_heads=2,
+                           intermediate=2048, max_pos=1024)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama with a real (small BPE) tokenizer and ChatML template."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -127,12 +127,12 @@ def test_two_front_ends_share_one_core_and_sigkill_leaves_no_orphan(tiny_llama: 
         srv.close()
 
 
-def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tmp_path: Path) -> None:
-    srv = start(tiny_llama, tmp_path, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
+def test_admission_503_and_sigterm_drains_in_flight_streams(slower_llama: Path, tmp_path: Path) -> None:
+    srv = start(slower_llama, tmp_path, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
                 "--shutdown-timeout", "60")
     try:
-        # long enough that the queue is still full when the third request comes, even on a fast machine
-        first = Stream(srv.base_url, max_tokens=450)
+        # long enough (~3 s here) that the queue is still full when the third request comes
+        first = Stream(srv.base_url, max_tokens=600)
         first.start()
         assert first.first.wait(30) and first.status == 200
         second = Stream(srv.base_url, max_tokens=30)
@@ -152,7 +152,7 @@ def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tm
             if r.status_code == 503:
                 raise httpx.HTTPError("503")
         assert srv.proc.wait(90) == 0
-        for s, n in ((first, 450), (second, 30)):
+        for s, n in ((first, 600), (second, 30)):
             s.join(10)
             assert s.error is None and s.events[-1] == "[DONE]"
             assert s.finish_reason() == "length"
@@ -163,8 +163,8 @@ def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tm
         srv.close()
 
 
-def test_dead_core_fails_in_flight_requests_and_health(tiny_llama: Path, tmp_path: Path) -> None:
-    srv = start(tiny_llama, tmp_path)
+def test_dead_core_fails_in_flight_requests_and_health(slower_llama: Path, tmp_path: Path) -> None:
+    srv = start(slower_llama, tmp_path)  # 400 tokens take ~2 s: both requests are in flight at the kill
     try:
         stream = Stream(srv.base_url, max_tokens=400)
         stream.start()

@@ -43,10 +43,11 @@ FAST = (
 
 
 @pytest.fixture(scope="module")
-def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorNode]:
+def node(slower_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorNode]:
+    # the 4-layer model: a 300-token answer must still be running half a second after it was sent
     log = tmp_path_factory.mktemp("node") / "supervise.log"
     n = SupervisorNode(
-        tiny_llama, RANKS, "--served-model-name", MODEL, interval=0.5, timeout=2.0, threshold=3, log=log
+        slower_llama, RANKS, "--served-model-name", MODEL, interval=0.5, timeout=2.0, threshold=3, log=log
     )
     try:
         n.wait_ready(timeout=240)
