@@ -70,8 +70,8 @@ def _cpu_c(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T (+ bias): the BLAS, except a few fp32 CPU rows (decode of a handful of
-    sequences), which ``kernels.cpu`` streams through the weights once."""
+    """x [T, K] @ weight[N, K]^T (+ bias): the BLAS, except up to 32 fp32 CPU rows (decode steps of a few
+    dozen sequences), which ``kernels.cpu`` streams through the weights once."""
     if (x.dim() == 2 and 0 < x.shape[0] <= _cpu.MAX_SKINNY_ROWS and weight.is_contiguous()
             and weight.dtype == torch.float32 and _cpu_c(x)):
         out = _cpu.linear_few_rows(x, weight)

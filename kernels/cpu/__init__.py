@@ -26,7 +26,7 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
 
 __all__ = ["library", "supports", "paged_decode", "paged_attention", "elementwise_ok", "rms_norm",
            "silu_and_mul", "rotary_neox", "MAX_SKINNY_ROWS", "linear_few_rows"]
-MAX_SKINNY_ROWS = 8
+MAX_SKINNY_ROWS = 32  # measured crossover with MKL on this CPU: ~1.7x at 9 rows, 1.1x at 32, 0.95x at 64
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -58,7 +58,7 @@ def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
     assert out.dtype == torch.float16
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])  # 13: a partial second group of 8
 @pytest.mark.parametrize("n", [577, 960, 4096])  # an odd N has a last row of W on its own
 def test_linear_few_rows_matches_blas(rows: int, n: int) -> None:
     g = torch.Generator().manual_seed(rows * n)
