@@ -3,8 +3,9 @@
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
-when they build (fp32: decode attention, RMSNorm, SiLU-and-mul, neox rotary) and the references for the
-rest. The Triton modules are imported on first use, so a CPU-only process never pays for importing triton.
+when they build (fp32: decode attention, RMSNorm, neox rotary, linear of up to 32 rows) and the references
+for the rest. The Triton modules are imported on first use, so a CPU-only process never pays for importing
+triton.
 """
 
 from __future__ import annotations
@@ -92,10 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    impl = _tri(x)
-    if impl is None and _cpu_c(x):
-        return _cpu.silu_and_mul(x)
-    return (impl or _ref_elem).silu_and_mul(x)
+    return (_tri(x) or _ref_elem).silu_and_mul(x)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Why C: decode attention over a paged cache in torch must gather every sequence's blocks into a dense copy
 first; in C each row is read in place (``paged_decode.c``). The per-token ops of a layer (RMSNorm with the
-residual add, SiLU-and-mul, rotary) are a few torch ops each, and at decode batch sizes torch's per-op
+residual add, rotary) are a few torch ops each, and at decode batch sizes torch's per-op
 dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). A projection of up to 8
 rows streams its weights once for all rows, faster than the BLAS's packing GEMM (``skinny_gemm.c``).
 How they are built and loaded: ``kernels.cpu.build``.
@@ -25,7 +25,7 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
 
 
 __all__ = ["library", "supports", "paged_decode", "paged_attention", "elementwise_ok", "rms_norm",
-           "silu_and_mul", "rotary_neox", "MAX_SKINNY_ROWS", "linear_few_rows"]
+           "rotary_neox", "MAX_SKINNY_ROWS", "linear_few_rows"]
 MAX_SKINNY_ROWS = 32  # measured crossover with MKL on this CPU: ~1.7x at 9 rows, 1.1x at 32, 0.95x at 64
 
 
@@ -85,15 +85,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     lib.lbd_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), new_residual.data_ptr(),
                          weight.data_ptr(), out.data_ptr(), t, d, eps)
     return out, new_residual
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    t, two_i = x.shape
-    out = torch.empty((t, two_i // 2), dtype=x.dtype)
-    lib = _loaded()
-    lib.lbd_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, two_i // 2)
-    return out
 
 
 def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,

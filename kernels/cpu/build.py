@@ -29,7 +29,6 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_paged_decode_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                             _I64, _I64, _F32, _I64, _I64]),
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
-    "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
     "lbd_skinny_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]),
 }

@@ -1,4 +1,4 @@
-"""The C RMSNorm, SiLU-and-mul, rotary and few-row linear (kernels.cpu) against torch, and their dispatch."""
+"""The C RMSNorm, rotary and few-row linear (kernels.cpu) against torch, and their dispatch."""
 
 from __future__ import annotations
 
@@ -25,12 +25,6 @@ def test_rms_norm_matches_reference(rows: int) -> None:
     want, want_residual = ref_elem.rms_norm(x, weight, 1e-6, residual)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(new_residual, want_residual)
-
-
-@pytest.mark.parametrize("rows", [1, 64])
-def test_silu_and_mul_matches_reference(rows: int) -> None:
-    x = torch.randn(rows, 2 * 1536) * 4
-    torch.testing.assert_close(cpu.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("head_dim", "rot_dim"), [(64, 64), (128, 64)])  # full and partial rotary
