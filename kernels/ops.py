@@ -117,7 +117,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of query[T, H, d] over the paged cache for a mixed decode+prefill batch."""
     impl = _tri(query)
-    if impl is None and MODE == "auto" and _cpu.supports(query, key_cache) and _cpu.library() is not None:
+    if impl is None and MODE == "auto" and _cpu.supports(query, key_cache):
         return _cpu.paged_attention(query, key_cache, value_cache, meta, scale)
     return (impl or _ref_attn).paged_attention(query, key_cache, value_cache, meta, scale, k_scale, v_scale)
 

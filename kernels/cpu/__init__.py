@@ -30,8 +30,10 @@ MAX_SKINNY_ROWS = 32  # measured crossover with MKL on this CPU: ~1.7x at 9 rows
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the C decode attention takes these (fp32 CPU, dense heads), and the kernels loaded."""
     return (query.dtype == torch.float32 and key_cache.dtype == torch.float32 and not query.is_cuda
-            and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1] and key_cache.is_contiguous())
+            and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1] and key_cache.is_contiguous()
+            and library() is not None)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

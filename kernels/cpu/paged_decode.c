@@ -182,41 +182,35 @@ static void weighted_values(const float *p, const float *vc, const int32_t *bt, 
     }
 }
 
-static int decode_range(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
-                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
-                        int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
-                        int64_t begin, int64_t end, int64_t max_len) {
-    const int64_t G = H / Hkv, row = Hkv * D;
-    float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
-    if (s == NULL) return -1;
-    for (int64_t b = begin; b < end; ++b) {
-        const int64_t L = seq_lens[b];
-        float *o = out + b * out_row_stride;
-        if (L <= 0) {
-            memset(o, 0, (size_t)(H * D) * sizeof(float));
-            continue;
-        }
-        const int32_t *bt = block_tables + b * bt_stride;
-        scores(q + b * q_row_stride, kc, bt, L, H, G, D, BS, row, scale, s);
-        softmax_rows(s, H, L);
-        weighted_values(s, vc, bt, L, H, G, D, BS, row, o);
-    }
-    free(s);
-    return 0;
-}
-
-/* All B sequences, spread over the OpenMP threads. Built with -fopenmp, this library needs libgomp.so.1,
- * which resolves to the one torch already loaded: the same thread pool and thread count
- * (torch.set_num_threads) as torch's own ops, so no second set of threads spins against them. Sequences
- * are handed out a few at a time (dynamic), since their lengths differ. */
+/* All B sequences, spread over the OpenMP threads, each thread with one score buffer. Built with -fopenmp,
+ * this library needs libgomp.so.1, which resolves to the one torch already loaded: the same thread pool and
+ * thread count (torch.set_num_threads) as torch's own ops, so no second set of threads spins against them.
+ * Sequences are handed out one at a time (dynamic), since their lengths differ. */
 int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
                          int64_t B, int64_t max_len) {
+    const int64_t G = H / Hkv, row = Hkv * D;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t b = 0; b < B; ++b)
-        failed |= decode_range(q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out, out_row_stride,
-                               H, Hkv, D, BS, scale, b, b + 1, max_len) != 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
+        failed = s == NULL;
+        /* every thread meets the loop (a worksharing construct must be), one without a buffer skips its share */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t L = seq_lens[b];
+            float *o = out + b * out_row_stride;
+            if (L <= 0 || s == NULL) {
+                memset(o, 0, (size_t)(H * D) * sizeof(float));
+                continue;
+            }
+            const int32_t *bt = block_tables + b * bt_stride;
+            scores(q + b * q_row_stride, kc, bt, L, H, G, D, BS, row, scale, s);
+            softmax_rows(s, H, L);
+            weighted_values(s, vc, bt, L, H, G, D, BS, row, o);
+        }
+        free(s);
+    }
     return failed ? -1 : 0;
 }
