@@ -19,7 +19,7 @@ from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig, S
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
-    from engine.metrics import EngineMetrics
+    from engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model_path: str, metrics: EngineMetrics | None = None,
+    def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
                  runner: Runner | None = None) -> None:
         self.args = args
         self.model_path = model_path
@@ -80,11 +80,11 @@ class EngineCore:
         self.metrics = metrics
         self._recorded = SchedulerCounters()
         self._recorded_queries = self._recorded_hits = 0
+        self._gauges = (-1, -1, -1.0)  # (running, waiting, kv usage) as last set
         self._finished_reasons: Counter[str] = Counter()
         self._log_capacity()
         if metrics is not None:
-            metrics.set_cache_config(self.runner.block_size, self.runner.num_blocks, args.kv_cache_dtype,
-                                     args.enable_prefix_caching)
+            metrics.set_cache_config(self.cache_config_info())
             self._record_gauges()
 
     # ---- start-up -------------------------------------------------------------------------------------
@@ -107,6 +107,16 @@ class EngineCore:
         logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{cfg.max_model_len:,}",
                     concurrency)
 
+    def cache_config_info(self) -> dict[str, object]:
+        """The CacheConfig fields vLLM exports in vllm:cache_config_info that lbd has."""
+        a, cfg = self.args, self.config
+        return {"block_size": cfg.block_size, "cache_dtype": a.kv_cache_dtype,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "gpu_memory_utilization": a.gpu_memory_utilization,
+                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "num_cpu_blocks": None,
+                "num_gpu_blocks": cfg.num_blocks, "num_gpu_blocks_override": None,
+                "sliding_window": None, "is_attention_free": False}
+
     def core_info(self) -> CoreInfo:
         r, cfg = self.runner, self.config
         return CoreInfo(model_path=self.model_path, max_model_len=cfg.max_model_len,
@@ -126,7 +136,12 @@ class EngineCore:
         ids = req.prompt_token_ids
         if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
             raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
-        self.scheduler.add_request(req)
+        try:
+            self.scheduler.add_request(req)
+        except RequestRejected as e:
+            if e.reason is not None and self.metrics is not None:
+                self.metrics.admission_rejection(e.reason)
+            raise
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
@@ -154,25 +169,38 @@ class EngineCore:
             if o.finish_reason is not None:
                 self._finished_reasons[o.finish_reason] += 1
         if self.metrics is not None:
+            self.metrics.iteration_tokens.observe(out.num_tokens)
             self._record()
         return outputs
 
     # ---- metrics --------------------------------------------------------------------------------------
     def _record(self) -> None:
+        """Counter deltas since the last step and gauges that changed: in multiprocess mode every write
+        takes a lock and touches an mmap, so a decode step that changes little writes little."""
         m, c, done = self.metrics, self.scheduler.counters, self._recorded
         kv = self.scheduler.kv
         assert m is not None
         if c.num_preemptions != done.num_preemptions:
             m.num_preemptions.inc(c.num_preemptions - done.num_preemptions)
         if c.prompt_tokens != done.prompt_tokens:
+            cached = c.prompt_cached_tokens - done.prompt_cached_tokens
+            computed = c.prompt_tokens - done.prompt_tokens - cached
             m.prompt_tokens.inc(c.prompt_tokens - done.prompt_tokens)
+            m.prompt_computed.inc(computed)
+            if cached:
+                m.prompt_cache_hit.inc(cached)
+                m.prompt_tokens_cached.inc(cached)
         if c.generation_tokens != done.generation_tokens:
             m.generation_tokens.inc(c.generation_tokens - done.generation_tokens)
         if kv.prefix_queries != self._recorded_queries:
             m.prefix_cache_queries.inc(kv.prefix_queries - self._recorded_queries)
-            m.prefix_cache_hits.inc(kv.prefix_hits - self._recorded_hits)
+            hits = kv.prefix_hits - self._recorded_hits
+            if hits:
+                m.prefix_cache_hits.inc(hits)
+                m.cached_on_device.inc(hits)
             self._recorded_queries, self._recorded_hits = kv.prefix_queries, kv.prefix_hits
-        self._recorded = SchedulerCounters(c.num_preemptions, c.prompt_tokens, c.generation_tokens)
+        self._recorded = SchedulerCounters(c.num_preemptions, c.prompt_tokens, c.generation_tokens,
+                                           c.prompt_cached_tokens)
         if self._finished_reasons:
             for reason, n in self._finished_reasons.items():
                 m.request_success(reason).inc(n)
@@ -182,6 +210,16 @@ class EngineCore:
     def _record_gauges(self) -> None:
         m, s = self.metrics, self.scheduler
         assert m is not None
-        m.num_requests_running.set(len(s.running))
-        m.num_requests_waiting.set(len(s.waiting))
-        m.kv_cache_usage_perc.set(s.kv.usage)
+        now = (len(s.running), len(s.waiting), s.kv.usage)
+        if now == self._gauges:
+            return
+        running, waiting, usage = now
+        last_running, last_waiting, last_usage = self._gauges
+        if running != last_running:
+            m.num_requests_running.set(running)
+        if waiting != last_waiting:
+            m.num_requests_waiting.set(waiting)
+            m.waiting_capacity.set(waiting)
+        if usage != last_usage:
+            m.kv_cache_usage_perc.set(usage)
+        self._gauges = now

@@ -193,9 +193,9 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     set_pdeathsig(signal.SIGKILL)
     keep_freed_memory()
     configure_logging(args)
-    from engine.metrics import EngineMetrics
+    from engine.metrics import CoreMetrics
 
-    metrics = EngineMetrics(args.model_name, args.rank)
+    metrics = CoreMetrics(args.model_name, args.rank)
     core = EngineCore(args, model_path, metrics=metrics)
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.ROUTER)

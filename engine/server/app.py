@@ -65,14 +65,14 @@ class Frontend:
 
     async def connect(self, hello_timeout: float) -> None:
         """Load the tokenizer and wait until the core answers (it may still be loading the model)."""
-        from engine.metrics import EngineMetrics
+        from engine.metrics import FrontendMetrics
 
         self.client.start()
         tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
                                             self.args.chat_template)
         info = await self.client.hello(hello_timeout)
-        self.state = FrontendState(self.args, info, tokenizer, self.client,
-                                   EngineMetrics(self.args.model_name, self.args.rank), self.index)
+        metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
+        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.index)
 
     async def listen(self) -> None:
         assert self.state is not None, "connect() first"

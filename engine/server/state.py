@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
-from engine.metrics import EngineMetrics
+from engine.metrics import FrontendMetrics
 from engine.protocol import CoreInfo
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError
@@ -21,7 +21,7 @@ class FrontendState:
     info: CoreInfo
     tokenizer: Tokenizer
     client: CoreClient
-    metrics: EngineMetrics
+    metrics: FrontendMetrics
     index: int = 0  # which front end of this rank (0 runs in the launcher)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
