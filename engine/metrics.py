@@ -113,6 +113,7 @@ class CoreMetrics:
                              "Number of admission attempts rejected by a queue limit, by reason.",
                              ("model_name", "reason"))
         self._rejections = {r: rejections.labels(model_name=model_name, reason=r) for r in ADMISSION_REASONS}
+        self._cache_config: Gauge | None = None
 
     def request_success(self, finished_reason: str) -> Counter:
         child = self._success.get(finished_reason)
@@ -128,8 +129,10 @@ class CoreMetrics:
         value) plus ``engine``; lbd fills the fields it has (block_size, num_gpu_blocks, cache_dtype, ...)."""
         labels = {k: str(v) for k, v in info.items()}
         labels["engine"] = self.labels["engine"]
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", tuple(labels),
-              multiprocess_mode="mostrecent").labels(**labels).set(1)
+        if self._cache_config is None:
+            self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       tuple(labels), multiprocess_mode="mostrecent")
+        self._cache_config.labels(**labels).set(1)
 
 
 class FrontendMetrics:

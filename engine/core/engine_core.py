@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections import Counter
 from typing import TYPE_CHECKING, Protocol
 
 from engine.args import EngineArgs
+from engine.core.metrics_recorder import MetricsRecorder
 from engine.core.request import Request
 from engine.core.sched_output import SampledToken, SchedulerOutput
-from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerCounters
+from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -78,14 +78,12 @@ class EngineCore:
         self._check_capacity()
         self.scheduler = Scheduler(self.config)
         self.metrics = metrics
-        self._recorded = SchedulerCounters()
-        self._recorded_queries = self._recorded_hits = 0
-        self._gauges = (-1, -1, -1.0)  # (running, waiting, kv usage) as last set
-        self._finished_reasons: Counter[str] = Counter()
         self._log_capacity()
+        self.recorder: MetricsRecorder | None = None
         if metrics is not None:
             metrics.set_cache_config(self.cache_config_info())
-            self._record_gauges()
+            self.recorder = MetricsRecorder(metrics, self.scheduler)
+            self.recorder.flush()
 
     # ---- start-up -------------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -146,9 +144,8 @@ class EngineCore:
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
         aborted = self.scheduler.abort(list(request_ids), reason)
-        self._finished_reasons[reason] += len(aborted)
-        if self.metrics is not None:
-            self._record()
+        if self.recorder is not None and aborted:
+            self.recorder.finished(reason, len(aborted))
         return aborted
 
     def has_work(self) -> bool:
@@ -165,61 +162,15 @@ class EngineCore:
             return []
         sampled = self.runner.execute(out)
         outputs = self.scheduler.update(out, sampled)
-        for o in outputs:
-            if o.finish_reason is not None:
-                self._finished_reasons[o.finish_reason] += 1
-        if self.metrics is not None:
-            self.metrics.iteration_tokens.observe(out.num_tokens)
-            self._record()
+        rec = self.recorder
+        if rec is not None:
+            for o in outputs:
+                if o.finish_reason is not None:
+                    rec.finished(o.finish_reason)
+            rec.step(out.num_tokens)
         return outputs
 
-    # ---- metrics --------------------------------------------------------------------------------------
-    def _record(self) -> None:
-        """Counter deltas since the last step and gauges that changed: in multiprocess mode every write
-        takes a lock and touches an mmap, so a decode step that changes little writes little."""
-        m, c, done = self.metrics, self.scheduler.counters, self._recorded
-        kv = self.scheduler.kv
-        assert m is not None
-        if c.num_preemptions != done.num_preemptions:
-            m.num_preemptions.inc(c.num_preemptions - done.num_preemptions)
-        if c.prompt_tokens != done.prompt_tokens:
-            cached = c.prompt_cached_tokens - done.prompt_cached_tokens
-            computed = c.prompt_tokens - done.prompt_tokens - cached
-            m.prompt_tokens.inc(c.prompt_tokens - done.prompt_tokens)
-            m.prompt_computed.inc(computed)
-            if cached:
-                m.prompt_cache_hit.inc(cached)
-                m.prompt_tokens_cached.inc(cached)
-        if c.generation_tokens != done.generation_tokens:
-            m.generation_tokens.inc(c.generation_tokens - done.generation_tokens)
-        if kv.prefix_queries != self._recorded_queries:
-            m.prefix_cache_queries.inc(kv.prefix_queries - self._recorded_queries)
-            hits = kv.prefix_hits - self._recorded_hits
-            if hits:
-                m.prefix_cache_hits.inc(hits)
-                m.cached_on_device.inc(hits)
-            self._recorded_queries, self._recorded_hits = kv.prefix_queries, kv.prefix_hits
-        self._recorded = SchedulerCounters(c.num_preemptions, c.prompt_tokens, c.generation_tokens,
-                                           c.prompt_cached_tokens)
-        if self._finished_reasons:
-            for reason, n in self._finished_reasons.items():
-                m.request_success(reason).inc(n)
-            self._finished_reasons.clear()
-        self._record_gauges()
-
-    def _record_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        assert m is not None
-        now = (len(s.running), len(s.waiting), s.kv.usage)
-        if now == self._gauges:
-            return
-        running, waiting, usage = now
-        last_running, last_waiting, last_usage = self._gauges
-        if running != last_running:
-            m.num_requests_running.set(running)
-        if waiting != last_waiting:
-            m.num_requests_waiting.set(waiting)
-            m.waiting_capacity.set(waiting)
-        if usage != last_usage:
-            m.kv_cache_usage_perc.set(usage)
-        self._gauges = now
+    def flush_metrics(self) -> None:
+        """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
+        if self.recorder is not None:
+            self.recorder.flush()

@@ -162,6 +162,7 @@ class CoreServer:
             if core.has_work():
                 self.send_outputs(core.step(), now)
             if now >= next_stats:
+                core.flush_metrics()
                 self.send_stats(now)
                 next_stats = now + STATS_INTERVAL_S
 

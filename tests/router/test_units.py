@@ -42,6 +42,39 @@ def test_parse_engine_metrics() -> None:
     assert parse_metrics('vllm:gpu_cache_usage_perc{model_name="a \\"q\\""} 0.5\n').models == {'a "q"'}
 
 
+def test_old_and_new_vllm_names_are_not_counted_twice() -> None:
+    both = ENGINE_TEXT + (
+        'vllm:gpu_prefix_cache_queries_total{engine="3",model_name="m"} 1000.0\n'
+        'vllm:gpu_prefix_cache_hits_total{engine="3",model_name="m"} 400.0\n'
+        'vllm:gpu_cache_usage_perc{engine="3",model_name="m"} 0.9\n'
+        'vllm:num_requests_waiting_by_reason{engine="3",model_name="m",reason="capacity"} 99.0\n'
+    )
+    s = parse_metrics(both)
+    assert (s.prefix_queries, s.prefix_hits, s.kv_usage, s.waiting) == (1000.0, 400.0, 0.25, 5.0)
+    old = parse_metrics('vllm:gpu_prefix_cache_queries_total{engine="1"} 10\n'
+                        'vllm:gpu_cache_usage_perc{engine="1"} 0.5\n')
+    assert (old.prefix_queries, old.kv_usage, old.ranks) == (10.0, 0.5, {1})
+
+
+SGLANG_TEXT = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_queue_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 4.0
+sglang:token_usage{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.5
+sglang:prompt_tokens_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2e3
+sglang:cached_tokens_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 500
+sglang:page_size{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1.0
+sglang:max_total_num_tokens{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 8192
+"""
+
+
+def test_parse_sglang_metrics() -> None:
+    s = parse_metrics(SGLANG_TEXT)
+    assert (s.running, s.waiting, s.kv_usage) == (3.0, 4.0, 0.5)
+    assert (s.prefix_queries, s.prefix_hits) == (2000.0, 500.0)
+    assert (s.block_size, s.num_blocks, s.ranks, s.models) == (1, 8192, set(), {"m"})
+
+
 def test_request_facts_from_completions_chat_and_token_prompts() -> None:
     h = {"X-Session-ID": "s1", "X-data-parallel-rank": " 2 "}
     f = parse_facts(b'{"model": "m", "prompt": "' + b"a" * 400 + b'"}', h, "X-Session-ID")
