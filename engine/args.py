@@ -51,6 +51,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     log_level: str = "info"
     disable_log_requests: bool = False
+    responses_store_max_entries: int = 4096
+    responses_store_max_bytes: int = 256 * 1024 * 1024
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -133,6 +135,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument("--responses-store-max-entries", type=int, default=4096,
+                   help="stored /v1/responses (for previous_response_id and GET) per rank; the oldest go "
+                        "first; 0 stores nothing")
+    g.add_argument("--responses-store-max-bytes", type=parse_bytes, default=256 * 1024 * 1024,
+                   help="bytes of stored /v1/responses per rank (conversation text included); the oldest "
+                        "go first")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
@@ -170,6 +178,8 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size": args.tensor_parallel_size,
         "--pipeline-parallel-size": args.pipeline_parallel_size,
     }
+    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
+        parser.error("--responses-store-max-entries and --responses-store-max-bytes must be >= 0")
     for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                  "max_num_queued_reqs", "max_num_queued_tokens"):
         value = getattr(args, flag)

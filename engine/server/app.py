@@ -13,6 +13,7 @@ from engine.args import EngineArgs
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError, error_response
 from engine.server.request_io import STATE
+from engine.server.responses_store import RESPONSES_DIR_ENV, ResponseStore
 from engine.server.routes import add_routes
 from engine.server.state import FrontendState
 from engine.tokenizer import Tokenizer
@@ -72,7 +73,15 @@ class Frontend:
                                             self.args.chat_template)
         info = await self.client.hello(hello_timeout)
         metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
-        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.index)
+        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self._response_store(),
+                                   self.index)
+
+    def _response_store(self) -> ResponseStore:
+        """This front end's share of the rank's response store (see responses_store)."""
+        a = self.args
+        share = a.api_server_count
+        entries = -(-a.responses_store_max_entries // share)
+        return ResponseStore(os.environ.get(RESPONSES_DIR_ENV), entries, a.responses_store_max_bytes // share)
 
     async def listen(self) -> None:
         assert self.state is not None, "connect() first"

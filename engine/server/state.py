@@ -12,6 +12,7 @@ from engine.protocol import CoreInfo
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError
 from engine.server.openai_protocol import Limits
+from engine.server.responses_store import ResponseStore
 from engine.tokenizer import Tokenizer
 
 
@@ -22,6 +23,7 @@ class FrontendState:
     tokenizer: Tokenizer
     client: CoreClient
     metrics: FrontendMetrics
+    responses: ResponseStore
     index: int = 0  # which front end of this rank (0 runs in the launcher)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import orjson
 
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
+from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, path_facts
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
@@ -105,7 +105,7 @@ class Proxy:
             if request.method == "POST":
                 facts = parse_facts(body, request.headers, self.cfg.session_header)
             else:
-                facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
+                facts = path_facts(request.path, request.headers)
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
         headers = self._forward_headers(request, rid_header)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lbd.router.config import parse_upstream
-from lbd.router.facts import BadRequest, parse_facts
+from lbd.router.facts import BadRequest, parse_facts, path_facts
 from lbd.router.shared import SharedCounters
 from lbd.router.telemetry import parse_metrics
 from policies import CHUNK_CHARS
@@ -100,6 +100,26 @@ def test_request_facts_from_completions_chat_and_token_prompts() -> None:
     with pytest.raises(BadRequest) as e:
         parse_facts(b"{}", {"X-data-parallel-rank": "x"}, "X-Session-ID")
     assert e.value.param == "X-data-parallel-rank"
+
+
+def test_request_facts_of_the_responses_api() -> None:
+    import orjson
+
+    def facts(body: dict, headers: dict | None = None):
+        return parse_facts(orjson.dumps(body), headers or {}, "X-Session-ID")
+
+    one = facts({"model": "m", "instructions": "s" * 300, "input": "a" * 300})
+    two = facts({"model": "m", "instructions": "s" * 300, "input": [{"role": "user", "content": "a" * 300},
+                                                                    {"role": "user", "content": "b" * 300}]})
+    assert one.prefix_hashes and two.prefix_hashes[: len(one.prefix_hashes) - 1] == one.prefix_hashes[:-1]
+    assert one.prompt_tokens > 150
+    pinned = facts({"input": "x", "previous_response_id": "resp_r7-abc", "prompt_cache_key": "k"})
+    assert (pinned.pinned_rank, pinned.session_key) == (7, "k")
+    assert facts({"input": "x", "previous_response_id": "resp_abc"}).pinned_rank is None  # not lbd's
+    header = facts({"input": "x", "previous_response_id": "resp_r7-abc"}, {"X-data-parallel-rank": "2"})
+    assert header.pinned_rank == 2  # the header wins
+    assert path_facts("/v1/responses/resp_r12-ff", {}).pinned_rank == 12
+    assert path_facts("/v1/models", {}).pinned_rank is None
 
 
 def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:
