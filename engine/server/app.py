@@ -75,6 +75,10 @@ class Frontend:
         metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
         self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self._response_store(),
                                    self.index)
+        if self.args.otlp_traces_endpoint:
+            from engine.server.tracing import RequestTracer
+
+            self.state.tracer = RequestTracer(self.args.otlp_traces_endpoint, self.args.rank)
 
     def _response_store(self) -> ResponseStore:
         """This front end's share of the rank's response store (see responses_store)."""
@@ -106,3 +110,5 @@ class Frontend:
 
     async def close(self) -> None:
         await self.client.close()
+        if self.state is not None and self.state.tracer is not None:
+            await asyncio.to_thread(self.state.tracer.shutdown)

@@ -107,7 +107,8 @@ class Generation:
                  common: CommonParams) -> None:
         self.state = state
         self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.arrival_wall = time.time()
+        self.created = int(self.arrival_wall)
         self.arrival = time.monotonic()
         self.common = common
         self.prompts = prompts

@@ -24,17 +24,26 @@ def record_finished(m: FrontendMetrics, seq: Sequence, e2e_s: float, max_tokens_
     m.prefill_kv_computed.observe(prompt - seq.num_cached)
     if max_tokens_param is not None:
         m.params_max_tokens.observe(max_tokens_param)
-    if seq.timings is None:  # the core never produced a token for it
+    times = phases(seq)
+    if times is None:  # the core never produced a token for it
         return
-    queued_at, scheduled_at, preemptions = seq.timings
+    queue, prefill, decode, inference = times
+    m.queue_time.observe(queue)
+    m.prefill_time.observe(prefill)
+    m.decode_time.observe(decode)
+    m.inference_time.observe(inference)
+    m.num_preemptions.observe(seq.timings[2])
+    m.time_per_output_token.observe(decode / (generated - 1) if generated > 1 else 0.0)
+
+
+def phases(seq: Sequence) -> tuple[float, float, float, float] | None:
+    """(queue, prefill, decode, inference) seconds of a sequence, or None before its first token."""
+    if seq.timings is None:
+        return None
+    queued_at, scheduled_at, _ = seq.timings
     first, last = seq.first_core_ts, seq.last_core_ts
-    decode = last - first
-    m.queue_time.observe(max(0.0, scheduled_at - queued_at))
-    m.prefill_time.observe(max(0.0, first - scheduled_at))
-    m.decode_time.observe(max(0.0, decode))
-    m.inference_time.observe(max(0.0, last - scheduled_at))
-    m.num_preemptions.observe(preemptions)
-    m.time_per_output_token.observe(max(0.0, decode) / (generated - 1) if generated > 1 else 0.0)
+    return (max(0.0, scheduled_at - queued_at), max(0.0, first - scheduled_at), max(0.0, last - first),
+            max(0.0, last - scheduled_at))
 
 
 def record_prompt_done(m: FrontendMetrics, n: int, max_generated: int) -> None:

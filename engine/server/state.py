@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs
 from engine.metrics import FrontendMetrics
@@ -14,6 +15,9 @@ from engine.server.errors import APIError
 from engine.server.openai_protocol import Limits
 from engine.server.responses_store import ResponseStore
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.server.tracing import RequestTracer
 
 
 @dataclass(slots=True)
@@ -29,6 +33,7 @@ class FrontendState:
     started: float = field(default_factory=time.time)
     in_flight: int = 0
     draining: bool = False
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
 
     @property
     def limits(self) -> Limits:

@@ -65,19 +65,29 @@ async def respond(request: web.Request, gen: Generation, fmt: Formatter) -> web.
     state = gen.state
     state.in_flight += 1
     deltas = gen.deltas()
+    error: str | None = "client gone"
     try:
         await gen.start()
         if not gen.common.stream:
             async for delta in deltas:
                 fmt.collect(delta)
             _log_done(gen)
+            error = None
             return json_response(fmt.response())
         first = await anext(deltas, None)
-        return await _stream(request, gen, fmt, first, deltas)
+        resp = await _stream(request, gen, fmt, first, deltas)
+        error = None
+        return resp
+    except APIError as e:
+        error = e.message
+        raise
     finally:
         await deltas.aclose()
         await gen.close()
         state.in_flight -= 1
+        if state.tracer is not None:
+            model = getattr(fmt, "model", state.args.model_name)
+            state.tracer.request_done(request.headers, gen, model, error)
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: Delta | None,

@@ -41,7 +41,12 @@ class RouterApp:
     async def start(self, sock: socket.socket | None = None) -> None:
         cfg = self.cfg
         self.state = RouterState(cfg, self.shared)
-        self.proxy = Proxy(self.state)
+        self.tracer = None
+        if cfg.otlp_traces_endpoint:
+            from lbd.router.tracing import RouterTracer
+
+            self.tracer = RouterTracer(cfg.otlp_traces_endpoint)
+        self.proxy = Proxy(self.state, self.tracer)
         self.monitor = Monitor(self.state)
         # GET (and HEAD) only; other methods on these paths are proxied or 404
         self.own: dict[str, Callable[[Request, Response], Awaitable[None]]] = {
@@ -62,6 +67,8 @@ class RouterApp:
         for pool in self.state.pools.values():
             pool.close()
         self.state.metrics.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # export what is buffered
 
     def dispatch(self, request: Request, out: Response) -> Awaitable[None]:
         """The handler's coroutine for ``request`` (returned, not awaited here: one coroutine level less on

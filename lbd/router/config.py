@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import policies
+from engine.args import check_otlp_endpoint, parse_bytes
 
 PROG = "lbd route"
 
@@ -96,15 +97,7 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
+    otlp_traces_endpoint: str | None = None
 
 
 def make_parser() -> OneLineParser:
@@ -141,7 +134,7 @@ def make_parser() -> OneLineParser:
     )
     g.add_argument(
         "--max-request-body-bytes",
-        type=_bytes,
+        type=parse_bytes,
         default=32 * 1024 * 1024,
         help="larger request bodies get 413",
     )
@@ -152,6 +145,12 @@ def make_parser() -> OneLineParser:
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP/HTTP collector URL (e.g. http://collector:4318): a span per request, its context sent "
+        "to the engine as W3C traceparent (a client's is continued); off by default",
+    )
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -238,6 +237,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     _check_numbers(p, ns)
+    if ns.otlp_traces_endpoint:
+        problem = check_otlp_endpoint(ns.otlp_traces_endpoint)
+        if problem:
+            p.error(problem)
     stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
     return RouterConfig(
         upstreams=upstreams,
@@ -264,6 +267,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )
 
 

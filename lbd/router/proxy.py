@@ -14,7 +14,9 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -25,6 +27,9 @@ from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
 from policies import Decision, Refusal, RequestFacts, route
+
+if TYPE_CHECKING:
+    from lbd.router.tracing import RouterTracer, RouteTrace
 
 log = logging.getLogger("lbd.router")
 
@@ -47,6 +52,7 @@ _HOP = frozenset(
 # Request headers are forwarded as the client's raw bytes (no decode/encode per header).
 _HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
 _HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})  # replaced by the router's span, when tracing
 _RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
 _JSON = b"Content-Type: application/json\r\n"
@@ -73,8 +79,9 @@ class Failure:
 
 
 class Proxy:
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, tracer: RouterTracer | None = None) -> None:
         self.state = state
+        self.tracer = tracer
         self.cfg = state.cfg
         self.loop = asyncio.get_running_loop()
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
@@ -83,7 +90,20 @@ class Proxy:
         self._rid_count = itertools.count()
 
     # ---- entry --------------------------------------------------------------------------------------
-    async def handle(self, request: Request, out: Response) -> None:
+    def handle(self, request: Request, out: Response) -> Awaitable[None]:
+        """The handler's coroutine (untraced: no extra coroutine level, nothing allocated for tracing)."""
+        if self.tracer is None:
+            return self._handle(request, out, None)
+        return self._traced(request, out, self.tracer)
+
+    async def _traced(self, request: Request, out: Response, tracer: RouterTracer) -> None:
+        trace = tracer.start(request)
+        try:
+            await self._handle(request, out, trace)
+        finally:
+            tracer.end(trace, out.status)
+
+    async def _handle(self, request: Request, out: Response, trace: RouteTrace | None) -> None:
         t0 = self.loop.time()
         rid = request.headers.get("X-Request-Id")
         if rid:
@@ -108,7 +128,7 @@ class Proxy:
                 facts = path_facts(request.path, request.headers)
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
-        headers = self._forward_headers(request, rid_header)
+        headers = self._forward_headers(request, rid_header, trace=trace)
         exclude: list[str] = []
         failure: Failure | None = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -120,13 +140,17 @@ class Proxy:
                         out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
                 break
-            failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0)
+            if trace is not None:
+                trace.decided(self.cfg.policy, decision)
+            failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0, trace)
             if failure is None:
                 return
             out_of_budget = self.loop.time() - t0 > self.cfg.retry_budget_s
             if not failure.retryable or attempt == self.cfg.max_retries or out_of_budget:
                 break
             self.state.metrics.retries.labels(failure.kind).inc()
+            if trace is not None:
+                trace.retries += 1
             exclude.append(decision.endpoint.key)
             log.info(
                 "request %s: %s on %s; retrying elsewhere",
@@ -153,13 +177,21 @@ class Proxy:
         send_error(out, f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
 
     def _forward_headers(
-        self, request: Request, rid_header: bytes, drop: frozenset[bytes] = _HOP_REQ
+        self,
+        request: Request,
+        rid_header: bytes,
+        drop: frozenset[bytes] = _HOP_REQ,
+        trace: RouteTrace | None = None,
     ) -> bytes:
         """The client's raw headers minus hop-by-hop ones, serialized once (Host and Content-Length are added
-        by the pool); the request id is set to ours."""
+        by the pool); the request id is set to ours, and so is the trace context when tracing."""
         h = request.headers
+        if trace is not None:
+            drop = drop | _TRACE_HEADERS
         parts = [b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True) if name not in drop]
         parts.append(rid_header)
+        if trace is not None:
+            parts.append(trace.lines)
         return b"".join(parts)
 
     # ---- one try on one endpoint --------------------------------------------------------------------
@@ -173,6 +205,7 @@ class Proxy:
         headers: bytes,
         rid_header: bytes,
         t0: float,
+        trace: RouteTrace | None,
     ) -> Failure | None:
         """None when an answer (or the start of one) reached the client."""
         state = self.state
@@ -187,7 +220,7 @@ class Proxy:
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
-            headers = self._forward_headers(request, rid_header, _HOP_REQ_UNPINNED)
+            headers = self._forward_headers(request, rid_header, _HOP_REQ_UNPINNED, trace)
         try:
             try:
                 upstream = await pool.request(
