@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from support import exit_on_sigterm, tree_usage  # noqa: E402
+
+from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 ANSWER = json.dumps(

@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(cfg.node_rank)
     import uvloop
 
+    from supervisor.health import HealthServer
     from supervisor.node import Supervisor
 
-    return uvloop.run(Supervisor(cfg).run(sock))
+    node = Supervisor(cfg)  # the one place the node and its health port meet
+    return uvloop.run(node.run(HealthServer(node), sock))
 
 
 if __name__ == "__main__":

@@ -63,13 +63,16 @@ from __future__ import annotations
 import hmac
 import socket
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from supervisor.config import WILDCARD_HOSTS
-from supervisor.node import Supervisor
 from supervisor.rank import Command
+
+if TYPE_CHECKING:  # the node and this server are wired together in supervisor.cli
+    from supervisor.node import Supervisor
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 409: "ConflictError"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,8 +19,7 @@ import openai
 import pytest
 from support import metric_value
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "supervisor"))
-from supervisor_harness import SupervisorNode  # noqa: E402
+from lbd.bench.node import SupervisorNode
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 import psutil
-from support import free_port_run, spawn, stop
+
+from lbd.bench.procs import free_port_run, spawn, stop
 
 # Small engines: two ranks share two cores with everyone else's tests.
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512",
