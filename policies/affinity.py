@@ -24,6 +24,7 @@ def within_gap(load: float, least: float, abs_gap: float, rel_gap: float) -> boo
 @register
 class PrefixAffinity(Policy):
     name = "prefix_affinity"
+    uses_prefix_hashes = True
     help = "endpoint holding the longest prefix of the request (bounded by a load gap); cold requests spread"
 
     def __init__(

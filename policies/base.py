@@ -104,6 +104,8 @@ class Policy:
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    # Whether ``choose`` reads ``RequestFacts.prefix_hashes``: the router hashes request text only for those.
+    uses_prefix_hashes: ClassVar[bool] = False
 
     def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
         self.stale_s = stale_s

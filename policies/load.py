@@ -19,8 +19,9 @@ class RoundRobin(Policy):
     help = "each endpoint in turn, ignoring load"
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        pick = self.rotate(list(range(len(endpoints))))
-        return Decision(endpoints[pick], "round_robin", f"turn {self._turn - 1} of {len(endpoints)}")
+        turn, n = self._turn, len(endpoints)
+        self._turn = turn + 1
+        return Decision(endpoints[turn % n], "round_robin", lambda: f"turn {turn} of {n}")
 
 
 @register

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.args import add_engine_arguments, engine_args_from_namespace, validate
+from supervisor.engines import ENGINES, EngineFlagError, Placement, check_executable, rank_command, translate
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
@@ -49,6 +50,7 @@ class RankSpec:
     devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
+    engine: str = "lbd"  # --rank-engine ("command" for --rank-command)
 
     @property
     def probe_url(self) -> str:
@@ -151,6 +153,13 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cap of the restart delay")
     g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
                    help="a rank ready this long gets the initial delay again on its next failure")
+    g.add_argument("--rank-engine", choices=ENGINES, default="lbd",
+                   help="what each rank runs: lbd's engine, vLLM's OpenAI server (vllm serve) or SGLang's "
+                        "(python3 -m sglang.launch_server), each with its own flags for port, DP rank and "
+                        "devices; engine flags are translated, or refused when the engine has no equivalent")
+    g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
+                   help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
+                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {tp} {pp}")
 
 
 def make_parser() -> tuple[OneLineParser, set[str]]:
@@ -314,20 +323,34 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
     return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
 
 
+def changed_engine_options(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                           dests: set[str]) -> dict[str, object]:
+    """Engine options the user set to something else than their default (rank-assigned ones excluded)."""
+    return {a.dest: getattr(ns, a.dest) for a in parser._actions
+            if a.dest in dests and a.dest not in RANK_OVERRIDES and a.option_strings
+            and getattr(ns, a.dest) != a.default}
+
+
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
-               env: dict[str, str]) -> list[RankSpec]:
+               env: dict[str, str], changed: dict[str, object] | None = None) -> list[RankSpec]:
     slices = _device_slices(ns, local, env)
+    visible = visible_cuda_devices(env, ns.device)
+    changed = {} if changed is None else changed
+    try:
+        flags = translate(ns.rank_engine, changed, passthrough) if ns.rank_command is None else []
+    except EngineFlagError as e:
+        raise SupervisorArgError(str(e)) from None
     specs = []
     for i in range(local):
-        argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
-                "--data-parallel-rank", str(start + i), "--data-parallel-size", str(n),
-                # ranks on one node share its CPUs: the engine sizes its thread pool by the local count
-                "--data-parallel-size-local", str(local)]
-        child_env = {"PYTHONUNBUFFERED": "1"}
-        if slices[i] is not None:
-            child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+        devices = slices[i].split(",") if slices[i] is not None else None
+        place = Placement(start + i, i, ns.port + i, n, local, devices, visible)
+        try:
+            argv, child_env = rank_command(ns.rank_engine, ns.rank_command, ns, flags, place, changed)
+        except EngineFlagError as e:
+            raise SupervisorArgError(str(e)) from None
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
-                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host))
+                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host,
+                              engine="command" if ns.rank_command else ns.rank_engine))
     return specs
 
 
@@ -346,7 +369,11 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_ports(ns, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env)
+        problem = check_executable(ns.rank_engine, ns.rank_command)
+        if problem:
+            raise SupervisorArgError(problem)
+        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env,
+                           changed_engine_options(parser, ns, engine_dests))
     except SupervisorArgError as e:
         parser.error(str(e))
     return SupervisorConfig(

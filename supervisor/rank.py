@@ -157,7 +157,7 @@ class RankWorker:
             "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
-            "operation": self.operation, "devices": self.spec.devices,
+            "operation": self.operation, "devices": self.spec.devices, "engine": self.spec.engine,
         }
 
     # ---- the lifecycle ------------------------------------------------------------------------------------

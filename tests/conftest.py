@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # (the editable install's finder runs after the path finder).
 sys.path.insert(1, str(Path(__file__).parent.parent))
 
-from support import make_tiny_llama  # noqa: E402
+from support import RouterProc, make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,19 @@ def slower_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama with a real (small BPE) tokenizer and ChatML template."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator:
+    procs: list[RouterProc] = []
+
+    def start(*args: str) -> RouterProc:
+        proc = RouterProc(list(args), tmp_path / f"router-{len(procs)}.log")
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for p in procs:
+            p.close()

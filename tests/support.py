@@ -3,7 +3,13 @@ and test-only assertions."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
 
 from lbd.bench.procs import (  # noqa: F401  (re-exported for the tests)
     EngineServer,
@@ -34,3 +40,45 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(pairs.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+class RouterProc:
+    """A real `lbd route` process on a free loopback port."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        argv = [sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.started = time.monotonic()
+        self.proc = spawn(argv, log=log)
+
+    async def wait(self, timeout: float = 30.0, ready: bool = True) -> RouterProc:
+        """Until /health answers (and /readyz, when ``ready``)."""
+        deadline = time.monotonic() + timeout
+        path = "/readyz" if ready else "/health"
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"router exited {self.proc.returncode}: {self.log_text()[-2000:]}")
+                try:
+                    if (await c.get(self.url + path)).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"router not ready: {self.log_text()[-2000:]}")
+
+    async def metrics(self) -> str:
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            return (await c.get(self.url + "/metrics")).text
+
+    async def status(self) -> dict:
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            return (await c.get(self.url + "/router/status")).json()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def close(self) -> int | None:
+        return stop(self.proc)

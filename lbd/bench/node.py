@@ -30,7 +30,7 @@ class SupervisorNode:
 
     def __init__(self, model: Path | str, ranks: int = 2, *extra: str, interval: float = 0.2,
                  timeout: float = 1.0, threshold: int = 2, log: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, engine_flags: list[str] | None = None) -> None:
         self.ranks = ranks
         self.base_port = free_port_run(ranks + 1)
         self.sport = self.base_port + ranks
@@ -41,7 +41,7 @@ class SupervisorNode:
                      "--data-parallel-supervisor-port", str(self.sport),
                      "--dp-supervisor-probe-interval-s", str(interval), "--dp-supervisor-probe-timeout-s",
                      str(timeout), "--dp-supervisor-probe-failure-threshold", str(threshold),
-                     "--model", str(model), *ENGINE_FLAGS, *extra]
+                     "--model", str(model), *(ENGINE_FLAGS if engine_flags is None else engine_flags), *extra]
         self.log = log
         self.url = f"http://127.0.0.1:{self.sport}"
         self.client = httpx.Client(base_url=self.url, timeout=5.0)

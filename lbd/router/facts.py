@@ -100,8 +100,10 @@ def path_facts(path: str, headers: Any) -> RequestFacts:
     return RequestFacts(pinned_rank=pin)
 
 
-def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
-    """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin."""
+def parse_facts(body: bytes, headers: Any, session_header: str, hash_prefix: bool = True) -> RequestFacts:
+    """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin. Without
+    ``hash_prefix`` (the policy reads no prefix hashes) the text is not hashed: on a 16 KiB prompt that is
+    three quarters of the router's work per request."""
     pin = pinned_rank(headers)
     session = headers.get(session_header)
     if not body:
@@ -123,7 +125,7 @@ def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
     raw, tokens = _prompt_bytes(data)
     return RequestFacts(
         model=model if isinstance(model, str) else None,
-        prefix_hashes=chunk_hashes(raw),
+        prefix_hashes=chunk_hashes(raw) if hash_prefix else (),
         session_key=session,
         pinned_rank=pin,
         prompt_tokens=tokens,

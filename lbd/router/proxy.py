@@ -82,6 +82,7 @@ class Proxy:
     def __init__(self, state: RouterState, tracer: RouterTracer | None = None) -> None:
         self.state = state
         self.tracer = tracer
+        self._hash_prefix = state.policy.uses_prefix_hashes
         self.cfg = state.cfg
         self.loop = asyncio.get_running_loop()
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
@@ -123,7 +124,7 @@ class Proxy:
         body = request.body
         try:
             if request.method == "POST":
-                facts = parse_facts(body, request.headers, self.cfg.session_header)
+                facts = parse_facts(body, request.headers, self.cfg.session_header, self._hash_prefix)
             else:
                 facts = path_facts(request.path, request.headers)
         except BadRequest as e:

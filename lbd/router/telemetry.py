@@ -21,8 +21,8 @@ Engines and their names (the first name of a row that the engine exports wins: v
 | block_size | cache_config_info{block_size} | | page_size |
 | num_blocks | cache_config_info{num_gpu_blocks} | | max_total_num_tokens / page_size |
 
-``ranks`` come from vLLM's ``engine`` label (SGLang's servers carry no DP rank: the supervisor's /status gives
-it); ``models`` from ``model_name`` on any of these lines.
+``ranks`` come from vLLM's ``engine`` label or SGLang's ``dp_rank`` (``lbd supervise --rank-engine sglang``
+adds it; a router also learns ranks from the supervisor's /status); ``models`` from ``model_name``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def parse_metrics(text: str) -> Sample:
             if samples:
                 break
         for labels, value in samples:
-            engine = labels.get("engine", "")
+            engine = labels.get("engine") or labels.get("dp_rank", "")
             if engine.lstrip("-").isdigit():
                 s.ranks.add(int(engine))
             if labels.get("model_name"):
