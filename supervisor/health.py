@@ -47,9 +47,10 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
       ]
     }
 
-GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_rank_restarts_total{rank},
-              lbd_supervisor_probe_duration_seconds, lbd_supervisor_probe_failures_total{rank,reason},
-              lbd_supervisor_ready.
+GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_rank_state{rank,state},
+              lbd_supervisor_rank_restarts_total{rank}, lbd_supervisor_probe_duration_seconds{rank},
+              lbd_supervisor_probe_failures_total{rank,reason}, lbd_supervisor_ready,
+              lbd_supervisor_ready_ranks, lbd_supervisor_ranks, lbd_supervisor_phase{phase}.
 
 Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401 on a missing or wrong
 ``Authorization: Bearer <token>``); each answers 202 with JSON at once and works in the background:
@@ -64,16 +65,13 @@ from __future__ import annotations
 import hmac
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from supervisor.config import WILDCARD_HOSTS
+from supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from supervisor.rank import Command
-
-if TYPE_CHECKING:  # the node and this server are wired together in supervisor.cli
-    from supervisor.node import Supervisor
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 409: "ConflictError"}
@@ -138,7 +136,10 @@ class HealthServer:
         return _json(self.sup.status(self._url_host(request)))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.sup.metrics.node_ready.set(1 if self.sup.readiness()[0] else 0)
+        m = self.sup.metrics
+        m.node_ready.set(1 if self.sup.readiness()[0] else 0)
+        m.ready_ranks.set(self.sup.ready_count())
+        m.set_phase(self.sup.phase, PHASES)
         return web.Response(body=self.sup.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

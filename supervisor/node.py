@@ -18,6 +18,7 @@ from supervisor.rank import Command, FailureAction, RankState, RankWorker
 log = logging.getLogger("lbd.supervisor")
 
 RUNNING, STOPPING, FAILED = "running", "stopping", "failed"
+PHASES = (RUNNING, STOPPING, FAILED)
 SHUTDOWN_EXTRA_S = 5.0  # on SIGTERM ranks get --shutdown-timeout plus this before their trees are killed
 ROLLING_POLL_S = 0.1
 

@@ -109,7 +109,8 @@ class RankWorker:
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        metrics.add_rank(spec.rank)
+        metrics.add_rank(spec.rank, tuple(s.value for s in RankState))
+        metrics.set_state(spec.rank, RankState.STARTING.value, RankState.STARTING.value)
 
     # ---- public, called by the node and the health server -------------------------------------------------
     def start(self) -> None:
@@ -318,7 +319,7 @@ class RankWorker:
             self._on_probe(gen, result)
 
     def _on_probe(self, gen: int, res: ProbeResult) -> None:
-        self.metrics.probe_duration.observe(res.latency_s)
+        self.metrics.probe_duration.labels(rank=str(self.spec.rank)).observe(res.latency_s)
         self.last_probe_latency_s = res.latency_s
         self.last_probe_at = time.time()
         self.last_probe_error = res.detail
@@ -344,6 +345,7 @@ class RankWorker:
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _set_state(self, state: RankState) -> None:
         if state is not self.state:
+            self.metrics.set_state(self.spec.rank, self.state.value, state.value)
             self.state = state
             self.state_since = time.time()
         self.metrics.rank_ready.labels(rank=str(self.spec.rank)).set(1 if state is RankState.READY else 0)

@@ -218,6 +218,7 @@ class Proxy:
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
         state.metrics.decision(self.cfg.policy, d.reason)
+        state.metrics.overhead_of(self.cfg.policy, a.dispatched_at - t0)
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
