@@ -106,6 +106,9 @@ class Policy:
     help: ClassVar[str] = ""
     # Whether ``choose`` reads ``RequestFacts.prefix_hashes``: the router hashes request text only for those.
     uses_prefix_hashes: ClassVar[bool] = False
+    # Whether ``choose`` reads the snapshots' live load (in flight, unstarted, delta, telemetry age): the
+    # router skips reading its shared counters per endpoint for a policy that does not.
+    uses_load: ClassVar[bool] = True
 
     def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
         self.stale_s = stale_s

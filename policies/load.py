@@ -17,6 +17,7 @@ def _stale_note(ep: EndpointSnapshot, stale_s: float) -> str:
 class RoundRobin(Policy):
     name = "round_robin"
     help = "each endpoint in turn, ignoring load"
+    uses_load = False
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
         turn, n = self._turn, len(endpoints)

@@ -161,12 +161,16 @@ class RouterMetrics:
         tally[bisect.bisect_left(_BUCKETS, seconds)] += 1
         tally[-1] += seconds
 
-    def overhead_of(self, policy: str, seconds: float) -> None:
+    def dispatched(self, policy: str, reason: str, overhead_s: float) -> None:
+        """A request sent to an upstream: the decision's reason and the router's overhead until then."""
+        key = (policy, reason)
+        self._decisions[key] = self._decisions.get(key, 0) + 1
+        self._dirty()
         tally = self._overhead.get(policy)
         if tally is None:
             tally = self._overhead[policy] = [0.0] * (len(_OVERHEAD_BUCKETS) + 2)
-        tally[bisect.bisect_left(_OVERHEAD_BUCKETS, seconds)] += 1
-        tally[-1] += seconds
+        tally[bisect.bisect_left(_OVERHEAD_BUCKETS, overhead_s)] += 1
+        tally[-1] += overhead_s
 
     def flush(self) -> None:
         """Move the tallies into the prometheus children."""

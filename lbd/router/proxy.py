@@ -55,6 +55,7 @@ _HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})  # replaced by the router's span, when tracing
 _RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
+_HEADER_CACHE = 1024  # serialized client header sets / upstream header-name decisions kept (then cleared)
 _JSON = b"Content-Type: application/json\r\n"
 
 
@@ -83,6 +84,9 @@ class Proxy:
         self.state = state
         self.tracer = tracer
         self._hash_prefix = state.policy.uses_prefix_hashes
+        self._uses_load = state.policy.uses_load
+        self._forwarded: dict[tuple[tuple[tuple[bytes, bytes], ...], frozenset[bytes]], bytes] = {}
+        self._keep_response_header: dict[bytes, bool] = {}
         self.cfg = state.cfg
         self.loop = asyncio.get_running_loop()
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
@@ -133,7 +137,10 @@ class Proxy:
         exclude: list[str] = []
         failure: Failure | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            decision = route(self.state.policy, facts, self.state.snapshots(), exclude, self.cfg.pin_fallback)
+            # a pin picks the least loaded endpoint of its rank: live numbers then, whatever the policy
+            load = self._uses_load or facts.pinned_rank is not None
+            snapshots = self.state.snapshots(load)
+            decision = route(self.state.policy, facts, snapshots, exclude, self.cfg.pin_fallback)
             if isinstance(decision, Refusal):
                 if failure is None:
                     self.state.metrics.decision(self.cfg.policy, decision.reason)
@@ -189,11 +196,18 @@ class Proxy:
         h = request.headers
         if trace is not None:
             drop = drop | _TRACE_HEADERS
-        parts = [b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True) if name not in drop]
-        parts.append(rid_header)
+        # A client sends the same headers request after request: serialize a header set once.
+        key = (tuple(h.raw), drop)
+        kept = self._forwarded.get(key)
+        if kept is None:
+            kept = b"".join([b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True)
+                             if name not in drop])
+            if len(self._forwarded) >= _HEADER_CACHE:
+                self._forwarded.clear()
+            self._forwarded[key] = kept
         if trace is not None:
-            parts.append(trace.lines)
-        return b"".join(parts)
+            return kept + rid_header + trace.lines
+        return kept + rid_header
 
     # ---- one try on one endpoint --------------------------------------------------------------------
     async def _attempt(
@@ -217,8 +231,7 @@ class Proxy:
         a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), self.loop.time())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
-        state.metrics.decision(self.cfg.policy, d.reason)
-        state.metrics.overhead_of(self.cfg.policy, a.dispatched_at - t0)
+        state.metrics.dispatched(self.cfg.policy, d.reason, a.dispatched_at - t0)
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
@@ -287,7 +300,16 @@ class Proxy:
 
     def _response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
         """The upstream's raw headers minus hop-by-hop ones, plus ours, serialized."""
-        parts = [b"%s: %s\r\n" % kv for kv in upstream.raw_headers if kv[0].lower() not in _RESP_DROP]
+        keep = self._keep_response_header
+        parts = []
+        for kv in upstream.raw_headers:
+            kept = keep.get(kv[0])
+            if kept is None:  # a header name not seen yet: decide once (names repeat on every response)
+                kept = keep[kv[0]] = kv[0].lower() not in _RESP_DROP
+                if len(keep) > _HEADER_CACHE:
+                    keep.clear()
+            if kept:
+                parts.append(b"%s: %s\r\n" % kv)
         parts.append(rid_header)
         if self.cfg.debug_headers:
             extra = (("x-lbd-endpoint", d.endpoint.key), ("x-lbd-route-reason", d.line()))
