@@ -146,6 +146,7 @@ class EngineCore:
         aborted = self.scheduler.abort(list(request_ids), reason)
         if self.recorder is not None and aborted:
             self.recorder.finished(reason, len(aborted))
+            self.recorder.flush()  # the client may already have its answer (a stop string): count it now
         return aborted
 
     def has_work(self) -> bool:

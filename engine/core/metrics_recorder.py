@@ -2,10 +2,10 @@
 
 In multiprocess mode every Prometheus write takes a lock and touches an mmap (~1-4 us), so the recorder keeps
 plain tallies per step (tokens per step, finish reasons; everything else is a cumulative counter of the
-scheduler or the KV manager) and writes them out after a step that finished a request (so a client that has
-its answer sees it counted), else at most every ``RECORD_INTERVAL_S`` while the core is busy, and on
-``flush`` (the core loop calls it every 100 ms, idle or not). Only values that changed are written.
-``benchmarks/telemetry.py`` measures the per-step cost.
+scheduler or the KV manager) and writes them out after a step that finished a request and after an abort
+(so a client that has its answer sees it counted), else at most every ``RECORD_INTERVAL_S`` while the core
+is busy, and on ``flush`` (the core loop calls it every 100 ms, idle or not). Only values that changed are
+written. ``benchmarks/telemetry.py`` measures the per-step cost.
 """
 
 from __future__ import annotations
