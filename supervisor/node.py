@@ -12,7 +12,8 @@ import time
 from supervisor.config import SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
 from supervisor.probe import Prober
-from supervisor.rank import Command, FailureAction, RankState, RankWorker
+from supervisor.process import RankProcess
+from supervisor.rank import Command, FailureAction, RankState, RankWorker, StartRank
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -22,11 +23,11 @@ ROLLING_POLL_S = 0.1
 
 
 class Supervisor:
-    def __init__(self, cfg: SupervisorConfig) -> None:
+    def __init__(self, cfg: SupervisorConfig, start_rank: StartRank = RankProcess.start) -> None:
         self.cfg = cfg
         self.metrics = SupervisorMetrics()
         self.prober = Prober(cfg.probe_timeout_s)
-        self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure)
+        self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
         self.phase = RUNNING
         self.exit_code = 0
