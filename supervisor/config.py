@@ -173,10 +173,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         "node, as many as fit on the others; span = one rank over several nodes")
 
 
-def make_parser() -> tuple[OneLineParser, set[str]]:
+def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
     """The full parser, and the dests that belong to the engine (passed through to ranks)."""
     # resolve: a flag defined here again (e.g. one the engine lists only to refuse it) means ours
-    parser = OneLineParser(prog=PROG, allow_abbrev=False, conflict_handler="resolve",
+    parser = OneLineParser(prog=prog, allow_abbrev=False, conflict_handler="resolve",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description="Run this node's DP ranks, each an engine server on its own port; "
                                        "probe, restart and drain them; serve one health port.")
@@ -379,10 +379,10 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     return specs
 
 
-def parse_args(argv: list[str], env: dict[str, str] | None = None) -> SupervisorConfig:
+def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
     """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
     env = dict(os.environ) if env is None else env
-    parser, engine_dests = make_parser()
+    parser, engine_dests = make_parser(prog)
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
