@@ -178,9 +178,15 @@ def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
     n = ns.data_parallel_size
     local = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
     if ns.data_parallel_backend == "ray":
+        if ns.node_rank or ns.data_parallel_start_rank:
+            raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this "
+                                     "one command: drop --node-rank and --data-parallel-start-rank")
         return n, n, 0  # one supervisor, every rank; --data-parallel-size-local = ranks per Ray node
     if local < 0:
         raise SupervisorArgError(f"--data-parallel-size-local must be >= 0, got {local}")
+    if local > n:
+        raise SupervisorArgError(f"--data-parallel-size-local {local} is larger than --data-parallel-size "
+                                 f"{n}: a node cannot run more ranks than the whole group")
     if local == 0 and role != "head":
         raise SupervisorArgError(f"a {'--headless' if role == 'headless' else 'hybrid'} node with "
                                  "--data-parallel-size-local 0 would have nothing to run: give it ranks")
@@ -198,8 +204,11 @@ def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
 def _check_unused(ns: argparse.Namespace, role: str, remote: bool) -> None:
     """Flags this node would not use are refused rather than ignored."""
     unused = []
-    if ns.data_parallel_advertise_address is not None and not remote:
-        unused.append(("--data-parallel-advertise-address", "it applies to groups spanning nodes"))
+    for flag, value in (("--data-parallel-advertise-address", ns.data_parallel_advertise_address),
+                        ("--data-parallel-address", ns.data_parallel_address),
+                        ("--data-parallel-rpc-port", ns.data_parallel_rpc_port)):
+        if value is not None and not remote and ns.data_parallel_backend == "mp":
+            unused.append((flag, "it applies to groups spanning nodes"))
     if ns.rank_port is not None and ns.data_parallel_backend == "ray":
         unused.append(("--rank-port", "Ray-placed ranks take a free port on their node"))
     if ns.route_policy is not None and role == "headless":
@@ -233,7 +242,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
             if value is not None:
                 raise SupervisorArgError(f"{flag} applies to the whole deployment and is enforced by the "
                                          "head's router: give it to the head, not to a --headless node")
-    remote = ns.data_parallel_backend == "mp" and (local < n or (role == "head" and address is not None))
+    remote = ns.data_parallel_backend == "mp" and (local < n or role == "headless"
+                                                   or (role == "head" and address is not None))
     registry, member = remote and head_of_group, remote and not head_of_group
     _check_unused(ns, role, remote)
     if remote and address is None:
