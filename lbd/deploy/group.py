@@ -6,7 +6,7 @@ and the head's health port. A node registers its rank range; the head checks it 
 and refuses it with a message naming the flag otherwise. A registration is a lease: each heartbeat (which
 carries the node's ranks as its supervisor reports them) renews it; a node whose lease ran out is *lost*: its
 ranks stay listed, not routable, until it comes back (same node id: no restart needed) or another node takes
-its range over.
+its range over (or the same node, same health port, registers again after a restart).
 
 Rendezvous for the DP group's collective layers (MoE across DP ranks): the registration service owns
 ``--data-parallel-rpc-port`` P on the head's ``--data-parallel-address`` A; P+1 is the torch.distributed
@@ -93,20 +93,21 @@ class Group:
         except (KeyError, TypeError, ValueError) as e:
             raise Rejected(f"registration is missing or has a bad field: {e}", None, 400) from None
         try:
-            self._check(node_id, address, size, start, count, list(reg.get("models") or []), now)
+            self._check(node_id, address, str(reg.get("health_url")), size, start, count,
+                        list(reg.get("models") or []), now)
         except Rejected as e:
             self.rejected = [*self.rejected, {"at": wall, "address": address, "ranks": span(
                 list(range(start, start + count))), "reason": e.message}][-MAX_REJECTIONS_KEPT:]
             raise
         for other in [m for m in self.members.values() if set(m.rank_ids) & set(range(start, start + count))]:
-            del self.members[other.node_id]  # lost, or the same address restarted: this node takes over
+            del self.members[other.node_id]  # lost, or that node restarted: this registration takes over
         member = Member(node_id, address, start, count, reg.get("health_url"), list(reg.get("models") or []),
                         list(reg.get("ranks") or []), now, now, hostname=str(reg.get("hostname", "")))
         self.members[node_id] = member
         return member
 
-    def _check(self, node_id: str, address: str, size: int, start: int, count: int, models: list[str],
-               now: float) -> None:
+    def _check(self, node_id: str, address: str, health_url: str, size: int, start: int, count: int,
+               models: list[str], now: float) -> None:
         if size != self.dp_size:
             raise Rejected(f"node {address} has --data-parallel-size {size} but the head's group has "
                            f"{self.dp_size}: start every node with the same --data-parallel-size",
@@ -128,7 +129,8 @@ class Group:
         self.expire(now)
         for other in self.members.values():
             clash = ranks & set(other.rank_ids)
-            if clash and other.node_id != node_id and not other.lost and other.address != address:
+            # the same health port registering again is that node restarted: it takes its ranks over
+            if clash and other.node_id != node_id and not other.lost and other.health_url != health_url:
                 raise Rejected(f"ranks {span(sorted(clash))} are already registered by node {other.address} "
                                f"(heartbeat {now - other.last_seen:.1f} s ago): start node {address} with "
                                "another --data-parallel-start-rank", "data_parallel_start_rank")
