@@ -68,6 +68,16 @@ class Namespaces:
             _ip("-n", ns, "link", "set", dev, "up")
         return dev_a, dev_b
 
+    def hosts(self, ns: str, lines: list[str]) -> None:
+        """/etc/hosts as processes started in ``ns`` see it (`ip netns exec` mounts /etc/netns/<ns>/hosts);
+        rewritten in place, so running processes see each change too."""
+        path = Path("/etc/netns") / ns / "hosts"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "r+" if path.exists() else "w") as f:
+            f.seek(0)
+            f.write("".join(line + "\n" for line in lines))
+            f.truncate()
+
     def set_link(self, ns: str, dev: str, up: bool) -> None:
         _ip("-n", ns, "link", "set", dev, "up" if up else "down")
 
@@ -115,4 +125,5 @@ class Namespaces:
                 proc.wait(5)
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self.names.clear()
