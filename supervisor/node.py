@@ -88,10 +88,11 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
-        log.info("health port %s:%d; starting %d ranks %d..%d on ports %d..%d", self.cfg.supervisor_host,
+        where = ("on their Ray placement groups" if self.cfg.backend == "ray" else
+                 f"on ports {self.cfg.base_port}..{self.cfg.base_port + len(self.workers) - 1}")
+        log.info("health port %s:%d; starting %d ranks %d..%d %s", self.cfg.supervisor_host,
                  self.cfg.supervisor_port, len(self.workers), self.cfg.dp_start_rank,
-                 self.cfg.dp_start_rank + len(self.workers) - 1, self.cfg.base_port,
-                 self.cfg.base_port + len(self.workers) - 1)
+                 self.cfg.dp_start_rank + len(self.workers) - 1, where)
         for w in self.workers:
             w.start()
         try:
