@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ from aiohttp import web
 from lbd.deploy.group import Group, rendezvous, span
 from lbd.deploy.member import REGISTERED, Membership, url_host
 from lbd.deploy.plan import Plan
-from supervisor.health import error_response
+from supervisor.health import AppServer, error_response, json_errors
 
 RUNNING, STOPPING, FAILED = "running", "stopping", "failed"
 _STALE_S = 5.0  # a supervisor status older than this is not trusted for readiness
@@ -91,7 +90,7 @@ class LocalSupervisor:
             await self._session.close()
 
 
-class NodeHealth:
+class NodeHealth(AppServer):
     def __init__(self, plan: Plan, local: LocalSupervisor | None, group: Group | None,
                  membership: Membership | None, router_alive: Callable[[], bool | None]) -> None:
         self.plan = plan
@@ -102,21 +101,11 @@ class NodeHealth:
         self.phase = RUNNING
         self.failure: str | None = None
         self.started = time.monotonic()
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz), web.get("/status", self.status),
             web.get("/metrics", self.metrics), web.post("/ranks/{rank}/{action}", self.admin_rank),
             web.post("/rolling-restart", self.admin_node)])
-        self._runner: web.AppRunner | None = None
-
-    async def start(self, sock: socket.socket) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     # ---- the view -----------------------------------------------------------------------------------------
     def local_ranks(self, advertised: bool) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from lbd.deploy.group import Group
 from lbd.deploy.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
-from lbd.deploy.member import Membership
+from lbd.deploy.member import CONNECTING, Membership
 from lbd.deploy.plan import Plan
 from lbd.deploy.registry import Registry
 from supervisor.process import child_setup
@@ -30,6 +30,7 @@ from supervisor.process import child_setup
 log = logging.getLogger("lbd.serve")
 STOP_EXTRA_S = 10.0  # after --shutdown-timeout (+ the supervisor's own 5 s), children are killed
 ROUTER_RESTART_S = 1.0
+FIRST_ANSWER_S = 3.0  # a member waits this long for the head's first answer before it starts its ranks
 
 
 def free_loopback_port() -> int:
@@ -141,7 +142,14 @@ class DeploymentNode:
                  f", router on :{plan.router_port}" if plan.route_argv else "",
                  f", registration on :{plan.rpc_port}" if plan.registry else "")
         try:
-            if plan.dp_size_local:
+            if self.membership is not None:
+                beat = asyncio.create_task(self.membership.run())
+                self._to_keep.add(beat)
+                self._tasks.append(beat)
+                # A head that answers at once refuses a misfit before any rank is started; one that does not
+                # is waited for while the ranks load.
+                await self._first_answer(FIRST_ANSWER_S)
+            if plan.dp_size_local and not self.stop_event.is_set():
                 self.supervisor = Child("supervisor", ["supervise", *plan.supervise_argv,
                                                        "--supervisor-host", "127.0.0.1",
                                                        "--data-parallel-supervisor-port", str(sup_port)])
@@ -150,10 +158,6 @@ class DeploymentNode:
                 poll = asyncio.create_task(self.local.poll())
                 self._to_keep.add(poll)
                 self._tasks += [poll, asyncio.create_task(self._watch_supervisor())]
-            if self.membership is not None:
-                beat = asyncio.create_task(self.membership.run())
-                self._to_keep.add(beat)
-                self._tasks.append(beat)
             if plan.route_argv is not None:
                 self._tasks.append(asyncio.create_task(self._keep_router()))
             await self.stop_event.wait()
@@ -161,6 +165,15 @@ class DeploymentNode:
             await self._shutdown()
         log.info("exit %d", self.exit_code)
         return self.exit_code
+
+    async def _first_answer(self, timeout: float) -> None:
+        assert self.membership is not None and self.stop_event is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.membership.state == CONNECTING and self.membership.attempts < 2 and loop.time() < deadline:
+            if self.stop_event.is_set():
+                return
+            await asyncio.sleep(0.02)
 
     def _group_status(self) -> dict[str, Any]:
         assert self.health is not None

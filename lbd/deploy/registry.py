@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from lbd.deploy.group import Group, Rejected, rendezvous, span
-from supervisor.health import error_response
+from supervisor.health import AppServer, error_response, json_errors
 
 log = logging.getLogger("lbd.serve")
 
@@ -38,7 +37,7 @@ def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-class Registry:
+class Registry(AppServer):
     def __init__(self, group: Group, address: str | None, rpc_port: int, heartbeat_s: float,
                  token: str | None, group_status: Callable[[], dict[str, Any]]) -> None:
         self.group = group
@@ -46,21 +45,11 @@ class Registry:
         self.heartbeat_s = heartbeat_s
         self.token = token
         self.group_status = group_status
-        self.app = web.Application(middlewares=[self._auth], client_max_size=4 << 20)
+        self.app = web.Application(middlewares=[json_errors, self._auth], client_max_size=4 << 20)
         self.app.add_routes([
             web.post("/v1/nodes", self.register), web.put("/v1/nodes/{node_id}", self.heartbeat),
             web.delete("/v1/nodes/{node_id}", self.leave), web.get("/v1/group", self.describe),
             web.get("/status", self.status), web.get("/health", self.health)])
-        self._runner: web.AppRunner | None = None
-
-    async def start(self, sock: socket.socket) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -70,12 +59,7 @@ class Registry:
                                                                     self.token.encode()):
                 return error_response(401, "missing or wrong cluster token: start every node with the same "
                                            "LBD_CLUSTER_TOKEN")
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            return error_response(e.status, f"{request.method} {request.path}: {e.reason}")
+        return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
         try:

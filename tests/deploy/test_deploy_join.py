@@ -47,6 +47,7 @@ def test_head_late_router_only_head_and_refused_nodes(tiny_llama: Path, tmp_path
             refused = headless(i, base + 4 + 2 * (i - 1), *flags)
             assert refused.proc.wait(60) == 2, refused.log_text()[-3000:]
             assert needle in refused.log_text()
+            assert "supervisor started" not in refused.log_text()  # refused before any rank was started
             assert any(needle in r["reason"] for r in head.status()["deployment"]["group"]["rejected"])
         assert complete(head.api).status_code == 200  # the group is untouched
     finally:
