@@ -23,7 +23,7 @@ from typing import Any
 from lbd.deploy.group import Group
 from lbd.deploy.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.deploy.member import CONNECTING, Membership
-from lbd.deploy.plan import Plan
+from lbd.deploy.plan import CLUSTER_TOKEN_ENV, Plan
 from lbd.deploy.registry import Registry
 from supervisor.process import child_setup
 
@@ -47,8 +47,10 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
+        # only this process talks to the head: the token stays out of the children's environments
+        env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,
             preexec_fn=child_setup(os.getpid()))
         log.info("%s started (pid %d)", self.name, self.proc.pid)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.args import engine_args_from_namespace, validate
 from supervisor.config import (
@@ -61,7 +61,6 @@ class Plan:
     router_host: str = "0.0.0.0"
     router_port: int = 8000
     router_workers: int = 1
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def view_is_group(self) -> bool:
