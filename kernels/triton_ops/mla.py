@@ -16,7 +16,12 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.triton_ops.attention import choose_num_splits
-from kernels.triton_ops.attention_kernels import LOG2E, reduce_splits_kernel
+from kernels.triton_ops.attention_kernels import (
+    LOG2E,
+    finish_split,
+    online_softmax_step,
+    reduce_splits_kernel,
+)
 
 __all__ = ["mla_decode", "write_mla_cache"]
 
@@ -88,25 +93,11 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr, bt_ptr, seq
         lat = lat.to(q_lat.dtype)
         scores = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PREC)
         scores = tl.dot(q_pe, tl.trans(kpe.to(q_pe.dtype)), scores, input_precision=DOT_PREC) * qk_scale
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PREC)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty split (or seq_len 0) gives zeros
-    mask = h_mask[:, None] & l_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_l[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # part: [B, H, NUM_SPLITS, L_PAD] fp32; lse: [B, H, NUM_SPLITS] (log2 domain, -inf if empty)
-        base = (seq.to(tl.int64) * n_heads + heads) * NUM_SPLITS + split
-        tl.store(part_ptr + base[:, None] * L_PAD + offs_l[None, :], out, mask=h_mask[:, None])
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + base, lse, mask=h_mask)
+        m_i, l_i, acc = online_softmax_step(tl.where(n_mask[None, :], scores, float("-inf")), lat, m_i, l_i,
+                                            acc, DOT_PREC)
+    finish_split(acc, m_i, l_i, out_ptr + seq.to(tl.int64) * stride_ot + heads * stride_oh, part_ptr, lse_ptr,
+                 (seq.to(tl.int64) * n_heads + heads) * NUM_SPLITS + split, h_mask, offs_l, l_mask, L_PAD,
+                 NUM_SPLITS)
 
 
 def _decode_blocks(on_gpu: bool, lora_pad: int) -> tuple[int, int]:
