@@ -313,8 +313,9 @@ def _model_flag_problem(args: EngineArgs, model_path: str) -> str | None:
     try:
         return unsupported_flags(load_hf_config(model_path), args.tensor_parallel_size,
                                  args.pipeline_parallel_size, args.kv_cache_dtype)
-    except ValueError as e:  # an architecture we do not serve
-        return str(e)
+    except (OSError, ValueError) as e:  # config.json unreadable: the core reports it
+        logger.warning("cannot check the flags against %s/config.json: %s", model_path, e)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

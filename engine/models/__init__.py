@@ -15,6 +15,11 @@ ARCHITECTURES: dict[str, tuple[str, str, bool | None]] = {
     "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM", None),
     "DeepseekV2ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM", None),
 }
+# What the classes declare, by name, so the launcher can refuse flags without importing torch (a test keeps
+# these in agreement with the classes): ``supports_parallel = True`` (TP/PP) ...
+PARALLEL_ARCHITECTURES: frozenset[str] = frozenset()
+# ... and ``supports_fp8_kv_cache = False`` (an MLA latent cache)
+NO_FP8_KV_CACHE: frozenset[str] = frozenset({"DeepseekV2ForCausalLM"})
 
 
 def model_class(hf_config: Any) -> type:
@@ -47,15 +52,15 @@ def build_model(hf_config: Any, max_positions: int, **options: Any):
 
 def unsupported_flags(hf_config: Any, tensor_parallel: int, pipeline_parallel: int,
                       kv_cache_dtype: str) -> str | None:
-    """Why these engine flags cannot serve this model (None = they can). Imports torch only when a flag
-    needs the model class's word: ``supports_parallel`` (TP/PP) and ``supports_fp8_kv_cache``."""
-    if tensor_parallel * pipeline_parallel == 1 and kv_cache_dtype == "auto":
-        return None
-    cls = model_class(hf_config)
-    if tensor_parallel * pipeline_parallel > 1 and not getattr(cls, "supports_parallel", False):
+    """Why these engine flags cannot serve this model (None = they can), from names alone: the launcher,
+    which hosts front end 0, never imports torch."""
+    arch = next((a for a in getattr(hf_config, "architectures", None) or [] if a in ARCHITECTURES), None)
+    if arch is None:
+        return None  # the core names the supported architectures
+    if tensor_parallel * pipeline_parallel > 1 and arch not in PARALLEL_ARCHITECTURES:
         return (f"--tensor-parallel-size {tensor_parallel} / --pipeline-parallel-size {pipeline_parallel}: "
-                f"{cls.__name__} runs on one device only so far; pass 1 for both")
-    if kv_cache_dtype != "auto" and not getattr(cls, "supports_fp8_kv_cache", True):
-        return (f"--kv-cache-dtype {kv_cache_dtype}: {cls.__name__} keeps an MLA latent cache, which has "
-                "no fp8 form yet; pass --kv-cache-dtype auto")
+                f"{arch} runs on one device only so far; pass 1 for both")
+    if kv_cache_dtype != "auto" and arch in NO_FP8_KV_CACHE:
+        return (f"--kv-cache-dtype {kv_cache_dtype}: {arch} keeps an MLA latent cache, which has no fp8 form "
+                "yet; pass --kv-cache-dtype auto")
     return None

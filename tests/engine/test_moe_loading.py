@@ -120,3 +120,12 @@ def test_unknown_deepseek_routing_is_refused(tiny_deepseek_v2: Path) -> None:
     cfg.topk_method = "noaux_tc"
     with pytest.raises(ValueError, match="noaux_tc"):
         build_model(cfg, 64)
+
+
+def test_name_sets_agree_with_the_classes() -> None:
+    from engine.models import ARCHITECTURES, NO_FP8_KV_CACHE, PARALLEL_ARCHITECTURES, model_class
+
+    for arch in ARCHITECTURES:
+        cls = model_class(SimpleNamespace(architectures=[arch]))
+        assert (arch in PARALLEL_ARCHITECTURES) == getattr(cls, "supports_parallel", False), arch
+        assert (arch in NO_FP8_KV_CACHE) == (not getattr(cls, "supports_fp8_kv_cache", True)), arch
