@@ -176,7 +176,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        # Expert parallelism: dispatch (x, weights, ids) to the experts' owners here, combine after.
+        # Expert parallelism: dispatch (x, weights, ids) to the experts' owners here and combine (sum) their
+        # partial outputs after; with tensor-parallel expert slices, all-reduce ``out`` before the shared
+        # experts (whole on every rank) are added.
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -230,6 +232,6 @@ class MoECausalLM(LlamaForCausalLM):
             mlp = SparseMoE(cfg, moe, expert_shard) if i in sparse_layers else MLP(cfg)
             return DecoderLayer(cfg, make_attn(i) if make_attn else None, mlp)
 
-        super().__init__(cfg, max_positions, layer)
+        super().__init__(cfg, max_positions, make_layer=layer)
         self.moe = moe
         self.sparse_layers = sorted(sparse_layers)
