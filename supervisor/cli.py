@@ -8,9 +8,10 @@ code 2 before it was ever ready (an engine usage error such as a model that does
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
-from supervisor.config import PROG, SupervisorArgError, bind_health_socket, parse_args
+from supervisor.config import PROG, SupervisorArgError, SupervisorConfig, bind_health_socket, parse_args
 
 
 def _setup_logging(node_rank: int) -> None:
@@ -36,8 +37,33 @@ def main(argv: list[str] | None = None) -> int:
     from supervisor.health import HealthServer
     from supervisor.node import Supervisor
 
-    node = Supervisor(cfg)  # the one place the node and its health port meet
+    if cfg.backend == "ray":
+        return _run_on_ray(cfg, sock)
+    node = Supervisor(cfg)  # here (and in _run_on_ray) the node and its health port meet
     return uvloop.run(node.run(HealthServer(node), sock))
+
+
+def _run_on_ray(cfg: SupervisorConfig, sock: socket.socket) -> int:
+    """Place the group on the Ray cluster first (exit 2 if it cannot hold it), then supervise as usual."""
+    import asyncio
+
+    from supervisor.node import Supervisor
+    from supervisor.ray_rank import PlacementError, RayPlacement
+
+    placement = RayPlacement(cfg)
+    try:
+        try:
+            placement.setup()
+        except PlacementError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        # asyncio's own loop: Ray's futures are driven from its threads through call_soon_threadsafe
+        from supervisor.health import HealthServer
+
+        node = Supervisor(cfg, placement.start)
+        return asyncio.run(node.run(HealthServer(node), sock))
+    finally:
+        placement.close()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,15 @@ from lbd.bench.procs import (  # noqa: F401  (re-exported for the tests)
     tree_usage,
     wait_http,
 )
-from lbd.bench.tiny import CHATML, make_tiny_llama, make_tokenizer  # noqa: F401
+from lbd.bench.tiny import (  # noqa: F401
+    CHATML,
+    make_tiny_deepseek_v2,
+    make_tiny_llama,
+    make_tiny_mixtral,
+    make_tiny_qwen3,
+    make_tiny_qwen3_moe,
+    make_tokenizer,
+)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
