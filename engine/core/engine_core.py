@@ -145,7 +145,6 @@ class EngineCore:
         """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
         aborted = self.scheduler.abort(list(request_ids), reason)
         if self.recorder is not None and aborted:
-            self.recorder.finished(reason, len(aborted))
             self.recorder.flush()  # the client may already have its answer (a stop string): count it now
         return aborted
 
@@ -163,12 +162,8 @@ class EngineCore:
             return []
         sampled = self.runner.execute(out)
         outputs = self.scheduler.update(out, sampled)
-        rec = self.recorder
-        if rec is not None:
-            for o in outputs:
-                if o.finish_reason is not None:
-                    rec.finished(o.finish_reason)
-            rec.step(out.num_tokens)
+        if self.recorder is not None:
+            self.recorder.step(out.scheduled_tokens)
         return outputs
 
     def flush_metrics(self) -> None:

@@ -1,8 +1,8 @@
 """The core's side of the metrics: scheduler counters and gauges into vLLM's families, cheaply.
 
 In multiprocess mode every Prometheus write takes a lock and touches an mmap (~1-4 us), so the recorder keeps
-plain tallies per step (tokens per step, finish reasons; everything else is a cumulative counter of the
-scheduler or the KV manager) and writes them out after a step that finished a request and after an abort
+a plain tally of tokens per step (everything else is a cumulative counter of the scheduler or the KV
+manager, finish reasons included) and writes them out after a step that finished a request and after an abort
 (so a client that has its answer sees it counted), else at most every ``RECORD_INTERVAL_S`` while the core
 is busy, and on ``flush`` (the core loop calls it every 100 ms, idle or not). Only values that changed are
 written. ``benchmarks/telemetry.py`` measures the per-step cost.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from engine.core.scheduler import Scheduler, SchedulerCounters
@@ -31,20 +30,17 @@ class MetricsRecorder:
         self._done = SchedulerCounters()  # the scheduler's counters as last written
         self._queries = self._hits = 0  # the KV manager's prefix counters as last written
         self._gauges = (-1, -1, -1.0)  # (running, waiting, kv usage) as last written
-        self._finished: Counter[str] = Counter()
+        self._finished: dict[str, int] = {}  # finish reason -> requests as last written
         self._step_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, then +Inf
         self._step_tokens_sum = 0
         self._next = 0.0
 
-    def finished(self, reason: str, n: int = 1) -> None:
-        self._finished[reason] += n
-
     def step(self, num_tokens: int) -> None:
-        """One engine step of ``num_tokens`` tokens ran (after its ``finished`` calls)."""
+        """One engine step of ``num_tokens`` tokens ran."""
         self._step_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
         self._step_tokens_sum += num_tokens
         now = time.monotonic()
-        if self._finished or now >= self._next:
+        if self.scheduler.counters.finished != self._done.finished or now >= self._next:
             self._next = now + RECORD_INTERVAL_S
             self.flush()
 
@@ -62,8 +58,13 @@ class MetricsRecorder:
                     m.prompt_tokens_cached.inc(cached)
             if c.generation_tokens != done.generation_tokens:
                 m.generation_tokens.inc(c.generation_tokens - done.generation_tokens)
+            if c.finished != done.finished:
+                for reason, n in c.finished_by_reason.items():
+                    if n != self._finished.get(reason, 0):
+                        m.request_success(reason).inc(n - self._finished.get(reason, 0))
+                self._finished = dict(c.finished_by_reason)
             self._done = SchedulerCounters(c.num_preemptions, c.prompt_tokens, c.generation_tokens,
-                                           c.prompt_cached_tokens)
+                                           c.prompt_cached_tokens, c.finished, self._finished)
         kv = self.scheduler.kv
         if kv.prefix_queries != self._queries:
             m.prefix_cache_queries.inc(kv.prefix_queries - self._queries)
@@ -72,10 +73,6 @@ class MetricsRecorder:
                 m.prefix_cache_hits.inc(hits)
                 m.cached_on_device.inc(hits)
             self._queries, self._hits = kv.prefix_queries, kv.prefix_hits
-        if self._finished:
-            for reason, n in self._finished.items():
-                m.request_success(reason).inc(n)
-            self._finished.clear()
         if self._step_tokens_sum:
             self._flush_step_tokens()
         self._write_gauges()

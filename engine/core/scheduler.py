@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -46,6 +46,8 @@ class SchedulerCounters:
     prompt_tokens: int = 0  # prompt length of each request, counted when its first token is sampled
     generation_tokens: int = 0
     prompt_cached_tokens: int = 0  # of those prompt tokens, the ones found in the prefix cache
+    finished: int = 0  # requests finished, for any reason (aborts included)
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class RequestRejected(Exception):
@@ -124,11 +126,12 @@ class Scheduler:
         prefills: list[ScheduledSeq] = []
         budget, preempted = self._schedule_running(budget, decodes, prefills)
         if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
-            self._schedule_waiting(budget, decodes, prefills)
+            budget = self._schedule_waiting(budget, decodes, prefills)
         if not decodes and not prefills:
             return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
         decodes.extend(prefills)
-        out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids)
+        out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids,
+                              scheduled_tokens=self.config.max_num_batched_tokens - budget)
         self._finished_ids = []
         return out
 
@@ -159,7 +162,7 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq],
-                          prefills: list[ScheduledSeq]) -> None:
+                          prefills: list[ScheduledSeq]) -> int:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
         now = 0.0
@@ -182,6 +185,7 @@ class Scheduler:
             seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
+        return budget
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -257,6 +261,9 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request) -> None:
+        c, reason = self.counters, req.finish_reason or "abort"
+        c.finished += 1
+        c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
