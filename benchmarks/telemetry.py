@@ -1,6 +1,7 @@
 """Telemetry costs: recording vLLM's metric families in the engine, and reading them in the router.
 
-Measures, on this machine, in one process (prometheus-client multiprocess mode, as the engine runs it):
+Measures, on this machine, in one process (prometheus-client multiprocess mode, as the engine runs it),
+in CPU time (a shared machine's load disturbs it less than wall time), the least of --runs runs:
   (1) the core's metrics cost per engine step: steps of an EngineCore with an instant model runner, with and
       without metrics, 32 requests decoding (steady) and 32 short requests replaced as they finish (churn);
   (2) a front end's cost per finished request (vLLM's per-request histograms);
@@ -68,23 +69,23 @@ def step_seconds(metrics: CoreMetrics | None, churn: bool, steps: int) -> float:
         _add(core, f"r{n}", 8 if churn else 10**6)
         n += 1
     core.step()  # the prefills
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(steps):
         for o in core.step():
             if o.finish_reason is not None:
                 _add(core, f"r{n}", 8)
                 n += 1
-    return (time.perf_counter() - t) / steps
+    return (time.process_time() - t) / steps
 
 
 def finished_request_seconds(m: FrontendMetrics, repeat: int) -> float:
     seq = SimpleNamespace(num_tokens=128, prompt_ids=list(range(500)), num_cached=256,
                           timings=(100.0, 100.01, 0), first_core_ts=100.05, last_core_ts=101.3)
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(repeat):
         record_finished(m, seq, 1.4, 128)
         record_prompt_done(m, 1, 128)
-    return (time.perf_counter() - t) / repeat
+    return (time.process_time() - t) / repeat
 
 
 def old_parse(text: str) -> float:
@@ -124,19 +125,19 @@ def full_parse(text: str) -> float:
 
 def per_call(fn, arg, repeat: int) -> float:
     fn(arg)
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(repeat):
         fn(arg)
-    return (time.perf_counter() - t) / repeat
+    return (time.process_time() - t) / repeat
 
 
 def per_scrape(fn, texts: list[str]) -> float:
     """Seconds per call over texts whose gauges and counters change from scrape to scrape, as live ones do."""
     fn(texts[0])
-    t = time.perf_counter()
+    t = time.process_time()
     for text in texts:
         fn(text)
-    return (time.perf_counter() - t) / len(texts)
+    return (time.process_time() - t) / len(texts)
 
 
 def scrapes(text: str, n: int) -> list[str]:
@@ -155,26 +156,28 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=2000, help="calls per timed measurement")
     p.add_argument("--steps", type=int, default=3000, help="engine steps per timed run")
+    p.add_argument("--runs", type=int, default=5, help="runs per measurement (the least is shown)")
     args = p.parse_args()
     try:
         core_m = CoreMetrics("bench-model", 0)
         fe_m = FrontendMetrics("bench-model", 0, 4096)
         load = os.getloadavg()[0]
-        print(f"{os.cpu_count()} cpus, load average {load:.1f}; medians of 3 interleaved runs\n")
+        print(f"{os.cpu_count()} cpus, load average {load:.1f}; CPU time, least of {args.runs} runs\n")
         rows = []
         for churn in (False, True):
             bare, metered = [], []
-            for _ in range(3):
+            for _ in range(args.runs):
                 bare.append(step_seconds(None, churn, args.steps))
                 metered.append(step_seconds(core_m, churn, args.steps))
-            b, m = sorted(bare)[1], sorted(metered)[1]
+            b, m = min(bare), min(metered)
             what = "32 short requests replaced as they finish" if churn else "32 requests decoding"
             rows.append((f"(1) core step, {what}", f"{b * 1e6:.1f} us without metrics, {m * 1e6:.1f} us "
                          f"with: +{(m - b) * 1e6:.1f} us per step"))
-        fin = sorted(finished_request_seconds(fe_m, args.repeat) for _ in range(3))[1]
+        fin = min(finished_request_seconds(fe_m, args.repeat) for _ in range(args.runs))
         rows.append(("(2) front end, per finished request", f"{fin * 1e6:.1f} us"))
         text = render().decode()
-        rend = sorted(per_call(lambda _: render(), None, max(50, args.repeat // 20)) for _ in range(3))[1]
+        calls = max(50, args.repeat // 20)
+        rend = min(per_call(lambda _: render(), None, calls) for _ in range(args.runs))
         rows.append(("(3) render /metrics (every family)",
                      f"{rend * 1e3:.2f} ms for {len(text) // 1024} KiB, {len(text.splitlines())} lines"))
         live = scrapes(text, args.repeat)
@@ -184,7 +187,7 @@ def main() -> int:
                          ("(4) prometheus_client parser on the wanted lines (lbd now)", parse_metrics),
                          ("(4) prometheus_client parser on the whole text", full_parse)):
             runs = live if fn is not full_parse else live[: max(20, len(live) // 20)]
-            sec = sorted(per_scrape(fn, runs) for _ in range(3))[1]
+            sec = min(per_scrape(fn, runs) for _ in range(args.runs))
             share = sec / SCRAPE_INTERVAL_S * ENDPOINTS
             rows.append((name, f"{sec * 1e6:.0f} us per scrape = {100 * share:.2f}% of a core for "
                          f"{ENDPOINTS} endpoints at {SCRAPE_INTERVAL_S * 1000:.0f} ms"))
