@@ -22,7 +22,8 @@ import orjson
 
 from lbd.router import admission
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, path_facts
+from lbd.router.facts import BadRequest, parse_facts, path_facts
+from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
@@ -34,29 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lbd.router")
 
-_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-# Request headers are forwarded as the client's raw bytes (no decode/encode per header).
-_HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
-_HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
-_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})  # replaced by the router's span, when tracing
-_RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
-_HEADER_CACHE = 1024  # serialized client header sets / upstream header-name decisions kept (then cleared)
 _JSON = b"Content-Type: application/json\r\n"
 
 
@@ -86,8 +65,7 @@ class Proxy:
         self.tracer = tracer
         self._hash_prefix = state.policy.uses_prefix_hashes
         self._uses_load = state.policy.uses_load
-        self._forwarded: dict[tuple[tuple[tuple[bytes, bytes], ...], frozenset[bytes]], bytes] = {}
-        self._keep_response_header: dict[bytes, bool] = {}
+        self._headers = HeaderRewriter()
         self.cfg = state.cfg
         self.loop = asyncio.get_running_loop()
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
@@ -195,26 +173,13 @@ class Proxy:
         self,
         request: Request,
         rid_header: bytes,
-        drop: frozenset[bytes] = _HOP_REQ,
+        drop: frozenset[bytes] = REQUEST_DROP,
         trace: RouteTrace | None = None,
     ) -> bytes:
-        """The client's raw headers minus hop-by-hop ones, serialized once (Host and Content-Length are added
-        by the pool); the request id is set to ours, and so is the trace context when tracing."""
-        h = request.headers
-        if trace is not None:
-            drop = drop | _TRACE_HEADERS
-        # A client sends the same headers request after request: serialize a header set once.
-        key = (tuple(h.raw), drop)
-        kept = self._forwarded.get(key)
-        if kept is None:
-            kept = b"".join([b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True)
-                             if name not in drop])
-            if len(self._forwarded) >= _HEADER_CACHE:
-                self._forwarded.clear()
-            self._forwarded[key] = kept
-        if trace is not None:
-            return kept + rid_header + trace.lines
-        return kept + rid_header
+        """The client's headers for the upstream (lbd.router.headers), our request id, our trace context."""
+        if trace is None:
+            return self._headers.request(request.headers, drop) + rid_header
+        return self._headers.request(request.headers, drop | TRACE_HEADERS) + rid_header + trace.lines
 
     # ---- one try on one endpoint --------------------------------------------------------------------
     async def _attempt(
@@ -242,7 +207,7 @@ class Proxy:
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
-            headers = self._forward_headers(request, rid_header, _HOP_REQ_UNPINNED, trace)
+            headers = self._forward_headers(request, rid_header, REQUEST_DROP_UNPINNED, trace)
         try:
             try:
                 upstream = await pool.request(
@@ -306,17 +271,8 @@ class Proxy:
         )
 
     def _response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
-        """The upstream's raw headers minus hop-by-hop ones, plus ours, serialized."""
-        keep = self._keep_response_header
-        parts = []
-        for kv in upstream.raw_headers:
-            kept = keep.get(kv[0])
-            if kept is None:  # a header name not seen yet: decide once (names repeat on every response)
-                kept = keep[kv[0]] = kv[0].lower() not in _RESP_DROP
-                if len(keep) > _HEADER_CACHE:
-                    keep.clear()
-            if kept:
-                parts.append(b"%s: %s\r\n" % kv)
+        """The upstream's headers for the client (lbd.router.headers), plus ours."""
+        parts = self._headers.response(upstream.raw_headers)
         parts.append(rid_header)
         if self.cfg.debug_headers:
             extra = (("x-lbd-endpoint", d.endpoint.key), ("x-lbd-route-reason", d.line()))
