@@ -1,7 +1,8 @@
 """Engine throughput: lbd's server vs transformers `generate` on the same model, threads and requests, at the
 same in-flight caps, side by side in one run.
 
-Rows (the same seeded requests: prompts of 64-512 tokens, 32-256 output tokens, greedy, ignore_eos):
+Rows (the same seeded requests; by default prompts of 64-512 tokens and 32-256 output tokens; greedy,
+ignore_eos):
   cap 1       one request at a time on both sides (the first --sequential-requests of them)
   cap 16      lbd with at most 16 requests in flight (a new one starts when one ends: continuous batching)
               vs transformers in static batches of 16, left-padded, each batch running until its longest
@@ -143,6 +144,8 @@ def main() -> int:
                    help="requests of the cap-1 row, one at a time")
     p.add_argument("--caps", default="16,64",
                    help="in-flight caps compared with transformers' static batches")
+    p.add_argument("--prompt-len", default="64,512", help="prompt length range in tokens: MIN,MAX")
+    p.add_argument("--output-len", default="32,256", help="output length range in tokens: MIN,MAX")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma list of parts to skip: cap1,caps,server,hf,startup")
     args = p.parse_args()
@@ -166,7 +169,9 @@ def main() -> int:
 
     cfg = json.loads((model_path / "config.json").read_text())
     name = _served_name(server.base_url)
-    reqs = make_requests(args.num_requests, cfg["vocab_size"], args.seed, (64, 512), (32, 256))
+    plen = tuple(int(x) for x in args.prompt_len.split(","))
+    olen = tuple(int(x) for x in args.output_len.split(","))
+    reqs = make_requests(args.num_requests, cfg["vocab_size"], args.seed, plen, olen)  # type: ignore[arg-type]
     seq_reqs = reqs[: args.sequential_requests]
     results: dict[str, tuple[float, int]] = {}
     try:
