@@ -49,6 +49,14 @@ class WorkerFailure(RuntimeError):
     """A worker died, reported an error, or did not answer in time; the rank cannot go on."""
 
 
+def worker_config(args: EngineArgs, model_path: str, store: tuple[str, int]) -> dict[str, object]:
+    """The ``config`` broadcast: everything a worker needs to join the group and load its shard."""
+    return {"args": asdict(args), "model_path": model_path, "tp": args.tensor_parallel_size,
+            "pp": args.pipeline_parallel_size, "partition": parse_partition(args.pp_layer_partition),
+            "store": list(store), "timeout_s": args.distributed_timeout_s,
+            "timed": os.environ.get("LBD_PROFILE_COLLECTIVES") == "1" or None}
+
+
 class MultiprocExecutor:
     """Runner for a TP x PP rank (same attributes as ModelRunner, plus ``submit``/``collect``)."""
 
@@ -90,11 +98,7 @@ class MultiprocExecutor:
         for plan in self.plans:
             self.procs.append(self._spawn(plan, f"{base}-bcast", f"{base}-reply"))
         self._wait_subscribed(world)
-        config = {"args": asdict(self.args), "model_path": model_path, "tp": self.layout.tp_size,
-                  "pp": self.layout.pp_size, "partition": parse_partition(self.args.pp_layer_partition),
-                  "store": ["127.0.0.1", self.store.port], "timeout_s": self.timeout_s,
-                  "timed": os.environ.get("LBD_PROFILE_COLLECTIVES") == "1" or None}
-        self._broadcast(M.CONFIG, config)
+        self._broadcast(M.CONFIG, worker_config(self.args, model_path, ("127.0.0.1", self.store.port)))
         reports = self._gather(M.BLOCKS, world)
         self.num_blocks = min(blocks for blocks, _ in reports.values())
         facts = reports[self._sampler_rank][1]
