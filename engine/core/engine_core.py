@@ -178,17 +178,18 @@ class EngineCore:
 
         With a pipelined runner, a batch is only submitted while fewer than ``max_in_flight`` are queued;
         the oldest one's results are collected when the queue is full or nothing more can be scheduled."""
-        batches = self._batches
-        if len(batches) < self._depth:
-            out = self.scheduler.schedule()
+        batches, depth = self._batches, self._depth
+        if len(batches) < depth:
+            # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
+            out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
             if out.seqs:
                 batches.append((out, self._submit(out)))
-                if len(batches) < self._depth:
+                if len(batches) < depth:
                     return []  # fill the pipeline first
         if not batches:
             return []
         out, handle = batches.popleft()
-        sampled = self.runner.collect(handle) if self._depth > 1 else handle
+        sampled = self.runner.collect(handle) if depth > 1 else handle
         outputs = self.scheduler.update(out, sampled)
         for o in outputs:
             if o.finish_reason is not None:

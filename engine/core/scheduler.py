@@ -11,8 +11,10 @@ conditions and frees finished requests.
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
 scheduled again (its next token is not known yet) nor preempted (a stage may still write its KV). An abort may
-finish it; its result is then dropped. With one batch at a time ``in_flight`` is empty whenever ``schedule``
-runs, and all of this is a no-op.
+finish it; its result is then dropped. So that PP batches overlap, the core passes ``max_batch_seqs`` (the
+live requests divided by PP): a batch takes at most that many sequences, and the live requests spread over PP
+micro-batches instead of all going into the first. With one batch at a time ``in_flight`` is empty whenever
+``schedule`` runs and there is no cap: all of this is a no-op.
 """
 
 from __future__ import annotations
@@ -120,13 +122,14 @@ class Scheduler:
         return aborted
 
     # ---- scheduling -----------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_batch_seqs: int | None = None) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
-        budget, preempted = self._schedule_running(budget, decodes, prefills)
+        seats = max_batch_seqs if max_batch_seqs is not None else self.config.max_num_seqs
+        budget, preempted = self._schedule_running(budget, decodes, prefills, seats)
         if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
-            self._schedule_waiting(budget, decodes, prefills)
+            self._schedule_waiting(budget, decodes, prefills, seats)
         if not decodes and not prefills:
             return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
         decodes.extend(prefills)
@@ -135,12 +138,12 @@ class Scheduler:
         self.in_flight.update(seq.request.request_id for seq in decodes)
         return out
 
-    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq],
-                          prefills: list[ScheduledSeq]) -> tuple[int, bool]:
+    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                          seats: int) -> tuple[int, bool]:
         running, in_flight = self.running, self.in_flight
         preemptions_before = self.counters.num_preemptions
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(decodes) + len(prefills) < seats:
             req = running[i]
             if req.request_id in in_flight:
                 i += 1
@@ -171,11 +174,12 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq],
-                          prefills: list[ScheduledSeq]) -> None:
+    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                          seats: int) -> None:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
-        while waiting and budget > 0 and len(running) < max_seqs:
+        while (waiting and budget > 0 and len(running) < max_seqs
+               and len(decodes) + len(prefills) < seats):
             req = waiting[0]
             computed, num_cached = kv.get_computed_prefix(req)
             num_new = min(req.num_tokens - num_cached, budget)

@@ -153,6 +153,17 @@ def test_requests_in_flight_are_not_scheduled_again() -> None:
     assert not s.in_flight and len(s.schedule().seqs) == 4
 
 
+def test_pp_micro_batches_split_the_live_requests() -> None:
+    s = _scheduler()
+    for i in range(5):
+        s.add_request(_req(f"r{i}", 6))
+    first, second = s.schedule(max_batch_seqs=3), s.schedule(max_batch_seqs=3)
+    assert [q.request.request_id for q in first.seqs] == ["r0", "r1", "r2"]
+    assert [q.request.request_id for q in second.seqs] == ["r3", "r4"]
+    s.update(first, _tokens(first))
+    assert [q.request.request_id for q in s.schedule(max_batch_seqs=3).seqs] == ["r0", "r1", "r2"]
+
+
 def test_two_batches_alternate_and_an_abort_in_flight_is_dropped() -> None:
     s = _scheduler()
     s.add_request(_req("a", 10))
