@@ -8,7 +8,8 @@ and the rendezvous: a peer that hangs or dies makes the others raise instead of 
 
 Backends: gloo on the CPU, NCCL on CUDA (each member sets its device first). Every TP group of the world is
 created by every member in the same order (group creation is collective). Point-to-point transfers between
-pipeline stages use the world group.
+pipeline stages use the world group. On the CPU a TP group's all-reduces go through shared memory
+(``engine.distributed.shm``; gloo's loopback TCP costs ~2 ms a call) when the tensor fits a slot.
 
 Collectives are timed (``CommTimes``) so the executor can report the share of a step spent in them; on CUDA
 the timer must synchronize, so it is off unless ``timed`` is passed (and it is off during CUDA-graph capture).
@@ -23,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.distributed import shm as shm_ring
 from engine.distributed.layout import ParallelLayout
 
 
@@ -63,6 +65,7 @@ class ProcessGroups:
     tp_group: dist.ProcessGroup | None  # None when tp_size == 1
     tp_root: int  # world rank of TP rank 0 of this stage
     times: CommTimes = field(default_factory=CommTimes)
+    shm: shm_ring.ShmAllReduce | None = None  # the TP group's shared-memory all-reduce (CPU)
     _pending_sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
 
     @property
@@ -80,7 +83,10 @@ class ProcessGroups:
         if self.tp_group is None:
             return x
         t0 = self._start()
-        dist.all_reduce(x, group=self.tp_group)
+        if self.shm is not None and self.shm.fits(x):
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.tp_group)
         self._add_tp(t0)
         return x
 
@@ -153,6 +159,9 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Leave the group (every member calls it); a new ``init_process_groups`` may follow."""
         self._pending_sends.clear()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -163,14 +172,35 @@ def init_process_groups(layout: ParallelLayout, pp_rank: int, tp_rank: int, *, a
     """Join the world of ``layout`` as (``layout.dp_rank``, ``pp_rank``, ``tp_rank``) through the TCPStore at
     ``address:port`` and create every TP group. ``timed`` defaults to on for the CPU only."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"lbd/{generation}",
+                             dist.TCPStore(address, port, is_master=False, timeout=timeout))
     rank = layout.world_rank(pp_rank, tp_rank)
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"lbd/{generation}", store),
-                            rank=rank, world_size=layout.world_size, timeout=timeout)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=layout.world_size,
+                            timeout=timeout)
     tp_group = None
     for ranks in layout.all_tp_groups():
         group = dist.new_group(ranks, timeout=timeout) if layout.tp_size > 1 else None
         if rank in ranks:
             tp_group = group
     times = CommTimes(enabled=device.type == "cpu" if timed is None else timed)
-    return ProcessGroups(layout, rank, device, tp_group, layout.world_rank(pp_rank, 0), times)
+    groups = ProcessGroups(layout, rank, device, tp_group, layout.world_rank(pp_rank, 0), times)
+    if tp_group is not None and device.type == "cpu" and shm_ring.available():
+        groups.shm = _join_shm(store, tp_group, layout, pp_rank, tp_rank, timeout_s)
+    return groups
+
+
+def _join_shm(store: dist.Store, group: dist.ProcessGroup, layout: ParallelLayout, pp_rank: int, tp_rank: int,
+              timeout_s: float) -> shm_ring.ShmAllReduce:
+    """TP rank 0 creates the segment and names it in the store; once every member has it mapped, the name
+    is removed (nothing is left in /dev/shm, however the processes end)."""
+    key = f"shm/{layout.dp_rank}/{pp_rank}"
+    if tp_rank == 0:
+        path = shm_ring.ShmAllReduce.new_path()
+        ring = shm_ring.ShmAllReduce(path, True, layout.tp_size, 0, timeout_s)
+        store.set(key, path)
+    else:
+        ring = shm_ring.ShmAllReduce(store.get(key).decode(), False, layout.tp_size, tp_rank, timeout_s)
+    dist.barrier(group=group)
+    if tp_rank == 0:
+        ring.unlink()
+    return ring

@@ -192,3 +192,35 @@ def test_no_preemption_of_a_request_in_flight() -> None:
     out = s.schedule()
     assert [q.request.request_id for q in out.seqs] == ["A"] and s.counters.num_preemptions == 1
     assert s.waiting[0].request_id == "B"
+
+
+# ---- the shared-memory all-reduce of CPU TP groups -------------------------------------------------------
+
+
+def test_shm_all_reduce_sums_in_rank_order_and_times_out() -> None:
+    """Two members in two threads of this process (the algorithm is the same as across processes)."""
+    import threading
+
+    from engine.distributed.shm import ShmAllReduce
+
+    path = ShmAllReduce.new_path()
+    members = [ShmAllReduce(path, True, 2, 0, 5.0), ShmAllReduce(path, False, 2, 1, 5.0)]
+    members[0].unlink()
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(i: int) -> None:
+        gen = torch.Generator().manual_seed(i)
+        for n in range(1, 40):  # many rounds through both buffers, varying sizes
+            x = torch.randn(n, 8, generator=gen)
+            results[i].append((x.clone(), members[i].all_reduce(x).clone()))
+
+    thread = threading.Thread(target=run, args=(1,))
+    thread.start()
+    run(0)
+    thread.join()
+    for (a, sum_a), (b, sum_b) in zip(results[0], results[1], strict=True):
+        assert torch.equal(sum_a, sum_b) and torch.equal(sum_a, a + b)  # the same bits on both members
+    assert not members[0].fits(torch.empty(1 << 21))  # 8 MiB: gloo's
+    members[0].timeout_s = 0.2
+    with pytest.raises(TimeoutError, match="did not arrive"):
+        members[0].all_reduce(torch.ones(4))  # member 1 never comes
