@@ -7,9 +7,10 @@ slot of buffer n % 2, publishes n in its flag, waits until every flag reaches n,
 order (so every member gets the same bits). Two buffers are enough: a member writes buffer n % 2 again only at
 n + 2, after every member has published n + 1, that is after every member finished reading n.
 
-The wait spins briefly, then yields the CPU (oversubscribed workers must let their peers run) and gives up
-after the group's timeout. x86-64 only: its stores become visible in program order, so a flag is never seen
-before the data written ahead of it. Tensors larger than a slot, and every other collective, go through gloo;
+The wait spins briefly, then yields the CPU, then sleeps in growing steps up to a millisecond (oversubscribed
+workers, or a loaded machine, must let the late peer run), and gives up after the group's timeout. x86-64
+only: its stores become visible in program order, so a flag is never seen before the data written ahead of
+it. Tensors larger than a slot, and every other collective, go through gloo;
 which path an all-reduce takes depends only on its size, the same on every member.
 """
 
@@ -21,14 +22,14 @@ import os
 import platform
 import secrets
 import time
-from itertools import count
 
 import numpy as np
 import torch
 
 SLOT_BYTES = 4 << 20  # per member and buffer: a 512-token step of a 2048-wide model in fp32
 _FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
-_SPINS_BEFORE_YIELD = 200
+_SPINS, _YIELDS = 200, 200  # then sleeps from 20 us, doubling up to 1 ms
+_MAX_SLEEP_S = 1e-3
 ENV_OFF = "LBD_SHM_ALLREDUCE"  # "0": use gloo for every all-reduce
 
 
@@ -86,18 +87,19 @@ class ShmAllReduce:
 
     def _wait(self, seq: int) -> None:
         flags = self._flags
-        deadline = None
-        for i in count():
+        for i in range(_SPINS + _YIELDS):
             if flags.min() >= seq:
                 return
-            if i >= _SPINS_BEFORE_YIELD:
+            if i >= _SPINS:
                 os.sched_yield()
-                if i % 256 == 0:
-                    now = time.monotonic()
-                    deadline = deadline or now + self.timeout_s
-                    if now > deadline:
-                        raise TimeoutError(f"shared-memory all-reduce {seq}: members {list(flags)} did not "
-                                           f"arrive within --distributed-timeout-s {self.timeout_s:g}")
+        deadline = time.monotonic() + self.timeout_s
+        pause = 20e-6
+        while flags.min() < seq:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shared-memory all-reduce {seq}: members {list(flags)} did not arrive "
+                                   f"within --distributed-timeout-s {self.timeout_s:g}")
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_SLEEP_S)
 
     def close(self) -> None:
         self._data = None  # type: ignore[assignment]
