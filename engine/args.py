@@ -144,9 +144,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--data-parallel-size-local", type=int, default=None, help="DP ranks on this node")
     g.add_argument("--data-parallel-start-rank", type=int, default=None, help="first DP rank on this node")
     g.add_argument("--data-parallel-address", default=None,
-                   help="address of DP rank 0 for multi-node groups (not implemented yet: refused)")
+                   help="the head of a multi-node lbd serve deployment (refused by one rank and by lbd "
+                        "supervise, which do not use it)")
     g.add_argument("--data-parallel-rpc-port", type=int, default=None,
-                   help="DP coordinator port (not implemented yet: refused)")
+                   help="the head's registration port of a multi-node lbd serve deployment (refused by one "
+                        "rank and by lbd supervise)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices (worker processes) per rank for tensor parallelism (Megatron sharding: "
                         "heads, MLP and vocabulary split, one all-reduce per attention and MLP block)")
@@ -214,13 +216,17 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(problem)
 
 
+# Refused wherever these flags reach the engine's own checks: one engine rank (python -m engine) and lbd
+# supervise. ``lbd serve --data-parallel-size N`` (lbd.deploy) consumes the address and port itself.
 NOT_YET = {
     "enable_expert_parallel": "--enable-expert-parallel is not implemented yet (expert parallelism comes "
                               "with MoE support): drop the flag",
-    "data_parallel_address": "--data-parallel-address is not implemented yet (multi-node DP groups): drop "
-                             "it; ranks on one node need no address",
-    "data_parallel_rpc_port": "--data-parallel-rpc-port is not implemented yet (multi-node DP groups): drop "
-                              "it; ranks on one node need no coordinator",
+    "data_parallel_address": "--data-parallel-address is where the nodes of an lbd serve --data-parallel-size "
+                             "N deployment register; one engine rank or one lbd supervise node does not use "
+                             "it: drop it",
+    "data_parallel_rpc_port": "--data-parallel-rpc-port is the registration port of an lbd serve "
+                              "--data-parallel-size N deployment; one engine rank or one lbd supervise node "
+                              "does not use it: drop it",
 }
 
 

@@ -304,20 +304,21 @@ class Launcher:
 
 
 def check_serve_only(args: EngineArgs) -> str | None:
-    """Flags ``lbd supervise`` reads that one ``lbd serve`` rank cannot act on (so they are refused here)."""
+    """Deployment flags that one engine rank cannot act on (refused here; ``lbd serve`` hands a deployment to
+    lbd.deploy before it gets here, ``python -m engine`` is always one rank)."""
     if args.data_parallel_start_rank is not None:
-        return ("--data-parallel-start-rank is read by lbd supervise (the node's first rank); lbd serve runs "
-                "one rank: pass --data-parallel-rank instead")
+        return ("--data-parallel-start-rank names a node's first rank (lbd supervise, lbd serve "
+                "--data-parallel-size N); one engine rank takes --data-parallel-rank instead")
     if args.data_parallel_size > 1 and args.data_parallel_rank is None:
-        return (f"--data-parallel-size {args.data_parallel_size} without --data-parallel-rank would start "
-                f"{args.data_parallel_size} ranks behind one port, which lbd serve does not do yet: run lbd "
-                "supervise --data-parallel-size N (one rank per port), or pass --data-parallel-rank")
+        return (f"--data-parallel-size {args.data_parallel_size} without --data-parallel-rank is a "
+                f"deployment of {args.data_parallel_size} ranks: run lbd serve (or lbd supervise) with "
+                "it, or pass --data-parallel-rank to start one of its ranks")
     return None
 
 
-def _check_parallel(args: EngineArgs, model_path: str) -> int:
-    """TP/PP against the model and the devices: 2 (after one line on stderr) before anything starts, else 0;
-    warnings are logged."""
+def _check_model_flags(args: EngineArgs, model_path: str) -> int:
+    """The flags against the model (TP/PP sizes and support, the KV-cache dtype) and the devices: 2 (after
+    one line on stderr) before anything starts, else 0; warnings are logged."""
     from engine.distributed.check import ModelFacts, ParallelConfigError, check_rank
 
     try:
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lbd serve: error: {e}", file=sys.stderr)
             code = 2
         else:
-            code = _check_parallel(args, model_path) or Launcher(args, runtime, model_path).run()
+            code = _check_model_flags(args, model_path) or Launcher(args, runtime, model_path).run()
     finally:
         runtime.remove()
     _exit_now(code)

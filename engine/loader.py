@@ -161,16 +161,24 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
     ``source_slice(leaf, shard)`` names the slice of the checkpoint tensor it holds (read with safetensors'
     ``get_slice``, so no worker materialises a whole tensor it does not hold), tensors of ``Absent`` modules
     (``is_absent``: another pipeline stage's) are skipped, and ``model.checkpoint_aliases`` maps a checkpoint
-    tensor to more parameters it fills (a tied LM head on another stage than the embedding)."""
+    tensor to more parameters it fills (a tied LM head on another stage than the embedding). A model may
+    map tensors itself (``checkpoint_slots(name)``: MoE experts, renames), which takes whole tensors."""
     import torch
 
     params = dict(model.named_parameters())
     aliases: dict[str, list[str]] = getattr(model, "checkpoint_aliases", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    slots_of = getattr(model, "checkpoint_slots", None)  # the model's own mapping (MoE experts, renames)
+    covered: dict[str, int] = {}
     loaded: set[str] = set()
     with torch.no_grad():
         for name, handle in iter_checkpoint(Path(folder)):
             if "rotary_emb" in name:
+                continue
+            slots = slots_of(name) if slots_of is not None else None
+            if slots is not None:
+                if slots:  # [] = known, for another rank: not even read
+                    _copy_slots(params, name, handle.get_tensor(name), slots, covered)
                 continue
             placed = False
             for ours in [name, *aliases.get(name, [])]:
@@ -182,6 +190,7 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
             if placed or _absent(model, name) or (name == "lm_head.weight" and tied):
                 continue  # (some checkpoints store the tied copy of the embedding too)
             raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+    loaded.update(p for p, n in covered.items() if n == params[p].numel())
     _check_complete(model, params, loaded)
 
 
@@ -213,6 +222,21 @@ def _copy_into(model: torch.nn.Module, param: torch.Tensor, target: str, rows: t
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(dst.shape)}")
     dst.copy_(tensor)
+
+
+def _copy_slots(params: dict, name: str, tensor: torch.Tensor, slots: list, covered: dict[str, int]) -> None:
+    """Copy parts of checkpoint tensor ``name`` into parts of our parameters (``engine.models.weights``)."""
+    for slot in slots:
+        if slot.param not in params:
+            raise ValueError(f"checkpoint tensor {name} maps to {slot.param}, which the model lacks")
+        dst, src = slot.target(params[slot.param]), slot.source(tensor)
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{name}: checkpoint part {tuple(src.shape)} != ours {tuple(dst.shape)} "
+                             f"in {slot.param}")
+        dst.copy_(src)
+        covered[slot.param] = covered.get(slot.param, 0) + dst.numel()
+        if covered[slot.param] > params[slot.param].numel():
+            raise ValueError(f"{name}: {slot.param} is filled more than once by the checkpoint")
 
 
 def _absent(model: torch.nn.Module, name: str) -> bool:

@@ -10,6 +10,7 @@ can agree on one block count (the smallest any of them can hold) before allocati
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -145,13 +146,11 @@ class ModelRunner:
         self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.torch_device.type == "cuda" else 512)
-        start, end = self.parallel.layer_range(cfg.num_layers)
-        kv_heads, kv_dtype = kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size), \
-            kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype)
-        # this process's share of a block, and the whole rank's (every stage, every TP rank's KV heads)
-        self.kv_spec = kv_alloc.KVSpec(end - start, kv_heads, cfg.head_dim, self.block_size, kv_dtype)
-        self.rank_kv_spec = kv_alloc.KVSpec(cfg.num_layers, kv_heads * self.parallel.tp_size, cfg.head_dim,
-                                            self.block_size, kv_dtype)
+        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
+        rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size
+        self.rank_kv_spec = dataclasses.replace(self.kv_spec, num_layers=cfg.num_layers,
+                                                num_kv_heads=rank_heads)
         self.sampler = Sampler(self.torch_device, args.seed)
         self.graphs = None
         self.num_blocks = 0
@@ -167,6 +166,25 @@ class ModelRunner:
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
         return model.eval()
+
+    def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
+        """This process's K/V caches: its stage's layers, its TP rank's KV heads; unless the model has a cache
+        of its own (MLA's latents)."""
+        model, cfg = self.model, self.model.cfg
+        if not hasattr(model, "kv_cache_spec"):
+            start, end = self.parallel.layer_range(cfg.num_layers)
+            return kv_alloc.KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
+                                   cfg.head_dim, self.block_size, dtype)
+        if dtype == torch.float8_e4m3fn:
+            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "
+                             f"{type(model).__name__}: pass --kv-cache-dtype auto")
+        spec = model.kv_cache_spec(self.block_size, dtype)
+        if hasattr(model, "mha_kv_elements_per_token"):
+            mha = model.mha_kv_elements_per_token() * torch.empty(0, dtype=dtype).element_size()
+            logger.info("MLA KV cache: %d bytes per token (%d layers x %d latent values), plain MHA of this "
+                        "model would take %d (%.1fx more)", spec.bytes_per_token, spec.num_layers,
+                        spec.num_kv_heads * spec.head_dim, mha, mha / spec.bytes_per_token)
+        return spec
 
     def measure_num_blocks(self) -> int:
         """Blocks this process can hold. On the CPU ``--kv-cache-memory-bytes`` is the whole rank's budget

@@ -45,9 +45,9 @@ class ModelFacts:
         raw = json.loads(path.read_text())
         archs = tuple(raw.get("architectures") or ())
         text = raw.get("text_config") or raw  # multimodal wrappers keep the decoder's numbers inside
-        heads = int(text["num_attention_heads"])
+        heads = int(text.get("num_attention_heads") or 1)
         return cls(archs, heads, int(text.get("num_key_value_heads") or heads),
-                   int(text["num_hidden_layers"]), text.get("intermediate_size"))
+                   int(text.get("num_hidden_layers") or 1), text.get("intermediate_size"))
 
 
 def model_facts(model: str | None) -> ModelFacts | None:
@@ -89,17 +89,19 @@ def _sizes(values: list[int]) -> str:
     return f"{text} or {values[-1]}" if text else str(values[-1])
 
 
-def check_model(tp: int, pp: int, partition: list[int] | None, facts: ModelFacts) -> None:
-    """TP against the heads (and KV heads, MLP width), PP and --pp-layer-partition against the layers, and
-    whether the architecture's model class supports TP/PP at all. Raises ParallelConfigError."""
-    from engine.models import PARALLEL_ARCHITECTURES
+def check_model(tp: int, pp: int, partition: list[int] | None, facts: ModelFacts,
+                kv_cache_dtype: str = "auto") -> None:
+    """Whether the architecture supports TP/PP (and the KV-cache dtype) at all (``engine.models``, the one
+    place that decides it), then TP against the heads (and KV heads, MLP width), PP and
+    --pp-layer-partition against the layers. Raises ParallelConfigError."""
+    from types import SimpleNamespace
 
-    if tp * pp > 1 and not set(facts.architectures) & PARALLEL_ARCHITECTURES:
-        flag = "--tensor-parallel-size" if tp > 1 else "--pipeline-parallel-size"
-        raise ParallelConfigError(
-            f"{flag} {tp if tp > 1 else pp}: architecture {facts.name} does not support tensor or pipeline "
-            f"parallelism yet (supported: {', '.join(sorted(PARALLEL_ARCHITECTURES))}): use "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1")
+    from engine.models import unsupported_flags
+
+    problem = unsupported_flags(SimpleNamespace(architectures=list(facts.architectures)), tp, pp,
+                                kv_cache_dtype)
+    if problem:
+        raise ParallelConfigError(problem)
     if tp > 1 and (problem := _tp_problem(facts, tp)):
         raise ParallelConfigError(f"--tensor-parallel-size {tp} {problem} ({facts.describe()}): use "
                                   f"--tensor-parallel-size {_sizes(_good_tp_sizes(facts))}")
@@ -130,8 +132,10 @@ def check_devices(tp: int, pp: int, cuda_devices: list[str] | None, visible_text
 
 
 def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) -> str | None:
-    """Every TP/PP check of one rank's command line (``lbd serve``); raises ParallelConfigError, returns a
-    warning to log (CPU oversubscription) or None. ``facts`` None: the model is checked by the rank later.
+    """Every model-dependent check of one rank's command line (``lbd serve``): the architecture against
+    TP/PP and the KV-cache dtype, the TP/PP sizes against the model and the devices. Raises
+    ParallelConfigError, returns a warning to log (CPU oversubscription) or None. ``facts`` None: the model
+    is checked by the rank later.
 
     The devices are the rank's own: TP x PP of them (``lbd supervise`` checks data-parallel-size-local x TP x
     PP against the node's, and hands each rank its slice)."""
@@ -139,10 +143,10 @@ def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) 
     from engine.distributed.placement import rank_threads, visible_cuda_devices
 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    if tp * pp == 1 and args.pp_layer_partition is None:
+    if facts is not None and args.device != "sim":
+        check_model(tp, pp, parse_partition(args.pp_layer_partition), facts, args.kv_cache_dtype)
+    if tp * pp == 1:
         return None
-    if facts is not None:
-        check_model(tp, pp, parse_partition(args.pp_layer_partition), facts)
     cuda = visible_cuda_devices(env, args.device)
     cpus = rank_threads(args.data_parallel_size_local, args.data_parallel_size, env)
     return check_devices(tp, pp, cuda, env.get("CUDA_VISIBLE_DEVICES", "<unset>"), cpus)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat packed batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat packed batch and a paged KV cache.
 
 Every token of a step (decodes and prefill chunks of many sequences) is one row of a [T, D] matrix, so each
 projection is one matmul for the whole batch; attention reads all keys from the paged cache through
@@ -10,6 +10,8 @@ and computes logits, and stages in between take and return the (hidden, residual
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,8 +28,9 @@ Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ArchConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = ctx or ParallelContext.single()
         self.num_heads = cfg.num_heads // ctx.tp_size  # this rank's heads
         self.num_kv_heads = par.kv_heads_per_rank(cfg.num_kv_heads, ctx.tp_size)
         self.head_dim = cfg.head_dim
@@ -36,6 +39,9 @@ class Attention(nn.Module):
         self.qkv_proj = par.qkv_linear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        cfg.qkv_bias, ctx)
         self.o_proj = par.row_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
+        # Qwen3: RMSNorm over each head's q and k before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         # fp8 KV cache: stored value = x / scale. Plain floats so the kernels get no tensor to sync on.
         self.k_scale = 1.0
@@ -49,6 +55,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -63,9 +72,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        ctx = ctx or ParallelContext.single()
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = par.merged_linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, ctx)
         self.down_proj = par.row_linear(inter, cfg.hidden_size, cfg.mlp_bias, ctx)
 
@@ -74,10 +85,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: ParallelContext) -> None:
+    """Pre-norm attention + MLP; other models pass their own attention (MLA) or MLP (an MoE block)."""
+
+    def __init__(self, cfg: ArchConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, ctx)
-        self.mlp = MLP(cfg, ctx)
+        self.self_attn = Attention(cfg, ctx) if self_attn is None else self_attn
+        self.mlp = MLP(cfg, ctx=ctx) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -95,13 +109,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+LayerFactory = Callable[[int], nn.Module]  # layer index -> decoder layer
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: ParallelContext) -> None:
+    """Embedding, layers, final norm; with pipeline stages, what another stage holds is ``Absent`` (its
+    layers keep their indices, so checkpoint names still match); ``make_layer`` builds local layers only."""
+
+    def __init__(self, cfg: ArchConfig, make_layer: LayerFactory | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = ctx or ParallelContext.single()
         start, end = ctx.layer_range(cfg.num_layers)
         self.embed_tokens = par.embedding(cfg.vocab_size, cfg.hidden_size, ctx) if ctx.is_first_stage \
             else par.Absent()
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx) if start <= i < end else par.Absent()
+        make_layer = make_layer or (lambda _: DecoderLayer(cfg, ctx=ctx))
+        self.layers = nn.ModuleList(make_layer(i) if start <= i < end else par.Absent()
                                     for i in range(cfg.num_layers))
         self.local_layers = list(self.layers[start:end])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else par.Absent()
@@ -112,13 +135,14 @@ class LlamaForCausalLM(nn.Module):
 
     supports_parallel = True
 
-    def __init__(self, cfg: ArchConfig, max_positions: int, parallel: ParallelContext | None = None) -> None:
+    def __init__(self, cfg: ArchConfig, max_positions: int, make_layer: LayerFactory | None = None,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         ctx = parallel or ParallelContext.single()
         self.cfg = cfg
         self.parallel = ctx
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.model = LlamaModel(cfg, ctx)
+        self.model = LlamaModel(cfg, make_layer, ctx)
         # checkpoint tensor -> more of our parameters it fills (a tied LM head on another stage than the
         # embedding)
         self.checkpoint_aliases: dict[str, list[str]] = {}

@@ -63,15 +63,15 @@ CASES = [
     ("partition-text", "tiny", ["--pipeline-parallel-size", "2", "--pp-layer-partition", "one,one"],
      ["--pp-layer-partition", "comma-separated"]),
     ("architecture", "mixtral", ["--tensor-parallel-size", "2"],
-     ["--tensor-parallel-size 2", "MixtralForCausalLM does not support", "--tensor-parallel-size 1"]),
+     ["--tensor-parallel-size 2", "MixtralForCausalLM does not support", "pass 1 for both"]),
     ("cuda-devices", "tiny", ["--device", "cuda", "--tensor-parallel-size", "2"],
      ["--tensor-parallel-size 2", "needs 2 CUDA devices", "1 are visible"]),
     ("ray-executor", "tiny", ["--distributed-executor-backend", "ray"],
      ["--distributed-executor-backend ray is not implemented yet", "use mp"]),
     ("expert-parallel", "tiny", ["--enable-expert-parallel"],
      ["--enable-expert-parallel is not implemented"]),
-    ("dp-address", "tiny", ["--data-parallel-address", "10.0.0.1"], ["--data-parallel-address is not impl"]),
-    ("dp-rpc-port", "tiny", ["--data-parallel-rpc-port", "13345"], ["--data-parallel-rpc-port is not impl"]),
+    ("dp-address", "tiny", ["--data-parallel-address", "10.0.0.1"], ["--data-parallel-address is where"]),
+    ("dp-rpc-port", "tiny", ["--data-parallel-rpc-port", "13345"], ["--data-parallel-rpc-port is the"]),
     ("timeout", "tiny", ["--distributed-timeout-s", "0"], ["--distributed-timeout-s must be > 0"]),
     ("sim-device", "tiny", ["--device", "sim", "--pipeline-parallel-size", "2"],
      ["--device sim simulates one device"]),
@@ -127,6 +127,7 @@ def test_supervise_refuses(case: str, model: str, flags: list[str], needles: lis
 
 
 def _serve(*argv: str) -> EngineArgs:
+    """One engine rank's arguments (python -m engine, or lbd serve with --data-parallel-rank)."""
     return engine_args_from_namespace(make_parser().parse_args(list(argv)))
 
 
@@ -135,6 +136,34 @@ def _supervise(*argv: str, env: dict[str, str] | None = None):  # noqa: ANN202 (
     return parse_args(["--host", "127.0.0.1", "--port", str(base), "--supervisor-host", "127.0.0.1",
                        "--data-parallel-supervisor-port", str(base + 4), "--device", "cpu", *argv],
                       env=env or {})
+
+
+def _deploy(*argv: str):  # noqa: ANN202 (an lbd.deploy Plan)
+    from lbd.deploy.plan import parse
+
+    base = free_port_run(8)
+    return parse(["--host", "127.0.0.1", "--port", str(base), "--data-parallel-supervisor-port",
+                  str(base + 7), "--device", "cpu", *argv], env={})
+
+
+HEADLESS = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--headless",
+            "--data-parallel-address", "127.0.0.1"]
+
+
+def _exit_2(*parses: Callable[[], object]) -> None:
+    for parse in parses:
+        with pytest.raises(SystemExit) as e:
+            parse()
+        assert e.value.code == 2
+
+
+def _one_rank(*argv: str) -> Callable[[], None]:
+    def check() -> None:
+        from engine.args import validate
+
+        parser = make_parser()
+        validate(engine_args_from_namespace(parser.parse_args(list(argv))), parser)
+    return check
 
 
 def _walk_tensor_parallel(model: Path) -> None:
@@ -156,8 +185,8 @@ def _walk_partition(model: Path) -> None:
 
 def _walk_executor_backend(model: Path) -> None:
     assert _serve().distributed_executor_backend == "mp"  # processes on this node (the executor)
-    with pytest.raises(SystemExit):  # ray: refused with exit 2 (see test_serve_refuses[ray-executor])
-        _supervise("--distributed-executor-backend", "ray")
+    _exit_2(lambda: _supervise("--distributed-executor-backend", "ray"),
+             _one_rank("--distributed-executor-backend", "ray"))
 
 
 def _walk_timeout(model: Path) -> None:
@@ -165,35 +194,56 @@ def _walk_timeout(model: Path) -> None:
     assert config["timeout_s"] == 7.0  # every collective and the rendezvous of the group
 
 
+def _walk_expert_parallel(model: Path) -> None:
+    _exit_2(lambda: _supervise("--enable-expert-parallel"), _one_rank("--enable-expert-parallel"),
+             lambda: _deploy("--data-parallel-size", "2", "--enable-expert-parallel"))
+
+
+def _walk_address(model: Path) -> None:
+    plan = _deploy(*HEADLESS)
+    assert plan.address == "127.0.0.1" and plan.member  # this node registers its ranks there
+    _exit_2(lambda: _supervise("--data-parallel-address", "10.0.0.1"),
+             _one_rank("--data-parallel-address", "10.0.0.1"))
+
+
+def _walk_rpc_port(model: Path) -> None:
+    assert _deploy(*HEADLESS, "--data-parallel-rpc-port", "29999").rpc_port == 29999
+    _exit_2(lambda: _supervise("--data-parallel-rpc-port", "29999"),
+             _one_rank("--data-parallel-rpc-port", "29999"))
+
+
 def _walk_dp_rank(model: Path) -> None:
-    # the rank it serves as: metrics' engine label, the X-data-parallel-rank it answers (test_server.py)
+    # one rank: the rank it serves as (metrics' engine label, the X-data-parallel-rank it answers)
     assert _serve("--data-parallel-rank", "1", "--data-parallel-size", "2").rank == 1
-    with pytest.raises(SystemExit):
-        _supervise("--data-parallel-rank", "1")  # lbd supervise assigns ranks itself
+    _exit_2(lambda: _supervise("--data-parallel-rank", "1"))  # lbd supervise assigns ranks itself
 
 
 def _walk_dp_size(model: Path) -> None:
     assert [r.rank for r in _supervise("--data-parallel-size", "3").ranks] == [0, 1, 2]  # rank processes
-    cpus = len(os.sched_getaffinity(0))  # lbd serve --data-parallel-rank R: its share of the cores
+    plan = _deploy("--data-parallel-size", "2")
+    assert (plan.role, plan.dp_size_local) == ("head", 2) and plan.route_argv is not None  # ranks + router
+    cpus = len(os.sched_getaffinity(0))  # one rank of a group: its share of the cores
     assert (rank_threads(None, 1, env={}), rank_threads(None, 2, env={})) == (cpus, max(1, cpus // 2))
 
 
 def _walk_dp_size_local(model: Path) -> None:
     cfg = _supervise("--data-parallel-size", "4", "--data-parallel-size-local", "2", "--node-rank", "1")
     assert [r.rank for r in cfg.ranks] == [2, 3]
-    cpus = len(os.sched_getaffinity(0))
-    assert rank_threads(2, 2, env={}) == max(1, cpus // 2)  # lbd serve: the rank's share of the cores
+    assert _deploy(*HEADLESS).dp_size_local == 1
+    assert rank_threads(2, 2, env={}) == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def _walk_start_rank(model: Path) -> None:
     cfg = _supervise("--data-parallel-size", "4", "--data-parallel-size-local", "2",
                      "--data-parallel-start-rank", "1")
-    assert [r.rank for r in cfg.ranks] == [1, 2]  # lbd serve refuses it (test_serve_refuses[start-rank])
+    assert [r.rank for r in cfg.ranks] == [1, 2]  # one rank refuses it (test_serve_refuses[start-rank])
+    assert _deploy(*HEADLESS, "--data-parallel-start-rank", "1").dp_start_rank == 1
 
 
 def _walk_node_rank(model: Path) -> None:
     cfg = _supervise("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--node-rank", "1")
     assert [r.rank for r in cfg.ranks] == [1]
+    assert _deploy(*HEADLESS, "--node-rank", "1").dp_start_rank == 1
 
 
 def _walk_supervisor_port(model: Path) -> None:
@@ -201,6 +251,39 @@ def _walk_supervisor_port(model: Path) -> None:
     cfg = parse_args(["--port", str(base), "--data-parallel-supervisor-port", str(base + 2), "--device",
                       "cpu"], env={})
     assert cfg.supervisor_port == base + 2
+
+
+def _walk_backend(model: Path) -> None:
+    assert _supervise("--data-parallel-size", "2", "--data-parallel-backend", "ray").backend == "ray"
+    assert "--data-parallel-backend=ray" in _deploy("--data-parallel-size", "2", "--data-parallel-backend",
+                                                    "ray").supervise_argv  # ranks placed through Ray
+
+
+def _walk_headless(model: Path) -> None:
+    plan = _deploy(*HEADLESS)
+    assert plan.role == "headless" and plan.route_argv is None  # ranks only, no router
+
+
+def _walk_hybrid(model: Path) -> None:
+    plan = _deploy("--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                   "--data-parallel-hybrid-lb", "--data-parallel-address", "127.0.0.1")
+    assert plan.role == "hybrid" and plan.route_argv is not None  # its own router over its own ranks
+
+
+def _walk_advertise(model: Path) -> None:
+    assert _deploy(*HEADLESS, "--data-parallel-advertise-address", "10.1.1.1").advertise == "10.1.1.1"
+
+
+def _walk_rank_port(model: Path) -> None:
+    port = free_port_run(3)
+    argv = _deploy("--data-parallel-size", "2", "--rank-port", str(port)).supervise_argv
+    assert argv[argv.index("--port") + 1] == str(port)
+
+
+def _walk_route_policy(model: Path) -> None:
+    argv = _deploy("--data-parallel-size", "2", "--route-policy", "round_robin").route_argv
+    assert argv[argv.index("--policy") + 1] == "round_robin"  # the deployment's router balances so
+    _exit_2(lambda: _deploy(*HEADLESS, "--route-policy", "round_robin"))  # a headless node has no router
 
 
 def _walk_external_lb(model: Path) -> None:
@@ -211,32 +294,15 @@ def _walk_external_lb(model: Path) -> None:
     assert "always on here" in " ".join(help_text.split())
 
 
-def _refused_in_both(flag: str, value: str | None) -> Callable[[Path], None]:
-    def check(model: Path) -> None:
-        argv = [flag] if value is None else [flag, value]
-        for parse in (lambda: _supervise(*argv), lambda: _check_serve(argv)):
-            with pytest.raises(SystemExit) as e:
-                parse()
-            assert e.value.code == 2
-    return check
-
-
-def _check_serve(argv: list[str]) -> None:
-    from engine.args import validate
-
-    parser = make_parser()
-    validate(engine_args_from_namespace(parser.parse_args(argv)), parser)
-
-
 WALK: dict[str, Callable[[Path], None]] = {
     "--tensor-parallel-size": _walk_tensor_parallel,
     "--pipeline-parallel-size": _walk_pipeline_parallel,
     "--pp-layer-partition": _walk_partition,
     "--distributed-executor-backend": _walk_executor_backend,
     "--distributed-timeout-s": _walk_timeout,
-    "--enable-expert-parallel": _refused_in_both("--enable-expert-parallel", None),
-    "--data-parallel-address": _refused_in_both("--data-parallel-address", "10.0.0.1"),
-    "--data-parallel-rpc-port": _refused_in_both("--data-parallel-rpc-port", "13345"),
+    "--enable-expert-parallel": _walk_expert_parallel,
+    "--data-parallel-address": _walk_address,
+    "--data-parallel-rpc-port": _walk_rpc_port,
     "--data-parallel-rank": _walk_dp_rank,
     "--data-parallel-size": _walk_dp_size,
     "--data-parallel-size-local": _walk_dp_size_local,
@@ -244,24 +310,33 @@ WALK: dict[str, Callable[[Path], None]] = {
     "--node-rank": _walk_node_rank,
     "--data-parallel-supervisor-port": _walk_supervisor_port,
     "--data-parallel-multi-port-external-lb": _walk_external_lb,
+    "--data-parallel-backend": _walk_backend,
+    "--headless": _walk_headless,
+    "--data-parallel-hybrid-lb": _walk_hybrid,
+    "--data-parallel-advertise-address": _walk_advertise,
+    "--rank-port": _walk_rank_port,
+    "--route-policy": _walk_route_policy,
 }
 
 
 def _parallelism_flags(parser: argparse.ArgumentParser) -> set[str]:
-    """The flags --help lists under "parallelism", and every other flag about data parallelism or ranks."""
+    """The flags --help lists under a parallelism or data-parallel group, and every other one about data
+    parallelism or where ranks go."""
     flags = set()
     for group in parser._action_groups:
         for action in group._group_actions:
             for flag in action.option_strings:
-                if group.title == "parallelism" or "parallel" in flag or flag == "--node-rank":
+                if ("parallel" in (group.title or "") or "parallel" in flag
+                        or flag in ("--node-rank", "--rank-port", "--headless")):
                     flags.add(flag)
-    return flags
+    return flags - {"--no-data-parallel-hybrid-lb"}
 
 
 def test_every_parallelism_flag_changes_what_runs_or_is_refused(tiny_llama: Path) -> None:
+    from lbd.deploy.plan import make_deploy_parser
     from supervisor.config import make_parser as supervisor_parser
 
-    found = _parallelism_flags(make_parser()) | _parallelism_flags(supervisor_parser()[0])
+    found = _parallelism_flags(make_deploy_parser()[0]) | _parallelism_flags(supervisor_parser()[0])
     assert found == set(WALK), f"flags to add to the walk: {found - set(WALK)}; gone: {set(WALK) - found}"
     for check in WALK.values():
         check(tiny_llama)

@@ -3,7 +3,6 @@ each TP rank loads, and the scheduler's batches in flight (PP's batch queue)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from engine.distributed.layout import ParallelLayout, parse_partition, split_lay
 from engine.distributed.placement import format_cpus, parse_cpus, rank_threads, split_cpus
 from engine.executor.plan import plan_workers
 from engine.loader import load_weights
-from engine.models import ARCHITECTURES, PARALLEL_ARCHITECTURES, build_model
+from engine.models import build_model
 from engine.models.config import load_hf_config
 from engine.models.parallel import Absent, qkv_sources
 from engine.protocol import SamplingParams
@@ -61,13 +60,6 @@ def test_worker_plans_split_the_rank(tiny_llama: Path) -> None:
     assert [p.device_index for p in plans] == [0, 1, 2, 3]
     two = plan_workers(EngineArgs(tensor_parallel_size=2), 2, env={"LBD_RANK_CPUS": "0-7"})
     assert [p.cpu_list for p in two] == ["0-3", "4-7"] and {p.threads for p in two} == {4}
-
-
-def test_parallel_architectures_match_the_classes() -> None:
-    """The torch-free list the start-up checks read agrees with what each model class declares."""
-    for arch, (module, cls_name, _) in ARCHITECTURES.items():
-        cls = getattr(importlib.import_module(module), cls_name)
-        assert bool(getattr(cls, "supports_parallel", False)) == (arch in PARALLEL_ARCHITECTURES), arch
 
 
 def test_kv_heads_split_or_replicated() -> None:
