@@ -8,7 +8,8 @@ C ...), quoted as medians, on the same requests.
       stage), TP=3 (the model's only TP > 1; 3 workers on 2 cores are oversubscribed)
   CPU, a SmolLM2-shaped random Llama (hidden 576, MLP 1536, 30 layers, vocabulary 49152, tied embeddings;
       12 heads of 48 and 4 KV heads, since SmolLM2's 9 heads do not split in two): TP=1 (2 threads),
-      TP=2 (1 thread each), TP=2 x PP=2 (4 workers on 2 cores)
+      TP=2 (1 thread each; also with gloo's all-reduce instead of shared memory), TP=2 x PP=2 (4 workers on
+      2 cores)
   CUDA (when present): the same models for what the visible GPUs allow (TP=1 on one; TP=2, PP=2 on two...)
 
 Columns: output tok/s of N concurrent greedy requests (prompt P tokens, O new tokens, ignore_eos); step: the
@@ -48,6 +49,7 @@ class Config:
     tp: int = 1
     pp: int = 1
     device: str = "cpu"
+    gloo_only: bool = False  # TP all-reduces through gloo instead of shared memory (for comparison)
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class Result:
 CPU_CONFIGS = [
     Config("TP=1 (2 threads)", "default"), Config("PP=2", "default", pp=2), Config("TP=3", "default", tp=3),
     Config("TP=1 (2 threads)", "shaped"), Config("TP=2", "shaped", tp=2),
+    Config("TP=2, gloo all-reduce", "shaped", tp=2, gloo_only=True),
     Config("TP=2 x PP=2", "shaped", tp=2, pp=2),
 ]
 
@@ -131,10 +134,13 @@ def build(cfg: Config, paths: dict[str, Path], kv_bytes: int, threads: int) -> E
                       max_num_seqs=64)
     if cfg.tp * cfg.pp == 1 and cfg.device == "cpu":
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the runner; workers get their own share
+    if cfg.gloo_only:
+        os.environ["LBD_SHM_ALLREDUCE"] = "0"  # inherited by the workers
     try:
         return EngineCore(args, str(paths[cfg.model]))
     finally:
         os.environ.pop("OMP_NUM_THREADS", None)
+        os.environ.pop("LBD_SHM_ALLREDUCE", None)
 
 
 def measure(configs: list[Config], paths: dict[str, Path], ns: argparse.Namespace) -> dict[str, Result]:
