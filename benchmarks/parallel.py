@@ -12,7 +12,9 @@ C ...), quoted as medians, on the same requests.
       2 cores)
   CUDA (when present): the same models for what the visible GPUs allow (TP=1 on one; TP=2, PP=2 on two...)
 
-Columns: output tok/s of N concurrent greedy requests (prompt P tokens, O new tokens, ignore_eos); step: the
+Columns: output tok/s of N concurrent greedy requests (prompt P tokens, O new tokens, ignore_eos); CPU: the
+CPU time of the rank's processes (core and workers) per output token, which a loaded, shared machine distorts
+far less than wall time (spin-waiting in a collective counts); step: the
 median wall time between two collected batches once every request is decoding; coll: the share of the
 workers' busy time spent in TP collectives (all-reduce, logits gather); idle: the share of wall time a
 worker is not working on a batch -- for PP rows that is the pipeline bubble (waiting for the previous stage
@@ -55,6 +57,7 @@ class Config:
 @dataclass(slots=True)
 class Result:
     tok_s: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)  # CPU time per output token
     step_ms: list[float] = field(default_factory=list)
     coll: list[float] = field(default_factory=list)
     idle: list[float] = field(default_factory=list)
@@ -93,6 +96,18 @@ def shaped_model(folder: Path) -> Path:
 def requests(n: int, prompt: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(prompt)] for _ in range(n)]
+
+
+def cpu_seconds(core: EngineCore) -> float:
+    """CPU time so far of this process (it is the core; idle engines beside it cost nothing) and of the
+    rank's workers."""
+    import psutil
+
+    total = 0.0
+    for pid in [os.getpid(), *getattr(core.runner, "worker_pids", list)()]:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def run_once(core: EngineCore, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[float, float]:
@@ -160,15 +175,18 @@ def measure(configs: list[Config], paths: dict[str, Path], ns: argparse.Namespac
                 profile = getattr(core.runner, "profile", None)
                 if profile:
                     profile(reset=True)
+                cpu0 = cpu_seconds(core)
                 tok_s, step_ms = run_once(core, prompts, ns.output_tokens, f"r{r}")
                 res = results[key]
+                res.cpu_ms.append(1e3 * (cpu_seconds(core) - cpu0) / (len(prompts) * ns.output_tokens))
                 res.tok_s.append(tok_s)
                 res.step_ms.append(step_ms)
                 if profile:
                     coll, idle = shares(profile(reset=True))
                     res.coll.append(coll)
                     res.idle.append(idle)
-                print(f"  round {r + 1} {key}: {tok_s:.1f} tok/s, {step_ms:.1f} ms/step", flush=True)
+                print(f"  round {r + 1} {key}: {tok_s:.1f} tok/s, {res.cpu_ms[-1]:.1f} CPU-ms/token, "
+                      f"{step_ms:.1f} ms/step", flush=True)
     finally:
         for core in cores.values():
             core.close()
@@ -176,15 +194,16 @@ def measure(configs: list[Config], paths: dict[str, Path], ns: argparse.Namespac
 
 
 def table(title: str, results: dict[str, Result], base_keys: dict[str, str]) -> str:
-    lines = [f"{title}", "", "| model | config | output tok/s | vs TP=1 | step (ms) | coll | idle / bubble |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [f"{title}", "", "| model | config | output tok/s | vs TP=1 | CPU ms/token | step (ms) | coll | "
+             "idle / bubble |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for key, res in results.items():
         model, name = key.split(" ", 1)
         tok = statistics.median(res.tok_s)
         base = statistics.median(results[base_keys[model]].tok_s)
         coll = f"{100 * statistics.median(res.coll):.0f}%" if res.coll else "-"
         idle = f"{100 * statistics.median(res.idle):.0f}%" if res.idle else "-"
-        lines.append(f"| {model} | {name} | {tok:.1f} | {tok / base:.2f}x | "
+        cpu = statistics.median(res.cpu_ms)
+        lines.append(f"| {model} | {name} | {tok:.1f} | {tok / base:.2f}x | {cpu:.1f} | "
                      f"{statistics.median(res.step_ms):.1f} | {coll} | {idle} |")
     return "\n".join(lines)
 
