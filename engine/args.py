@@ -221,9 +221,9 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
 NOT_YET = {
     "enable_expert_parallel": "--enable-expert-parallel is not implemented yet (expert parallelism comes "
                               "with MoE support): drop the flag",
-    "data_parallel_address": "--data-parallel-address is where the nodes of an lbd serve --data-parallel-size "
-                             "N deployment register; one engine rank or one lbd supervise node does not use "
-                             "it: drop it",
+    "data_parallel_address": "--data-parallel-address is where the nodes of an lbd serve "
+                             "--data-parallel-size N deployment register; one engine rank or one lbd "
+                             "supervise node does not use it: drop it",
     "data_parallel_rpc_port": "--data-parallel-rpc-port is the registration port of an lbd serve "
                               "--data-parallel-size N deployment; one engine rank or one lbd supervise node "
                               "does not use it: drop it",
