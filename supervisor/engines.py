@@ -7,14 +7,16 @@ names. Engine flags (lbd's names, which are vLLM's) are translated; a flag that 
 chosen engine is refused (exit 2, naming it) rather than dropped.
 
 - lbd: ``python -m engine --port P --data-parallel-rank R --data-parallel-size N``; devices: the rank's
-  slice in ``CUDA_VISIBLE_DEVICES``.
+  slice in ``CUDA_VISIBLE_DEVICES``; off CUDA its slice of the node's CPUs in ``LBD_RANK_CPUS``.
 - vLLM: ``vllm serve MODEL --port P --data-parallel-rank R --data-parallel-size N`` (vLLM's external load
-  balancing mode); devices: ``CUDA_VISIBLE_DEVICES``, as vLLM documents it; same flag names otherwise.
+  balancing mode); devices: ``CUDA_VISIBLE_DEVICES``, as vLLM documents it; off CUDA the CPU slice in
+  ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU backend's own knob); same flag names otherwise.
 - SGLang: ``python3 -m sglang.launch_server --model-path MODEL --port P --dp-size 1 --enable-metrics
   --extra-metric-labels {"dp_rank": "R"}``: SGLang has no flag that names a server's DP rank, so each rank is
   a one-replica server and its metrics carry the rank as a label; devices: the node's visible devices and
   ``--base-gpu-id`` (the slice's first index) with ``--gpu-id-step 1``, as SGLang places its own replicas;
-  ``--host`` defaults to 0.0.0.0 (lbd's and vLLM's default; SGLang's own is 127.0.0.1). Renamed flags:
+  ``--host`` defaults to 0.0.0.0 (lbd's and vLLM's default; SGLang's own is 127.0.0.1); SGLang ranks are not
+  pinned to a CPU slice (put ``taskset`` in a ``--rank-command`` for that). Renamed flags:
   --tokenizer-path, --context-length, --random-seed, --max-running-requests, --chunked-prefill-size (for
   --max-num-batched-tokens), --page-size, --disable-radix-cache, --mem-fraction-static, --max-queued-requests,
   --disable-cuda-graph, --tp-size, --pp-size, --enable-trace with --otlp-traces-endpoint.
@@ -25,7 +27,8 @@ environment (or put its ``bin`` first on ``PATH``) before ``lbd supervise``, or 
 ``--rank-command TEMPLATE`` runs anything else: the template is split like a shell line (no shell runs it) and
 each word is formatted with ``{model}``, ``{served_model_name}``, ``{host}`` (``0.0.0.0`` by default),
 ``{port}``, ``{rank}``, ``{local_rank}``, ``{dp_size}``, ``{dp_size_local}``, ``{devices}`` (the rank's device
-ids, comma-separated; empty off CUDA), ``{tp}``, ``{pp}``; ``CUDA_VISIBLE_DEVICES`` is set to the slice. Other
+ids, comma-separated; empty off CUDA), ``{cpus}`` (its CPU slice, e.g. ``0-3``, for ``taskset -c {cpus}``;
+empty on CUDA), ``{tp}``, ``{pp}``; ``CUDA_VISIBLE_DEVICES`` is set to the slice. Other
 engine flags are refused with it: put them in the template.
 """
 
@@ -40,9 +43,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.distributed.placement import RANK_CPUS_ENV
+
 ENGINES = ("lbd", "vllm", "sglang")
 PLACEHOLDERS = ("model", "served_model_name", "host", "port", "rank", "local_rank", "dp_size",
-                "dp_size_local", "devices", "tp", "pp")
+                "dp_size_local", "devices", "cpus", "tp", "pp")
+# where each engine takes its CPU slice (off CUDA); SGLang has none we rely on
+_CPU_PIN_ENV = {"lbd": RANK_CPUS_ENV, "vllm": "VLLM_CPU_OMP_THREADS_BIND"}
 
 
 class EngineFlagError(Exception):
@@ -51,7 +58,8 @@ class EngineFlagError(Exception):
 
 @dataclass(slots=True)
 class Placement:
-    """One rank's place: identity, port and devices (``devices``: its slice; ``visible``: the node's)."""
+    """One rank's place: identity, port, devices (``devices``: its slice; ``visible``: the node's) and, off
+    CUDA, its slice of the node's CPUs (``cpus``, cpulist syntax)."""
 
     rank: int
     local_rank: int
@@ -60,6 +68,13 @@ class Placement:
     dp_size_local: int
     devices: list[str] | None
     visible: list[str] | None
+    cpus: str | None = None
+
+    def pinned_cpus(self, engine: str, template: str | None) -> str | None:
+        """The CPU slice the rank is actually held to (None when its engine is given none)."""
+        if template is not None:
+            return self.cpus if "{cpus}" in template else None
+        return self.cpus if engine in _CPU_PIN_ENV else None
 
 
 # lbd engine option (argparse dest) -> SGLang flags for its value; None: refused
@@ -180,6 +195,8 @@ def rank_command(engine: str, template: str | None, ns: argparse.Namespace, flag
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     if p.devices is not None and engine != "sglang":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(p.devices)
+    if p.cpus is not None and template is None and engine in _CPU_PIN_ENV:
+        env[_CPU_PIN_ENV[engine]] = p.cpus
     if template is not None:
         return _from_template(template, ns, p, changed), env
     if engine == "lbd":
@@ -215,6 +232,6 @@ def _from_template(template: str, ns: argparse.Namespace, p: Placement,
     names = ns.served_model_name or [ns.model or ""]
     values = {"model": ns.model or "", "served_model_name": names[0], "host": ns.host or "0.0.0.0",
               "port": p.port, "rank": p.rank, "local_rank": p.local_rank, "dp_size": p.dp_size,
-              "dp_size_local": p.dp_size_local, "devices": ",".join(p.devices or []),
+              "dp_size_local": p.dp_size_local, "devices": ",".join(p.devices or []), "cpus": p.cpus or "",
               "tp": ns.tensor_parallel_size, "pp": ns.pipeline_parallel_size}
     return [word.format_map(values) for word in shlex.split(template)]
