@@ -194,3 +194,23 @@ def test_missing_binary_or_model_exit_2(monkeypatch: pytest.MonkeyPatch, capsys:
         with pytest.raises(SystemExit) as e:
             parse_args([*argv, "--port", "39000", "--data-parallel-supervisor-port", "39500"])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cpu_slices_reach_each_engine_its_own_way(standin_path: tuple[Path, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off CUDA every rank gets a slice of the node's CPUs: lbd in LBD_RANK_CPUS, vLLM in its own
+    VLLM_CPU_OMP_THREADS_BIND, a --rank-command through {cpus}; SGLang ranks are not pinned (None in /status)."""
+    monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = ["--model", MODEL, "--port", "39000", "--data-parallel-supervisor-port", "39500",
+            "--data-parallel-size", "2", "--device", "cpu"]
+    cases = {"lbd": ["--rank-engine", "lbd"], "vllm": ["--rank-engine", "vllm"],
+             "sglang": ["--rank-engine", "sglang"], "command": ["--rank-command", "taskset -c {cpus} sh"]}
+    specs = {name: parse_args(base + extra).ranks for name, extra in cases.items()}
+    slices = [s.cpus for s in specs["lbd"]]
+    assert all(slices) and len(set(slices)) == min(2, len(os.sched_getaffinity(0)))  # disjoint when possible
+    assert [s.env["LBD_RANK_CPUS"] for s in specs["lbd"]] == slices
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs["vllm"]] == slices
+    assert [s.cpus for s in specs["vllm"]] == slices and [s.cpus for s in specs["command"]] == slices
+    assert [s.argv[:3] for s in specs["command"]] == [["taskset", "-c", c] for c in slices]
+    assert all(s.cpus is None and "LBD_RANK_CPUS" not in s.env for s in specs["sglang"])
