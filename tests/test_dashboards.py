@@ -1,5 +1,6 @@
 """The Grafana dashboards (docker/grafana/dashboards) only name metrics our processes export: every metric in
-their PromQL is found on a real router, supervisor and engine rank after some traffic. Also: the JSON is what
+their PromQL is found on a real router, supervisors, `lbd serve` nodes of a DP group and engine ranks after
+some traffic. Also: the JSON is what
 docker/grafana/make_dashboards.py writes, and the monitoring manifests name ports that exist."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-
-from lbd.bench.node import SupervisorNode
+from support import free_port_run, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "docker" / "grafana" / "dashboards"
@@ -71,28 +72,46 @@ def test_monitoring_manifests_name_existing_ports() -> None:
 
 
 @pytest.fixture(scope="module")
-def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("dash") / "node.log"
-    n = SupervisorNode(tiny_llama, 2, "--served-model-name", "tiny", log=log,
-                       engine_flags=["--device", "sim", "--max-model-len", "512", "--log-level", "warning"])
+def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """An `lbd serve` DP group of two nodes on loopback: a head (router, registration service, rank 0) and a
+    --headless node (rank 1), so every process kind the dashboards watch runs: `lbd route`, `lbd supervise`
+    (under each node's health port) and engine ranks. Yields (router, head health, headless health) URLs."""
+    tmp = tmp_path_factory.mktemp("dash")
+    base = free_port_run(8)
+    group = ["--model", str(tiny_llama), "--device", "sim", "--max-model-len", "512", "--log-level",
+             "warning", "--served-model-name", "tiny", "--data-parallel-size", "2",
+             "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+             "--data-parallel-rpc-port", str(base + 7), "--dp-supervisor-probe-interval-s", "0.5"]
+    head = spawn([sys.executable, "-m", "lbd", "serve", *group, "--port", str(base),
+                  "--data-parallel-supervisor-port", str(base + 2)], log=tmp / "head.log")
+    worker = spawn([sys.executable, "-m", "lbd", "serve", *group, "--headless", "--data-parallel-start-rank",
+                    "1", "--port", str(base + 3), "--data-parallel-supervisor-port", str(base + 4)],
+                   log=tmp / "worker.log")
+    urls = (f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 4}")
     try:
-        n.wait_ready(120)
-        yield n
+        for url, proc in ((urls[2], worker), (urls[1], head), (urls[0], head)):
+            wait_http(url + "/readyz", 120, proc)
+        yield urls
     finally:
-        n.close()
+        codes = [stop(p) for p in (worker, head)]
+        assert codes == [0, 0], (tmp / "head.log").read_text()[-3000:]
 
 
-async def test_every_dashboard_metric_is_exported(node: SupervisorNode, start_router) -> None:
-    router = start_router("--upstreams", f"supervisor://127.0.0.1:{node.sport}")
-    await router.wait()
+async def test_every_dashboard_metric_is_exported(deployment: tuple[str, str, str]) -> None:
+    router, head, headless = deployment
     async with httpx.AsyncClient(timeout=30) as c:
         for i in range(4):
-            r = await c.post(router.url + "/v1/completions",
+            r = await c.post(router + "/v1/completions",
                              json={"model": "tiny", "prompt": f"dashboards {i}", "max_tokens": 3})
             assert r.status_code == 200, r.text
-        texts = {"lbd-router.json": await router.metrics(),
-                 "lbd-supervisor.json": (await c.get(node.url + "/metrics")).text,
-                 "lbd-engine.json": (await c.get(node.rank_url(0) + "/metrics")).text}
+        ranks = (await c.get(head + "/status")).json()["ranks"]
+        assert sorted(r["rank"] for r in ranks) == [0, 1]
+        texts = {"lbd-router.json": (await c.get(router + "/metrics")).text,
+                 # the supervisor's families and lbd serve's (group nodes on the head, registration on
+                 # the headless node) share the health port
+                 "lbd-supervisor.json": (await c.get(head + "/metrics")).text
+                 + (await c.get(headless + "/metrics")).text,
+                 "lbd-engine.json": "".join([(await c.get(r["url"] + "/metrics")).text for r in ranks])}
     assert set(texts) == {p.name for p in DASHBOARDS.glob("*.json")}
     for name, text in texts.items():
         names = metric_names(promql(DASHBOARDS / name))

@@ -113,7 +113,9 @@ def router() -> dict:
 
 
 def supervisor() -> dict:
-    return dashboard("lbd-supervisor", "lbd supervise", "lbd_supervisor_ready", [
+    # lbd serve's router-only head runs no supervisor: list it by its own readiness gauge too
+    instances = '{__name__=~"lbd_supervisor_ready|lbd_serve_ready"}'
+    return dashboard("lbd-supervisor", "lbd supervise", instances, [
         ("Node", [
             panel("Ready ranks / ranks", [(f"sum(lbd_supervisor_ready_ranks{SEL})", "ready"),
                                           (f"sum(lbd_supervisor_ranks{SEL})", "ranks")],
@@ -137,6 +139,20 @@ def supervisor() -> dict:
             panel("Failed probes by rank and reason", [
                 (f"sum by (rank, reason) (rate(lbd_supervisor_probe_failures_total{SEL}{RATE}))",
                  "rank {{rank}} {{reason}}")], "ops"),
+        ]),
+        # lbd serve's own gauges on the same health port: only deployments started with lbd serve have them
+        ("Deployment and DP group (lbd serve)", [
+            panel("Deployment ready (/readyz 200)",
+                  [(f"min by (instance) (lbd_serve_ready{SEL})", "{{instance}}")], kind="stat", width=6),
+            panel("Ranks by state (a head: the whole group)", [
+                (f"max by (instance, state) (lbd_serve_ranks{SEL})", "{{instance}} {{state}}")], width=6,
+                description="Each node's health port counts the ranks it answers for; a head counts "
+                            "every rank of its group, missing ones included."),
+            panel("Group nodes by lease state (head)", [
+                (f"sum by (state) (lbd_serve_group_nodes{SEL})", "{{state}}")], width=6),
+            panel("Nodes registered with their head", [
+                (f"sum(lbd_serve_registered{SEL})", "registered"),
+                (f"count(lbd_serve_registered{SEL})", "--headless nodes")], kind="stat", width=6),
         ]),
     ])
 

@@ -199,7 +199,8 @@ def test_missing_binary_or_model_exit_2(monkeypatch: pytest.MonkeyPatch, capsys:
 def test_cpu_slices_reach_each_engine_its_own_way(standin_path: tuple[Path, Path],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Off CUDA every rank gets a slice of the node's CPUs: lbd in LBD_RANK_CPUS, vLLM in its own
-    VLLM_CPU_OMP_THREADS_BIND, a --rank-command through {cpus}; SGLang ranks are not pinned (None in /status)."""
+    VLLM_CPU_OMP_THREADS_BIND, a --rank-command through {cpus}; SGLang ranks are not pinned (None in
+    /status)."""
     monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     base = ["--model", MODEL, "--port", "39000", "--data-parallel-supervisor-port", "39500",
