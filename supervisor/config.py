@@ -188,7 +188,7 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         "devices; engine flags are translated, or refused when the engine has no equivalent")
     g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
                    help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
-                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {tp} {pp}")
+                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {cpus} {tp} {pp}")
 
 
 def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
