@@ -63,13 +63,18 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        # Loop time of the core's last message: while it has work it sends something at least every 100 ms
+        # (outputs or stats), so a long silence with requests in flight means a wedged core (see /health).
+        self.last_heard = 0.0
 
     @property
     def alive(self) -> bool:
         return self.dead_reason is None
 
     def start(self) -> None:
-        self._info = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._info = loop.create_future()
+        self.last_heard = loop.time()
         self._tasks = [asyncio.create_task(self._read(), name="core-reader"),
                        asyncio.create_task(self._watch(), name="core-watcher")]
 
@@ -104,9 +109,16 @@ class CoreClient:
         if request_ids and self.alive:
             await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
 
+    @property
+    def in_flight(self) -> int:
+        """Core requests this front end waits on."""
+        return len(self._routes)
+
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             kind, payload = await self._sock.recv_multipart(copy=True)
+            self.last_heard = loop.time()
             try:
                 self._dispatch(kind, decode(payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)

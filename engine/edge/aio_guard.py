@@ -1,0 +1,140 @@
+"""The limits of ``engine.edge.limits`` on an aiohttp server (the engine's front end, the supervisor's health
+port): what aiohttp enforces itself (line, header and count sizes, keep-alive) is passed as its settings; what
+it does not (a head that trickles in, too many connections) is added by a request-handler subclass and a sweep
+once a second.
+
+aiohttp's ``RequestHandler`` keeps its state in private attributes; the few read here
+(``_request_in_progress``, ``_messages``, ``_request_count``, ``_manager``) are read with defaults, and the
+malformed-HTTP tests fail if a new aiohttp renames them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from engine.edge.limits import Limits
+
+SWEEP_S = 1.0
+_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s")
+_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
+
+
+def _error_body(status: int, message: str, etype: str) -> bytes:
+    return (b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}'
+            % (message.encode(), etype.encode(), status))
+
+
+_TIMEOUT_BODY = _error_body(408, "request head not received in time (--header-read-timeout-s)",
+                            "RequestTimeoutError")
+_FULL_BODY = _error_body(503, "too many open connections (--max-connections)", "ServiceUnavailableError")
+
+
+def server_settings(limits: Limits) -> dict[str, Any]:
+    """Keyword arguments for ``web.AppRunner`` (passed on to every request handler)."""
+    return {"keepalive_timeout": limits.keep_alive_timeout_s, "max_line_size": limits.max_request_line_bytes,
+            "max_field_size": limits.max_header_bytes, "max_headers": limits.max_headers}
+
+
+class _GuardedHandler(RequestHandler):
+    __slots__ = ("_lbd_head_since",)
+
+    def __init__(self, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._lbd_head_since: float | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        guard: Guard | None = getattr(self._manager, "lbd_guard", None)
+        if guard is not None and len(guard.server.connections) > guard.limits.max_connections:
+            transport.write(_FULL % (len(_FULL_BODY), _FULL_BODY))  # type: ignore[attr-defined]
+            self.force_close()
+            return
+        self._lbd_head_since = self._loop.time()  # a connection that sends nothing is a slow head too
+
+    def data_received(self, data: bytes) -> None:
+        idle = not getattr(self, "_request_in_progress", False) and not getattr(self, "_messages", ())
+        if idle and self._lbd_head_since is None:
+            self._lbd_head_since = self._loop.time()
+        before = getattr(self, "_request_count", 0)
+        super().data_received(data)
+        if getattr(self, "_request_count", 0) != before or getattr(self, "_request_in_progress", False):
+            self._lbd_head_since = None
+
+    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
+        self._lbd_head_since = None
+        return await super()._handle_request(*args, **kwargs)
+
+
+class _GuardedServer(web.Server):
+    lbd_guard: Guard | None = None
+
+    def __call__(self) -> RequestHandler:
+        return _GuardedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class Guard:
+    """Closes connections whose request head is not complete ``header_read_timeout_s`` after its first byte
+    (after the connection opened, for the first request), with a 408."""
+
+    def __init__(self, server: web.Server, limits: Limits) -> None:
+        self.server = server
+        self.limits = limits
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _sweep_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.sweep(loop.time())
+
+    def sweep(self, now: float) -> None:
+        cutoff = now - self.limits.header_read_timeout_s
+        for handler in self.server.connections:
+            since = getattr(handler, "_lbd_head_since", None)
+            if since is not None and since < cutoff and not getattr(handler, "_request_in_progress", False):
+                transport = handler.transport
+                if transport is not None and not transport.is_closing():
+                    transport.write(_TIMEOUT % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
+                handler.force_close()
+
+
+class GuardedAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose server enforces ``limits`` (sizes and keep-alive through aiohttp's settings,
+    the head timeout and the connection cap here)."""
+
+    __slots__ = ("_lbd_limits", "_lbd_guard")
+
+    def __init__(self, app: web.Application, limits: Limits, **kwargs: Any) -> None:
+        super().__init__(app, **{**server_settings(limits), **kwargs})
+        self._lbd_limits = limits
+        self._lbd_guard: Guard | None = None
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _GuardedServer
+        guard = Guard(server, self._lbd_limits)
+        server.lbd_guard = guard  # type: ignore[attr-defined]
+        guard.start()
+        self._lbd_guard = guard
+        return server
+
+    async def _cleanup_server(self) -> None:
+        if self._lbd_guard is not None:
+            await self._lbd_guard.stop()
+        await super()._cleanup_server()
