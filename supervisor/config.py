@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.args import add_engine_arguments, engine_args_from_namespace, validate
+from engine.edge.auth import API_KEY_ENV, API_KEYS_ENV
+from engine.edge.limits import Limits, limits_from
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
 # Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
 RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
                             "data_parallel_start_rank"})
+# Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
+ENV_ONLY = frozenset({"api_key"})
 FAILURE_POLICIES = ("restart", "exit")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
 
@@ -49,10 +53,11 @@ class RankSpec:
     devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
+    scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
 
     @property
     def probe_url(self) -> str:
-        return f"http://{_url_host(self.probe_host)}:{self.port}"
+        return f"{self.scheme}://{_url_host(self.probe_host)}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -77,7 +82,14 @@ class SupervisorConfig:
     backoff_max_s: float
     backoff_reset_s: float
     ranks: list[RankSpec] = field(default_factory=list)
-
+    probe_generate_every: int = 0  # every Nth probe is a 1-token generation (0: never)
+    model_name: str = ""  # what a generation probe asks for
+    api_keys: list[str] = field(default_factory=list)  # the ranks' keys (a generation probe sends the first)
+    limits: Limits = field(default_factory=Limits)  # of the health port (the ranks get the same flags)
+    ssl_certfile: str | None = None  # the health port and the ranks serve TLS with it
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
+    ssl_cert_reqs: int = 0
     @property
     def ready_needed(self) -> int:
         """How many ready ranks make the node ready under --ready-policy."""
@@ -134,6 +146,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a probe not answered within this counts as a failure")
     g.add_argument("--dp-supervisor-probe-failure-threshold", type=_positive_int, default=3,
                    help="consecutive failed probes (timeouts, connection errors) that make a rank unhealthy")
+    g.add_argument("--dp-supervisor-probe-generate", type=int, default=0, metavar="N",
+                   help="every Nth probe of a ready rank is a 1-token completion instead of /health, so a "
+                        "core that no longer makes progress shows even with no traffic (0: never; a queue "
+                        "longer than the probe timeout then reads as a hang)")
     g.add_argument("--dp-supervisor-startup-timeout-s", type=_positive_float, default=1800.0,
                    help="a rank not ready this long after its start is restarted")
     g.add_argument("--ready-policy", type=_ready_policy, default="all",
@@ -169,7 +185,7 @@ def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests:
     """Rebuild the engine flags the user changed from their defaults, in parser order."""
     out: list[str] = []
     for action in parser._actions:
-        if action.dest not in dests or action.dest in RANK_OVERRIDES or not action.option_strings:
+        if action.dest not in dests or action.dest in RANK_OVERRIDES | ENV_ONLY or not action.option_strings:
             continue
         value = getattr(ns, action.dest)
         if value == action.default:
@@ -317,6 +333,7 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str]) -> list[RankSpec]:
     slices = _device_slices(ns, local, env)
+    keys = list(ns.api_key or [])
     specs = []
     for i in range(local):
         argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
@@ -324,10 +341,13 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
                 # ranks on one node share its CPUs: the engine sizes its thread pool by the local count
                 "--data-parallel-size-local", str(local)]
         child_env = {"PYTHONUNBUFFERED": "1"}
+        if keys:
+            child_env[API_KEYS_ENV] = "\n".join(keys)
         if slices[i] is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
-                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host))
+                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host,
+                              scheme="https" if ns.ssl_certfile else "http"))
     return specs
 
 
@@ -339,7 +359,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
                      "lists them)")
-    validate(engine_args_from_namespace(ns), parser)
+    engine_args = engine_args_from_namespace(ns)
+    validate(engine_args, parser)
+    if ns.dp_supervisor_probe_generate < 0:
+        parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
     try:
         n, local, start = _check_topology(ns)
         if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
@@ -359,4 +382,14 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
         shutdown_timeout_s=ns.shutdown_timeout,
         drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
-        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs)
+        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs,
+        probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
+        api_keys=_secrets(ns, env), limits=limits_from(ns),
+        ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs)
+
+
+def _secrets(ns: argparse.Namespace, env: dict[str, str]) -> list[str]:
+    """The ranks' API keys as given (--api-key, $VLLM_API_KEY, $LBD_API_KEYS), for generation probes."""
+    extra = [env.get(API_KEY_ENV, ""), *env.get(API_KEYS_ENV, "").splitlines()]
+    return list(ns.api_key or []) + [k.strip() for k in extra if k.strip()]

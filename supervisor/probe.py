@@ -1,8 +1,12 @@
-"""HTTP probes of a rank: its `/health`, and its in-flight request count for draining."""
+"""HTTP probes of a rank: its `/health`, a 1-token generation, and its in-flight request count for draining.
+
+Ranks that serve TLS are probed over https and their certificates verified (``--ssl-ca-certs``, else the
+system's trust store)."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -11,6 +15,7 @@ import orjson
 
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
+GENERATE_TIMEOUT, GENERATE_FAILED = "generate_timeout", "generate_failed"
 
 
 @dataclass(slots=True)
@@ -25,13 +30,14 @@ class ProbeResult:
 class Prober:
     """One client session for every probe; a fresh connection per probe so a restarted rank is seen as new."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(force_close=True, limit=0)
+            connector = aiohttp.TCPConnector(force_close=True, limit=0, ssl=self._ssl or True)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
@@ -51,6 +57,29 @@ class Prober:
             return ProbeResult(True, latency, status)
         reason = CORE_DEAD if status == 503 else BAD_STATUS
         return ProbeResult(False, latency, status, reason, f"/health answered {status}")
+
+    async def generate(self, base_url: str, model: str, api_key: str | None) -> ProbeResult:
+        """A 1-token completion: proves the core still steps, where /health can only show a stall once it
+        has work. A 503 (admission control, draining) is an answer, so it passes; the /health probes catch a
+        dead core."""
+        start = time.perf_counter()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        try:
+            async with self._client().post(base_url + "/v1/completions", json=body, headers=headers) as resp:
+                text = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            return ProbeResult(False, time.perf_counter() - start, None, GENERATE_TIMEOUT,
+                               f"1-token generation not done within {self.timeout.total:g} s")
+        except aiohttp.ClientError as e:
+            return ProbeResult(False, time.perf_counter() - start, None, CONNECTION, _short(e))
+        latency = time.perf_counter() - start
+        if status in (200, 503):
+            return ProbeResult(True, latency, status)
+        detail = _short(text.decode("utf-8", "replace")) or str(status)
+        return ProbeResult(False, latency, status, GENERATE_FAILED, f"1-token generation answered {status}: "
+                           f"{detail}")
 
     async def in_flight(self, base_url: str) -> int | None:
         """Requests the rank is still working on: `/load`, else running + waiting from `/metrics`."""

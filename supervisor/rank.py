@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.edge.redact import redact_argv
 from supervisor.config import RankSpec, SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
 from supervisor.probe import CORE_DEAD, Prober, ProbeResult
@@ -100,7 +101,11 @@ class RankWorker:
         self.last_failure_at: float | None = None
         self.last_exit_code: int | None = None
         self.next_start_at: float | None = None
+        self.attempts = 0  # consecutive starts that failed before the rank was ready (a crash loop)
+        self.backoff_s: float | None = None  # the restart delay last applied
+        self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
         self.operation: str | None = None  # admin command being carried out
+        self._probes = 0  # probes of the current process since it became ready
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
         self._ever_ready = False
@@ -145,9 +150,12 @@ class RankWorker:
     def status(self, url_host: str) -> dict[str, object]:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
+        tail = list(self._proc.stderr_tail) if self._proc is not None and self.state is not RankState.READY \
+            else self.stderr_tail
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
-            "url": f"http://{url_host}:{self.spec.port}", "port": self.spec.port, "pid": self.pid,
+            "url": f"{self.spec.scheme}://{url_host}:{self.spec.port}", "port": self.spec.port,
+            "pid": self.pid,
             "state": self.state.value, "routable": self.state is RankState.READY,
             "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
             "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
@@ -158,22 +166,38 @@ class RankWorker:
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
             "operation": self.operation, "devices": self.spec.devices,
+            "attempts": self.attempts, "backoff_s": self.backoff_s, "stderr_tail": tail,
+            "command": redact_argv(self.spec.argv),
         }
+
+    def why_not_ready(self) -> str:
+        """One clause for /readyz: the state, a crash loop's attempt and delay, the last failure."""
+        text = f"rank {self.spec.rank} {self.state.value}"
+        if self.state is RankState.RESTARTING and self.next_start_at is not None:
+            text += f" (attempt {self.attempts + 1} in {max(0.0, self.next_start_at - time.time()):.1f} s)"
+        if self.last_failure and self.state is not RankState.READY:
+            text += f": {self.last_failure}"
+        return text
 
     # ---- the lifecycle ------------------------------------------------------------------------------------
     async def run(self) -> None:
         while not self._stopping:
             kind, detail = await self._run_once()
             if kind == "failure":
-                healthy_for = 0.0 if self._ready_mono is None else time.monotonic() - self._ready_mono
+                was_ready = self._ready_mono is not None
+                healthy_for = time.monotonic() - self._ready_mono if self._ready_mono is not None else 0.0
+                self.attempts = 0 if was_ready else self.attempts + 1
+                proc = self._proc
                 self._record_failure(detail)
                 # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
                 usage_error = self.last_exit_code == 2 and not self._ever_ready
                 if self._on_failure(self, detail, usage_error) is FailureAction.EXIT:
                     self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
                     await self._stop_process(FAILED_STOP_GRACE_S)
+                    self._note_cause(proc, was_ready)
                     return
                 await self._stop_process(FAILED_STOP_GRACE_S)
+                self._note_cause(proc, was_ready)
                 await self._backoff(healthy_for)
             self.restarts += 1
             self.metrics.rank_restarts.labels(rank=str(self.spec.rank)).inc()
@@ -251,6 +275,7 @@ class RankWorker:
     async def _backoff(self, healthy_for: float) -> None:
         """Wait out the restart delay (reset if the rank had been ready long); an admin restart ends it."""
         delay = self.backoff.next_delay(healthy_for)
+        self.backoff_s = delay
         self._set_state(RankState.RESTARTING)
         self.next_start_at = time.time() + delay
         log.info("rank %d: restarting in %.1f s", self.spec.rank, delay)
@@ -313,7 +338,14 @@ class RankWorker:
                 task.cancel()
 
     async def _probe_once(self, gen: int) -> None:
-        result = await self.prober.health(self.spec.probe_url)
+        every = self.cfg.probe_generate_every
+        if self.state is RankState.READY:
+            self._probes += 1
+        if every and self.state is RankState.READY and self._probes % every == 0:
+            key = self.cfg.api_keys[0] if self.cfg.api_keys else None
+            result = await self.prober.generate(self.spec.probe_url, self.cfg.model_name, key)
+        else:
+            result = await self.prober.health(self.spec.probe_url)
         if gen == self.generation:
             self._on_probe(gen, result)
 
@@ -327,6 +359,8 @@ class RankWorker:
             if self.state is RankState.STARTING:
                 self._ready_mono = time.monotonic()
                 self._ever_ready = True
+                self.attempts = 0
+                self._probes = 0
                 self._set_state(RankState.READY)
                 log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
                          self._ready_mono - (self._started_mono or self._ready_mono))
@@ -347,6 +381,16 @@ class RankWorker:
             self.state = state
             self.state_since = time.time()
         self.metrics.rank_ready.labels(rank=str(self.spec.rank)).set(1 if state is RankState.READY else 0)
+
+    def _note_cause(self, proc: RankProcess | None, was_ready: bool) -> None:
+        """Once the failed process is gone and its output drained: keep its last stderr lines, and for a
+        start-up failure add the line that says why (a crash loop then explains itself in /status)."""
+        if proc is None:
+            return
+        self.stderr_tail = list(proc.stderr_tail)
+        cause = proc.error_line()
+        if cause and not was_ready and self.last_failure and cause not in self.last_failure:
+            self.last_failure = f"{self.last_failure}: {cause}"
 
     def _record_failure(self, why: str) -> None:
         self.last_failure = why
