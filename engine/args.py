@@ -53,6 +53,7 @@ class EngineArgs:
     max_request_line_bytes: int = _limits.DEFAULTS.max_request_line_bytes
     max_header_bytes: int = _limits.DEFAULTS.max_header_bytes
     max_headers: int = _limits.DEFAULTS.max_headers
+    max_head_bytes: int = _limits.DEFAULTS.max_head_bytes
     max_request_body_bytes: int = _limits.DEFAULTS.max_request_body_bytes
     header_read_timeout_s: float = _limits.DEFAULTS.header_read_timeout_s
     body_read_timeout_s: float = _limits.DEFAULTS.body_read_timeout_s

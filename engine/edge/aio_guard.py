@@ -22,6 +22,8 @@ from engine.edge.limits import Limits
 SWEEP_S = 1.0
 _TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s")
+_TOO_BIG = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
 _FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
          b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -33,6 +35,8 @@ def _error_body(status: int, message: str, etype: str) -> bytes:
 
 _TIMEOUT_BODY = _error_body(408, "request head not received in time (--header-read-timeout-s)",
                             "RequestTimeoutError")
+_TOO_BIG_BODY = _error_body(431, "request head too large (--max-head-bytes)",
+                            "RequestHeaderFieldsTooLargeError")
 _FULL_BODY = _error_body(503, "too many open connections (--max-connections)", "ServiceUnavailableError")
 
 
@@ -43,11 +47,12 @@ def server_settings(limits: Limits) -> dict[str, Any]:
 
 
 class _GuardedHandler(RequestHandler):
-    __slots__ = ("_lbd_head_since",)
+    __slots__ = ("_lbd_head_since", "_lbd_head_bytes")
 
     def __init__(self, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._lbd_head_since: float | None = None
+        self._lbd_head_bytes = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -60,15 +65,26 @@ class _GuardedHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         idle = not getattr(self, "_request_in_progress", False) and not getattr(self, "_messages", ())
-        if idle and self._lbd_head_since is None:
-            self._lbd_head_since = self._loop.time()
+        if idle:
+            if self._lbd_head_since is None:
+                self._lbd_head_since = self._loop.time()
+            self._lbd_head_bytes += len(data)
         before = getattr(self, "_request_count", 0)
         super().data_received(data)
         if getattr(self, "_request_count", 0) != before or getattr(self, "_request_in_progress", False):
             self._lbd_head_since = None
+            self._lbd_head_bytes = 0
+            return
+        guard: Guard | None = getattr(self._manager, "lbd_guard", None)
+        if idle and guard is not None and self._lbd_head_bytes > guard.limits.max_head_bytes:
+            # still no complete head after this many bytes: aiohttp would buffer them line by line
+            if self.transport is not None:
+                self.transport.write(_TOO_BIG % (len(_TOO_BIG_BODY), _TOO_BIG_BODY))
+            self.force_close()
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
         self._lbd_head_since = None
+        self._lbd_head_bytes = 0
         return await super()._handle_request(*args, **kwargs)
 
 

@@ -29,6 +29,7 @@ class Limits:
     max_request_line_bytes: int = 8190
     max_header_bytes: int = 8190  # one header line (name and value)
     max_headers: int = 100
+    max_head_bytes: int = 64 * 1024  # the whole head: request line and every header
     max_request_body_bytes: int = 32 * 1024 * 1024
     header_read_timeout_s: float = 10.0  # first byte of a request head to its end
     body_read_timeout_s: float = 60.0  # end of the head to the end of the body
@@ -50,6 +51,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser | Any) -> None:
                    help="a longer header line gets 431 (router) or 400, then a close")
     g.add_argument("--max-headers", type=int, default=d.max_headers,
                    help="more request headers than this get 431 (router) or 400, then a close")
+    g.add_argument("--max-head-bytes", type=parse_bytes, default=d.max_head_bytes,
+                   help="a larger request head (request line + all headers) gets 431, then a close")
     g.add_argument("--max-request-body-bytes", type=parse_bytes, default=d.max_request_body_bytes,
                    help="larger request bodies get 413")
     g.add_argument("--header-read-timeout-s", type=float, default=d.header_read_timeout_s,

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import policies
+from engine.edge.auth import read_key_file
+from engine.edge.limits import Limits, add_limit_arguments, check_limits, limits_from
+from engine.edge.tls import add_tls_arguments, check_tls
 
 PROG = "lbd route"
+UPSTREAM_KEY_ENV = "LBD_UPSTREAM_API_KEY"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,13 +40,14 @@ class Upstream:
 
 
 def parse_upstream(text: str) -> Upstream:
-    """``http://host:port``, ``https://...`` or ``supervisor://host:port`` (IPv6 literals in brackets)."""
+    """``http://host:port``, ``https://...``, ``supervisor://host:port`` or ``supervisor+https://host:port``
+    (a supervisor whose health port speaks TLS); IPv6 literals in brackets."""
     raw = text.strip()
     if "://" not in raw:
         raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https", "supervisor"):
-        raise ValueError(f"{raw!r}: scheme must be http, https or supervisor")
+    if parts.scheme not in ("http", "https", "supervisor", "supervisor+https"):
+        raise ValueError(f"{raw!r}: scheme must be http, https, supervisor or supervisor+https")
     try:
         host, port = parts.hostname, parts.port
     except ValueError as e:
@@ -54,8 +60,9 @@ def parse_upstream(text: str) -> Upstream:
         netloc_host = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
     except ValueError:
         netloc_host = host
-    if parts.scheme == "supervisor":
-        return Upstream("supervisor", f"http://{netloc_host}:{port or 9256}")
+    if parts.scheme.startswith("supervisor"):
+        scheme = "https" if parts.scheme == "supervisor+https" else "http"
+        return Upstream("supervisor", f"{scheme}://{netloc_host}:{port or 9256}")
     default = 443 if parts.scheme == "https" else 80
     return Upstream("engine", f"{parts.scheme}://{netloc_host}:{port or default}")
 
@@ -96,15 +103,26 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
+    limits: Limits = field(default_factory=Limits)
+    max_streams_per_endpoint: int = 1024
+    # authentication and rate limits (lbd.router.auth)
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: Path | None = None
+    forward_authorization: bool = False
+    upstream_api_key: str | None = None
+    rate_limit_rps: float = 0.0
+    rate_limit_tps: float = 0.0
+    rate_limit_burst_s: float = 1.0
+    # passive outlier detection (lbd.router.outlier)
+    outlier_first_byte_timeout_s: float = 30.0
+    outlier_ejection_s: float = 30.0
+    outlier_max_ejection_percent: float = 50.0
+    outlier_consecutive_5xx: int = 5
+    # TLS
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
 
 def make_parser() -> OneLineParser:
@@ -140,18 +158,62 @@ def make_parser() -> OneLineParser:
         help="router processes sharing the port (SO_REUSEPORT) and their load counters",
     )
     g.add_argument(
-        "--max-request-body-bytes",
-        type=_bytes,
-        default=32 * 1024 * 1024,
-        help="larger request bodies get 413",
-    )
-    g.add_argument(
         "--debug-headers",
         action="store_true",
         help="add x-lbd-endpoint and x-lbd-route-reason to every response",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    g.add_argument(
+        "--max-streams-per-endpoint",
+        type=int,
+        default=1024,
+        help="requests in flight to one endpoint (all workers); a full endpoint is skipped, and when every "
+        "one is full the answer is 503 with Retry-After",
+    )
+    add_limit_arguments(p)
+    add_tls_arguments(p)
+    g = p.add_argument_group("authentication and rate limits")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="client keys (Authorization: Bearer <key>) required on every path but /health, /readyz and "
+        "/metrics",
+    )
+    g.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="client keys, one per line: <key> [name=<name>] [rps=<req/s>] [tps=<tokens/s>]; re-read on "
+        "SIGHUP",
+    )
+    g.add_argument(
+        "--forward-authorization",
+        action="store_true",
+        help="pass the client's Authorization header on to the engines (default: dropped)",
+    )
+    g.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help=f"key the router sends to the engines (their --api-key); also ${UPSTREAM_KEY_ENV}",
+    )
+    g.add_argument(
+        "--rate-limit-rps", type=float, default=0.0, help="requests/s per key (token bucket; 0: no limit)"
+    )
+    g.add_argument(
+        "--rate-limit-tps",
+        type=float,
+        default=0.0,
+        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission (0: no limit)",
+    )
+    g.add_argument(
+        "--rate-limit-burst-s",
+        type=float,
+        default=1.0,
+        help="bucket size in seconds of the rate: how far a key may burst above it",
+    )
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -197,6 +259,32 @@ def make_parser() -> OneLineParser:
         default=3,
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
     )
+    g.add_argument(
+        "--outlier-first-byte-timeout-s",
+        type=float,
+        default=30.0,
+        help="eject an endpoint whose requests get no first byte and whose telemetry shows no progress for "
+        "this long while other endpoints answer; its waiting requests are retried elsewhere (0: off)",
+    )
+    g.add_argument(
+        "--outlier-ejection-s",
+        type=float,
+        default=30.0,
+        help="first ejection by the outlier checks lasts this long, doubling per repeat (cap 10x); then one "
+        "trial request (half-open) decides",
+    )
+    g.add_argument(
+        "--outlier-max-ejection-percent",
+        type=float,
+        default=50.0,
+        help="request outcomes never eject more than this share of the endpoints (at least one)",
+    )
+    g.add_argument(
+        "--outlier-consecutive-5xx",
+        type=int,
+        default=5,
+        help="consecutive failed requests (5xx answers, connection errors) that eject an endpoint",
+    )
     g = p.add_argument_group("timeouts and retries")
     g.add_argument("--connect-timeout-s", type=float, default=5.0,
                    help="TCP connect to an upstream")
@@ -238,6 +326,21 @@ def parse_args(argv: list[str]) -> RouterConfig:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     _check_numbers(p, ns)
+    limits = limits_from(ns)
+    problem = check_limits(limits) or check_tls(
+        ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs, ns.ssl_cert_reqs
+    )
+    if problem:
+        p.error(problem)
+    if (ns.rate_limit_rps or ns.rate_limit_tps) and not (ns.api_key or ns.api_key_file):
+        p.error("--rate-limit-rps/--rate-limit-tps are per API key: give --api-key or --api-key-file too")
+    if ns.api_key_file is not None:
+        try:
+            read_key_file(ns.api_key_file)
+        except OSError as e:
+            p.error(f"--api-key-file {ns.api_key_file}: {e.strerror or e}")
+        except ValueError as e:
+            p.error(f"--api-key-file: {e}")
     stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
     return RouterConfig(
         upstreams=upstreams,
@@ -264,6 +367,23 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        limits=limits,
+        max_streams_per_endpoint=ns.max_streams_per_endpoint,
+        api_keys=list(ns.api_key),
+        api_key_file=ns.api_key_file,
+        forward_authorization=ns.forward_authorization,
+        upstream_api_key=ns.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None,
+        rate_limit_rps=ns.rate_limit_rps,
+        rate_limit_tps=ns.rate_limit_tps,
+        rate_limit_burst_s=ns.rate_limit_burst_s,
+        outlier_first_byte_timeout_s=ns.outlier_first_byte_timeout_s,
+        outlier_ejection_s=ns.outlier_ejection_s,
+        outlier_max_ejection_percent=ns.outlier_max_ejection_percent,
+        outlier_consecutive_5xx=ns.outlier_consecutive_5xx,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs,
     )
 
 
@@ -279,7 +399,10 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--connect-timeout-s": ns.connect_timeout_s,
         "--response-timeout-s": ns.response_timeout_s,
         "--stream-idle-timeout-s": ns.stream_idle_timeout_s,
-        "--max-request-body-bytes": ns.max_request_body_bytes,
+        "--max-streams-per-endpoint": ns.max_streams_per_endpoint,
+        "--rate-limit-burst-s": ns.rate_limit_burst_s,
+        "--outlier-ejection-s": ns.outlier_ejection_s,
+        "--outlier-consecutive-5xx": ns.outlier_consecutive_5xx,
     }
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
@@ -291,10 +414,15 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
     for flag, value in {
         "--max-retries": ns.max_retries,
         "--retry-budget-s": ns.retry_budget_s,
+        "--rate-limit-rps": ns.rate_limit_rps,
+        "--rate-limit-tps": ns.rate_limit_tps,
+        "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port {ns.port} is out of range: use 0..65535")
+    if not 0 <= ns.outlier_max_ejection_percent <= 100:
+        p.error(f"--outlier-max-ejection-percent must be in 0..100, got {ns.outlier_max_ejection_percent}")
     if ns.workers > 64:
         p.error(f"--workers {ns.workers} is more than 64")

@@ -44,7 +44,8 @@ def test_status_lists_every_rank_with_its_url() -> None:
     assert first["url"] == f"http://127.0.0.1:{first['port']}" and first["state"] == "starting"
     assert first["routable"] is False and first["restarts"] == 0 and first["pid"] is None
     assert status["ready"] is False and status["ready_ranks"] == 0
-    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3, "generate_every": 0}
+    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3,
+                               "generate_every": 0}
 
 
 @pytest.mark.parametrize(("bind", "host_header", "expected"), [
