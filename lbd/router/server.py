@@ -342,7 +342,12 @@ class _Connection(asyncio.Protocol):
             b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s"
             b"Connection: close\r\n\r\n%s" % (_STATUS_LINES[status], len(body), retry, body)
         )
-        transport.close()
+        self.discarding = True
+        if transport.can_write_eof():  # lingering close: the client may still be sending (see response_done)
+            transport.write_eof()
+            self.loop.call_later(2.0, transport.close)
+        else:
+            transport.close()
 
     def check_timeouts(self, now: float, limits: Limits) -> None:
         """408 for a head or a body that takes too long; close an idle keep-alive connection."""
