@@ -3,9 +3,8 @@ port): what aiohttp enforces itself (line, header and count sizes, keep-alive) i
 it does not (a head that trickles in, too many connections) is added by a request-handler subclass and a sweep
 once a second.
 
-aiohttp's ``RequestHandler`` keeps its state in private attributes; the few read here
-(``_request_in_progress``, ``_messages``, ``_request_count``, ``_manager``) are read with defaults, and the
-malformed-HTTP tests fail if a new aiohttp renames them.
+aiohttp's ``RequestHandler`` keeps its state in private attributes; the two read here (``_request_count``,
+``_manager``) are read with defaults, and the malformed-HTTP tests fail if a new aiohttp renames them.
 """
 
 from __future__ import annotations
@@ -47,12 +46,17 @@ def server_settings(limits: Limits) -> dict[str, Any]:
 
 
 class _GuardedHandler(RequestHandler):
-    __slots__ = ("_lbd_head_since", "_lbd_head_bytes")
+    """Counts the bytes and the time of a request head while no request is open on the connection (heads
+    parsed minus requests handled, and the last body read to its end)."""
+
+    __slots__ = ("_lbd_head_since", "_lbd_head_bytes", "_lbd_open", "_lbd_payload")
 
     def __init__(self, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._lbd_head_since: float | None = None
         self._lbd_head_bytes = 0
+        self._lbd_open = 0  # heads parsed and not yet answered
+        self._lbd_payload: Any = None  # the body stream of the last request handled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -63,29 +67,36 @@ class _GuardedHandler(RequestHandler):
             return
         self._lbd_head_since = self._loop.time()  # a connection that sends nothing is a slow head too
 
+    def _reading_head(self) -> bool:
+        payload = self._lbd_payload
+        return self._lbd_open == 0 and (payload is None or payload.is_eof())
+
     def data_received(self, data: bytes) -> None:
-        idle = not getattr(self, "_request_in_progress", False) and not getattr(self, "_messages", ())
-        if idle:
+        counting = self._reading_head()
+        if counting:
             if self._lbd_head_since is None:
                 self._lbd_head_since = self._loop.time()
             self._lbd_head_bytes += len(data)
         before = getattr(self, "_request_count", 0)
         super().data_received(data)
-        if getattr(self, "_request_count", 0) != before or getattr(self, "_request_in_progress", False):
-            self._lbd_head_since = None
-            self._lbd_head_bytes = 0
+        parsed = getattr(self, "_request_count", 0) - before
+        if parsed:
+            self._lbd_open += parsed
+            self._lbd_head_since, self._lbd_head_bytes = None, 0
             return
         guard: Guard | None = getattr(self._manager, "lbd_guard", None)
-        if idle and guard is not None and self._lbd_head_bytes > guard.limits.max_head_bytes:
+        if counting and guard is not None and self._lbd_head_bytes > guard.limits.max_head_bytes:
             # still no complete head after this many bytes: aiohttp would buffer them line by line
             if self.transport is not None:
                 self.transport.write(_TOO_BIG % (len(_TOO_BIG_BODY), _TOO_BIG_BODY))
             self.force_close()
 
-    async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
-        self._lbd_head_since = None
-        self._lbd_head_bytes = 0
-        return await super()._handle_request(*args, **kwargs)
+    async def _handle_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._lbd_payload = getattr(request, "content", None)
+        try:
+            return await super()._handle_request(request, *args, **kwargs)
+        finally:
+            self._lbd_open = max(0, self._lbd_open - 1)
 
 
 class _GuardedServer(web.Server):
@@ -123,7 +134,7 @@ class Guard:
         cutoff = now - self.limits.header_read_timeout_s
         for handler in self.server.connections:
             since = getattr(handler, "_lbd_head_since", None)
-            if since is not None and since < cutoff and not getattr(handler, "_request_in_progress", False):
+            if since is not None and since < cutoff and getattr(handler, "_lbd_open", 1) == 0:
                 transport = handler.transport
                 if transport is not None and not transport.is_closing():
                     transport.write(_TIMEOUT % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))

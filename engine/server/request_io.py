@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from engine.edge.rank_header import RANK_HEADER, RankHeaderError, parse_rank
 from engine.server.errors import APIError, bad_request
@@ -57,6 +58,8 @@ async def read_json(request: web.Request) -> Any:
                        "(--body-read-timeout-s)", 408) from None
     except HttpProcessingError as e:
         raise bad_request(f"cannot read the request body: {e.message or type(e).__name__}") from None
+    except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with
+        raise bad_request(f"cannot read the request body: {e}") from None
     if not body:
         raise bad_request("request body is empty: send a JSON object")
     try:
