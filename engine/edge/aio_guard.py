@@ -91,12 +91,25 @@ class _GuardedHandler(RequestHandler):
                 self.transport.write(_TOO_BIG % (len(_TOO_BIG_BODY), _TOO_BIG_BODY))
             self.force_close()
 
-    async def _handle_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _handle_request(self, request: Any, start_time: Any, request_handler: Any) -> Any:
         self._lbd_payload = getattr(request, "content", None)
+        guard: Guard | None = getattr(self._manager, "lbd_guard", None)
+        if guard is not None and _head_size(request) > guard.limits.max_head_bytes:
+            request_handler = _head_too_large
         try:
-            return await super()._handle_request(request, *args, **kwargs)
+            return await super()._handle_request(request, start_time, request_handler)
         finally:
             self._lbd_open = max(0, self._lbd_open - 1)
+
+
+def _head_size(request: Any) -> int:
+    raw = getattr(request, "raw_headers", ())
+    return len(getattr(request, "raw_path", "")) + sum(len(k) + len(v) + 4 for k, v in raw)
+
+
+async def _head_too_large(request: web.BaseRequest) -> web.Response:
+    return web.Response(status=431, body=_TOO_BIG_BODY, content_type="application/json",
+                        headers={"Connection": "close"})
 
 
 class _GuardedServer(web.Server):

@@ -103,8 +103,9 @@ class _Connection(asyncio.Protocol):
         # limits: bytes of the head being read, when its first byte came, when its body began
         self.head_bytes = 0
         self.head_since: float | None = self.idle_since
+        self.lingering = False  # half-closed after a final answer; closes in 2 s
         self.body_since: float | None = None
-        self.header_count = 0
+        self.header_count = 0  # bytes of the header lines of the head being read
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -181,17 +182,21 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         limits = self.server.limits
-        if len(name) + len(value) + 2 > limits.max_header_bytes:
+        size = len(name) + len(value) + 4  # "name: value\r\n"
+        if size > limits.max_header_bytes:
             raise _Refused("a header line is too long (--max-header-bytes)", 431)
         if len(self.raw_headers) >= limits.max_headers:
             raise _Refused("too many headers (--max-headers)", 431)
+        self.header_count += size  # (bytes of this head's header lines)
+        if self.header_count + len(self.url) > limits.max_head_bytes:
+            raise _Refused("request head too large (--max-head-bytes)", 431)
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         p = self.parser
         raw, url = self.raw_headers, self.url
         self.raw_headers, self.url = [], b""
-        self.head_bytes, self.head_since = 0, None
+        self.head_bytes, self.head_since, self.header_count = 0, None, 0
         names = [k.lower() for k, _ in raw]
         req = Request(
             p.get_method().decode("latin-1"),
@@ -319,10 +324,7 @@ class _Connection(asyncio.Protocol):
         if not req.keep_alive:
             self.queue.clear()
             if self.discarding and transport.can_write_eof():
-                # Lingering close: a client still sending the body we will not read would get a reset
-                # (and might lose this answer) if we closed now; half-close and drop what comes instead.
-                transport.write_eof()
-                self.loop.call_later(2.0, transport.close)
+                self._linger(transport)  # the client may still be sending a body we will not read
             else:
                 transport.close()
         # A kept-alive connection: the next request starts when the handler's task ends (one at a time).
@@ -330,7 +332,7 @@ class _Connection(asyncio.Protocol):
     def _write_refusal(self, status: int, message: str) -> None:
         """Answer a request the server refuses itself, then close (nothing more is read)."""
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self.lingering:
             return
         body = b'{"error":{"message":"%s","type":"%s","param":null,"code":%d}}' % (
             message.replace('"', "'").replace("\\", "/").encode("latin-1", "replace"),
@@ -344,14 +346,20 @@ class _Connection(asyncio.Protocol):
         )
         self.discarding = True
         if transport.can_write_eof():  # lingering close: the client may still be sending (see response_done)
-            transport.write_eof()
-            self.loop.call_later(2.0, transport.close)
+            self._linger(transport)
         else:
             transport.close()
 
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """Half-close now, close in 2 s: a client still sending what we will not read would get a reset
+        (and might lose the answer) if we closed at once; what it sends meanwhile is dropped."""
+        self.lingering = True
+        transport.write_eof()
+        self.loop.call_later(2.0, transport.close)
+
     def check_timeouts(self, now: float, limits: Limits) -> None:
         """408 for a head or a body that takes too long; close an idle keep-alive connection."""
-        if self.transport is None or self.active is not None:
+        if self.transport is None or self.active is not None or self.lingering:
             return
         if self.head_since is not None and now - self.head_since > limits.header_read_timeout_s:
             self.discarding = True
@@ -428,10 +436,14 @@ class HttpServer:
         return tuple(self._server.sockets) if self._server is not None else ()
 
     def _sweep(self) -> None:
+        self._sweeper = self.loop.call_later(_SWEEP_S, self._sweep)
         now, limits = self.loop.time(), self.limits
         for conn in list(self.connections):
-            conn.check_timeouts(now, limits)
-        self._sweeper = self.loop.call_later(_SWEEP_S, self._sweep)
+            try:
+                conn.check_timeouts(now, limits)
+            except Exception:  # one broken connection must not stop the sweeps of all the others
+                log.exception("timeout check failed; closing that connection")
+                conn.abort()
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop listening, give running handlers ``grace_s`` to finish, then close every connection."""

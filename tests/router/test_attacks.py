@@ -57,7 +57,7 @@ async def test_half_sent_body_is_closed_not_close_wait(tmp_path) -> None:
                     except httpx.HTTPError:
                         pass
                     await asyncio.sleep(0.05)
-            for round_ in range(10):  # 300 half-sent requests, 30 at a time: each would hold an fd forever
+            for _ in range(10):  # 300 half-sent requests, 30 at a time: each would hold an fd forever
                 conns = []
                 for i in range(30):
                     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -173,7 +173,8 @@ async def test_deterministic_500_does_not_eject_every_rank(start_router) -> None
     others), and however many such requests come, passive ejection keeps half of the ranks in service."""
     async with stubs(2) as ups:
         router = await start_router("--upstreams", ",".join(u.url for u in ups), "--policy", "round_robin",
-                                    "--outlier-consecutive-5xx", "2", "--health-check-interval-s", "30").wait()
+                                    "--outlier-consecutive-5xx", "2", "--health-check-interval-s",
+                                    "30").wait()
         poison = json.dumps({"model": "stub-model", "prompt": "poison"}).encode()
         async with httpx.AsyncClient(timeout=10) as c:
             for _ in range(12):
