@@ -5,8 +5,9 @@ stopped process) passes every probe; what gives it away is its requests. The che
 ``CHECK_INTERVAL_S``: an endpoint is an outlier when (a) its oldest request still waiting for a first body
 byte was sent more than ``--outlier-first-byte-timeout-s`` (T) ago, (b) it made no progress in that time (no
 first byte of any response, and its scraped ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``
-did not move), and (c) some other endpoint did make progress in that time. So a slow but working rank (a long
-non-streamed answer, a long prefill) is not ejected, and neither is every rank when the whole fleet is slow.
+did not move), and (c) some other endpoint made progress after that request was sent. So a slow but working
+rank (a long non-streamed answer, a long prefill) is not ejected, and neither is every rank when the whole
+fleet is slow.
 
 An outlier is ejected (``--outlier-max-ejection-percent`` permitting) for ``--outlier-ejection-s``, doubling
 with each repeat up to 10x, and the requests waiting on it are cancelled there and retried elsewhere (none of
@@ -94,8 +95,8 @@ class Outliers:
             oldest = next(iter(ep.waiting.values()))
             if now - oldest <= window or now - ep.progress_at <= window:
                 continue
-            if not any(e is not ep and now - e.progress_at <= window for e in eps):
-                continue  # nobody answers: a slow fleet or no traffic, not one bad endpoint
+            if not any(e is not ep and e.progress_at >= oldest for e in eps):
+                continue  # nobody answered since: a slow fleet or no traffic, not one bad endpoint
             if not self.state.may_eject(ep):
                 continue
             self.eject(ep, now, f"no first byte within {window:g} s for {len(ep.waiting)} requests while "
