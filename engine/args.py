@@ -206,8 +206,9 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
-    if args.health_stall_timeout_s < 0:
-        parser.error("--health-stall-timeout-s must be >= 0 (0 turns the check off)")
+    if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
+        parser.error("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
+                     "once a second")
     problem = _limits.check_limits(_limits.limits_from(args)) or check_tls(
         args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if problem:

@@ -45,7 +45,7 @@ class Prober:
         start = time.perf_counter()
         try:
             async with self._client().get(base_url + "/health") as resp:
-                await resp.read()
+                body = await resp.read()
                 status = resp.status
         except TimeoutError:
             return ProbeResult(False, time.perf_counter() - start, None, TIMEOUT,
@@ -56,7 +56,9 @@ class Prober:
         if status == 200:
             return ProbeResult(True, latency, status)
         reason = CORE_DEAD if status == 503 else BAD_STATUS
-        return ProbeResult(False, latency, status, reason, f"/health answered {status}")
+        why = _error_message(body)
+        return ProbeResult(False, latency, status, reason, f"/health answered {status}" + (f": {why}" if why
+                                                                                            else ""))
 
     async def generate(self, base_url: str, model: str, api_key: str | None) -> ProbeResult:
         """A 1-token completion: proves the core still steps, where /health can only show a stall once it
@@ -77,7 +79,7 @@ class Prober:
         latency = time.perf_counter() - start
         if status in (200, 503):
             return ProbeResult(True, latency, status)
-        detail = _short(text.decode("utf-8", "replace")) or str(status)
+        detail = _error_message(text) or str(status)
         return ProbeResult(False, latency, status, GENERATE_FAILED, f"1-token generation answered {status}: "
                            f"{detail}")
 
@@ -113,6 +115,14 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-def _short(e: BaseException) -> str:
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else the body's first line (shortened)."""
+    try:
+        return _short(str(orjson.loads(body)["error"]["message"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return _short(body.decode("utf-8", "replace").strip().split("\n", 1)[0])
+
+
+def _short(e: BaseException | str) -> str:
     text = str(e) or type(e).__name__
     return text if len(text) <= 200 else text[:197] + "..."

@@ -30,7 +30,8 @@ _PR_SET_PDEATHSIG = 1
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
 TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
 _TAIL_LINE_CHARS = 500
-_ERROR_LINE = re.compile(r"(\w+(Error|Exception|Interrupt)\b|\berror\b|\bfailed\b)", re.IGNORECASE)
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
+_ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -59,10 +60,12 @@ class RankProcess:
                                                    self.stderr_tail))]
 
     def error_line(self) -> str | None:
-        """The last stderr line that reads like the cause (an exception, an error), else the last line."""
-        for line in reversed(self.stderr_tail):
-            if _ERROR_LINE.search(line):
-                return line
+        """The line that says why: a traceback's last line (the exception), else the last line that mentions
+        an error, else the last line."""
+        for pattern in (_EXCEPTION_LINE, _ERROR_LINE):
+            for line in reversed(self.stderr_tail):
+                if pattern.search(line):
+                    return line
         return self.stderr_tail[-1] if self.stderr_tail else None
 
     @classmethod

@@ -94,6 +94,7 @@ class RankWorker:
         self.restarts = 0
         self.pid: int | None = None
         self.consecutive_failures = 0
+        self.generate_failures = 0  # consecutive failed generation probes (--dp-supervisor-probe-generate)
         self.last_probe_latency_s: float | None = None
         self.last_probe_at: float | None = None
         self.last_probe_error: str | None = None
@@ -206,7 +207,7 @@ class RankWorker:
         """Start one incarnation and wait for its end: ("failure", why) or ("planned", command)."""
         self.generation += 1
         gen = self.generation
-        self.consecutive_failures = 0
+        self.consecutive_failures = self.generate_failures = 0
         self._ready_mono = None
         self._set_state(RankState.STARTING)
         try:
@@ -341,21 +342,27 @@ class RankWorker:
         every = self.cfg.probe_generate_every
         if self.state is RankState.READY:
             self._probes += 1
-        if every and self.state is RankState.READY and self._probes % every == 0:
+        generate = bool(every) and self.state is RankState.READY and self._probes % every == 0
+        if generate:
             key = self.cfg.api_keys[0] if self.cfg.api_keys else None
             result = await self.prober.generate(self.spec.probe_url, self.cfg.model_name, key)
         else:
             result = await self.prober.health(self.spec.probe_url)
         if gen == self.generation:
-            self._on_probe(gen, result)
+            self._on_probe(gen, result, generate)
 
-    def _on_probe(self, gen: int, res: ProbeResult) -> None:
+    def _on_probe(self, gen: int, res: ProbeResult, generate: bool = False) -> None:
+        """Generation probes count their failures apart: the /health probes between them answering does not
+        excuse a core that no longer generates."""
         self.metrics.probe_duration.observe(res.latency_s)
         self.last_probe_latency_s = res.latency_s
         self.last_probe_at = time.time()
         self.last_probe_error = res.detail
         if res.ok:
-            self.consecutive_failures = 0
+            if generate:
+                self.generate_failures = 0
+            else:
+                self.consecutive_failures = 0
             if self.state is RankState.STARTING:
                 self._ready_mono = time.monotonic()
                 self._ever_ready = True
@@ -367,10 +374,14 @@ class RankWorker:
             return
         if self.state not in (RankState.READY, RankState.DRAINING):
             return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
-        self.consecutive_failures += 1
+        if generate:
+            self.generate_failures += 1
+        else:
+            self.consecutive_failures += 1
+        failures = self.generate_failures if generate else self.consecutive_failures
         self.metrics.probe_failures.labels(rank=str(self.spec.rank), reason=res.reason or "unknown").inc()
-        if res.reason == CORE_DEAD or self.consecutive_failures >= self.cfg.probe_failure_threshold:
-            why = f"{res.detail} ({self.consecutive_failures} consecutive failed probes)"
+        if res.reason == CORE_DEAD or failures >= self.cfg.probe_failure_threshold:
+            why = f"{res.detail} ({failures} consecutive failed {'generation ' if generate else ''}probes)"
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
             self._events.put_nowait(_Event(gen, "unhealthy", why))

@@ -66,6 +66,10 @@ class CoreClient:
         # Loop time of the core's last message: while it has work it sends something at least every 100 ms
         # (outputs or stats), so a long silence with requests in flight means a wedged core (see /health).
         self.last_heard = 0.0
+        # Loop time of the first message sent since the core last spoke (None: it answered since). A live
+        # core answers anything within a second (an idle one still sends stats every second), so this
+        # growing old is a stall too, also once the requests that were waiting have been given up.
+        self.pending_since: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -102,12 +106,24 @@ class CoreClient:
     async def add(self, req: EngineCoreRequest) -> None:
         if not self.alive:
             raise CoreError(self.dead_reason or "engine core died", 503)
+        self._sent()
         await self._sock.send_multipart([ADD, encode(req)])
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Stop requests in the core; reason "stop" counts them as finished by a stop string."""
         if request_ids and self.alive:
+            self._sent()
             await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
+
+    def _sent(self) -> None:
+        if self.pending_since is None:
+            self.pending_since = asyncio.get_running_loop().time()
+
+    def silence(self, now: float) -> float:
+        """How long the core has been expected to speak and has not (0 when nothing is expected)."""
+        if self._routes:
+            return now - self.last_heard
+        return now - self.pending_since if self.pending_since is not None else 0.0
 
     @property
     def in_flight(self) -> int:
@@ -119,6 +135,7 @@ class CoreClient:
         while True:
             kind, payload = await self._sock.recv_multipart(copy=True)
             self.last_heard = loop.time()
+            self.pending_since = None
             try:
                 self._dispatch(kind, decode(payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)

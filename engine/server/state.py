@@ -61,8 +61,8 @@ class FrontendState:
         a hung collective or a stopped process; the supervisor then restarts the rank."""
         self.check_available()
         limit = self.args.health_stall_timeout_s
-        if limit > 0 and self.client.in_flight:
-            silent = asyncio.get_running_loop().time() - self.client.last_heard
+        if limit > 0:
+            silent = self.client.silence(asyncio.get_running_loop().time())
             if silent > limit:
                 raise APIError(f"The engine core made no progress for {silent:.1f} s with "
                                f"{self.client.in_flight} requests in flight (--health-stall-timeout-s "
