@@ -8,11 +8,13 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from supervisor_harness import SupervisorNode
 
 INITIAL, CAP = 0.5, 1.0
 
 
+@pytest.mark.slow
 def test_model_that_cannot_load_backs_off_and_says_why(tiny_llama: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_llama, broken)

@@ -19,6 +19,7 @@ from support import RouterServer
 
 from engine.launch import CORE_PROCESS_NAME
 
+pytestmark = pytest.mark.slow
 STALL_S = 2.0
 GENERATE_EVERY = 5  # with the harness's 0.2 s probe interval: a generation probe every second
 
