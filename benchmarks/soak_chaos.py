@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-ACTIONS = ("kill_rank", "kill_core", "stop_core", "stop_rank", "rolling_restart", "cut_upstream_links")
+ACTIONS = ("stop_core", "cut_upstream_links", "kill_rank", "rolling_restart", "kill_core", "stop_rank")
 CORE, TOKENIZE = "lbd-core", "lbd-tokenize"
 
 

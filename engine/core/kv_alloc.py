@@ -1,4 +1,4 @@
-"""Sizing and allocating the paged KV cache, and the fp8 scale calibration."""
+"""Sizing and allocating the paged KV cache."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
 CPU_RAM_FRACTION = 0.5  # never take more than this share of the RAM that is free at start
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_HEADROOM = 4.0  # calibrated amax lands at FP8_MAX / FP8_HEADROOM: room for larger values later
 ZERO_PAGES_BYTES = 64 << 20  # larger CPU buffers come from fresh mmap (zero pages) in glibc
 
 
@@ -65,8 +63,3 @@ def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[
     else:
         buf = torch.zeros(shape, dtype=spec.dtype, device=device)
     return [(buf[i, 0], buf[i, 1]) for i in range(spec.num_layers)]
-
-
-def fp8_scale(amax: float) -> float:
-    """Scale so that ``amax`` is stored at FP8_MAX / FP8_HEADROOM (stored value = x / scale)."""
-    return max(amax, 1e-6) * FP8_HEADROOM / FP8_MAX

@@ -18,7 +18,7 @@ from engine.args import EngineArgs
 from engine.core import kv_alloc
 from engine.core.sampler import Sampler, SampleRow
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
-from engine.loader import load_weights
+from engine.loader import load_weights, read_kv_scales
 from engine.models import build_model
 from engine.models.config import load_hf_config
 from kernels.metadata import AttentionMetadata
@@ -26,7 +26,6 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CALIBRATION_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -117,7 +116,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = kv_alloc.allocate(self.kv_spec, self.num_blocks, self.torch_device)
         if self.kv_spec.dtype == torch.float8_e4m3fn:
-            self._calibrate_fp8()
+            self._set_kv_scales()
         self.sampler = Sampler(self.torch_device, args.seed)
         self.graphs = None
         if self.torch_device.type == "cuda" and not args.enforce_eager:
@@ -188,23 +187,14 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta, kv_caches)
             self.model.compute_logits(hidden[-min(tokens, self.max_num_seqs):])
 
-    def _calibrate_fp8(self) -> None:
-        """Per-layer K/V scales from one fixed pseudo-random prompt (deterministic across starts); the stored
-        values of that prompt's amax land at FP8_MAX / FP8_HEADROOM, and larger ones saturate."""
+    def _set_kv_scales(self) -> None:
+        """fp8 KV cache: the checkpoint's calibrated per-layer scales, else 1.0 (vLLM's default)."""
         layers = self.model.attention_layers
-        for attn in layers:
-            attn.calibrating, attn.k_amax, attn.v_amax = True, 0.0, 0.0
-        tokens = min(CALIBRATION_TOKENS, self.max_model_len, self.num_blocks * self.block_size)
-        try:
-            self._dummy_prefill(self.kv_caches, tokens)
-        finally:
-            for attn in layers:
-                attn.calibrating = False
-        for attn in layers:
-            attn.k_scale, attn.v_scale = kv_alloc.fp8_scale(attn.k_amax), kv_alloc.fp8_scale(attn.v_amax)
-        logger.info("fp8 KV cache: calibrated per-layer scales, k %.4g..%.4g, v %.4g..%.4g",
-                    min(a.k_scale for a in layers), max(a.k_scale for a in layers),
-                    min(a.v_scale for a in layers), max(a.v_scale for a in layers))
+        scales = read_kv_scales(self.model_path, len(layers))
+        for attn, (k, v) in zip(layers, scales or [(1.0, 1.0)] * len(layers), strict=True):
+            attn.k_scale, attn.v_scale = k, v
+        logger.info("fp8 KV cache: %s", "per-layer scales from the checkpoint" if scales else
+                    "the checkpoint has no k_scale/v_scale: scales 1.0")
 
     # ------------------------------------------------------------------------------------------- a step
 
