@@ -41,47 +41,46 @@ class Prober:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
-    async def health(self, base_url: str) -> ProbeResult:
+    async def _call(self, method: str, url: str, timeout_reason: str, timeout_what: str,
+                    **kw: object) -> tuple[int, bytes, float] | ProbeResult:
+        """(status, body, latency), or the failed ProbeResult of a timeout or a connection error."""
         start = time.perf_counter()
         try:
-            async with self._client().get(base_url + "/health") as resp:
+            async with self._client().request(method, url, **kw) as resp:
                 body = await resp.read()
-                status = resp.status
+                return resp.status, body, time.perf_counter() - start
         except TimeoutError:
-            return ProbeResult(False, time.perf_counter() - start, None, TIMEOUT,
-                               f"no answer within {self.timeout.total:g} s")
+            return ProbeResult(False, time.perf_counter() - start, None, timeout_reason,
+                               f"{timeout_what} within {self.timeout.total:g} s")
         except aiohttp.ClientError as e:
             return ProbeResult(False, time.perf_counter() - start, None, CONNECTION, _short(e))
-        latency = time.perf_counter() - start
+
+    async def health(self, base_url: str) -> ProbeResult:
+        got = await self._call("GET", base_url + "/health", TIMEOUT, "no answer")
+        if isinstance(got, ProbeResult):
+            return got
+        status, body, latency = got
         if status == 200:
             return ProbeResult(True, latency, status)
-        reason = CORE_DEAD if status == 503 else BAD_STATUS
         why = _error_message(body)
-        return ProbeResult(False, latency, status, reason, f"/health answered {status}" + (f": {why}" if why
-                                                                                            else ""))
+        return ProbeResult(False, latency, status, CORE_DEAD if status == 503 else BAD_STATUS,
+                           f"/health answered {status}" + (f": {why}" if why else ""))
 
     async def generate(self, base_url: str, model: str, api_key: str | None) -> ProbeResult:
         """A 1-token completion: proves the core still steps, where /health can only show a stall once it
         has work. A 503 (admission control, draining) is an answer, so it passes; the /health probes catch a
         dead core."""
-        start = time.perf_counter()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
-        try:
-            async with self._client().post(base_url + "/v1/completions", json=body, headers=headers) as resp:
-                text = await resp.read()
-                status = resp.status
-        except TimeoutError:
-            return ProbeResult(False, time.perf_counter() - start, None, GENERATE_TIMEOUT,
-                               f"1-token generation not done within {self.timeout.total:g} s")
-        except aiohttp.ClientError as e:
-            return ProbeResult(False, time.perf_counter() - start, None, CONNECTION, _short(e))
-        latency = time.perf_counter() - start
+        got = await self._call("POST", base_url + "/v1/completions", GENERATE_TIMEOUT,
+                               "1-token generation not done", json=body, headers=headers)
+        if isinstance(got, ProbeResult):
+            return got
+        status, text, latency = got
         if status in (200, 503):
             return ProbeResult(True, latency, status)
-        detail = _error_message(text) or str(status)
-        return ProbeResult(False, latency, status, GENERATE_FAILED, f"1-token generation answered {status}: "
-                           f"{detail}")
+        return ProbeResult(False, latency, status, GENERATE_FAILED,
+                           f"1-token generation answered {status}: {_error_message(text) or status}")
 
     async def in_flight(self, base_url: str) -> int | None:
         """Requests the rank is still working on: `/load`, else running + waiting from `/metrics`."""

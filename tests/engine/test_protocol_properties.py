@@ -19,6 +19,15 @@ LIMITS = Limits(max_model_len=512, max_logprobs=5, vocab_size=384, max_prompt_ch
 INT64 = (-(2**63), 2**63 - 1)
 
 
+def _parsed(parse, body: object):
+    """The parsed request, or None after checking the refusal is a 4xx with a message."""
+    try:
+        return parse(body, LIMITS)
+    except APIError as e:
+        assert 400 <= e.status < 500 and e.message
+        return None
+
+
 def _checked(params) -> None:
     sp = params.sampling
     assert 1 <= params.n <= 128 and sp.n == params.n
@@ -33,10 +42,8 @@ def _checked(params) -> None:
 @PROPERTY
 @given(bodies())
 def test_completion_parsing_refuses_with_4xx_or_yields_a_core_request(body: object) -> None:
-    try:
-        req = parse_completion(body, LIMITS)
-    except APIError as e:
-        assert 400 <= e.status < 500 and e.message
+    req = _parsed(parse_completion, body)
+    if req is None:
         return
     _checked(req.common)
     assert req.prompts
@@ -51,10 +58,8 @@ def test_completion_parsing_refuses_with_4xx_or_yields_a_core_request(body: obje
 @PROPERTY
 @given(bodies(required="messages"))
 def test_chat_parsing_refuses_with_4xx_or_yields_a_core_request(body: object) -> None:
-    try:
-        req = parse_chat(body, LIMITS)
-    except APIError as e:
-        assert 400 <= e.status < 500 and e.message
+    req = _parsed(parse_chat, body)
+    if req is None:
         return
     _checked(req.common)
     assert req.messages and all(isinstance(m["content"], str) for m in req.messages)
