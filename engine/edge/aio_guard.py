@@ -19,6 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from engine.edge.limits import Limits
 
 SWEEP_S = 1.0
+LINGER_S = 2.0  # after an answer to a request whose body was not read, drop what still comes this long
 _TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s")
 _TOO_BIG = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
@@ -42,7 +43,8 @@ _FULL_BODY = _error_body(503, "too many open connections (--max-connections)", "
 def server_settings(limits: Limits) -> dict[str, Any]:
     """Keyword arguments for ``web.AppRunner`` (passed on to every request handler)."""
     return {"keepalive_timeout": limits.keep_alive_timeout_s, "max_line_size": limits.max_request_line_bytes,
-            "max_field_size": limits.max_header_bytes, "max_headers": limits.max_headers}
+            "max_field_size": limits.max_header_bytes, "max_headers": limits.max_headers,
+            "lingering_time": LINGER_S}
 
 
 class _GuardedHandler(RequestHandler):

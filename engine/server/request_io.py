@@ -53,9 +53,8 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         raise _too_large(None, limit) from e
     except TimeoutError:
-        request.protocol.force_close()  # the rest of the body may never come: the connection is unusable
         raise APIError(f"request body not received within {args.body_read_timeout_s:g} s "
-                       "(--body-read-timeout-s)", 408) from None
+                       "(--body-read-timeout-s)", 408, close=True) from None
     except HttpProcessingError as e:
         raise bad_request(f"cannot read the request body: {e.message or type(e).__name__}") from None
     except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with

@@ -201,7 +201,7 @@ def test_slowloris_body_is_cut(targets: dict[str, Target], name: str) -> None:
     data = read_all(s)
     s.close()
     assert time.monotonic() - t0 < 40 * 0.2 + BOUND_S
-    refused_or_closed(data, (401, 408))  # the supervisor answers its admin path at once, then lingers
+    assert status(data) in (401, 408), data[:300]  # the supervisor answers its admin path at once (401)
     if t.forwarded is not None:
         assert t.forwarded() == before  # nothing half-read was forwarded
     still_serves(t)
