@@ -305,6 +305,21 @@ class Launcher:
             logger.warning("engine core exited with code %s", core.exitcode)
 
 
+def _model_flag_problem(args: EngineArgs, model_path: str) -> str | None:
+    """Flags this model cannot honour (TP/PP for a model without parallel layers, fp8 for an MLA cache)."""
+    from engine.models import unsupported_flags
+    from engine.models.config import load_hf_config
+
+    if args.device == "sim":
+        return None
+    try:
+        return unsupported_flags(load_hf_config(model_path), args.tensor_parallel_size,
+                                 args.pipeline_parallel_size, args.kv_cache_dtype)
+    except (OSError, ValueError) as e:  # config.json unreadable: the core reports it
+        logger.warning("cannot check the flags against %s/config.json: %s", model_path, e)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one engine rank until SIGTERM/SIGINT; the process exits here (no interpreter teardown)."""
     parser = make_parser("lbd serve")
@@ -328,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lbd serve: error: {e}", file=sys.stderr)
             code = 2
         else:
-            code = Launcher(args, runtime, model_path).run()
+            problem = _model_flag_problem(args, model_path)
+            if problem:
+                print(f"lbd serve: error: {problem}", file=sys.stderr)
+                code = 2
+            else:
+                code = Launcher(args, runtime, model_path).run()
     finally:
         runtime.remove()
     _exit_now(code)

@@ -207,9 +207,15 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    slots_of = getattr(model, "checkpoint_slots", None)  # the model's own mapping (MoE experts, renames)
+    covered: dict[str, int] = {}
     with torch.no_grad():
         for name, tensor in iter_safetensors(Path(folder)):
             if "rotary_emb" in name or kv_scale_of(name) is not None:
+                continue
+            slots = slots_of(name) if slots_of is not None else None
+            if slots is not None:
+                _copy_slots(params, name, tensor, slots, covered)
                 continue
             target, rows = _locate(model, params, name)
             if target is None:
@@ -221,7 +227,23 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(name if rows is None else f"{target}#{rows[0]}")
+    loaded.update(p for p, n in covered.items() if n == params[p].numel())
     _check_complete(model, params, loaded)
+
+
+def _copy_slots(params: dict, name: str, tensor: torch.Tensor, slots: list, covered: dict[str, int]) -> None:
+    """Copy parts of checkpoint tensor ``name`` into parts of our parameters (``engine.models.weights``)."""
+    for slot in slots:
+        if slot.param not in params:
+            raise ValueError(f"checkpoint tensor {name} maps to {slot.param}, which the model lacks")
+        dst, src = slot.target(params[slot.param]), slot.source(tensor)
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{name}: checkpoint part {tuple(src.shape)} != ours {tuple(dst.shape)} "
+                             f"in {slot.param}")
+        dst.copy_(src)
+        covered[slot.param] = covered.get(slot.param, 0) + dst.numel()
+        if covered[slot.param] > params[slot.param].numel():
+            raise ValueError(f"{name}: {slot.param} is filled more than once by the checkpoint")
 
 
 def _locate(model: torch.nn.Module, params: dict, name: str) -> tuple[str | None, tuple[int, int] | None]:

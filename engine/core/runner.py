@@ -111,8 +111,7 @@ class ModelRunner:
         self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.torch_device.type == "cuda" else 512)
-        self.kv_spec = kv_alloc.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
-                                       kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
         self.num_blocks = self._num_blocks()
         self.kv_caches = kv_alloc.allocate(self.kv_spec, self.num_blocks, self.torch_device)
         if self.kv_spec.dtype == torch.float8_e4m3fn:
@@ -136,6 +135,22 @@ class ModelRunner:
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
         return model.eval()
+
+    def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
+        """K/V caches of the model's KV heads, unless the model has a cache of its own (MLA's latents)."""
+        model, cfg = self.model, self.model.cfg
+        if not hasattr(model, "kv_cache_spec"):
+            return kv_alloc.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size, dtype)
+        if dtype == torch.float8_e4m3fn:
+            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "
+                             f"{type(model).__name__}: pass --kv-cache-dtype auto")
+        spec = model.kv_cache_spec(self.block_size, dtype)
+        if hasattr(model, "mha_kv_elements_per_token"):
+            mha = model.mha_kv_elements_per_token() * torch.empty(0, dtype=dtype).element_size()
+            logger.info("MLA KV cache: %d bytes per token (%d layers x %d latent values), plain MHA of this "
+                        "model would take %d (%.1fx more)", spec.bytes_per_token, spec.num_layers,
+                        spec.num_kv_heads * spec.head_dim, mha, mha / spec.bytes_per_token)
+        return spec
 
     def _num_blocks(self) -> int:
         per_block = self.kv_spec.bytes_per_block

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat packed batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat packed batch and a paged KV cache.
 
 Every token of a step (decodes and prefill chunks of many sequences) is one row of a [T, D] matrix, so each
 projection is one matmul for the whole batch; attention reads all keys from the paged cache through
@@ -6,6 +6,8 @@ projection is one matmul for the whole batch; attention reads all keys from the 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: RMSNorm over each head's q and k before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         # fp8 KV cache: stored value = x / scale. Plain floats so the kernels get no tensor to sync on.
         self.k_scale = 1.0
@@ -36,6 +41,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -47,9 +55,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
@@ -58,10 +66,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Pre-norm attention + MLP; other models pass their own attention (MLA) or MLP (an MoE block)."""
+
+    def __init__(self, cfg: ArchConfig, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg) if self_attn is None else self_attn
+        self.mlp = MLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -79,22 +90,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+LayerFactory = Callable[[int], nn.Module]  # layer index -> decoder layer
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, make_layer: LayerFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        make_layer = make_layer or (lambda _: DecoderLayer(cfg))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Checkpoint names match transformers' except the fused ``qkv_proj`` and ``gate_up_proj``."""
 
-    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, max_positions: int, make_layer: LayerFactory | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, make_layer)
         self.lm_head = self.model.embed_tokens if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                                         cfg.vocab_size)
         self.max_positions = max_positions
