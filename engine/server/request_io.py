@@ -55,10 +55,10 @@ async def read_json(request: web.Request) -> Any:
     except TimeoutError:
         raise APIError(f"request body not received within {args.body_read_timeout_s:g} s "
                        "(--body-read-timeout-s)", 408, close=True) from None
-    except HttpProcessingError as e:
-        raise bad_request(f"cannot read the request body: {e.message or type(e).__name__}") from None
-    except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode with
-        raise bad_request(f"cannot read the request body: {e}") from None
+    except (HttpProcessingError, RequestPayloadError) as e:  # e.g. a body its Content-Encoding cannot decode
+        why = getattr(e, "message", None) or str(e) or type(e).__name__
+        # where the body's bytes end is unknown now: answer, then close the connection
+        raise APIError(f"cannot read the request body: {why}", 400, close=True) from None
     if not body:
         raise bad_request("request body is empty: send a JSON object")
     try:

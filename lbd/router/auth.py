@@ -12,6 +12,7 @@ connections evenly among workers).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import time
@@ -23,6 +24,52 @@ import orjson
 from engine.edge.auth import ApiKey, KeyRing, make_key, read_key_file
 
 log = logging.getLogger("lbd.router")
+UPSTREAM_KEY_ENV = "LBD_UPSTREAM_API_KEY"
+
+
+def add_auth_arguments(p: argparse.ArgumentParser) -> None:
+    """`lbd route` flags of this module (keys, credentials towards the engines, rate limits)."""
+    g = p.add_argument_group("authentication and rate limits")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="client keys (Authorization: Bearer <key>) required on every path but /health, /readyz and "
+        "/metrics",
+    )
+    g.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="client keys, one per line: <key> [name=<name>] [rps=<req/s>] [tps=<tokens/s>]; re-read on "
+        "SIGHUP",
+    )
+    g.add_argument(
+        "--forward-authorization",
+        action="store_true",
+        help="pass the client's Authorization header on to the engines (default: dropped)",
+    )
+    g.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help=f"key the router sends to the engines (their --api-key); also ${UPSTREAM_KEY_ENV}",
+    )
+    g.add_argument(
+        "--rate-limit-rps", type=float, default=0.0, help="requests/s per key (token bucket; 0: no limit)"
+    )
+    g.add_argument(
+        "--rate-limit-tps",
+        type=float,
+        default=0.0,
+        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission (0: no limit)",
+    )
+    g.add_argument(
+        "--rate-limit-burst-s",
+        type=float,
+        default=1.0,
+        help="bucket size in seconds of the rate: how far a key may burst above it",
+    )
 
 
 @dataclass(slots=True)

@@ -14,9 +14,10 @@ import policies
 from engine.edge.auth import read_key_file
 from engine.edge.limits import Limits, add_limit_arguments, check_limits, limits_from
 from engine.edge.tls import add_tls_arguments, check_tls
+from lbd.router.auth import UPSTREAM_KEY_ENV, add_auth_arguments
+from lbd.router.outlier import add_outlier_arguments
 
 PROG = "lbd route"
-UPSTREAM_KEY_ENV = "LBD_UPSTREAM_API_KEY"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -173,47 +174,7 @@ def make_parser() -> OneLineParser:
     )
     add_limit_arguments(p)
     add_tls_arguments(p)
-    g = p.add_argument_group("authentication and rate limits")
-    g.add_argument(
-        "--api-key",
-        nargs="+",
-        default=[],
-        metavar="KEY",
-        help="client keys (Authorization: Bearer <key>) required on every path but /health, /readyz and "
-        "/metrics",
-    )
-    g.add_argument(
-        "--api-key-file",
-        type=Path,
-        default=None,
-        help="client keys, one per line: <key> [name=<name>] [rps=<req/s>] [tps=<tokens/s>]; re-read on "
-        "SIGHUP",
-    )
-    g.add_argument(
-        "--forward-authorization",
-        action="store_true",
-        help="pass the client's Authorization header on to the engines (default: dropped)",
-    )
-    g.add_argument(
-        "--upstream-api-key",
-        default=None,
-        help=f"key the router sends to the engines (their --api-key); also ${UPSTREAM_KEY_ENV}",
-    )
-    g.add_argument(
-        "--rate-limit-rps", type=float, default=0.0, help="requests/s per key (token bucket; 0: no limit)"
-    )
-    g.add_argument(
-        "--rate-limit-tps",
-        type=float,
-        default=0.0,
-        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission (0: no limit)",
-    )
-    g.add_argument(
-        "--rate-limit-burst-s",
-        type=float,
-        default=1.0,
-        help="bucket size in seconds of the rate: how far a key may burst above it",
-    )
+    add_auth_arguments(p)
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -259,32 +220,7 @@ def make_parser() -> OneLineParser:
         default=3,
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
     )
-    g.add_argument(
-        "--outlier-first-byte-timeout-s",
-        type=float,
-        default=30.0,
-        help="eject an endpoint whose requests get no first byte and whose telemetry shows no progress for "
-        "this long while other endpoints answer; its waiting requests are retried elsewhere (0: off)",
-    )
-    g.add_argument(
-        "--outlier-ejection-s",
-        type=float,
-        default=30.0,
-        help="first ejection by the outlier checks lasts this long, doubling per repeat (cap 10x); then one "
-        "trial request (half-open) decides",
-    )
-    g.add_argument(
-        "--outlier-max-ejection-percent",
-        type=float,
-        default=50.0,
-        help="request outcomes never eject more than this share of the endpoints (at least one)",
-    )
-    g.add_argument(
-        "--outlier-consecutive-5xx",
-        type=int,
-        default=5,
-        help="consecutive failed requests (5xx answers, connection errors) that eject an endpoint",
-    )
+    add_outlier_arguments(g)
     g = p.add_argument_group("timeouts and retries")
     g.add_argument("--connect-timeout-s", type=float, default=5.0,
                    help="TCP connect to an upstream")

@@ -19,9 +19,10 @@ new requests within T + ``CHECK_INTERVAL_S`` of its oldest unanswered request.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.router.endpoints import Endpoint
 from policies import RequestFacts
@@ -32,6 +33,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("lbd.router")
 CHECK_INTERVAL_S = 0.5
 _MAX_FACTOR = 10.0
+
+
+def add_outlier_arguments(g: argparse._ArgumentGroup | Any) -> None:
+    """`lbd route` flags of this module (in its "telemetry and health" group)."""
+    g.add_argument(
+        "--outlier-first-byte-timeout-s",
+        type=float,
+        default=30.0,
+        help="eject an endpoint whose requests get no first byte and whose telemetry shows no progress for "
+        "this long while other endpoints answer; its waiting requests are retried elsewhere (0: off)",
+    )
+    g.add_argument(
+        "--outlier-ejection-s",
+        type=float,
+        default=30.0,
+        help="first ejection by the outlier checks lasts this long, doubling per repeat (cap 10x); then one "
+        "trial request (half-open) decides",
+    )
+    g.add_argument(
+        "--outlier-max-ejection-percent",
+        type=float,
+        default=50.0,
+        help="request outcomes never eject more than this share of the endpoints (at least one)",
+    )
+    g.add_argument(
+        "--outlier-consecutive-5xx",
+        type=int,
+        default=5,
+        help="consecutive failed requests (5xx answers, connection errors) that eject an endpoint",
+    )
 
 
 class Waiter(Protocol):

@@ -322,3 +322,22 @@ def test_non_utf8_authorization_is_401_not_500(targets: dict[str, Target]) -> No
         assert status(data) == 401, (t.name, data[:300])
         assert b"Traceback" not in data
         still_serves(t)
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_idle_connections_are_closed(targets: dict[str, Target], name: str) -> None:
+    """A connection that never sends a request gets 408; an idle kept-alive one is closed (2 s here)."""
+    t = targets[name]
+    silent = conn(t)
+    kept = conn(t)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    t0 = time.monotonic()
+    data = read_all(silent)
+    assert status(data) == 408 and time.monotonic() - t0 < BOUND_S + 1, data[:200]
+    kept.settimeout(2 + BOUND_S)
+    assert read_all(kept) == b""  # closed by the server, nothing more sent
+    assert time.monotonic() - t0 < 2 + BOUND_S + 1
+    silent.close()
+    kept.close()
+    still_serves(t)

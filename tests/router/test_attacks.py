@@ -186,3 +186,22 @@ async def test_deterministic_500_does_not_eject_every_rank(start_router) -> None
             assert states.count("ready") >= 1, states
             for _ in range(6):
                 assert (await c.post(router.url + "/v1/completions", content=BODY)).status_code == 200
+
+
+async def test_max_streams_per_endpoint_spills_over_then_503(start_router) -> None:
+    """--max-streams-per-endpoint: a full endpoint is skipped; when every one is full, 503 + Retry-After."""
+    async with stubs(2, header_delay=1.5) as ups:
+        router = await start_router("--upstreams", ",".join(u.url for u in ups), "--policy", "least_load",
+                                    "--max-streams-per-endpoint", "1").wait()
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def one() -> httpx.Response:
+                return await c.post(router.url + "/v1/completions", content=BODY)
+
+            first = [asyncio.create_task(one()) for _ in range(2)]
+            await asyncio.sleep(0.5)  # both endpoints now hold one request each
+            third = await one()
+            assert third.status_code == 503 and third.headers["retry-after"] == "1"
+            assert "--max-streams-per-endpoint" in third.json()["error"]["message"]
+            done = await asyncio.gather(*first)
+            assert sorted(r.json()["rank"] for r in done) == [0, 1]  # the second spilled to the other one
+            assert (await one()).status_code == 200  # slots released
