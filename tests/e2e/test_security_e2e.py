@@ -39,7 +39,8 @@ def deployment(tiny_llama: Path, pki: tuple[Path, Path, Path], tmp_path_factory:
     logs = tmp_path_factory.mktemp("security")
     node = SupervisorNode(tiny_llama, 1, "--api-key", ENGINE_KEY, "--admin-token", ADMIN_TOKEN,
                           "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs", str(ca),
-                          "--dp-supervisor-probe-generate", "2", log=logs / "node.log", scheme="https",
+                          "--dp-supervisor-probe-generate", "2", timeout=5.0,  # a busy machine's generations
+                          log=logs / "node.log", scheme="https",
                           verify=trusting(ca))
     keys = logs / "keys.txt"
     keys.write_text(f"{CLIENT_KEY} name=team-a\n{SLOW_KEY} name=slow rps=1\n"

@@ -31,7 +31,7 @@ def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
     node = SupervisorNode(tiny_llama, 2, "--health-stall-timeout-s", str(STALL_S),
                           "--dp-supervisor-probe-generate", str(GENERATE_EVERY),
                           "--restart-backoff-initial-s", "0.2", "--shutdown-timeout", "5",
-                          log=logs / "node.log")
+                          timeout=3.0, log=logs / "node.log")  # a 1-token generation on a busy machine
     router = None
     try:
         node.wait_ready()
