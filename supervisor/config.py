@@ -26,6 +26,8 @@ RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", 
 # Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
 ENV_ONLY = frozenset({"api_key"})
 FAILURE_POLICIES = ("restart", "exit")
+DP_BACKENDS = ("mp", "ray")
+RAY_PACK_STRATEGIES = ("strict", "fill", "span")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
 
 
@@ -59,6 +61,11 @@ class RankSpec:
     def probe_url(self) -> str:
         return f"{self.scheme}://{_url_host(self.probe_host)}:{self.port}"
 
+    def url(self, wildcard_host: str) -> str:
+        """The rank's base URL for others: its bind address, or ``wildcard_host`` when it binds them all."""
+        host = wildcard_host if self.bind_host in WILDCARD_HOSTS else _url_host(self.bind_host or "")
+        return f"{self.scheme}://{host}:{self.port}"
+
 
 @dataclass(slots=True)
 class SupervisorConfig:
@@ -82,6 +89,11 @@ class SupervisorConfig:
     backoff_max_s: float
     backoff_reset_s: float
     ranks: list[RankSpec] = field(default_factory=list)
+    backend: str = "mp"  # mp: ranks are local processes; ray: Ray places each rank (supervisor.ray_rank)
+    ray_pack_strategy: str = "strict"
+    ranks_per_node: int = 0  # ray: --data-parallel-size-local, the ranks each Ray node takes
+    device: str = "auto"
+    devices_per_rank: int = 1  # tensor x pipeline parallel size
     probe_generate_every: int = 0  # every Nth probe is a 1-token generation (0: never)
     model_name: str = ""  # what a generation probe asks for
     api_keys: list[str] = field(default_factory=list)  # the ranks' keys (a generation probe sends the first)
@@ -90,6 +102,7 @@ class SupervisorConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
     ssl_cert_reqs: int = 0
+
     @property
     def ready_needed(self) -> int:
         """How many ready ranks make the node ready under --ready-policy."""
@@ -167,18 +180,34 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cap of the restart delay")
     g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
                    help="a rank ready this long gets the initial delay again on its next failure")
+    g.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default="mp",
+                   help="mp: ranks are processes on this machine; ray: every rank of the group is placed on "
+                        "the Ray cluster (RAY_ADDRESS, else the local one), one placement group per rank, "
+                        "--data-parallel-size-local ranks per Ray node")
+    g.add_argument("--ray-dp-pack-strategy", choices=RAY_PACK_STRATEGIES, default="strict",
+                   help="vLLM's VLLM_RAY_DP_PACK_STRATEGY: strict = exactly --data-parallel-size-local ranks "
+                        "on each node used (nodes with less room are skipped); fill = that many on this "
+                        "node, as many as fit on the others; span = one rank over several nodes")
 
 
-def make_parser() -> tuple[OneLineParser, set[str]]:
+def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
     """The full parser, and the dests that belong to the engine (passed through to ranks)."""
-    parser = OneLineParser(prog=PROG, allow_abbrev=False,
+    # resolve: a flag defined here again (e.g. one the engine lists only to refuse it) means ours
+    parser = OneLineParser(prog=prog, allow_abbrev=False, conflict_handler="resolve",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description="Run this node's DP ranks, each an engine server on its own port; "
                                        "probe, restart and drain them; serve one health port.")
     add_engine_arguments(parser)
     engine_dests = {a.dest for a in parser._actions if a.dest != "help"}
     add_supervisor_arguments(parser)
-    return parser, engine_dests
+    # a flag both list belongs to the supervisor (see conflict_handler): it is not passed on to ranks
+    return parser, engine_dests & {a.dest for a in parser._actions if a.option_strings} - _supervisor_dests()
+
+
+def _supervisor_dests() -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)
+    add_supervisor_arguments(probe)
+    return {a.dest for a in probe._actions}
 
 
 def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests: set[str]) -> list[str]:
@@ -330,9 +359,29 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
     return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
 
 
+def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
+    """(N, ranks per Ray node): one supervisor places the whole group, so no node rank or start rank."""
+    n = ns.data_parallel_size
+    per_node = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
+    if not 0 < per_node <= n:
+        raise SupervisorArgError(f"--data-parallel-size-local {per_node} (ranks per Ray node) must be in "
+                                 f"1..{n} with --data-parallel-backend ray")
+    if ns.node_rank or ns.data_parallel_start_rank:
+        raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this one "
+                                 "command: drop --node-rank and --data-parallel-start-rank")
+    if ns.ray_dp_pack_strategy == "span":
+        raise SupervisorArgError("--ray-dp-pack-strategy span runs one rank across nodes, which needs "
+                                 "--distributed-executor-backend ray (not implemented yet): use strict or "
+                                 "fill")
+    if ns.data_parallel_rank is not None:
+        raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it")
+    return n, per_node
+
+
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
-               env: dict[str, str]) -> list[RankSpec]:
-    slices = _device_slices(ns, local, env)
+               env: dict[str, str], local_devices: bool = True) -> list[RankSpec]:
+    """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing."""
+    slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = list(ns.api_key or [])
     specs = []
     for i in range(local):
@@ -351,10 +400,10 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     return specs
 
 
-def parse_args(argv: list[str], env: dict[str, str] | None = None) -> SupervisorConfig:
+def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
     """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
     env = dict(os.environ) if env is None else env
-    parser, engine_dests = make_parser()
+    parser, engine_dests = make_parser(prog)
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
@@ -363,13 +412,19 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
     validate(engine_args, parser)
     if ns.dp_supervisor_probe_generate < 0:
         parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
+    ray = ns.data_parallel_backend == "ray"
     try:
-        n, local, start = _check_topology(ns)
+        if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
+            (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
+        else:
+            n, local, start = _check_topology(ns)
+            per_node = local
         if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
-        _check_ports(ns, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env)
+        if not ray:
+            _check_ports(ns, local)
+        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray)
     except SupervisorArgError as e:
         parser.error(str(e))
     return SupervisorConfig(
@@ -382,7 +437,9 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
         shutdown_timeout_s=ns.shutdown_timeout,
         drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
-        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs,
+        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
+        ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
+        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size,
         probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
         api_keys=_secrets(ns, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,

@@ -66,6 +66,7 @@ Errors are OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` wit
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -73,7 +74,7 @@ from aiohttp import web
 
 from engine.edge.aio_guard import GuardedAppRunner
 from engine.edge.auth import KeyRing
-from engine.edge.limits import raise_open_files_limit
+from engine.edge.limits import Limits, raise_open_files_limit
 from engine.edge.tls import server_context
 from supervisor.config import WILDCARD_HOSTS
 from supervisor.node import Supervisor
@@ -101,7 +102,7 @@ def _text(ok: bool, reason: str) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -110,31 +111,41 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return error_response(e.status, f"{request.method} {request.path}: {e.reason}")
 
 
-class HealthServer:
+class AppServer:
+    """An aiohttp app served on a socket bound beforehand (the port is ours from validation on); no access
+    log, no signal handlers (the owner handles SIGTERM). Subclasses set ``self.app``, and may set ``limits``
+    (engine.edge.limits, enforced by engine.edge.aio_guard) and ``tls`` (a server SSL context)."""
+
+    app: web.Application
+    limits: Limits = Limits()
+    tls: ssl.SSLContext | None = None
+    _runner: web.AppRunner | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        raise_open_files_limit(self.limits.max_connections)
+        self._runner = GuardedAppRunner(self.app, self.limits, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock, ssl_context=self.tls).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class HealthServer(AppServer):
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
-        self.app = web.Application(middlewares=[_json_errors])
+        cfg = sup.cfg
+        self.limits = cfg.limits
+        self.tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+        self._admin = KeyRing.from_secrets([cfg.admin_token]) if cfg.admin_token else KeyRing()
+        self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz),
             web.get("/status", self.status), web.get("/metrics", self.metrics),
             web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
             web.post("/rolling-restart", self.rolling_restart),
         ])
-        self._runner: web.AppRunner | None = None
-        token = sup.cfg.admin_token
-        self._admin = KeyRing.from_secrets([token]) if token else KeyRing()
-
-    async def start(self, sock: socket.socket) -> None:
-        cfg = self.sup.cfg
-        raise_open_files_limit(cfg.limits.max_connections)
-        self._runner = GuardedAppRunner(self.app, cfg.limits, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
-        await web.SockSite(self._runner, sock, ssl_context=tls).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     # ---- read-only ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

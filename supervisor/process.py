@@ -37,7 +37,9 @@ with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
 
 
-def _child_setup(parent_pid: int) -> Callable[[], None]:
+def child_setup(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn of a child that must die with this process (also lbd serve's router and supervisor)."""
+
     def setup() -> None:
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -74,7 +76,7 @@ class RankProcess:
         env.pop("LBD_ADMIN_TOKEN", None)  # ranks have no use for the supervisor's secret
         proc = await asyncio.create_subprocess_exec(
             *spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_child_setup(os.getpid()),
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=child_setup(os.getpid()),
             limit=_LINE_LIMIT)
         return cls(spec, proc)
 

@@ -14,8 +14,9 @@ import enum
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.edge.redact import redact_argv
 from supervisor.config import RankSpec, SupervisorConfig
@@ -29,6 +30,21 @@ STARTUP_PROBE_INTERVAL_S = 0.25  # while starting, probe this often (connection 
 FAILED_STOP_GRACE_S = 3.0  # a hung or dead rank gets this long to exit on SIGTERM before SIGKILL
 DRAIN_POLL_S = 0.2  # how often a draining rank's in-flight count is read
 DRAIN_SETTLE_S = 1.0  # least time in `draining`, so routers polling /status see it before the restart
+
+
+class RankHandle(Protocol):
+    """A started rank, wherever it runs: a local process (RankProcess) or one Ray placed (ray_rank). A handle
+    may also keep ``stderr_tail`` (last lines, redacted) and ``error_line()`` for /status; a local process
+    does."""
+
+    pid: int
+
+    async def wait(self) -> int: ...
+    async def stop(self, grace_s: float) -> int | None: ...
+    async def kill_tree(self) -> None: ...
+
+
+StartRank = Callable[[RankSpec], Awaitable[RankHandle]]
 
 
 class RankState(enum.StrEnum):
@@ -81,8 +97,10 @@ class _Event:
 
 class RankWorker:
     def __init__(self, spec: RankSpec, cfg: SupervisorConfig, prober: Prober, metrics: SupervisorMetrics,
-                 on_failure: Callable[[RankWorker, str, bool], FailureAction]) -> None:
+                 on_failure: Callable[[RankWorker, str, bool], FailureAction],
+                 start_rank: StartRank = RankProcess.start) -> None:
         self.spec = spec
+        self._start_rank = start_rank
         self.cfg = cfg
         self.prober = prober
         self.metrics = metrics
@@ -110,8 +128,8 @@ class RankWorker:
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
         self._ever_ready = False
-        self._proc: RankProcess | None = None
-        self._spawn_task: asyncio.Task[RankProcess] | None = None
+        self._proc: RankHandle | None = None
+        self._spawn_task: asyncio.Future[RankHandle] | None = None
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -151,12 +169,11 @@ class RankWorker:
     def status(self, url_host: str) -> dict[str, object]:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
-        tail = list(self._proc.stderr_tail) if self._proc is not None and self.state is not RankState.READY \
-            else self.stderr_tail
+        live = getattr(self._proc, "stderr_tail", None)
+        tail = list(live) if live is not None and self.state is not RankState.READY else self.stderr_tail
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
-            "url": f"{self.spec.scheme}://{url_host}:{self.spec.port}", "port": self.spec.port,
-            "pid": self.pid,
+            "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
             "state": self.state.value, "routable": self.state is RankState.READY,
             "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
             "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
@@ -237,9 +254,9 @@ class RankWorker:
             for task in helpers:
                 task.cancel()
 
-    async def _spawn(self) -> RankProcess:
+    async def _spawn(self) -> RankHandle:
         # Shielded: if shutdown() cancels us mid-spawn, the process still gets recorded and stopped there.
-        self._spawn_task = asyncio.ensure_future(RankProcess.start(self.spec))
+        self._spawn_task = asyncio.ensure_future(self._start_rank(self.spec))
         proc = await asyncio.shield(self._spawn_task)
         self._proc, self._spawn_task = proc, None
         self.pid = proc.pid
@@ -306,7 +323,7 @@ class RankWorker:
         self._ready_mono = None
 
     # ---- event sources ------------------------------------------------------------------------------------
-    async def _watch_exit(self, gen: int, proc: RankProcess) -> None:
+    async def _watch_exit(self, gen: int, proc: RankHandle) -> None:
         code = await proc.wait()
         self.last_exit_code = code
         why = f"exited with code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
@@ -396,7 +413,7 @@ class RankWorker:
     def _note_cause(self, proc: RankProcess | None, was_ready: bool) -> None:
         """Once the failed process is gone and its output drained: keep its last stderr lines, and for a
         start-up failure add the line that says why (a crash loop then explains itself in /status)."""
-        if proc is None:
+        if proc is None or not hasattr(proc, "stderr_tail"):
             return
         self.stderr_tail = list(proc.stderr_tail)
         cause = proc.error_line()

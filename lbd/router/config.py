@@ -32,7 +32,7 @@ class OneLineParser(argparse.ArgumentParser):
 class Upstream:
     """An engine base URL, or a supervisor whose /status lists a node's ranks."""
 
-    kind: str  # "engine" | "supervisor"
+    kind: str  # "engine" | "supervisor" | "supervisor-dns" (every address of a DNS name is a supervisor)
     url: str  # http(s)://host:port with no trailing slash (a supervisor's health-port base)
 
     @property
@@ -41,14 +41,18 @@ class Upstream:
 
 
 def parse_upstream(text: str) -> Upstream:
-    """``http://host:port``, ``https://...``, ``supervisor://host:port`` or ``supervisor+https://host:port``
-    (a supervisor whose health port speaks TLS); IPv6 literals in brackets."""
+    """``http://host:port``, ``https://...``, ``supervisor://host:port``, ``supervisor+https://host:port`` (a
+    supervisor whose health port speaks TLS; IPv6 literals in brackets) or ``supervisor+dns://name:port``:
+    every address the name resolves to, re-resolved periodically (a Kubernetes headless Service of
+    supervisors)."""
     raw = text.strip()
     if "://" not in raw:
         raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https", "supervisor", "supervisor+https"):
-        raise ValueError(f"{raw!r}: scheme must be http, https, supervisor or supervisor+https")
+    if parts.scheme not in ("http", "https", "supervisor", "supervisor+https", "supervisor+dns"):
+        raise ValueError(
+            f"{raw!r}: scheme must be http, https, supervisor, supervisor+https or supervisor+dns"
+        )
     try:
         host, port = parts.hostname, parts.port
     except ValueError as e:
@@ -61,9 +65,11 @@ def parse_upstream(text: str) -> Upstream:
         netloc_host = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
     except ValueError:
         netloc_host = host
-    if parts.scheme.startswith("supervisor"):
+    if parts.scheme in ("supervisor", "supervisor+https"):
         scheme = "https" if parts.scheme == "supervisor+https" else "http"
         return Upstream("supervisor", f"{scheme}://{netloc_host}:{port or 9256}")
+    if parts.scheme == "supervisor+dns":
+        return Upstream("supervisor-dns", f"http://{netloc_host}:{port or 9256}")
     default = 443 if parts.scheme == "https" else 80
     return Upstream("engine", f"{parts.scheme}://{netloc_host}:{port or default}")
 
@@ -104,6 +110,11 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
+    dns_refresh_interval_s: float = 5.0
+    min_ready_endpoints: int = 1
+    max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
+    max_num_queued_tokens: int | None = None
+    shutdown_timeout_s: float = 5.0
     limits: Limits = field(default_factory=Limits)
     max_streams_per_endpoint: int = 1024
     # authentication and rate limits (lbd.router.auth)
@@ -149,6 +160,8 @@ def make_parser() -> OneLineParser:
         default=0.5,
         help="how often each supervisor's /status is read (ranks, drains, restarts)",
     )
+    g.add_argument("--dns-refresh-interval-s", type=float, default=5.0,
+                   help="how often supervisor+dns:// names are resolved again (supervisors come and go)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="bind address")
     g.add_argument("--port", type=int, default=8080, help="listen port")
@@ -175,6 +188,16 @@ def make_parser() -> OneLineParser:
     add_limit_arguments(p)
     add_tls_arguments(p)
     add_auth_arguments(p)
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds open requests get to finish after SIGTERM (the port closes at once)")
+    g.add_argument("--min-ready-endpoints", type=int, default=1,
+                   help="/readyz is 200 once this many endpoints take traffic")
+    g = p.add_argument_group("admission (over every endpoint together, as vLLM's internal load balancer)")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 when this many requests are already in flight through the router")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="answer 503 while the prompts of requests not yet answering (estimated tokens) "
+                        "add up to this many")
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -320,6 +343,11 @@ def parse_args(argv: list[str]) -> RouterConfig:
         ssl_certfile=ns.ssl_certfile,
         ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs,
+        dns_refresh_interval_s=ns.dns_refresh_interval_s,
+        min_ready_endpoints=ns.min_ready_endpoints,
+        max_num_queued_reqs=ns.max_num_queued_reqs,
+        max_num_queued_tokens=ns.max_num_queued_tokens,
+        shutdown_timeout_s=ns.shutdown_timeout,
     )
 
 
@@ -339,7 +367,14 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--rate-limit-burst-s": ns.rate_limit_burst_s,
         "--outlier-ejection-s": ns.outlier_ejection_s,
         "--outlier-consecutive-5xx": ns.outlier_consecutive_5xx,
+        "--max-request-body-bytes": ns.max_request_body_bytes,
+        "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
+        "--min-ready-endpoints": ns.min_ready_endpoints,
     }
+    for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
+                        "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
+        if value is not None:
+            positive[flag] = value
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
     if ns.prefill_tokens_per_s is not None:
@@ -353,6 +388,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--rate-limit-rps": ns.rate_limit_rps,
         "--rate-limit-tps": ns.rate_limit_tps,
         "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
+        "--shutdown-timeout": ns.shutdown_timeout,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")

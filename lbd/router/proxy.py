@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import orjson
 
 from engine.edge.auth import ApiKey
+from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
@@ -94,6 +95,7 @@ class Proxy:
         # request costs more than the rest of the id handling together).
         self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
+        self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
 
     # ---- entry --------------------------------------------------------------------------------------
     async def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> None:
@@ -132,6 +134,11 @@ class Proxy:
                     out, 429, f"rate limit of API key {key.name} exceeded: retry in {after} s",
                     "RateLimitError", rid_header + b"Retry-After: %d\r\n" % after,
                 )
+        if self._admission and request.method == "POST" and admission.admits(request.path):
+            refused = admission.refusal(self.state)
+            if refused is not None:
+                self.state.metrics.decision(self.cfg.policy, refused[0])
+                return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
         headers = self._forward_headers(request, rid_header)
         snaps = self.state.snapshots()
         cap = self.cfg.max_streams_per_endpoint
