@@ -305,19 +305,37 @@ class Launcher:
             logger.warning("engine core exited with code %s", core.exitcode)
 
 
-def _model_flag_problem(args: EngineArgs, model_path: str) -> str | None:
-    """Flags this model cannot honour (TP/PP for a model without parallel layers, fp8 for an MLA cache)."""
-    from engine.models import unsupported_flags
-    from engine.models.config import load_hf_config
+def check_serve_only(args: EngineArgs) -> str | None:
+    """Deployment flags that one engine rank cannot act on (refused here; ``lbd serve`` hands a deployment to
+    lbd.deploy before it gets here, ``python -m engine`` is always one rank)."""
+    if args.data_parallel_start_rank is not None:
+        return ("--data-parallel-start-rank names a node's first rank (lbd supervise, lbd serve "
+                "--data-parallel-size N); one engine rank takes --data-parallel-rank instead")
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:
+        return (f"--data-parallel-size {args.data_parallel_size} without --data-parallel-rank is a "
+                f"deployment of {args.data_parallel_size} ranks: run lbd serve (or lbd supervise) with "
+                "it, or pass --data-parallel-rank to start one of its ranks")
+    return None
 
-    if args.device == "sim":
-        return None
+
+def _check_model_flags(args: EngineArgs, model_path: str) -> int:
+    """The flags against the model (TP/PP sizes and support, the KV-cache dtype) and the devices: 2 (after
+    one line on stderr) before anything starts, else 0; warnings are logged."""
+    from engine.distributed.check import ModelFacts, ParallelConfigError, check_rank
+
     try:
-        return unsupported_flags(load_hf_config(model_path), args.tensor_parallel_size,
-                                 args.pipeline_parallel_size, args.kv_cache_dtype)
-    except (OSError, ValueError) as e:  # config.json unreadable: the core reports it
-        logger.warning("cannot check the flags against %s/config.json: %s", model_path, e)
-        return None
+        facts = ModelFacts.from_config(Path(model_path) / "config.json")
+    except (OSError, KeyError, ValueError) as e:
+        logger.warning("cannot read %s/config.json for the parallelism checks: %s", model_path, e)
+        facts = None
+    try:
+        warning = check_rank(args, facts, dict(os.environ))
+    except ParallelConfigError as e:
+        print(f"lbd serve: error: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        logger.warning("%s", warning)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("lbd serve")
     args = engine_args_from_namespace(parser.parse_args(sys.argv[1:] if argv is None else argv))
     validate(args, parser)
+    problem = check_serve_only(args)
+    if problem:
+        parser.error(problem)
     if args.chat_template:
         from engine.tokenizer import read_template
 
@@ -343,12 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lbd serve: error: {e}", file=sys.stderr)
             code = 2
         else:
-            problem = _model_flag_problem(args, model_path)
-            if problem:
-                print(f"lbd serve: error: {problem}", file=sys.stderr)
-                code = 2
-            else:
-                code = Launcher(args, runtime, model_path).run()
+            code = _check_model_flags(args, model_path) or Launcher(args, runtime, model_path).run()
     finally:
         runtime.remove()
     _exit_now(code)

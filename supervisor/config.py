@@ -1,8 +1,14 @@
 """`lbd supervise` flags, their validation and the launch spec of every local rank.
 
 Everything here runs before anything is started: a bad command line exits 2 with one line that names the
-flag and the fix, binds no port and spawns nothing. Engine flags come from `engine.args` (the only module
-of ours the supervisor imports), so every engine flag is accepted, validated and passed through to each rank.
+flag and the fix, binds no port and spawns nothing. Engine flags come from `engine.args`, so every engine flag
+is accepted, validated and passed through to each rank; the TP/PP flags are checked against the model's
+config.json and the devices with `engine.distributed.check` / `.placement` (json and the standard library
+only: the supervisor still imports no torch).
+
+Placement: on CUDA each rank gets TP x PP devices of the inherited CUDA_VISIBLE_DEVICES; on the CPU each rank
+gets a contiguous slice of the supervisor's CPUs in ``LBD_RANK_CPUS`` (one CPU each, round robin, when there
+are more ranks than CPUs), which the rank pins itself to and splits again between its TP x PP workers.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.args import add_engine_arguments, engine_args_from_namespace, validate
+from engine.distributed.check import ParallelConfigError, check_model, model_facts
+from engine.distributed.layout import parse_partition
+from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
 from engine.edge.auth import API_KEY_ENV, API_KEYS_ENV
 from engine.edge.limits import Limits, limits_from
 
@@ -53,6 +61,7 @@ class RankSpec:
     argv: list[str]
     env: dict[str, str]  # overrides on top of the supervisor's environment
     devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
+    cpus: str | None  # LBD_RANK_CPUS of this rank (CPU ranks), None on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
     scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
@@ -245,26 +254,6 @@ def probe_host_for(bind_host: str | None) -> str:
     return bind_host
 
 
-def _nvidia_device_count() -> int:
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        return sum(1 for _ in proc.iterdir())
-    return sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))
-
-
-def visible_cuda_devices(env: dict[str, str], device: str) -> list[str] | None:
-    """The inherited CUDA device ids, or None when the ranks will not run on CUDA."""
-    if device in ("cpu", "sim"):
-        return None
-    if "CUDA_VISIBLE_DEVICES" in env:
-        ids = [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    else:
-        ids = [str(i) for i in range(_nvidia_device_count())]
-    if not ids and device != "cuda":
-        return None  # device auto on a machine without GPUs: the engine falls back to the CPU
-    return ids
-
-
 def port_in_use(host: str | None, port: int) -> str | None:
     """Why ``port`` cannot be bound on ``host`` (None when it can); the test socket is closed at once."""
     bind = host if host not in (None, "") else "0.0.0.0"
@@ -378,11 +367,35 @@ def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
     return n, per_node
 
 
+def _check_model(ns: argparse.Namespace) -> None:
+    """The model against the flags (TP/PP support and sizes, the KV-cache dtype), when its config.json can
+    be read without converting anything (a GGUF never converted is checked by the ranks, which exit 2
+    before binding their ports, and the supervisor exits 2 too)."""
+    if ns.device == "sim":
+        return
+    facts = model_facts(ns.model)
+    if facts is not None:
+        try:
+            check_model(ns.tensor_parallel_size, ns.pipeline_parallel_size,
+                        parse_partition(ns.pp_layer_partition), facts, ns.kv_cache_dtype)
+        except ParallelConfigError as e:
+            raise SupervisorArgError(str(e)) from e
+
+
+def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
+    if cuda:
+        return [None] * local
+    return [format_cpus(part) for part in split_cpus(sorted(os.sched_getaffinity(0)), local)]
+
+
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str], local_devices: bool = True) -> list[RankSpec]:
-    """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing."""
+    """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
+    (its devices nor its CPUs)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = list(ns.api_key or [])
+    on_cuda = visible_cuda_devices(env, ns.device) is not None
+    cpus = _cpu_slices(local, on_cuda) if local_devices else [None] * local
     specs = []
     for i in range(local):
         argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
@@ -394,9 +407,11 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
             child_env[API_KEYS_ENV] = "\n".join(keys)
         if slices[i] is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+        if cpus[i] is not None:
+            child_env[RANK_CPUS_ENV] = cpus[i]
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
-                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host,
-                              scheme="https" if ns.ssl_certfile else "http"))
+                              devices=slices[i], cpus=cpus[i], probe_host=probe_host_for(ns.host),
+                              bind_host=ns.host, scheme="https" if ns.ssl_certfile else "http"))
     return specs
 
 
@@ -422,6 +437,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
+        _check_model(ns)
         if not ray:
             _check_ports(ns, local)
         specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray)

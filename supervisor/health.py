@@ -43,6 +43,11 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "next_start_in_s": null,   # in state restarting: the backoff left
           "operation": null,         # "drain" or "restart" while an admin command is carried out
           "devices": "0,1",          # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "cpus": null,              # its CPU slice (LBD_RANK_CPUS, e.g. "0-7"), null on CUDA
+          "workers": [               # its TP x PP worker processes ([] when TP x PP = 1), read from its
+                                     # process tree when it became ready; [] while it is down
+            {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
+          ],
           "attempts": 0,             # consecutive failed starts (a crash loop); 0 once ready
           "backoff_s": null,         # the restart delay last applied (doubles per failure up to the cap)
           "stderr_tail": [],         # last stderr lines of the failed (or starting) process, secrets masked

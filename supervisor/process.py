@@ -27,6 +27,7 @@ from supervisor.config import RankSpec
 log = logging.getLogger("lbd.supervisor")
 
 _PR_SET_PDEATHSIG = 1
+WORKER_MODULE = "engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
 TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
 _TAIL_LINE_CHARS = 500
@@ -118,11 +119,30 @@ class RankProcess:
         await _wait_gone(procs, 5.0)
         await self.close_relays()
 
+    def workers(self) -> list[dict[str, object]]:
+        """The rank's TP/PP worker processes, found in its tree by their command line
+        (``-m engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus C``)."""
+        found = []
+        for p in _descendants(self.pid)[1:]:
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                if WORKER_MODULE in cmd:
+                    found.append({"pid": p.pid, "rank": int(_flag(cmd, "--rank") or -1),
+                                  "tp_rank": int(_flag(cmd, "--tp-rank") or -1),
+                                  "pp_rank": int(_flag(cmd, "--pp-rank") or -1),
+                                  "cpus": _flag(cmd, "--cpus")})
+        return sorted(found, key=lambda w: w["rank"])
+
     async def close_relays(self) -> None:
         """Let the relays drain what is left in the pipes (they end at EOF), but never hang on them."""
         _, pending = await asyncio.wait(self._relays, timeout=1.0)
         for task in pending:
             task.cancel()
+
+
+def _flag(cmd: list[str], flag: str) -> str | None:
+    i = cmd.index(flag) if flag in cmd else -1
+    return cmd[i + 1] if 0 <= i < len(cmd) - 1 else None
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -111,6 +111,7 @@ class RankWorker:
         self.generation = 0
         self.restarts = 0
         self.pid: int | None = None
+        self.workers: list[dict[str, object]] = []  # TP/PP worker processes, read when the rank got ready
         self.consecutive_failures = 0
         self.generate_failures = 0  # consecutive failed generation probes (--dp-supervisor-probe-generate)
         self.last_probe_latency_s: float | None = None
@@ -183,9 +184,9 @@ class RankWorker:
             "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
-            "operation": self.operation, "devices": self.spec.devices,
-            "attempts": self.attempts, "backoff_s": self.backoff_s, "stderr_tail": tail,
-            "command": redact_argv(self.spec.argv),
+            "operation": self.operation, "devices": self.spec.devices, "cpus": self.spec.cpus,
+            "workers": self.workers, "attempts": self.attempts, "backoff_s": self.backoff_s,
+            "stderr_tail": tail, "command": redact_argv(self.spec.argv),
         }
 
     def why_not_ready(self) -> str:
@@ -319,6 +320,7 @@ class RankWorker:
             if self._proc is proc:  # cleared only once stopped: a cancelled stop is finished by shutdown()
                 self._proc = None
         self.pid = None
+        self.workers = []
         self._started_mono = None
         self._ready_mono = None
 
@@ -385,6 +387,9 @@ class RankWorker:
                 self._ever_ready = True
                 self.attempts = 0
                 self._probes = 0
+                # A rank answers /health only once all its workers are up, and a worker never changes
+                # without the rank restarting: one read per incarnation is enough.
+                self.workers = self._proc.workers() if self._proc is not None else []
                 self._set_state(RankState.READY)
                 log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
                          self._ready_mono - (self._started_mono or self._ready_mono))
