@@ -23,7 +23,7 @@ from engine.args import add_engine_arguments, engine_args_from_namespace, valida
 from engine.distributed.check import ParallelConfigError, check_model, model_facts
 from engine.distributed.layout import parse_partition
 from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
-from engine.edge.auth import API_KEY_ENV, API_KEYS_ENV
+from engine.edge.auth import API_KEYS_ENV, engine_secrets
 from engine.edge.limits import Limits, limits_from
 
 PROG = "lbd supervise"
@@ -393,7 +393,7 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
     (its devices nor its CPUs)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
-    keys = list(ns.api_key or [])
+    keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
     on_cuda = visible_cuda_devices(env, ns.device) is not None
     cpus = _cpu_slices(local, on_cuda) if local_devices else [None] * local
     specs = []
@@ -457,12 +457,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
         devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size,
         probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
-        api_keys=_secrets(ns, env), limits=limits_from(ns),
+        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs)
 
-
-def _secrets(ns: argparse.Namespace, env: dict[str, str]) -> list[str]:
-    """The ranks' API keys as given (--api-key, $VLLM_API_KEY, $LBD_API_KEYS), for generation probes."""
-    extra = [env.get(API_KEY_ENV, ""), *env.get(API_KEYS_ENV, "").splitlines()]
-    return list(ns.api_key or []) + [k.strip() for k in extra if k.strip()]

@@ -85,13 +85,21 @@ class KeyRing:
         return self.match(bearer_token(authorization))
 
 
-def engine_keys(flag_values: Iterable[str] | None, env: dict[str, str]) -> KeyRing:
-    """An engine's keys: ``--api-key`` values, ``$VLLM_API_KEY`` and the lines of ``$LBD_API_KEYS``."""
+def key_lines(text: str) -> list[str]:
+    """The keys of an environment variable that holds one per line."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def engine_secrets(flag_values: Iterable[str] | None, env: dict[str, str]) -> list[str]:
+    """An engine's keys as given: ``--api-key`` values, ``$VLLM_API_KEY``, the lines of ``$LBD_API_KEYS``."""
     secrets = list(flag_values or [])
     if env.get(API_KEY_ENV):
         secrets.append(env[API_KEY_ENV])
-    secrets += [line.strip() for line in env.get(API_KEYS_ENV, "").splitlines() if line.strip()]
-    return KeyRing.from_secrets(secrets)
+    return secrets + key_lines(env.get(API_KEYS_ENV, ""))
+
+
+def engine_keys(flag_values: Iterable[str] | None, env: dict[str, str]) -> KeyRing:
+    return KeyRing.from_secrets(engine_secrets(flag_values, env))
 
 
 def read_key_file(path: Path) -> list[ApiKey]:

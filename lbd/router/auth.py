@@ -25,6 +25,7 @@ from engine.edge.auth import ApiKey, KeyRing, make_key, read_key_file
 
 log = logging.getLogger("lbd.router")
 UPSTREAM_KEY_ENV = "LBD_UPSTREAM_API_KEY"
+ROUTER_KEYS_ENV = "LBD_ROUTER_API_KEYS"  # client keys, one per line (how lbd serve hands its --api-key over)
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY",
         help="client keys (Authorization: Bearer <key>) required on every path but /health, /readyz and "
-        "/metrics",
+        f"/metrics; also ${ROUTER_KEYS_ENV}, one per line",
     )
     g.add_argument(
         "--api-key-file",

@@ -11,10 +11,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import policies
-from engine.edge.auth import read_key_file
+from engine.edge.auth import key_lines, read_key_file
 from engine.edge.limits import Limits, add_limit_arguments, check_limits, limits_from
 from engine.edge.tls import add_tls_arguments, check_tls
-from lbd.router.auth import UPSTREAM_KEY_ENV, add_auth_arguments
+from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV, add_auth_arguments
 from lbd.router.outlier import add_outlier_arguments
 
 PROG = "lbd route"
@@ -291,6 +291,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
     )
     if problem:
         p.error(problem)
+    ns.api_key = [*ns.api_key, *key_lines(os.environ.get(ROUTER_KEYS_ENV, ""))]
     if (ns.rate_limit_rps or ns.rate_limit_tps) and not (ns.api_key or ns.api_key_file):
         p.error("--rate-limit-rps/--rate-limit-tps are per API key: give --api-key or --api-key-file too")
     if ns.api_key_file is not None:

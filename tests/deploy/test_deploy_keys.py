@@ -1,0 +1,56 @@
+"""`lbd serve --data-parallel-size 2 --api-key K`: the key guards the API port (the router) and every rank,
+travels to the children by environment (no command line shows it), stays off the health port, and the
+connection limits given to `lbd serve` hold on the API port too. Found as an attacker would: before, the
+router and the ranks of such a deployment served anyone without a key."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+from deploy_harness import SIM_FLAGS, ServeNode
+from support import free_port_run
+
+KEY, ENV_KEY = "serve-secret-5d1e", "env-secret-0b77"
+
+
+def test_serve_api_key_guards_router_and_ranks(tiny_llama: Path, tmp_path: Path) -> None:
+    base = free_port_run(4)  # router, 2 ranks, health port
+    node = ServeNode(["--model", str(tiny_llama), *SIM_FLAGS, "--data-parallel-size", "2", "--host",
+                      "127.0.0.1", "--port", str(base), "--rank-port", str(base + 1),
+                      "--data-parallel-supervisor-port", str(base + 3), "--dp-supervisor-probe-interval-s",
+                      "0.5", "--dp-supervisor-probe-generate", "2", "--api-key", KEY, "--max-headers", "40"],
+                     tmp_path / "serve.log", port=base, health_port=base + 3, env={"VLLM_API_KEY": ENV_KEY})
+    try:
+        node.wait_ready(180)
+        for key in (KEY, ENV_KEY):  # either key, through the router, with the openai SDK
+            client = openai.OpenAI(base_url=node.api + "/v1", api_key=key, max_retries=0, timeout=60)
+            reply = client.chat.completions.create(model=str(tiny_llama), max_tokens=3,
+                                                   messages=[{"role": "user", "content": "hi"}])
+            assert reply.choices[0].message is not None
+        for url in (node.api, f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"):
+            assert httpx.get(url + "/v1/models", timeout=10).status_code == 401, url
+            assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"},
+                             timeout=10).status_code == 401, url
+            assert httpx.get(url + "/health", timeout=10).status_code == 200, url  # probes need no key
+        # the generation probes (every 2nd) carry the rank's key: nothing restarted meanwhile
+        status = node.status()
+        assert all(r["state"] == "ready" and r["restarts"] == 0 for r in status["ranks"]), status["ranks"]
+        # no secret on the health port nor on any child's command line
+        for path in ("/status", "/metrics", "/readyz"):
+            text = node.get(node.health + path).text
+            assert KEY not in text and ENV_KEY not in text, path
+        children = psutil.Process(node.proc.pid).children(recursive=True)
+        assert len(children) >= 4  # supervisor, router, two ranks (and their cores)
+        for p in children:
+            assert not any(KEY in a or ENV_KEY in a for a in p.cmdline()), p.cmdline()
+        # --max-headers reaches the router: 41 headers are refused on the API port
+        with socket.create_connection(("127.0.0.1", base), timeout=10) as s:
+            extra = "".join(f"X-H{i}: v\r\n" for i in range(41))
+            s.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+            assert s.recv(200).split(b" ", 2)[1] == b"431"
+    finally:
+        assert node.close() == 0
