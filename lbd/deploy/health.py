@@ -94,6 +94,7 @@ class NodeHealth(AppServer):
     def __init__(self, plan: Plan, local: LocalSupervisor | None, group: Group | None,
                  membership: Membership | None, router_alive: Callable[[], bool | None]) -> None:
         self.plan = plan
+        self.limits = plan.limits
         self.local = local
         self.group = group
         self.membership = membership

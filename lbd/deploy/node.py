@@ -150,6 +150,7 @@ class DeploymentNode:
         if self.group is not None and self.rpc_sock is not None:
             self.registry = Registry(self.group, plan.address, plan.rpc_port, plan.probe_interval_s,
                                      plan.cluster_token, self._group_status)
+            self.registry.limits = plan.limits
             await self.registry.start(self.rpc_sock)
             self._tasks.append(asyncio.create_task(self._watch_group()))
         for sig in (signal.SIGTERM, signal.SIGINT):

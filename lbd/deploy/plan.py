@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.args import engine_args_from_namespace, validate
 from engine.edge.auth import engine_secrets
 from engine.edge.limits import DEFAULTS as LIMIT_DEFAULTS
-from engine.edge.limits import limits_from
+from engine.edge.limits import Limits, limits_from
 from supervisor.config import (
     OneLineParser,
     SupervisorArgError,
@@ -67,6 +67,7 @@ class Plan:
     # --api-key values, $VLLM_API_KEY and $LBD_API_KEYS: handed to the supervisor (its ranks) and the router
     # (its clients' keys, and the one it authenticates to the ranks with) in their environments
     api_keys: list[str] = field(default_factory=list, repr=False)
+    limits: Limits = field(default_factory=Limits)  # of the node's health port, as of every server of ours
 
     @property
     def view_is_group(self) -> bool:
@@ -292,7 +293,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
-        api_keys=engine_secrets(ns.api_key, env))
+        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns))
     _validate_children(parser, ns, plan, env)
     return plan
 

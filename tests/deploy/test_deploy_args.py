@@ -192,8 +192,8 @@ def test_internal_head_plan() -> None:
 def test_keys_and_limits_reach_both_children() -> None:
     """--api-key (and $VLLM_API_KEY) go to the supervisor and the router by environment, never on their
     command lines; the connection limits the user set apply on the router's port too."""
-    plan = parse([*_ports(), "--data-parallel-size", "2", "--api-key", "k-one", "k-two", "--max-headers", "50",
-                  "--header-read-timeout-s", "3"], {"VLLM_API_KEY": "k-env"})
+    plan = parse([*_ports(), "--data-parallel-size", "2", "--api-key", "k-one", "k-two", "--max-headers",
+                  "50", "--header-read-timeout-s", "3"], {"VLLM_API_KEY": "k-env"})
     assert plan is not None and plan.api_keys == ["k-one", "k-two", "k-env"]
     assert "k-one" not in repr(plan)
     route = plan.route_argv
@@ -202,6 +202,7 @@ def test_keys_and_limits_reach_both_children() -> None:
         assert not any("k-one" in a or "k-env" in a or a == "--api-key" for a in argv), argv
     assert "--max-headers=50" in route and "--header-read-timeout-s=3.0" in route
     assert not any(a.startswith("--max-connections") for a in route)  # defaults stay defaults
+    assert plan.limits.max_headers == 50  # the node's own health port too
     from lbd.deploy.node import key_env
 
     assert key_env(plan, "supervisor") == {"LBD_API_KEYS": "k-one\nk-two\nk-env"}

@@ -1,7 +1,7 @@
 """`lbd serve --data-parallel-size 2 --api-key K`: the key guards the API port (the router) and every rank,
 travels to the children by environment (no command line shows it), stays off the health port, and the
-connection limits given to `lbd serve` hold on the API port too. Found as an attacker would: before, the
-router and the ranks of such a deployment served anyone without a key."""
+connection limits given to `lbd serve` hold on the API port and the node's health port too. Found as an
+attacker would: before, the router and the ranks of such a deployment served anyone without a key."""
 
 from __future__ import annotations
 
@@ -47,10 +47,11 @@ def test_serve_api_key_guards_router_and_ranks(tiny_llama: Path, tmp_path: Path)
         assert len(children) >= 4  # supervisor, router, two ranks (and their cores)
         for p in children:
             assert not any(KEY in a or ENV_KEY in a for a in p.cmdline()), p.cmdline()
-        # --max-headers reaches the router: 41 headers are refused on the API port
-        with socket.create_connection(("127.0.0.1", base), timeout=10) as s:
-            extra = "".join(f"X-H{i}: v\r\n" for i in range(41))
-            s.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
-            assert s.recv(200).split(b" ", 2)[1] == b"431"
+        # --max-headers reaches the router and the node's health port: 41 headers are refused on both
+        for port, status in ((base, b"431"), (base + 3, b"400")):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                extra = "".join(f"X-H{i}: v\r\n" for i in range(41))
+                s.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+                assert s.recv(200).split(b" ", 2)[1] == status, port
     finally:
         assert node.close() == 0
