@@ -2,7 +2,8 @@
 and not, while a chaos action runs every N seconds: SIGKILL of a rank or of its core alone, SIGSTOP of a rank
 or of its core alone, a rolling restart, and a reset of the router's connections to the ranks
 (benchmarks/soak_chaos.py). Reports requests sent, completed, failed by reason (lost before any byte vs
-broken mid-stream), retried (the router's counters), the chaos log, and RSS, open FDs and threads of every
+broken mid-stream, with what the stream's error event said), failures by the chaos action they followed,
+retried (the router's counters), the chaos log, and RSS, open FDs and threads of every
 process over time, with a plot.
 
     python benchmarks/soak.py --duration-s 600 --chaos-every-s 20 --rate 4 --out /tmp/soak
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -79,7 +81,7 @@ class Load:
                             got_bytes = True
                             text += chunk
                         if '"error"' in text or not text.endswith("data: [DONE]\n\n"):
-                            outcome, reason = "broken_stream", "error event" if '"error"' in text else "cut"
+                            outcome, reason = "broken_stream", _stream_error(text)
             else:
                 r = await client.post("/v1/completions", json=body)
                 if r.status_code != 200:
@@ -98,6 +100,31 @@ def _message(body: bytes) -> str:
         return json.loads(body)["error"]["message"][:120]
     except (ValueError, KeyError, TypeError):
         return body[:120].decode("utf-8", "replace")
+
+
+def _stream_error(text: str) -> str:
+    """What an SSE error event says (rank URLs folded), or "cut" for a stream that just stopped."""
+    for line in text.splitlines():
+        if line.startswith("data: {") and '"error"' in line:
+            try:
+                message = json.loads(line[6:])["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                return "error event"
+            return "error event: " + re.sub(r"https?://\S+", "<rank>", str(message))[:100]
+    return "cut"
+
+
+def blame(outcomes: list[dict], chaos: list[dict], within_s: float = 10.0) -> dict[str, int]:
+    """Failures by the last chaos action before each one ended (within ``within_s``), else "no chaos"."""
+    out: dict[str, int] = {}
+    for o in outcomes:
+        if o["outcome"] == "ok":
+            continue
+        end = o["t"] + o["latency_s"]
+        before = [c for c in chaos if c["t"] <= end + 0.5 and end - c["t"] <= within_s]
+        key = before[-1]["action"] if before else "no chaos action"
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 def summarize(load: Load, chaos: Chaos, sampler: Sampler, router_metrics: str, duration: float,
@@ -119,7 +146,8 @@ def summarize(load: Load, chaos: Chaos, sampler: Sampler, router_metrics: str, d
         "lost_before_any_byte": sum(o["outcome"] == "lost" for o in load.outcomes),
         "broken_mid_stream": sum(o["outcome"] == "broken_stream" for o in load.outcomes),
         "wrong": sum(o["outcome"] == "wrong" for o in load.outcomes),
-        "failed_by_reason": by, "retried_by_reason": retried,
+        "failed_by_reason": by, "failed_by_chaos_action": blame(load.outcomes, chaos.done),
+        "retried_by_reason": retried,
         "latency_s": {"p50": lat[len(lat) // 2] if lat else None,
                       "p99": lat[int(len(lat) * 0.99)] if lat else None},
         "chaos": chaos.done, "resources": flatness(sampler.rows, warmup_s),
