@@ -111,3 +111,16 @@ def test_endpoint_snapshot_follows_every_change_after_it_was_cached() -> None:
     assert not ep.snapshot(c, now=10.0).healthy
     ep.models = frozenset({"x"})
     assert ep.snapshot(c, now=11.0).models == {"x"} and ep.snapshot(c, now=11.0).age_s == 1.5
+
+
+def test_client_keys_from_the_environment(monkeypatch) -> None:
+    """$LBD_ROUTER_API_KEYS (one per line, how lbd serve hands its --api-key over) adds to --api-key, and
+    counts as a key for the rate limits; $LBD_UPSTREAM_API_KEY is the key towards the engines."""
+    from lbd.router.config import parse_args
+
+    monkeypatch.setenv("LBD_ROUTER_API_KEYS", "env-one\n\n  env-two  \n")
+    monkeypatch.setenv("LBD_UPSTREAM_API_KEY", "to-engines")
+    cfg = parse_args(["--upstreams", "http://127.0.0.1:1", "--api-key", "flag-key", "--rate-limit-rps", "5"])
+    assert cfg.api_keys == ["flag-key", "env-one", "env-two"] and cfg.upstream_api_key == "to-engines"
+    monkeypatch.delenv("LBD_ROUTER_API_KEYS")
+    assert parse_args(["--upstreams", "http://127.0.0.1:1"]).api_keys == []
