@@ -236,6 +236,27 @@ def test_fp8_kv_scales_come_from_the_checkpoint(tiny_llama: Path, tmp_path: Path
     assert all(len(o.tokens) == 8 for o in outs)
 
 
+def test_fp8_kv_scales_of_each_pipeline_stage_are_its_own_layers(tiny_llama: Path, tmp_path: Path) -> None:
+    """A PP stage holds layers start..end: it takes those layers' checkpoint scales, not layers 0.."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine.core.runner import ModelRunner
+    from engine.distributed.context import ParallelContext
+    from engine.distributed.layout import ParallelLayout
+
+    ckpt = tmp_path / "scaled"
+    shutil.copytree(tiny_llama, ckpt)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}, str(ckpt / "kv_scales.safetensors"))
+    args = engine_args(ckpt, kv_cache_dtype="fp8", pipeline_parallel_size=2)
+    stages = [ModelRunner(args, str(ckpt), ParallelContext(ParallelLayout(pp_size=2), pp_rank=stage))
+              for stage in (0, 1)]
+    assert [[(a.k_scale, a.v_scale) for a in r.model.attention_layers] for r in stages] == \
+        [[(0.5, 1.0)], [(2.0, 2.0)]]
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
