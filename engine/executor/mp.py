@@ -73,6 +73,7 @@ class MultiprocExecutor:
         self._known: set[str] = set()  # requests the sampler holds state for
         self._next_seq = 0
         self._watchdog: Watchdog | None = None
+        self._closed = False
         self._ctx = zmq.Context(io_threads=1)
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -257,7 +258,11 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
-        """Stop the workers (shutdown message, then SIGKILL after a grace period) and free the sockets."""
+        """Stop the workers (shutdown message, then SIGKILL after a grace period) and free the sockets (once;
+        a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop_watch()
         with contextlib.suppress(zmq.ZMQError):
             self._broadcast(M.SHUTDOWN, None)
