@@ -30,15 +30,19 @@ if TYPE_CHECKING:
     from engine.executor.mp import MultiprocExecutor
 
 
-def make_executor(args: EngineArgs, model_path: str,
-                  on_failure: Callable[[str], None] | None = None) -> MultiprocExecutor:
+def executor_class(args: EngineArgs) -> type[MultiprocExecutor]:
     """The executor of ``--distributed-executor-backend``: ``mp`` or ``ray``."""
     if args.distributed_executor_backend == "ray":
         from engine.executor.ray_executor import RayExecutor
 
-        return RayExecutor(args, model_path, on_failure=on_failure)
+        return RayExecutor
     if args.distributed_executor_backend != "mp":
         raise ValueError(f"--distributed-executor-backend {args.distributed_executor_backend}: use mp or ray")
     from engine.executor.mp import MultiprocExecutor
 
-    return MultiprocExecutor(args, model_path, on_failure=on_failure)
+    return MultiprocExecutor
+
+
+def make_executor(args: EngineArgs, model_path: str,
+                  on_failure: Callable[[str], None] | None = None) -> MultiprocExecutor:
+    return executor_class(args)(args, model_path, on_failure=on_failure)
