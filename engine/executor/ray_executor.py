@@ -187,7 +187,7 @@ class RayExecutor(MultiprocExecutor):
     def _dead_worker(self, timeout_s: float = 0.0) -> str | None:
         import ray
 
-        if not self._waits:
+        if not self._waits or not ray.is_initialized():
             return None
         done, _ = ray.wait(list(self._waits), num_returns=1, timeout=timeout_s)
         return self._describe(done[0]) if done else None
@@ -210,23 +210,16 @@ class RayExecutor(MultiprocExecutor):
         return f"{who} {how}"
 
     def _kill_workers(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-
-    def _stop_workers(self, grace_s: float) -> None:
-        """After the shutdown broadcast: wait up to ``grace_s`` for the workers, then kill every actor (their
-        workers follow), remove a placement group we made, leave a Ray we joined."""
+        """Kill every actor (their workers follow), remove a placement group we made, and leave a Ray we
+        joined: a local cluster we started stops cleanly here, also on the failure path (a core that is
+        SIGKILLed takes the cluster's GCS and raylet with it, but Ray's agents then linger ~2 minutes)."""
         import ray
 
         if not ray.is_initialized():
             return
-        if self._waits:
+        for actor in self.actors:
             with contextlib.suppress(Exception):
-                ray.wait(list(self._waits), num_returns=len(self._waits), timeout=grace_s)
-        self._kill_workers()
+                ray.kill(actor, no_restart=True)
         if self._own_pg and self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -234,6 +227,15 @@ class RayExecutor(MultiprocExecutor):
                 remove_placement_group(self._pg)
         if self._joined_ray:
             ray.shutdown()
+
+    def _stop_workers(self, grace_s: float) -> None:
+        """After the shutdown broadcast: wait up to ``grace_s`` for the workers, then kill the rest."""
+        import ray
+
+        if self._waits and ray.is_initialized():
+            with contextlib.suppress(Exception):
+                ray.wait(list(self._waits), num_returns=len(self._waits), timeout=grace_s)
+        self._kill_workers()
 
     def worker_pids(self) -> list[int]:
         return list(self.pids)
