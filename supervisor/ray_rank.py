@@ -146,6 +146,11 @@ class RayRank:
     def __init__(self, actor: Any, leases: list[Any], pid: int) -> None:
         self.actor, self.leases, self.pid = actor, leases, pid
 
+    def workers(self) -> list[dict[str, object]]:
+        """The rank's TP/PP worker processes for /status: none listed here (they run on the rank's Ray node,
+        or as Ray actors with --distributed-executor-backend ray, not in this machine's process tree)."""
+        return []
+
     async def wait(self) -> int:
         from ray.exceptions import RayActorError
 

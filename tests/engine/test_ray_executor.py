@@ -5,8 +5,12 @@ The fast tests check what the executor decides from where Ray put the workers (`
 ones start a real local Ray cluster (``ray.init(address="local", num_cpus=2)``) from this process while its
 main thread sits in a network namespace of its own (only loopback), so Ray binds 127.0.0.1 and no test
 traffic leaves the namespace; the cluster is shut down and the namespace deleted at the end, and the test
-checks no Ray process survived. Cost here: ~1 s fast; the slow module ~60-90 s on a loaded 2-core machine
+checks no Ray process survived. Cost here: ~1 s fast; the slow module ~60-160 s on a loaded 2-core machine
 (Ray's start-up dominates: 20-40 s).
+
+``RAY_AUTH_MODE=disabled``: Ray 2.60's ``ray.init()`` otherwise writes ``~/.ray/auth_token`` when it starts
+a cluster, after which every ``ray start`` on the machine turns token auth on and clients without
+``RAY_AUTH_MODE=token`` are refused (other tests' clusters among them).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.executor.mp import WorkerFailure
 from engine.protocol import EngineCoreRequest
 
 _CLONE_NEWNET = 0x40000000
+NO_AUTH = ("RAY_AUTH_MODE", "disabled")  # see the module's docstring
 
 
 def _site(node: str, pid: int, gpus: tuple[str, ...] = (),
@@ -94,6 +99,8 @@ def local_ray() -> Iterator[object]:
 
     if unavailable():
         pytest.skip(f"no network namespaces: {unavailable()}")
+    auth = os.environ.get(NO_AUTH[0])
+    os.environ[NO_AUTH[0]] = NO_AUTH[1]
     nets = Namespaces()
     ns = nets.add("rx")
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
@@ -114,6 +121,10 @@ def local_ray() -> Iterator[object]:
         _setns(home)
         os.close(home)
         nets.close()
+        if auth is None:
+            os.environ.pop(NO_AUTH[0], None)
+        else:
+            os.environ[NO_AUTH[0]] = auth
         assert left == [], f"Ray processes survived ray.shutdown(): {left}"
 
 

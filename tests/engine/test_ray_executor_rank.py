@@ -4,8 +4,9 @@ SIGKILLed the whole rank exits, the supervisor restarts it (a fresh local cluste
 serves again; after SIGTERM nothing of lbd or Ray is left.
 
 Everything runs in a network namespace of its own (only loopback), so Ray binds 127.0.0.1 and "nothing
-left" is checked as "no process left in the namespace". Cost: ~120-180 s on a loaded 2-core machine (two
-local Ray start-ups and two rank start-ups), hence slow.
+left" is checked as "no process left in the namespace". ``RAY_AUTH_MODE=disabled`` keeps Ray from
+writing ``~/.ray/auth_token`` (see tests/engine/test_ray_executor.py). Cost: ~100-180 s on a loaded 2-core
+machine (two local Ray start-ups and two rank start-ups), hence slow.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def test_killed_worker_actor_restarts_the_whole_rank(tiny_llama: Path, tmp_path:
     log = tmp_path / "supervisor.log"
     try:
         ns = nets.add("rr")
-        sup = nets.spawn(ns, [sys.executable, "-m", "lbd", "supervise", "--data-parallel-multi-port-external-lb",
-                              "--data-parallel-size", "1", "--model", str(tiny_llama), "--device", "cpu",
-                              "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-                              "--host", "127.0.0.1", "--port", str(PORT), "--supervisor-host", "127.0.0.1",
-                              "--data-parallel-supervisor-port", str(SUPERVISOR_PORT),
-                              "--dp-supervisor-probe-interval-s", "1", "--kv-cache-memory-bytes", "8MiB"], log)
+        sup = nets.spawn(ns, [
+            sys.executable, "-m", "lbd", "supervise", "--data-parallel-multi-port-external-lb",
+            "--data-parallel-size", "1", "--model", str(tiny_llama), "--device", "cpu",
+            "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray", "--host", "127.0.0.1",
+            "--port", str(PORT), "--supervisor-host", "127.0.0.1", "--data-parallel-supervisor-port",
+            str(SUPERVISOR_PORT), "--dp-supervisor-probe-interval-s", "1", "--kv-cache-memory-bytes", "8MiB",
+        ], log, env={"RAY_AUTH_MODE": "disabled"})
 
         def rank() -> dict:
             try:
