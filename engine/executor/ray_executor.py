@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ACTOR_CALL_S = 120.0  # an actor's start-up (a fresh Ray worker process) and its answers at start
 _POLL_S = 0.5
+_SHUTDOWN_S = 5.0  # ray.shutdown() of a local cluster takes ~2 s here
 
 
 class RayExecutor(MultiprocExecutor):
@@ -225,8 +226,10 @@ class RayExecutor(MultiprocExecutor):
 
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
-        if self._joined_ray:
-            ray.shutdown()
+        if self._joined_ray:  # bounded: on the failure path the core must exit (and answer 503) promptly
+            leaving = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+            leaving.start()
+            leaving.join(_SHUTDOWN_S)
 
     def _stop_workers(self, grace_s: float) -> None:
         """After the shutdown broadcast: wait up to ``grace_s`` for the workers, then kill the rest."""
