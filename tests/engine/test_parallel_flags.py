@@ -189,11 +189,12 @@ def _walk_executor_backend(model: Path) -> None:
     assert executor_class(_serve()).__name__ == "MultiprocExecutor"  # processes on this node
     ray_rank = _serve("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2")
     assert executor_class(ray_rank).__name__ == "RayExecutor"  # Ray actors in a placement group
-    cfg = _supervise("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2")
+    tp2 = ["--model", str(model), "--distributed-executor-backend", "ray", "--tensor-parallel-size", "2"]
+    cfg = _supervise(*tp2)
     assert "--distributed-executor-backend=ray" in cfg.ranks[0].argv  # every rank runs its workers so
     assert cfg.executor_backend == "ray"  # and Ray-placed ranks hand their placement group over to them
-    cuda = _supervise("--device", "cuda", "--distributed-executor-backend", "ray", "--tensor-parallel-size",
-                      "2", "--data-parallel-size", "2", env={"CUDA_VISIBLE_DEVICES": "0"})
+    cuda = _supervise(*tp2, "--device", "cuda", "--data-parallel-size", "2",
+                      env={"CUDA_VISIBLE_DEVICES": "0"})
     assert [r.devices for r in cuda.ranks] == [None, None]  # Ray gives the workers their GPUs, on any node
     _exit_2(_one_rank("--distributed-executor-backend", "ray", "--device", "sim"))
 
