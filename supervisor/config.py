@@ -111,6 +111,7 @@ class SupervisorConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
     ssl_cert_reqs: int = 0
+    executor_backend: str = "mp"  # ray: the rank's workers are Ray actors (engine.executor.ray_executor)
 
     @property
     def ready_needed(self) -> int:
@@ -336,7 +337,7 @@ def _check_ports(ns: argparse.Namespace, local: int) -> None:
 def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> list[str | None]:
     per_rank = ns.tensor_parallel_size * ns.pipeline_parallel_size
     ids = visible_cuda_devices(env, ns.device)
-    if ids is None:
+    if ids is None or ns.distributed_executor_backend == "ray":  # Ray gives the workers their devices
         return [None] * local
     need = local * per_rank
     if len(ids) < need:
@@ -359,9 +360,9 @@ def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
         raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this one "
                                  "command: drop --node-rank and --data-parallel-start-rank")
     if ns.ray_dp_pack_strategy == "span":
-        raise SupervisorArgError("--ray-dp-pack-strategy span runs one rank across nodes, which needs "
-                                 "--distributed-executor-backend ray (not implemented yet): use strict or "
-                                 "fill")
+        raise SupervisorArgError("--ray-dp-pack-strategy span (one rank's bundles over several nodes) is not "
+                                 "implemented: use strict or fill; a rank that must span nodes runs without "
+                                 "--data-parallel-backend ray, with --distributed-executor-backend ray")
     if ns.data_parallel_rank is not None:
         raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it")
     return n, per_node
@@ -459,5 +460,4 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
-        ssl_cert_reqs=ns.ssl_cert_reqs)
-
+        ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend)
