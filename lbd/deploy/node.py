@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from engine.edge.auth import API_KEYS_ENV
+from engine.edge.tls import client_context
 from lbd.deploy.group import Group
 from lbd.deploy.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.deploy.member import CONNECTING, Membership
@@ -135,7 +136,8 @@ class DeploymentNode:
         self.stop_event = asyncio.Event()
         sup_port = free_loopback_port()
         if plan.dp_size_local:
-            self.local = LocalSupervisor(sup_port, min(0.25, plan.probe_interval_s))
+            self.local = LocalSupervisor(sup_port, min(0.25, plan.probe_interval_s),
+                                         client_context(plan.ssl_ca_certs) if plan.ssl_certfile else None)
         if plan.registry:
             head_ranks = range(plan.dp_start_rank, plan.dp_start_rank + plan.dp_size_local)
             lease = plan.probe_interval_s * plan.probe_failure_threshold + plan.probe_timeout_s
@@ -219,7 +221,8 @@ class DeploymentNode:
 
     async def _keep_router(self) -> None:
         assert self.plan.route_argv is not None
-        upstream = f"supervisor://{_loopback_of(self.plan.health_host)}:{self.plan.health_port}"
+        scheme = "supervisor+https" if self.plan.ssl_certfile else "supervisor"
+        upstream = f"{scheme}://{_loopback_of(self.plan.health_host)}:{self.plan.health_port}"
         while True:
             self.router = Child("router", ["route", *self.plan.route_argv, "--upstreams", upstream],
                                 key_env(self.plan, "router"))
