@@ -83,7 +83,7 @@ async def cpu_per_request(policy: str, body: bytes, headers: bytes, requests: in
         from lbd.router.tracing import RouterTracer
 
         tracer = RouterTracer("http://127.0.0.1:9")  # nothing listens: spans are made, exports fail quietly
-    proxy = Proxy(state, tracer) if tracer is not None else Proxy(state)  # older trees: no tracer argument
+    proxy = Proxy(state, tracer=tracer) if tracer is not None else Proxy(state)  # older trees: no tracer
 
     async def connect(pool: back.UpstreamPool) -> back._Conn:
         conn = back._Conn(pool)

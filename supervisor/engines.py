@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.distributed.placement import RANK_CPUS_ENV
+from engine.edge.auth import API_KEY_ENV, API_KEYS_ENV
 
 ENGINES = ("lbd", "vllm", "sglang")
 PLACEHOLDERS = ("model", "served_model_name", "host", "port", "rank", "local_rank", "dp_size",
@@ -217,6 +218,24 @@ def rank_command(engine: str, template: str | None, ns: argparse.Namespace, flag
     if p.devices is not None and p.visible is not None:
         argv += ["--base-gpu-id", str(p.visible.index(p.devices[0])), "--gpu-id-step", "1"]
     return argv, env
+
+
+def key_env(engine: str, template: str | None, keys: list[str]) -> dict[str, str]:
+    """The ranks' API keys (``--api-key``, ``$VLLM_API_KEY``, ``$LBD_API_KEYS``) in each engine's environment,
+    never on a command line: lbd takes them all in ``LBD_API_KEYS``, vLLM one in ``VLLM_API_KEY``; a template
+    gets both variables; SGLang takes a key only as a flag (visible to every user of the machine): refused."""
+    if not keys:
+        return {}
+    if template is not None:
+        return {API_KEYS_ENV: "\n".join(keys), API_KEY_ENV: keys[0]}
+    if engine == "lbd":
+        return {API_KEYS_ENV: "\n".join(keys)}
+    if engine == "vllm":
+        if len(keys) > 1:
+            raise EngineFlagError(f"--rank-engine vllm takes one API key (in {API_KEY_ENV}), not {len(keys)}")
+        return {API_KEY_ENV: keys[0]}
+    raise EngineFlagError("--api-key with --rank-engine sglang: SGLang takes its key only on its command "
+                          "line; drop the key, or pass it in a --rank-command template")
 
 
 def check_template_flags(changed: dict[str, object]) -> None:

@@ -44,7 +44,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise _not_found(req.previous_response_id, "previous_response_id")
         history = record["messages"]
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    ids = await render_prompt_ids(state.tokenizer, system + history + req.input_messages, param="input")
+    ids = await render_prompt_ids(state, system + history + req.input_messages, param="input")
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "input")
     gen = Generation(state, f"resp_r{state.args.rank}", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ResponsesFormatter(gen, model, req, history))

@@ -20,6 +20,7 @@ Engines and their names (the first name of a row that the engine exports wins: v
 | prefix_hits (tokens) | prefix_cache_hits_total | gpu_prefix_cache_hits_total | cached_tokens_total |
 | block_size | cache_config_info{block_size} | | page_size |
 | num_blocks | cache_config_info{num_gpu_blocks} | | max_total_num_tokens / page_size |
+| prompt_tokens, generation_tokens (progress) | prompt_tokens_total, generation_tokens_total | | the same |
 
 ``ranks`` come from vLLM's ``engine`` label or SGLang's ``dp_rank`` (``lbd supervise --rank-engine sglang``
 adds it; a router also learns ranks from the supervisor's /status); ``models`` from ``model_name``.
@@ -39,6 +40,9 @@ _VLLM: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "cache_config": ("vllm:cache_config_info",),
+    # progress: a rank whose counters move is not wedged (lbd.router.outlier)
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "generation_tokens": ("vllm:generation_tokens_total",),
 }
 _SGLANG: dict[str, tuple[str, ...]] = {
     "running": ("sglang:num_running_reqs",),
@@ -48,6 +52,8 @@ _SGLANG: dict[str, tuple[str, ...]] = {
     "prefix_hits": ("sglang:cached_tokens_total",),
     "page_size": ("sglang:page_size",),
     "max_total_tokens": ("sglang:max_total_num_tokens",),
+    "prompt_tokens": ("sglang:prompt_tokens_total",),
+    "generation_tokens": ("sglang:generation_tokens_total",),
 }
 _MEMO_MAX = 256
 _memo: dict[str, list[tuple[dict[str, str], float]]] = {}  # sample line -> its parsed (labels, value)
@@ -64,6 +70,8 @@ class Sample:
     prefix_hits: float = 0.0
     block_size: int = 0
     num_blocks: int = 0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
     ranks: set[int] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
 
