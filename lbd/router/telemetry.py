@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
 # field -> sample names in order of preference (vLLM, vLLM < 0.10); SGLang's apart (checked only on its text)
 _VLLM: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running",),
@@ -97,6 +95,10 @@ def family_lines(text: str, name: str) -> list[str]:
 
 
 def _samples(lines: list[str]) -> list[tuple[dict[str, str], float]]:
+    # imported here: importing prometheus_client fixes its value class, and `lbd route --workers N` must set
+    # PROMETHEUS_MULTIPROC_DIR first (lbd.router.cli), after the config (which imports this module) is read
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = []
     for line in lines:
         parsed = _memo.get(line)
