@@ -140,3 +140,6 @@ class RouterServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def close(self) -> int | None:
+        return stop(self.proc)

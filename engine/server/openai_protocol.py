@@ -216,8 +216,7 @@ def _prompts(value: Any, limits: Limits) -> list[str | list[int]]:
 
 def _context_error(n: int, limits: Limits, what: str) -> APIError:
     return APIError(f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
-                    f"request has {n} input tokens. Please reduce the length of the input {what}.", 400,
-                    "prompt" if what == "prompt" else "messages")
+                    f"request has {n} input tokens. Please reduce the length of the input {what}.", 400, what)
 
 
 def check_prompt_chars(chars: int, limits: Limits, what: str) -> None:

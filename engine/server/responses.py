@@ -27,7 +27,7 @@ from aiohttp import web
 from engine.server.chat import render_prompt_ids
 from engine.server.errors import APIError
 from engine.server.generate import Delta, Generation, PromptInput, Sequence
-from engine.server.openai_protocol import plan_tokens
+from engine.server.openai_protocol import check_prompt_chars, plan_tokens
 from engine.server.request_io import check_rank, checked_state, read_json, state_of
 from engine.server.responses_protocol import ResponsesRequest, parse_responses
 from engine.server.streaming import EventFraming, json_response, respond
@@ -44,7 +44,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise _not_found(req.previous_response_id, "previous_response_id")
         history = record["messages"]
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    ids = await render_prompt_ids(state, system + history + req.input_messages, param="input")
+    messages = system + history + req.input_messages
+    check_prompt_chars(sum(len(str(m["content"])) for m in messages), state.limits, "input")
+    ids = await render_prompt_ids(state, messages, param="input")
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "input")
     gen = Generation(state, f"resp_r{state.args.rank}", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ResponsesFormatter(gen, model, req, history))

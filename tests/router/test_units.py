@@ -111,7 +111,7 @@ def test_request_facts_of_the_responses_api() -> None:
     import orjson
 
     def facts(body: dict, headers: dict | None = None):
-        return parse_facts(orjson.dumps(body), headers or {}, "X-Session-ID")
+        return parse_facts(orjson.dumps(body), _headers(headers or {}), "X-Session-ID")
 
     one = facts({"model": "m", "instructions": "s" * 300, "input": "a" * 300})
     two = facts({"model": "m", "instructions": "s" * 300, "input": [{"role": "user", "content": "a" * 300},
@@ -123,8 +123,8 @@ def test_request_facts_of_the_responses_api() -> None:
     assert facts({"input": "x", "previous_response_id": "resp_abc"}).pinned_rank is None  # not lbd's
     header = facts({"input": "x", "previous_response_id": "resp_r7-abc"}, {"X-data-parallel-rank": "2"})
     assert header.pinned_rank == 2  # the header wins
-    assert path_facts("/v1/responses/resp_r12-ff", {}).pinned_rank == 12
-    assert path_facts("/v1/models", {}).pinned_rank is None
+    assert path_facts("/v1/responses/resp_r12-ff", _headers({})).pinned_rank == 12
+    assert path_facts("/v1/models", _headers({})).pinned_rank is None
 
 
 def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:
