@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from lbd.bench.node import SupervisorNode
+from lbd.bench.procs import free_port_run
 from supervisor.config import parse_args
 
 STANDIN = Path(__file__).with_name("standin_engine.py")
@@ -51,6 +52,12 @@ def _records(records: Path, engine: str) -> dict[int, dict]:
     for f in sorted(records.glob(f"{engine}-*.json"), key=lambda f: f.stat().st_mtime):
         out[int(f.name.split("-")[1])] = json.loads(f.read_text())
     return out
+
+
+def _ports() -> list[str]:
+    """Free --port and --data-parallel-supervisor-port for a parse-only test (parse_args checks the ports)."""
+    base = free_port_run(3)
+    return ["--port", str(base), "--data-parallel-supervisor-port", str(base + 2)]
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -180,7 +187,7 @@ def test_untranslatable_flags_exit_2(standin_path: tuple[Path, Path], monkeypatc
                                      needle: str) -> None:
     monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
     with pytest.raises(SystemExit) as e:
-        parse_args(["--model", MODEL, "--port", "39000", "--data-parallel-supervisor-port", "39500", *extra])
+        parse_args(["--model", MODEL, *_ports(), *extra])
     # (the last --model wins: "" is no model)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
@@ -192,7 +199,7 @@ def test_missing_binary_or_model_exit_2(monkeypatch: pytest.MonkeyPatch, capsys:
     for argv, needle in ((["--model", MODEL, "--rank-engine", "vllm"], "'vllm' is not on PATH"),
                          (["--rank-engine", "sglang"], "'python3' is not on PATH")):
         with pytest.raises(SystemExit) as e:
-            parse_args([*argv, "--port", "39000", "--data-parallel-supervisor-port", "39500"])
+            parse_args([*argv, *_ports()])
         assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
@@ -203,7 +210,7 @@ def test_cpu_slices_reach_each_engine_its_own_way(standin_path: tuple[Path, Path
     /status)."""
     monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    base = ["--model", MODEL, "--port", "39000", "--data-parallel-supervisor-port", "39500",
+    base = ["--model", MODEL, *_ports(),
             "--data-parallel-size", "2", "--device", "cpu"]
     cases = {"lbd": ["--rank-engine", "lbd"], "vllm": ["--rank-engine", "vllm"],
              "sglang": ["--rank-engine", "sglang"], "command": ["--rank-command", "taskset -c {cpus} sh"]}
@@ -215,3 +222,24 @@ def test_cpu_slices_reach_each_engine_its_own_way(standin_path: tuple[Path, Path
     assert [s.cpus for s in specs["vllm"]] == slices and [s.cpus for s in specs["command"]] == slices
     assert [s.argv[:3] for s in specs["command"]] == [["taskset", "-c", c] for c in slices]
     assert all(s.cpus is None and "LBD_RANK_CPUS" not in s.env for s in specs["sglang"])
+
+
+def test_api_keys_reach_ranks_in_their_engines_variables(standin_path: tuple[Path, Path],
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys never go on a rank's command line: lbd ranks get all of them in LBD_API_KEYS, vLLM ranks one in
+    VLLM_API_KEY; SGLang, which takes a key only as a flag, is refused."""
+    monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("LBD_API_KEYS", raising=False)
+    base = ["--model", MODEL, *_ports(),
+            "--api-key", "k1"]
+    lbd = parse_args([*base, "k2"]).ranks[0]  # --api-key k1 k2
+    assert lbd.env["LBD_API_KEYS"] == "k1\nk2" and "k1" not in lbd.argv
+    vllm = parse_args([*base, "--rank-engine", "vllm"]).ranks[0]
+    assert vllm.env["VLLM_API_KEY"] == "k1" and "k1" not in vllm.argv and "--api-key" not in vllm.argv
+    for extra, needle in ((["--rank-engine", "sglang"], "SGLang takes its key only on its command line"),
+                          (["k2", "--rank-engine", "vllm"], "takes one API key")):
+        with pytest.raises(SystemExit) as e:
+            parse_args([*base, *extra])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
