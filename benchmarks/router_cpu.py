@@ -92,7 +92,7 @@ async def cpu_per_request(policy: str, body: bytes, headers: bytes, requests: in
 
     for pool in state.pools.values():
         pool._connect = lambda pool=pool: connect(pool)
-    server = front.HttpServer(proxy.handle, 1 << 26)
+    server = front.HttpServer(proxy.handle, getattr(state.cfg, "limits", 1 << 26))  # older trees: a body cap
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:1\r\n" + headers
                + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
     done = 0
