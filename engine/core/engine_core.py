@@ -19,6 +19,7 @@ from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig, S
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
+    from engine.kv_events.publisher import KVEvents
     from engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,23 @@ def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
+
+
+def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
+    """The KV-event publisher of ``--kv-events-config`` (None when off); binds its sockets now."""
+    if args.kv_events_config is None:
+        return None
+    from engine.kv_events.config import parse_kv_events_config
+
+    cfg = parse_kv_events_config(args.kv_events_config)
+    if not cfg.active:
+        return None
+    from engine.kv_events.publisher import KVEvents
+
+    host = args.host if args.host not in (None, "", "0.0.0.0", "::") else None
+    return KVEvents(cfg, args.rank, block_size, host)
 
 
 class EngineCore:
@@ -76,7 +93,8 @@ class EngineCore:
         self.runner = runner if runner is not None else make_runner(args, model_path)
         self.config = scheduler_config(args, self.runner)
         self._check_capacity()
-        self.scheduler = Scheduler(self.config)
+        self.kv_events = make_kv_events(args, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
         self.metrics = metrics
         self._recorded = SchedulerCounters()
         self._recorded_queries = self._recorded_hits = 0
@@ -115,7 +133,9 @@ class EngineCore:
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         device=r.device, dtype=r.dtype,
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
-                               "kv_cache_dtype": self.args.kv_cache_dtype})
+                               "kv_cache_dtype": self.args.kv_cache_dtype,
+                               "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
+                               "kv_events": self.kv_events.advertised() if self.kv_events else None})
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
@@ -136,6 +156,19 @@ class EngineCore:
             self._record()
         return aborted
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (AllBlocksCleared); False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Flush and close the KV-event publisher (the runner needs no closing)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -150,6 +183,8 @@ class EngineCore:
             return []
         sampled = self.runner.execute(out)
         outputs = self.scheduler.update(out, sampled)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         for o in outputs:
             if o.finish_reason is not None:
                 self._finished_reasons[o.finish_reason] += 1
