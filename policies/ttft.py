@@ -4,7 +4,8 @@ Estimate per endpoint, in prefill-token equivalents divided by a prefill rate (t
     tokens ahead   = the router's own requests there without a first byte yet (their uncached tokens, exact)
                    + other clients' waiting requests x the average prompt length seen
     decode drag    = running requests x ``running_tokens`` (each takes a slot of every step's token budget)
-    this request   = its prompt minus the prefix that endpoint already holds (approximate prefix index)
+    this request   = its prompt minus the prefix that endpoint already holds: exact where the router follows
+                     the endpoint's KV-cache events (``facts.cached_tokens``), else the approximate index
     KV pressure    = ``kv_penalty_tokens`` x how far KV use is past ``kv_threshold`` (near full = preemption)
 The rate is a flag, or learned from observed times to first byte (EWMA) when not given.
 Bounded stickiness: endpoints whose queue score is past the least one by a gap are not considered, so a
@@ -52,6 +53,13 @@ class PredictedTtft(Policy):
         self.index = PrefixIndex(index_capacity)
 
     def uncached_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, int]:
+        """(prompt tokens ``ep`` would compute, prefix blocks or chunks it holds)."""
+        exact = facts.cached_tokens
+        if exact is not None:
+            cached = exact.get(ep.key)
+            if cached is not None:
+                uncached = facts.prompt_tokens - cached
+                return (uncached if uncached > 0 else 0.0), cached // ep.block_size
         if not facts.prefix_hashes:
             return float(facts.prompt_tokens), 0
         matched = self.index.match(ep.key, facts.prefix_hashes)
@@ -103,11 +111,12 @@ class PredictedTtft(Policy):
         else:
             reason = "lowest_ttft"
         rate = self.rate
+        exact = facts.cached_tokens is not None and ep.key in facts.cached_tokens
 
         def detail() -> str:
             return (
                 f"est {total / rate * 1000:.1f} ms ({total:.0f} tok at {rate:.0f} tok/s, "
-                f"{uncached:.0f} uncached, {matched} chunks cached)"
+                f"{uncached:.0f} uncached, {matched} {'blocks' if exact else 'chunks'} cached)"
             )
 
         return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / rate)

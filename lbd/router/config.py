@@ -96,6 +96,8 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
+    kv_events: str = "auto"
+    tokenizer: Path | None = None
 
 
 def _bytes(text: str) -> int:
@@ -171,6 +173,21 @@ def make_parser() -> OneLineParser:
         action="store_true",
         help="route a request pinned to an unhealthy or draining rank elsewhere instead of 503",
     )
+    g.add_argument(
+        "--kv-events",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="follow the engines' KV-cache events for exact prefix-cache routing: auto = where an endpoint "
+        "advertises them (/kv_event_sources), on = everywhere (warn where missing), off = never; endpoints "
+        "without events are routed on the approximate text-prefix index",
+    )
+    g.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer.json (or a folder with it and the chat template) for endpoints that do not serve "
+        "their tokenizer (vLLM); lbd engines serve theirs",
+    )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(
         "--scrape-interval-ms", type=float, default=100.0, help="how often each rank's /metrics is read"
@@ -238,6 +255,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     _check_numbers(p, ns)
+    tok = ns.tokenizer
+    if tok is not None and not (tok.is_file() or (tok / "tokenizer.json").is_file()):
+        p.error(f"--tokenizer {ns.tokenizer}: no tokenizer.json there")
     stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
     return RouterConfig(
         upstreams=upstreams,
@@ -264,6 +284,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        kv_events=ns.kv_events,
+        tokenizer=ns.tokenizer,
     )
 
 

@@ -90,6 +90,9 @@ class Monitor:
             asyncio.ensure_future(self._health_loop(ep)),
         ]
         self._refetch_models(ep)
+        if self.state.exact is not None:
+            self.state.exact.add(ep.url, lambda: ep.models,
+                                 lambda: (ep.sample.block_size if ep.sample is not None else 0) or 16)
 
     def _refetch_models(self, ep: Endpoint) -> None:
         """A (re)started process may serve other models: ask again (tracked, so removal cancels it)."""
@@ -100,6 +103,8 @@ class Monitor:
     def _stop_endpoint(self, ep: Endpoint) -> None:
         for t in self.tasks.pop(ep.url, []):
             t.cancel()
+        if self.state.exact is not None:
+            self.state.exact.remove(ep.url)
         pool = self.pools.pop(ep.url, None)
         if pool is not None:
             pool.close()
@@ -143,9 +148,10 @@ class Monitor:
             return
         if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
             return
-        if ep.take_sample(
-            parse_metrics(body.decode("utf-8", "replace")), began, totals.dispatched, totals.finished
-        ):
+        sample, prev = parse_metrics(body.decode("utf-8", "replace")), ep.sample
+        if prev is not None and sample.prefix_queries < prev.prefix_queries:
+            self.state.restarted(ep, "its counters went back")
+        if ep.take_sample(sample, began, totals.dispatched, totals.finished):
             self.state.reorder()
         ep.record_success("scrape")
 
@@ -234,6 +240,8 @@ class Monitor:
             if routable and (not ep.routable or (pid is not None and ep.pid is not None and pid != ep.pid)):
                 # a (re)started process the supervisor found ready: start clean
                 self.state.readmit(ep, f"supervisor reports {state} (pid {pid})")
+                if pid is not None and ep.pid is not None and pid != ep.pid:
+                    self.state.restarted(ep, f"supervisor reports a new pid {pid}")
                 self._refetch_models(ep)
             ep.routable = routable or ep.draining
             ep.pid = pid if isinstance(pid, int) else ep.pid

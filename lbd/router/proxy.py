@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import orjson
 
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
+from lbd.router.facts import PIN_HEADER, BadRequest, parse_request, pinned_rank
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
@@ -103,11 +103,16 @@ class Proxy:
         body = request.body
         try:
             if request.method == "POST":
-                facts = parse_facts(body, request.headers, self.cfg.session_header)
+                facts, data = parse_request(body, request.headers, self.cfg.session_header)
             else:
-                facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
+                facts, data = RequestFacts(pinned_rank=pinned_rank(request.headers)), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        exact = self.state.exact
+        if exact is not None and data is not None:
+            pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
+            if pending is not None:
+                await pending
         headers = self._forward_headers(request, rid_header)
         exclude: list[str] = []
         failure: Failure | None = None

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from lbd.router.config import RouterConfig
 from lbd.router.endpoints import Endpoint
+from lbd.router.kv.view import ExactView
 from lbd.router.metrics import RouterMetrics
 from lbd.router.shared import SharedCounters
 from lbd.router.upstream import UpstreamPool
@@ -31,7 +32,8 @@ class RouterState:
             seed=shared.worker,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
         )
-        self.metrics = RouterMetrics(self.live_rows)
+        self.exact: ExactView | None = None  # set by the app when --kv-events is not off
+        self.metrics = RouterMetrics(self.live_rows, self.kv_rows)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
 
@@ -88,7 +90,18 @@ class RouterState:
         if not ep.healthy:
             self.metrics.readmissions.labels(ep.url).inc()
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
+            self.policy.forget(ep.url)  # it may be a new process: nothing it held is known to be cached
         ep.readmit()
+
+    def restarted(self, ep: Endpoint, why: str) -> None:
+        """The process behind ``ep`` is new: its prefix cache is cold."""
+        log.info("endpoint %s (rank %s) restarted (%s): forgetting what it had cached", ep.url, ep.rank, why)
+        self.policy.forget(ep.url)
+        if self.exact is not None:
+            self.exact.restarted(ep.url, why)
+
+    def kv_rows(self) -> list[tuple[str, float, float, int]]:
+        return self.exact.metric_rows() if self.exact is not None else []
 
     def ready(self) -> bool:
         """At least one endpoint takes traffic and has answered us (a scrape or its model list)."""
@@ -134,6 +147,7 @@ class RouterState:
                     "scrape_age_s": None if math.isinf(snap.age_s) else round(snap.age_s, 3),
                     "failures": ep.failures,
                     "last_error": ep.last_error or None,
+                    "kv_events": self.exact.status(ep.url) if self.exact is not None else {"mode": "off"},
                 }
             )
         return out
