@@ -41,7 +41,10 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "last_exit_code": null,    # negative: killed by that signal
           "next_start_in_s": null,   # in state restarting: the backoff left
           "operation": null,         # "drain" or "restart" while an admin command is carried out
-          "devices": "0,1"           # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "devices": "0,1",          # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "kv_event_sources": {"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...}}
+                                     # the ready rank's /kv_event_sources (vLLM's shape; {} when events are
+                                     # off, null until ready)
         }
       ]
     }

@@ -101,6 +101,7 @@ class RankWorker:
         self.last_exit_code: int | None = None
         self.next_start_at: float | None = None
         self.operation: str | None = None  # admin command being carried out
+        self.kv_event_sources: dict | None = None  # the ready process's /kv_event_sources
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
         self._ever_ready = False
@@ -108,6 +109,7 @@ class RankWorker:
         self._spawn_task: asyncio.Task[RankProcess] | None = None
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         metrics.add_rank(spec.rank)
 
@@ -128,6 +130,8 @@ class RankWorker:
     async def shutdown(self, grace_s: float) -> None:
         """Stop the lifecycle, SIGTERM the rank, SIGKILL its tree after ``grace_s``."""
         self._stopping = True
+        for task in self._side_tasks:
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -158,6 +162,7 @@ class RankWorker:
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
             "operation": self.operation, "devices": self.spec.devices,
+            "kv_event_sources": self.kv_event_sources,
         }
 
     # ---- the lifecycle ------------------------------------------------------------------------------------
@@ -184,6 +189,7 @@ class RankWorker:
         gen = self.generation
         self.consecutive_failures = 0
         self._ready_mono = None
+        self.kv_event_sources = None
         self._set_state(RankState.STARTING)
         try:
             proc = await self._spawn()
@@ -330,6 +336,8 @@ class RankWorker:
                 self._set_state(RankState.READY)
                 log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
                          self._ready_mono - (self._started_mono or self._ready_mono))
+                self._side_tasks.add(task := asyncio.create_task(self._learn_sources(gen)))
+                task.add_done_callback(self._side_tasks.discard)
             return
         if self.state not in (RankState.READY, RankState.DRAINING):
             return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
@@ -340,6 +348,12 @@ class RankWorker:
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
             self._events.put_nowait(_Event(gen, "unhealthy", why))
+
+    async def _learn_sources(self, gen: int) -> None:
+        """Copy the ready rank's KV-event sources into /status (routers and operators read them there)."""
+        sources = await self.prober.kv_event_sources(self.spec.probe_url)
+        if gen == self.generation:
+            self.kv_event_sources = sources
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _set_state(self, state: RankState) -> None:
