@@ -27,6 +27,7 @@ class RequestFacts:
     pinned_rank: int | None = None
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
+    block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
 
 
 @dataclass(slots=True)

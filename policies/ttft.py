@@ -8,6 +8,10 @@ Estimate per endpoint, in prefill-token equivalents divided by a prefill rate (t
                      the endpoint's KV-cache events (``facts.cached_tokens``), else the approximate index
     KV pressure    = ``kv_penalty_tokens`` x how far KV use is past ``kv_threshold`` (near full = preemption)
 The rate is a flag, or learned from observed times to first byte (EWMA) when not given.
+The choice minimises the estimate plus ``reuse_weight`` x this request's uncached tokens: a token computed
+again where another rank holds it delays everything queued behind it there, so between two near-equal
+estimates the one that reuses the cache wins (e.g. a request whose prefix another request is computing right
+now), while a rank whose queue outgrows the saving loses the request (a hot prefix spreads).
 Bounded stickiness: endpoints whose queue score is past the least one by a gap are not considered, so a
 cached prefix never outweighs a large load gap; equal estimates rotate so cold bursts spread.
 """
@@ -38,6 +42,7 @@ class PredictedTtft(Policy):
         gap_rel: float = 0.5,
         index_capacity: int = 65536,
         learn_alpha: float = 0.1,
+        reuse_weight: float = 1.0,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -49,6 +54,7 @@ class PredictedTtft(Policy):
             kv_penalty_tokens,
         )
         self.gap_abs, self.gap_rel, self.alpha = gap_abs, gap_rel, learn_alpha
+        self.reuse_weight = reuse_weight
         self.avg_prompt_tokens = 256.0
         self.index = PrefixIndex(index_capacity)
 
@@ -99,10 +105,11 @@ class PredictedTtft(Policy):
         least = min(scores)
         bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
         allowed = [i for i, s in enumerate(scores) if s <= bound]
-        pick = allowed[self.rotate(ties([costs[i][0] for i in allowed], eps=1e-6))]
+        w = self.reuse_weight
+        pick = allowed[self.rotate(ties([costs[i][0] + w * costs[i][1] for i in allowed], eps=1e-6))]
         ep = endpoints[pick]
         total, uncached, matched = costs[pick]
-        if len(allowed) < len(costs) and total > min(c[0] for c in costs) + 1e-6:
+        if len(allowed) < len(costs) and total + w * uncached > min(c[0] + w * c[1] for c in costs) + 1e-6:
             reason = "load_gap"
         elif ep.age_s > stale_s:
             reason = "stale_telemetry"

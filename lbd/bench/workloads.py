@@ -58,6 +58,7 @@ class WorkloadSpec:
     long_input_len: int = 4096
     short_input_len: int = 128
     file: str | None = None
+    prefix_seed: int | None = None  # system prompts from this seed (not the stream's): fixed across runs
 
     def check(self) -> None:
         """Raise WorkloadError naming the flag of an impossible value."""
@@ -128,6 +129,8 @@ def _random(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> Iterator
 
 def _system_prompts(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> list[str]:
     # A distinct opening per group, so groups share no prefix beyond the chat template.
+    if spec.prefix_seed is not None:  # the same tenants whatever the stream's seed (runs in steps)
+        rng = random.Random(spec.prefix_seed)
     return [f"Group {g}. " + src.text(rng, spec.system_prompt_len) for g in range(spec.num_groups)]
 
 

@@ -188,6 +188,8 @@ class Proxy:
         a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), self.loop.time())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
+        if state.exact is not None and facts.block_keys is not None:
+            a.pending = state.exact.dispatched(ep.url, facts)
         state.metrics.decision(self.cfg.policy, d.reason)
         status = "client_gone"
         upstream: UpstreamResponse | None = None
@@ -233,6 +235,8 @@ class Proxy:
                 upstream.close()  # gives a fully read connection back to the pool, closes any other
             if not a.started:
                 state.shared.start(ep.slot, a.charge)
+                if a.pending is not None:
+                    state.exact.settle(a.pending, False)  # type: ignore[union-attr]
             state.shared.finish(ep.slot)
             state.metrics.request(ep.url, status, self.loop.time() - t0)
 
@@ -290,6 +294,8 @@ class Proxy:
             )
         a.started = True
         self.state.shared.start(a.ep.slot, a.charge)
+        if a.pending is not None:
+            self.state.exact.settle(a.pending, True)  # type: ignore[union-attr]
         if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
             self.state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
@@ -399,6 +405,7 @@ class _Attempt:
     charge: int
     dispatched_at: float
     started: bool = False
+    pending: object = None  # the exact view's token for the blocks this request computes
 
 
 class _ClientGone(Exception):

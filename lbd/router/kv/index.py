@@ -47,14 +47,14 @@ class BlockIndex:
         blocks.clear()
         self._free_bits.append(blocks.bit.bit_length() - 1)
 
-    def match(self, keys: Sequence[int], bits: int) -> dict[int, int]:
-        """How many leading blocks of ``keys`` each endpoint in ``bits`` holds: {bit: blocks} (only bits
-        with at least one block)."""
+    def match(self, keys: Sequence[int], bits: int, pending: dict[int, int] | None = None) -> dict[int, int]:
+        """How many leading blocks of ``keys`` each endpoint in ``bits`` holds (or, with ``pending``, is
+        computing): {bit: blocks} (only bits with at least one block)."""
         holders = self.holders
         alive = bits
         depth: dict[int, int] = {}
         for i, k in enumerate(keys):
-            held = holders.get(k, 0) & alive
+            held = (holders.get(k, 0) | pending.get(k, 0) if pending else holders.get(k, 0)) & alive
             if held != alive:
                 lost = alive & ~held
                 if i:
@@ -71,6 +71,38 @@ class BlockIndex:
             depth[low] = n
             alive ^= low
         return depth
+
+
+class PendingBlocks:
+    """Blocks the router sent endpoints to compute and their events have not yet announced: a request that
+    shares a prefix with one still in prefill goes where that prefix is being computed, as it will hit
+    there. Entries are counted per (key, endpoint) and dropped after the request's first byte."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self._count: dict[tuple[int, int], int] = {}
+
+    def add(self, keys: Sequence[int], bit: int) -> None:
+        holders, count = self.holders, self._count
+        for k in keys:
+            n = count.get((k, bit), 0)
+            if not n:
+                holders[k] = holders.get(k, 0) | bit
+            count[(k, bit)] = n + 1
+
+    def remove(self, keys: Sequence[int], bit: int) -> None:
+        holders, count = self.holders, self._count
+        for k in keys:
+            n = count.pop((k, bit), 0) - 1
+            if n > 0:
+                count[(k, bit)] = n
+            elif n == 0:
+                _drop(holders, k, bit)
+
+    def purge(self, bit: int) -> None:
+        for k, b in [kb for kb in self._count if kb[1] == bit]:
+            del self._count[(k, b)]
+            _drop(self.holders, k, b)
 
 
 class EndpointBlocks:

@@ -23,13 +23,14 @@ from urllib.parse import urlsplit
 import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys
+from lbd.router.kv.index import BlockIndex, EndpointBlocks, PendingBlocks, chain_keys
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
 from policies import RequestFacts
 
 log = logging.getLogger("lbd.router")
 Getter = Callable[[str, float], Awaitable[tuple[int, bytes]]]  # (url, timeout) -> (status, body)
 OFFLOAD_CHARS = 4096  # new prompt text longer than this is tokenized in a thread
+SETTLE_S = 0.5  # a dispatched prefix stays pending this long after the first byte (its events are due)
 REDISCOVER_S = 2.0  # while an endpoint has no usable feed, ask it again this often
 TOKENIZER_RETRY_S = 30.0
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
@@ -91,6 +92,7 @@ class ExactView:
         self.timeout_s = timeout_s
         self.local_tokenizer = local_tokenizer
         self.index = BlockIndex()
+        self.pending = PendingBlocks()
         self.views: dict[str, EndpointView] = {}
         self._tokenizers: dict[str, RouterTokenizer] = {}  # tokenizer.json sha256 -> tokenizer
 
@@ -114,6 +116,7 @@ class ExactView:
         if view.feed is not None:
             view.feed.cancel()
         self.index.release(view.blocks)
+        self.pending.purge(view.blocks.bit)
 
     def restarted(self, url: str, why: str) -> None:
         """The process behind ``url`` was replaced: its cache is cold, its addresses may have changed."""
@@ -256,6 +259,7 @@ class ExactView:
         n = len(ids)
         facts.prompt_tokens = n
         cached: dict[str, int] = {}
+        keys_by_size: dict[int, list[int]] = {}
         by_size: dict[int, list[EndpointView]] = {}
         for v in views:
             by_size.setdefault(v.block_size, []).append(v)
@@ -264,10 +268,38 @@ class ExactView:
             for v in group:
                 bits |= v.blocks.bit
             # the engine always computes the last prompt token: a fully cached prompt still recomputes it
-            depth = self.index.match(chain_keys(ids, bs, (n - 1) // bs), bits)
+            keys = keys_by_size[bs] = chain_keys(ids, bs, (n - 1) // bs)
+            depth = self.index.match(keys, bits, self.pending.holders)
             for v in group:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
         facts.cached_tokens = cached
+        facts.block_keys = keys_by_size
+
+    def dispatched(self, url: str, facts: RequestFacts) -> tuple[EndpointView, list[int]] | None:
+        """``facts`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
+        view = self.views.get(url)
+        if view is None or not facts.block_keys or facts.cached_tokens is None:
+            return None
+        bs = view.block_size
+        keys = facts.block_keys.get(bs)
+        if not keys:
+            return None
+        keys = keys[facts.cached_tokens.get(url, 0) // bs:]
+        self.pending.add(keys, view.blocks.bit)
+        return view, keys
+
+    def settle(self, token: tuple[EndpointView, list[int]], first_byte: bool) -> None:
+        """The request's first byte arrived (its events are due: drop the entry soon) or it failed."""
+        view, keys = token
+
+        def drop() -> None:
+            if self.views.get(view.url) is view:  # the endpoint's bit may belong to another one now
+                self.pending.remove(keys, view.blocks.bit)
+
+        if first_byte:
+            asyncio.get_running_loop().call_later(SETTLE_S, drop)
+        else:
+            drop()
 
     # ---- reporting ------------------------------------------------------------------------------------
     def status(self, url: str) -> dict[str, Any] | None:
