@@ -110,6 +110,9 @@ class Policy:
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    # True when the policy reads RequestFacts.cached_tokens: with exact views of every endpoint the router
+    # then skips the text-prefix hashes (only the approximate index needs them)
+    exact_aware: ClassVar[bool] = False
 
     def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
         self.stale_s = stale_s

@@ -30,6 +30,7 @@ CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
 @register
 class PredictedTtft(Policy):
     name = "predicted_ttft"
+    exact_aware = True
     help = "lowest estimated time to first token: queue ahead + uncached prefill, KV pressure as a penalty"
 
     def __init__(

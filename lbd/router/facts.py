@@ -68,9 +68,10 @@ def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
 
 
 def parse_request(
-    body: bytes, headers: Any, session_header: str
+    body: bytes, headers: Any, session_header: str, text_prefix: bool = True
 ) -> tuple[RequestFacts, dict[str, Any] | None]:
-    """The facts and the parsed body (None when empty), for the exact view to tokenize."""
+    """The facts and the parsed body (None when empty), for the exact view to tokenize. Without
+    ``text_prefix`` the text chunk hashes are skipped (every endpoint has an exact view)."""
     pin = pinned_rank(headers)
     session = headers.get(session_header)
     if not body:
@@ -87,7 +88,7 @@ def parse_request(
     raw, tokens = _prompt_bytes(data)
     facts = RequestFacts(
         model=model if isinstance(model, str) else None,
-        prefix_hashes=chunk_hashes(raw),
+        prefix_hashes=chunk_hashes(raw) if text_prefix else (),
         session_key=session,
         pinned_rank=pin,
         prompt_tokens=tokens,

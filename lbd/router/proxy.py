@@ -101,14 +101,15 @@ class Proxy:
                 rid_header,
             )
         body = request.body
+        exact = self.state.exact
         try:
             if request.method == "POST":
-                facts, data = parse_request(body, request.headers, self.cfg.session_header)
+                text = exact is None or not (self.state.policy.exact_aware and exact.complete())
+                facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
             else:
                 facts, data = RequestFacts(pinned_rank=pinned_rank(request.headers)), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
-        exact = self.state.exact
         if exact is not None and data is not None:
             pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
             if pending is not None:

@@ -29,11 +29,75 @@ def chain_keys(token_ids: Sequence[int], block_size: int, limit: int | None = No
     return keys
 
 
+class ChainMemo:
+    """Block keys of tokenized prompts, computed once per shared piece sequence.
+
+    A prompt arrives as pieces (``tokenize.Plan``: token-id lists the tokenizer caches, the same list object
+    for the same text), so a trie over piece identities holds, per node, the keys of the blocks completed
+    within that piece and the partial block left over. A new chat turn walks the trie through the cached
+    history and hashes only its own new blocks. Nodes pin their pieces (no id reuse while in the trie); the
+    trie is dropped whole when it outgrows ``max_nodes``.
+    """
+
+    __slots__ = ("block_size", "max_nodes", "_root", "_nodes")
+
+    def __init__(self, block_size: int, max_nodes: int = 50_000) -> None:
+        self.block_size = block_size
+        self.max_nodes = max_nodes
+        self._root = _Node(None, [], [], ROOT_KEY)
+        self._nodes = 0
+
+    def keys(self, pieces: Sequence[Sequence[int]]) -> list[int]:
+        """Keys of every full block of the concatenated pieces."""
+        bs = self.block_size
+        node, keys, i = self._root, [], 0
+        for p in pieces:
+            child = node.children.get(id(p))
+            if child is None or child.piece is not p:
+                break
+            keys += child.inc
+            node, i = child, i + 1
+        if i == len(pieces):
+            return keys
+        if self._nodes > self.max_nodes:
+            self._root, self._nodes = _Node(None, [], [], ROOT_KEY), 0
+            return self.keys(pieces)
+        tail, parent = node.tail, node.last
+        for p in pieces[i:]:
+            buf = tail + list(p) if tail else p
+            full = len(buf) // bs * bs
+            inc = []
+            for start in range(0, full, bs):
+                parent = hash((parent, *buf[start:start + bs]))
+                inc.append(parent)
+            tail = list(buf[full:])
+            child = _Node(p, inc, tail, parent)
+            node.children[id(p)] = child
+            self._nodes += 1
+            node = child
+            keys += inc
+        return keys
+
+
+class _Node:
+    __slots__ = ("piece", "inc", "tail", "last", "children")
+
+    def __init__(self, piece: Sequence[int] | None, inc: list[int], tail: list[int], last: int) -> None:
+        self.piece, self.inc, self.tail, self.last = piece, inc, tail, last
+        self.children: dict[int, _Node] = {}
+
+
 class BlockIndex:
-    """All endpoints' blocks, for one router worker."""
+    """All endpoints' blocks, for one router worker: ``held`` from the events, ``pending`` for blocks this
+    worker sent an endpoint to compute that its events have not announced yet (a request sharing a prefix
+    with one still in prefill goes where the prefix is being computed: it will hit there), ``union`` of both
+    for the lookup. Pending entries are counted per (key, endpoint) and dropped after the first byte."""
 
     def __init__(self) -> None:
-        self.holders: dict[int, int] = {}  # own key -> bitmask of endpoints
+        self.held: dict[int, int] = {}  # own key -> bitmask of endpoints
+        self.pending: dict[int, int] = {}
+        self.union: dict[int, int] = {}
+        self._pending_count: dict[tuple[int, int], int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
 
@@ -45,16 +109,59 @@ class BlockIndex:
 
     def release(self, blocks: EndpointBlocks) -> None:
         blocks.clear()
+        self.purge_pending(blocks.bit)
         self._free_bits.append(blocks.bit.bit_length() - 1)
 
-    def match(self, keys: Sequence[int], bits: int, pending: dict[int, int] | None = None) -> dict[int, int]:
-        """How many leading blocks of ``keys`` each endpoint in ``bits`` holds (or, with ``pending``, is
-        computing): {bit: blocks} (only bits with at least one block)."""
-        holders = self.holders
+    # ---- updates -------------------------------------------------------------------------------------------
+    def hold(self, key: int, bit: int) -> None:
+        self.held[key] = self.held.get(key, 0) | bit
+        self.union[key] = self.union.get(key, 0) | bit
+
+    def release_key(self, key: int, bit: int) -> None:
+        _drop(self.held, key, bit)
+        self._recompute(key)
+
+    def _recompute(self, key: int) -> None:
+        both = self.held.get(key, 0) | self.pending.get(key, 0)
+        if both:
+            self.union[key] = both
+        else:
+            self.union.pop(key, None)
+
+    def add_pending(self, keys: Sequence[int], bit: int) -> None:
+        count, pending, union = self._pending_count, self.pending, self.union
+        for k in keys:
+            n = count.get((k, bit), 0)
+            if not n:
+                pending[k] = pending.get(k, 0) | bit
+                union[k] = union.get(k, 0) | bit
+            count[(k, bit)] = n + 1
+
+    def remove_pending(self, keys: Sequence[int], bit: int) -> None:
+        count = self._pending_count
+        for k in keys:
+            n = count.pop((k, bit), 0) - 1
+            if n > 0:
+                count[(k, bit)] = n
+            elif n == 0:
+                _drop(self.pending, k, bit)
+                self._recompute(k)
+
+    def purge_pending(self, bit: int) -> None:
+        for k, b in [kb for kb in self._pending_count if kb[1] == bit]:
+            del self._pending_count[(k, b)]
+            _drop(self.pending, k, b)
+            self._recompute(k)
+
+    # ---- lookup --------------------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], bits: int) -> dict[int, int]:
+        """How many leading blocks of ``keys`` each endpoint in ``bits`` holds or is computing:
+        {bit: blocks} (only bits with at least one block)."""
+        union = self.union
         alive = bits
         depth: dict[int, int] = {}
         for i, k in enumerate(keys):
-            held = (holders.get(k, 0) | pending.get(k, 0) if pending else holders.get(k, 0)) & alive
+            held = union.get(k, 0) & alive
             if held != alive:
                 lost = alive & ~held
                 if i:
@@ -71,38 +178,6 @@ class BlockIndex:
             depth[low] = n
             alive ^= low
         return depth
-
-
-class PendingBlocks:
-    """Blocks the router sent endpoints to compute and their events have not yet announced: a request that
-    shares a prefix with one still in prefill goes where that prefix is being computed, as it will hit
-    there. Entries are counted per (key, endpoint) and dropped after the request's first byte."""
-
-    def __init__(self) -> None:
-        self.holders: dict[int, int] = {}
-        self._count: dict[tuple[int, int], int] = {}
-
-    def add(self, keys: Sequence[int], bit: int) -> None:
-        holders, count = self.holders, self._count
-        for k in keys:
-            n = count.get((k, bit), 0)
-            if not n:
-                holders[k] = holders.get(k, 0) | bit
-            count[(k, bit)] = n + 1
-
-    def remove(self, keys: Sequence[int], bit: int) -> None:
-        holders, count = self.holders, self._count
-        for k in keys:
-            n = count.pop((k, bit), 0) - 1
-            if n > 0:
-                count[(k, bit)] = n
-            elif n == 0:
-                _drop(holders, k, bit)
-
-    def purge(self, bit: int) -> None:
-        for k, b in [kb for kb in self._count if kb[1] == bit]:
-            del self._count[(k, b)]
-            _drop(self.holders, k, b)
 
 
 class EndpointBlocks:
@@ -135,7 +210,7 @@ class EndpointBlocks:
                 self.orphans += len(hashes)
                 return
             key = entry[0]
-        holders, bit, by_engine = self.index.holders, self.bit, self.by_engine
+        index, bit, by_engine = self.index, self.bit, self.by_engine
         for i, h in enumerate(hashes):
             tokens = token_ids[i * block_size : (i + 1) * block_size]
             if len(tokens) < block_size:
@@ -146,12 +221,12 @@ class EndpointBlocks:
             entry = by_engine.get(h)
             if entry is None:
                 by_engine[h] = [key, 1]
-                holders[key] = holders.get(key, 0) | bit
+                index.hold(key, bit)
             else:
                 entry[1] += 1
 
     def removed(self, hashes: Sequence[Any]) -> None:
-        holders, by_engine = self.index.holders, self.by_engine
+        index, by_engine = self.index, self.by_engine
         for h in hashes:
             h = _hashable(h)
             entry = by_engine.get(h)
@@ -160,12 +235,12 @@ class EndpointBlocks:
             entry[1] -= 1
             if entry[1] <= 0:
                 del by_engine[h]
-                _drop(holders, entry[0], self.bit)
+                index.release_key(entry[0], self.bit)
 
     def clear(self) -> None:
-        holders, bit = self.index.holders, self.bit
+        index, bit = self.index, self.bit
         for key, _ in self.by_engine.values():
-            _drop(holders, key, bit)
+            index.release_key(key, bit)
         self.by_engine.clear()
         self.orphans = 0
 

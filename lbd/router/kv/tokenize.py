@@ -102,7 +102,8 @@ class RouterTokenizer:
     def __init__(self, tokenizer_json: str, info: dict[str, Any]) -> None:
         self.rust = Tokenizer.from_str(tokenizer_json)
         template = info.get("chat_template")
-        self.template = _compile(template) if isinstance(template, str) and template else None
+        self.template_source = template if isinstance(template, str) and template else None
+        self.template = _compile(template) if self.template_source else None
         specials = info.get("special_tokens_map") or {}
         self.template_vars = {
             k: v for k, v in {**info, **specials}.items() if k.endswith("_token") and isinstance(v, str)
@@ -111,6 +112,7 @@ class RouterTokenizer:
         self._cache_chars = 0
         added = self.rust.get_added_tokens_decoder()
         self._added = {t.content: i for i, t in added.items() if t.content}
+        self._added_piece = {c: [i] for c, i in self._added.items()}  # one list per token: pieces are shared
         self._split = (
             re.compile("(" + "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True)) + ")")
             if self._added
@@ -207,11 +209,11 @@ class RouterTokenizer:
             plan.pieces.append(self.prefix)
         parts = self._split.split(text) if self._split is not None and self.by_pieces else [text]
         cache, added = self._cache, self._added
-        for i, part in enumerate(parts):
+        for i, part in enumerate(parts):  # odd parts are the added tokens the split found
             if not part:
                 continue
             if i % 2 and part in added:
-                plan.pieces.append([added[part]])
+                plan.pieces.append(self._added_piece[part])
                 continue
             hit = cache.get(part)
             if hit is None:
@@ -242,7 +244,7 @@ class RouterTokenizer:
         while cache and (len(cache) > CACHE_PIECES or self._cache_chars > CACHE_CHARS):
             old, _ = cache.popitem(last=False)
             self._cache_chars -= len(old)
-        found = dict(zip(plan.missing, encoded, strict=True))
+        found = {t: cache.get(t, ids) for t, ids in zip(plan.missing, encoded, strict=True)}
         plan.pieces = [found[p] if isinstance(p, str) else p for p in plan.pieces]
         plan.missing = []
 

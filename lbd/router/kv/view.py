@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.index import BlockIndex, EndpointBlocks, PendingBlocks, chain_keys
+from lbd.router.kv.index import BlockIndex, ChainMemo, EndpointBlocks
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
 from policies import RequestFacts
 
@@ -92,7 +92,7 @@ class ExactView:
         self.timeout_s = timeout_s
         self.local_tokenizer = local_tokenizer
         self.index = BlockIndex()
-        self.pending = PendingBlocks()
+        self._chains: dict[int, ChainMemo] = {}  # block size -> memo of prompts' block keys
         self.views: dict[str, EndpointView] = {}
         self._tokenizers: dict[str, RouterTokenizer] = {}  # tokenizer.json sha256 -> tokenizer
 
@@ -116,7 +116,6 @@ class ExactView:
         if view.feed is not None:
             view.feed.cancel()
         self.index.release(view.blocks)
-        self.pending.purge(view.blocks.bit)
 
     def restarted(self, url: str, why: str) -> None:
         """The process behind ``url`` was replaced: its cache is cold, its addresses may have changed."""
@@ -227,6 +226,11 @@ class ExactView:
         return tok
 
     # ---- requests -------------------------------------------------------------------------------------
+    def complete(self) -> bool:
+        """Every endpoint has an exact view (no request needs the approximate index)."""
+        views = self.views.values()
+        return bool(views) and all(v.exact(self.stale_s) for v in views)
+
     def annotate(self, facts: RequestFacts, data: dict[str, Any]) -> Awaitable[None] | None:
         """Set ``facts.prompt_tokens`` (exact) and ``facts.cached_tokens`` for exact endpoints; returns an
         awaitable when a long new prompt text is being tokenized off the event loop."""
@@ -245,7 +249,7 @@ class ExactView:
             return self._annotate_later(facts, tok, plan, views)
         if plan.missing:
             tok.fill(plan, tok.encode_missing(plan))
-        self._lookup(facts, tok.assemble(plan), [v for v in views if v.tokenizer is tok])
+        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
         return None
 
     async def _annotate_later(
@@ -253,10 +257,10 @@ class ExactView:
     ) -> None:
         encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan)
         tok.fill(plan, encoded)
-        self._lookup(facts, tok.assemble(plan), [v for v in views if v.tokenizer is tok])
+        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
 
-    def _lookup(self, facts: RequestFacts, ids: list[int], views: list[EndpointView]) -> None:
-        n = len(ids)
+    def _lookup(self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView]) -> None:
+        n = sum(len(p) for p in pieces)
         facts.prompt_tokens = n
         cached: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
@@ -268,8 +272,11 @@ class ExactView:
             for v in group:
                 bits |= v.blocks.bit
             # the engine always computes the last prompt token: a fully cached prompt still recomputes it
-            keys = keys_by_size[bs] = chain_keys(ids, bs, (n - 1) // bs)
-            depth = self.index.match(keys, bits, self.pending.holders)
+            memo = self._chains.get(bs)
+            if memo is None:
+                memo = self._chains[bs] = ChainMemo(bs)
+            keys = keys_by_size[bs] = memo.keys(pieces)[: (n - 1) // bs]
+            depth = self.index.match(keys, bits)
             for v in group:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
         facts.cached_tokens = cached
@@ -285,7 +292,7 @@ class ExactView:
         if not keys:
             return None
         keys = keys[facts.cached_tokens.get(url, 0) // bs:]
-        self.pending.add(keys, view.blocks.bit)
+        self.index.add_pending(keys, view.blocks.bit)
         return view, keys
 
     def settle(self, token: tuple[EndpointView, list[int]], first_byte: bool) -> None:
@@ -294,7 +301,7 @@ class ExactView:
 
         def drop() -> None:
             if self.views.get(view.url) is view:  # the endpoint's bit may belong to another one now
-                self.pending.remove(keys, view.blocks.bit)
+                self.index.remove_pending(keys, view.blocks.bit)
 
         if first_byte:
             asyncio.get_running_loop().call_later(SETTLE_S, drop)
