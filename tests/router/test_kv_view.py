@@ -177,3 +177,18 @@ def test_decode_rejects_non_batches(form: str) -> None:
         decode_batch(msgspec.msgpack.encode({"nope": 1} if form == "dict" else [1]))
     with pytest.raises(BadPayload):
         decode_batch(b"\xc1")
+
+
+def test_chain_memo_matches_a_fresh_chain_however_the_prompt_is_split() -> None:
+    from lbd.router.kv.index import ChainMemo
+
+    memo = ChainMemo(BS, max_nodes=20)
+    system = list(range(100, 137))  # 9 blocks + 1 token
+    turns = [[7, 8, 9], list(range(200, 211)), [1]]
+    for k in range(1, len(turns) + 1):
+        for tail in ([42], [43, 44, 45, 46, 47]):  # shared history, then a new piece each time
+            pieces = [system, *turns[:k], tail]
+            assert memo.keys(pieces) == chain_keys([t for p in pieces for t in p], BS)
+    for i in range(30):  # past max_nodes the trie starts over; answers stay right
+        pieces = [system, [i, i + 1]]
+        assert memo.keys(pieces) == chain_keys([t for p in pieces for t in p], BS)

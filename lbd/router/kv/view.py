@@ -94,7 +94,7 @@ class ExactView:
         self.index = BlockIndex()
         self._chains: dict[int, ChainMemo] = {}  # block size -> memo of prompts' block keys
         self.views: dict[str, EndpointView] = {}
-        self._tokenizers: dict[str, RouterTokenizer] = {}  # tokenizer.json sha256 -> tokenizer
+        self._tokenizers: dict[str, asyncio.Future[RouterTokenizer]] = {}  # tokenizer.json sha256 -> it
 
     # ---- endpoints ------------------------------------------------------------------------------------
     def add(
@@ -214,15 +214,22 @@ class ExactView:
         sha = info.get("tokenizer_json_sha256") if isinstance(info, dict) else None
         if not sha:
             return self.local_tokenizer
-        tok = self._tokenizers.get(sha)
-        if tok is None:
-            status, body = await self.get(view.url + "/tokenizer.json", max(self.timeout_s, 30.0))
-            if status != 200 or hashlib.sha256(body).hexdigest() != sha:
-                raise ValueError(f"/tokenizer.json answered {status} or does not match its sha256")
-            loop = asyncio.get_running_loop()
-            tok = await loop.run_in_executor(None, RouterTokenizer, body.decode(), info)
-            self._tokenizers[sha] = tok
-            log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
+        loading = self._tokenizers.get(sha)
+        if loading is None:  # one download per tokenizer, however many endpoints serve it
+            loading = self._tokenizers[sha] = asyncio.ensure_future(self._load_tokenizer(view, sha, info))
+        try:
+            return await asyncio.shield(loading)
+        except (OSError, TimeoutError, ValueError):
+            if self._tokenizers.get(sha) is loading:
+                del self._tokenizers[sha]  # the next endpoint (or the next try) fetches it again
+            raise
+
+    async def _load_tokenizer(self, view: EndpointView, sha: str, info: dict[str, Any]) -> RouterTokenizer:
+        status, body = await self.get(view.url + "/tokenizer.json", max(self.timeout_s, 30.0))
+        if status != 200 or hashlib.sha256(body).hexdigest() != sha:
+            raise ValueError(f"/tokenizer.json answered {status} or does not match its sha256")
+        tok = await asyncio.get_running_loop().run_in_executor(None, RouterTokenizer, body.decode(), info)
+        log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
         return tok
 
     # ---- requests -------------------------------------------------------------------------------------
