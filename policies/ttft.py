@@ -12,8 +12,10 @@ The choice minimises the estimate plus ``reuse_weight`` x this request's uncache
 again where another rank holds it delays everything queued behind it there, so between two near-equal
 estimates the one that reuses the cache wins (e.g. a request whose prefix another request is computing right
 now), while a rank whose queue outgrows the saving loses the request (a hot prefix spreads).
-Bounded stickiness: endpoints whose queue score is past the least one by a gap are not considered, so a
-cached prefix never outweighs a large load gap; equal estimates rotate so cold bursts spread.
+Bounded stickiness: approximate endpoints whose queue score is past the least one by a gap are not
+considered, so a guessed prefix never outweighs a large load gap. Endpoints with an exact view are exempt:
+their estimate already holds the queue ahead and the true cost of a miss (a gap on running requests only
+broke affinity for chat sessions with long decodes). Equal estimates rotate so cold bursts spread.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class PredictedTtft(Policy):
         index_capacity: int = 65536,
         learn_alpha: float = 0.1,
         reuse_weight: float = 1.0,
+        exact_gap_free: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -56,6 +59,7 @@ class PredictedTtft(Policy):
         )
         self.gap_abs, self.gap_rel, self.alpha = gap_abs, gap_rel, learn_alpha
         self.reuse_weight = reuse_weight
+        self.exact_gap_free = exact_gap_free
         self.avg_prompt_tokens = 256.0
         self.index = PrefixIndex(index_capacity)
 
@@ -105,7 +109,10 @@ class PredictedTtft(Policy):
         scores = [queue_score(e, stale_s) for e in endpoints]
         least = min(scores)
         bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
-        allowed = [i for i, s in enumerate(scores) if s <= bound]
+        exact = facts.cached_tokens if self.exact_gap_free else None
+        # With an exact view the estimate itself holds the queue (the endpoint's unstarted tokens and waiting
+        # requests) and the true cost of a miss; the queue-score gap stays for approximate endpoints only.
+        allowed = [i for i, s in enumerate(scores) if s <= bound or (exact and endpoints[i].key in exact)]
         w = self.reuse_weight
         pick = allowed[self.rotate(ties([costs[i][0] + w * costs[i][1] for i in allowed], eps=1e-6))]
         ep = endpoints[pick]

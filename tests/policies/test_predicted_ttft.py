@@ -128,17 +128,25 @@ def test_exact_cached_lengths_decide_where_they_are_known() -> None:
 
 
 def test_exact_affinity_is_bounded_by_load() -> None:
+    """With exact views the estimate carries the queue: a busy holder keeps a prefix until the work queued
+    ahead there outweighs recomputing it elsewhere (reuse counted), then the prefix spreads."""
     p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
     facts = exact(2000, {"http://e0": 1984, "http://e1": 0, "http://e2": 0})
     e = eps(3)
-    e[0] = replace(e[0], waiting=1, running=3)  # busy, but recomputing 2,000 tokens elsewhere costs more
-    assert p.choose(facts, e).endpoint.key == "http://e0"
-    e[0] = replace(e[0], waiting=3, running=12)  # queue score 24: past the gap from 0 (8): spread
+    e[0] = replace(e[0], waiting=3, running=12)  # many decodes (a queue score the text-prefix gap refuses)...
+    assert p.choose(facts, e).endpoint.key == "http://e0"  # ...but nothing waits long: 16 tokens to compute
+    e[0] = replace(e[0], unstarted=6, unstarted_tokens=4200, inflight=6)  # a long prefill queue ahead
     d = p.choose(facts, e)
-    assert d.endpoint.key != "http://e0" and d.reason == "load_gap"
+    assert d.endpoint.key != "http://e0" and d.reason == "lowest_ttft"
     # a hot prefix under a burst: the holder takes it until its queue outweighs the saving, then it spreads
-    keys = dispatch(p, facts, eps(3), 40)
+    keys = dispatch(p, facts, eps(3), 400)
     assert keys[0] == "http://e0" and len(set(keys)) == 3
+    # approximate endpoints keep the queue-score gap
+    text = hot(16)
+    p.on_dispatch(text, "http://e0")
+    e = eps(2)
+    e[0] = replace(e[0], running=20)
+    assert p.choose(text, e).reason == "load_gap"
 
 
 def test_reuse_breaks_near_ties_toward_the_cache() -> None:
