@@ -91,8 +91,8 @@ class Monitor:
         ]
         self._refetch_models(ep)
         if self.state.exact is not None:
-            self.state.exact.add(ep.url, lambda: ep.models,
-                                 lambda: (ep.sample.block_size if ep.sample is not None else 0) or 16)
+            block_size = lambda: (ep.sample.block_size if ep.sample is not None else 0) or 16  # noqa: E731
+            self.state.exact.add(ep.url, lambda: ep.models, block_size, ep.slot)
 
     def _refetch_models(self, ep: Endpoint) -> None:
         """A (re)started process may serve other models: ask again (tracked, so removal cancels it)."""
@@ -149,8 +149,9 @@ class Monitor:
         if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
             return
         sample, prev = parse_metrics(body.decode("utf-8", "replace")), ep.sample
-        if prev is not None and sample.prefix_queries < prev.prefix_queries:
+        if prev is not None and not ep.new_process and sample.prefix_queries < prev.prefix_queries:
             self.state.restarted(ep, "its counters went back")
+        ep.new_process = False
         if ep.take_sample(sample, began, totals.dispatched, totals.finished):
             self.state.reorder()
         ep.record_success("scrape")
@@ -237,11 +238,12 @@ class Monitor:
             routable = bool(r.get("routable", state == "ready"))
             ep.draining = state == "draining"
             pid = r.get("pid")
-            if routable and (not ep.routable or (pid is not None and ep.pid is not None and pid != ep.pid)):
+            new_pid = isinstance(pid, int) and ep.pid is not None and pid != ep.pid
+            if new_pid:  # seen while it starts, too: nothing the old process cached is there any more
+                self.state.restarted(ep, f"supervisor reports a new pid {pid}")
+            if routable and (not ep.routable or new_pid):
                 # a (re)started process the supervisor found ready: start clean
                 self.state.readmit(ep, f"supervisor reports {state} (pid {pid})")
-                if pid is not None and ep.pid is not None and pid != ep.pid:
-                    self.state.restarted(ep, f"supervisor reports a new pid {pid}")
                 self._refetch_models(ep)
             ep.routable = routable or ep.draining
             ep.pid = pid if isinstance(pid, int) else ep.pid

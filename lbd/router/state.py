@@ -91,11 +91,13 @@ class RouterState:
             self.metrics.readmissions.labels(ep.url).inc()
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
             self.policy.forget(ep.url)  # it may be a new process: nothing it held is known to be cached
+            ep.new_process = True
         ep.readmit()
 
     def restarted(self, ep: Endpoint, why: str) -> None:
         """The process behind ``ep`` is new: its prefix cache is cold."""
         log.info("endpoint %s (rank %s) restarted (%s): forgetting what it had cached", ep.url, ep.rank, why)
+        ep.new_process = True
         self.policy.forget(ep.url)
         if self.exact is not None:
             self.exact.restarted(ep.url, why)

@@ -192,3 +192,31 @@ def test_chain_memo_matches_a_fresh_chain_however_the_prompt_is_split() -> None:
     for i in range(30):  # past max_nodes the trie starts over; answers stay right
         pieces = [system, [i, i + 1]]
         assert memo.keys(pieces) == chain_keys([t for p in pieces for t in p], BS)
+
+
+def test_shared_pending_checkpoints_cross_workers() -> None:
+    import os
+
+    from lbd.router.kv.shared_pending import SharedPending, checkpoints
+
+    assert checkpoints(0, 20) == [7, 15, 19] and checkpoints(16, 17) == [16] and checkpoints(5, 5) == []
+    table = SharedPending(capacity=64, ttl_s=60)
+    pid = os.fork()
+    if pid == 0:  # another worker writes...
+        table.add([11, 12, 0], 3)
+        table.add([11], 3)
+        table.add([11], 5)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert sorted(table.slots(11)) == [3, 5] and table.slots(12) == [3] and table.slots(0) == [3]
+    table.remove([11], 3)
+    assert sorted(table.slots(11)) == [3, 5]  # added twice for slot 3: one removal leaves one
+    table.remove([11, 12], 3)
+    assert table.slots(11) == [5] and table.slots(12) == []
+    for k in range(100, 190):  # more keys than entries: the table never grows; the rest are dropped
+        table.add([k], 1)
+    assert table.slots(11) == [5]
+    expired = SharedPending(capacity=8, ttl_s=0.0)
+    expired.add([1], 1)
+    time.sleep(0.002)
+    assert expired.slots(1) == []

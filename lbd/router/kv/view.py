@@ -24,6 +24,7 @@ import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.index import BlockIndex, ChainMemo, EndpointBlocks
+from lbd.router.kv.shared_pending import SharedPending, checkpoints
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
 from policies import RequestFacts
 
@@ -47,6 +48,7 @@ class EndpointView:
     reason: str = "discovering"  # why the view is approximate (when it is)
     task: asyncio.Task[None] | None = None
     source: Source | None = None
+    slot: int = -1
 
     @property
     def block_size(self) -> int:
@@ -85,8 +87,11 @@ class ExactView:
         stale_s: float,
         timeout_s: float,
         local_tokenizer: RouterTokenizer | None = None,
+        shared: SharedPending | None = None,
     ) -> None:
         self.mode = mode
+        self.shared = shared  # other workers' pending prefixes (--workers > 1)
+        self._by_slot: dict[int, EndpointView] = {}
         self.get = get
         self.stale_s = stale_s
         self.timeout_s = timeout_s
@@ -98,19 +103,28 @@ class ExactView:
 
     # ---- endpoints ------------------------------------------------------------------------------------
     def add(
-        self, url: str, models: Callable[[], frozenset[str]], default_block_size: Callable[[], int]
+        self,
+        url: str,
+        models: Callable[[], frozenset[str]],
+        default_block_size: Callable[[], int],
+        slot: int = -1,
     ) -> None:
+        """Follow ``url``'s events; ``slot`` is its shared-counter slot (the same in every worker)."""
         if self.mode == "off" or url in self.views:
             return
         view = self.views[url] = EndpointView(
-            url, models, self.index.endpoint(), default_block_size=default_block_size
+            url, models, self.index.endpoint(), default_block_size=default_block_size, slot=slot
         )
+        if slot >= 0:
+            self._by_slot[slot] = view
         view.task = asyncio.ensure_future(self._discover(view))
 
     def remove(self, url: str) -> None:
         view = self.views.pop(url, None)
         if view is None:
             return
+        if self._by_slot.get(view.slot) is view:
+            del self._by_slot[view.slot]
         if view.task is not None:
             view.task.cancel()
         if view.feed is not None:
@@ -284,31 +298,52 @@ class ExactView:
                 memo = self._chains[bs] = ChainMemo(bs)
             keys = keys_by_size[bs] = memo.keys(pieces)[: (n - 1) // bs]
             depth = self.index.match(keys, bits)
+            if self.shared is not None:
+                self._shared_depths(keys, group, depth)
             for v in group:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
         facts.cached_tokens = cached
         facts.block_keys = keys_by_size
 
-    def dispatched(self, url: str, facts: RequestFacts) -> tuple[EndpointView, list[int]] | None:
+    def _shared_depths(self, keys: list[int], group: list[EndpointView], depth: dict[int, int]) -> None:
+        """Raise ``depth`` where another worker sent a request computing these blocks (its checkpoints)."""
+        assert self.shared is not None
+        mine = {v.slot: v for v in group if v.slot >= 0}
+        for pos in reversed(checkpoints(0, len(keys))):
+            if not mine:
+                return
+            for slot in self.shared.slots(keys[pos]):
+                v = mine.pop(slot, None)
+                if v is not None and depth.get(v.blocks.bit, 0) < pos + 1:
+                    depth[v.blocks.bit] = pos + 1
+
+    def dispatched(self, url: str, facts: RequestFacts) -> tuple[EndpointView, list[int], list[int]] | None:
         """``facts`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
         view = self.views.get(url)
         if view is None or not facts.block_keys or facts.cached_tokens is None:
             return None
         bs = view.block_size
-        keys = facts.block_keys.get(bs)
-        if not keys:
+        chain = facts.block_keys.get(bs)
+        if not chain:
             return None
-        keys = keys[facts.cached_tokens.get(url, 0) // bs:]
+        start = facts.cached_tokens.get(url, 0) // bs
+        keys = chain[start:]
         self.index.add_pending(keys, view.blocks.bit)
-        return view, keys
+        marks: list[int] = []
+        if self.shared is not None and view.slot >= 0:
+            marks = [chain[p] for p in checkpoints(start, len(chain))]
+            self.shared.add(marks, view.slot)
+        return view, keys, marks
 
-    def settle(self, token: tuple[EndpointView, list[int]], first_byte: bool) -> None:
+    def settle(self, token: tuple[EndpointView, list[int], list[int]], first_byte: bool) -> None:
         """The request's first byte arrived (its events are due: drop the entry soon) or it failed."""
-        view, keys = token
+        view, keys, marks = token
 
         def drop() -> None:
             if self.views.get(view.url) is view:  # the endpoint's bit may belong to another one now
                 self.index.remove_pending(keys, view.blocks.bit)
+            if marks and self.shared is not None:
+                self.shared.remove(marks, view.slot)
 
         if first_byte:
             asyncio.get_running_loop().call_later(SETTLE_S, drop)
