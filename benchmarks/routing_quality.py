@@ -108,14 +108,15 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
             num_turns=3,
             output_len=64,
             prefix_seed=seed,
+            group_skew=args.tenant_skew,
         ),
         BenchConfig(
             endpoint="chat", num_prompts=None, session_header=True, seed=seed, progress=False, timeout=900
         ),
-        # each rank's KV cache holds ~1/3 of all tenants' system prompts (the fleet holds them all ~2.7x)
+        # each rank's KV cache holds --tenant-kv-share of all tenants' system prompts
         engine_flags=[
             "--kv-cache-memory-bytes",
-            str(int(args.tenants * args.tenant_prompt_len / 3 * 131072)),
+            str(int(args.tenants * args.tenant_prompt_len * args.tenant_kv_share * 131072)),
         ],
         steps=[float(x) for x in args.mt_steps.split(",")][: 2 if args.quick else None],
         step_s=args.step_s / (3 if args.quick else 1),
@@ -371,6 +372,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tenant-prompt-len", type=int, default=3000, help="many-tenant: system prompt tokens")
     p.add_argument("--mt-steps", default="30,60,90,120", help="many-tenant: simulated req/s of each step")
     p.add_argument("--step-s", type=float, default=3.0, help="many-tenant: simulated seconds per step")
+    p.add_argument("--tenant-kv-share", type=float, default=1 / 3,
+                   help="many-tenant: share of all tenants' system prompts one rank's KV cache holds")
+    p.add_argument("--tenant-skew", type=float, default=0.0, help="many-tenant: Zipf exponent of popularity")
     p.add_argument("--tenant-time-scale", type=float, default=20.0, help="many-tenant: time dilation")
     p.add_argument(
         "--model",
