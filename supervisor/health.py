@@ -42,6 +42,11 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "next_start_in_s": null,   # in state restarting: the backoff left
           "operation": null,         # "drain" or "restart" while an admin command is carried out
           "devices": "0,1",          # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "cpus": null,              # its CPU slice (LBD_RANK_CPUS, e.g. "0-7"), null on CUDA
+          "workers": [               # its TP x PP worker processes ([] when TP x PP = 1), read from its
+                                     # process tree when it became ready; [] while it is down
+            {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
+          ],
           "kv_event_sources": {"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...}}
                                      # the ready rank's /kv_event_sources (vLLM's shape; {} when events are
                                      # off, null until ready)
@@ -96,7 +101,7 @@ def _text(ok: bool, reason: str) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -105,17 +110,12 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return error_response(e.status, f"{request.method} {request.path}: {e.reason}")
 
 
-class HealthServer:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.app = web.Application(middlewares=[_json_errors])
-        self.app.add_routes([
-            web.get("/health", self.health), web.get("/readyz", self.readyz),
-            web.get("/status", self.status), web.get("/metrics", self.metrics),
-            web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
-            web.post("/rolling-restart", self.rolling_restart),
-        ])
-        self._runner: web.AppRunner | None = None
+class AppServer:
+    """An aiohttp app served on a socket bound beforehand (the port is ours from validation on); no access
+    log, no signal handlers (the owner handles SIGTERM). Subclasses set ``self.app``."""
+
+    app: web.Application
+    _runner: web.AppRunner | None = None
 
     async def start(self, sock: socket.socket) -> None:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
@@ -125,6 +125,18 @@ class HealthServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+class HealthServer(AppServer):
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.app = web.Application(middlewares=[json_errors])
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/readyz", self.readyz),
+            web.get("/status", self.status), web.get("/metrics", self.metrics),
+            web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
+            web.post("/rolling-restart", self.rolling_restart),
+        ])
 
     # ---- read-only ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

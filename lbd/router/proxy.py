@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from lbd.router import admission
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_request, pinned_rank
 from lbd.router.messages import Request, Response, serialize_headers
@@ -81,6 +82,7 @@ class Proxy:
         # request costs more than the rest of the id handling together).
         self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
+        self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
 
     # ---- entry --------------------------------------------------------------------------------------
     async def handle(self, request: Request, out: Response) -> None:
@@ -110,6 +112,11 @@ class Proxy:
                 facts, data = RequestFacts(pinned_rank=pinned_rank(request.headers)), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        if self._admission and request.method == "POST" and admission.admits(request.path):
+            refused = admission.refusal(self.state)
+            if refused is not None:
+                self.state.metrics.decision(self.cfg.policy, refused[0])
+                return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
         if exact is not None and data is not None:
             pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
             if pending is not None:

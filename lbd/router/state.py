@@ -105,12 +105,16 @@ class RouterState:
     def kv_rows(self) -> list[tuple[str, float, float, int]]:
         return self.exact.metric_rows() if self.exact is not None else []
 
-    def ready(self) -> bool:
-        """At least one endpoint takes traffic and has answered us (a scrape or its model list)."""
-        return any(
-            e.healthy and e.routable and not e.draining and (e.sample is not None or e.model_cards)
+    def ready_count(self) -> int:
+        """Endpoints that take traffic and have answered us (a scrape or their model list)."""
+        return sum(
+            e.healthy and e.routable and not e.draining and (e.sample is not None or bool(e.model_cards))
             for e in self.order
         )
+
+    def ready(self) -> bool:
+        """At least --min-ready-endpoints endpoints take traffic (/readyz)."""
+        return self.ready_count() >= self.cfg.min_ready_endpoints
 
     def live_rows(self) -> Iterable[tuple[str, int, bool, float]]:
         now = self.loop.time()
