@@ -360,6 +360,19 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
     return rows
 
 
+def report(files: list[Path]) -> int:
+    """Tables and verdicts of saved runs; each file stays its own side-by-side run."""
+    for f in files:
+        rows = [Row(**d) for d in orjson.loads(f.read_bytes())]
+        print(f"## {f.name}")
+        for wl in dict.fromkeys(r.workload for r in rows):
+            mine = [r for r in rows if r.workload == wl]
+            stepped = any(math.isfinite(r.step_rate) for r in mine)
+            print(f"\n### {wl}\n\n{step_table(mine) if stepped else table(mine)}")
+        print("\n### Targets (issue 13)\n\n" + "\n".join(verdicts(rows)) + "\n")
+    return 0
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -389,7 +402,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=str(ROOT / "benchmarks" / "routing_quality.png"))
-    p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--json", default=None, help="write every row here (after every target)")
+    p.add_argument("--report", default=None, metavar="JSON[,JSON]",
+                   help="run nothing: print the tables and verdicts of earlier --json files, one run each")
     args = p.parse_args(argv)
     args.parser = p
     return args
@@ -398,6 +413,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     args = parse(argv)
+    if args.report:
+        return report([Path(f) for f in args.report.split(",")])
     targets = available_targets()
     if args.list:
         print("\n".join(targets))
@@ -439,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             print(f"  ({time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
+            if args.json:  # after every target: a run cut short keeps what it measured
+                rows_json = orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2)
+                Path(args.json).write_bytes(rows_json)
     for wl in chosen:
         mine = [r for r in rows if r.workload == wl.name]
         scale = wl.time_scale or args.time_scale
@@ -462,8 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(rows, Path(args.plot), args.time_scale)
         print(f"\nplot: {args.plot}")
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2))
     return 0
 
 
