@@ -274,6 +274,21 @@ def decision_counts(port: int) -> dict[str, int]:
     return out
 
 
+def wait_exact(port: int, workers: int, timeout: float = 60.0) -> None:
+    """Until every router worker has answered /router/status with an exact view of every rank (a new
+    connection per poll, so SO_REUSEPORT spreads them over the workers)."""
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < workers and time.monotonic() < deadline:
+        st = httpx.get(f"http://127.0.0.1:{port}/router/status", timeout=10).json()
+        modes = [(e.get("kv_events") or {}).get("mode") for e in st["endpoints"]]
+        if modes and all(m == "exact" for m in modes):
+            ready.add(st["worker"])
+        time.sleep(0.05)
+    if len(ready) < workers:
+        print(f"  warning: only workers {sorted(ready)} of {workers} had exact views after {timeout:g} s")
+
+
 # ---- one run -----------------------------------------------------------------------------------------------
 def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource, logs: Path) -> list[Row]:
     tag = f"{wl.spec.name}-{wl.name[:4]}-{target.replace(':', '-').replace('/', '-')}"
@@ -287,6 +302,8 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
         router = spawn(argv, log=logs / f"{tag}-router.log")
         wait_http(f"http://127.0.0.1:{port}{ready}", timeout=120, proc=router)
         time.sleep(2.0)  # let telemetry-driven routers take a first scrape (and lbd its event sources)
+        if target.startswith("lbd:") and "/approx" not in target:
+            wait_exact(port, int(next((m[1:] for m in target.split("/") if m[:1] == "w"), "1")))
         # the engines' model name: some routers' /v1/models answer a placeholder ("unknown")
         model = httpx.get(fleet.urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         psutil.cpu_percent(None)
