@@ -62,10 +62,18 @@ def pinned_rank(headers: Any) -> int | None:
 
 def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
     """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin."""
+    return parse_request(body, headers, session_header)[0]
+
+
+def parse_request(
+    body: bytes, headers: Any, session_header: str, text_prefix: bool = True
+) -> tuple[RequestFacts, dict[str, Any] | None]:
+    """The facts and the parsed body (None when empty), for the exact view to tokenize. Without
+    ``text_prefix`` the text chunk hashes are skipped (every endpoint has an exact view)."""
     pin = pinned_rank(headers)
     session = headers.get(session_header)
     if not body:
-        return RequestFacts(session_key=session, pinned_rank=pin)
+        return RequestFacts(session_key=session, pinned_rank=pin), None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -76,10 +84,11 @@ def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
     if session is None and isinstance(data.get("user"), str):
         session = data["user"]
     raw, tokens = _prompt_bytes(data)
-    return RequestFacts(
+    facts = RequestFacts(
         model=model if isinstance(model, str) else None,
-        prefix_hashes=chunk_hashes(raw),
+        prefix_hashes=chunk_hashes(raw) if text_prefix else (),
         session_key=session,
         pinned_rank=pin,
         prompt_tokens=tokens,
     )
+    return facts, data

@@ -24,7 +24,7 @@ from engine.edge.auth import ApiKey
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
+from lbd.router.facts import PIN_HEADER, BadRequest, parse_request, pinned_rank
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
@@ -117,11 +117,13 @@ class Proxy:
                 rid_header,
             )
         body = request.body
+        exact = self.state.exact
         try:
             if request.method == "POST":
-                facts = parse_facts(body, request.headers, self.cfg.session_header)
+                text = exact is None or not (self.state.policy.exact_aware and exact.complete())
+                facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
             else:
-                facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
+                facts, data = RequestFacts(pinned_rank=pinned_rank(request.headers)), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
         if key is not None and self.gate is not None and self.gate.limits_on:
@@ -139,6 +141,10 @@ class Proxy:
             if refused is not None:
                 self.state.metrics.decision(self.cfg.policy, refused[0])
                 return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
+        if exact is not None and data is not None:
+            pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
+            if pending is not None:
+                await pending
         headers = self._forward_headers(request, rid_header)
         snaps = self.state.snapshots()
         cap = self.cfg.max_streams_per_endpoint
@@ -232,6 +238,8 @@ class Proxy:
         a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), now, asyncio.current_task())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
+        if state.exact is not None and facts.block_keys is not None:
+            a.pending = state.exact.dispatched(ep.url, facts)
         state.metrics.decision(self.cfg.policy, d.reason)
         ep.waiting[a] = now
         if d.reason == "half_open_trial":
@@ -290,6 +298,8 @@ class Proxy:
                 upstream.close()  # gives a fully read connection back to the pool, closes any other
             if not a.started:
                 state.shared.start(ep.slot, a.charge)
+                if a.pending is not None:
+                    state.exact.settle(a.pending, False)  # type: ignore[union-attr]
             state.outliers.ended(ep, a)
             state.shared.finish(ep.slot)
             state.metrics.request(ep.url, status, self.loop.time() - t0)
@@ -342,6 +352,8 @@ class Proxy:
         a.started = True
         self.state.outliers.answered(a.ep, a, self.loop.time())
         self.state.shared.start(a.ep.slot, a.charge)
+        if a.pending is not None:
+            self.state.exact.settle(a.pending, True)  # type: ignore[union-attr]
         if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
             self.state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
@@ -452,6 +464,7 @@ class _Attempt:
     dispatched_at: float
     task: asyncio.Task[None] | None
     started: bool = False
+    pending: object = None  # the exact view's token for the blocks this request computes
     abandoned: bool = False
 
     def abandon(self) -> None:
