@@ -40,6 +40,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    kv_events_config: str | None = None  # vLLM's JSON (engine.kv_events.config)
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -159,6 +161,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="reject new requests with 503 when this many are waiting")
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
                    help="reject new requests with 503 when waiting prompts hold this many tokens")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "builtin"],
+                   help="block keys of the prefix cache: sha256 (vLLM's keys, collision resistant) or "
+                        "builtin (Python's hash: faster, unsafe where tenants share a cache)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5567"}\' (tcp ports are offset by the DP rank)')
     g.add_argument("--max-logprobs", type=int, default=20, help="largest top-k logprobs a request may ask")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
@@ -272,6 +281,16 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    if args.kv_events_config is not None:
+        from engine.kv_events.config import offset_endpoint_port, parse_kv_events_config
+
+        try:
+            cfg = parse_kv_events_config(args.kv_events_config)
+            if cfg.active:
+                offset_endpoint_port(cfg.endpoint, args.rank)
+                offset_endpoint_port(cfg.replay_endpoint, args.rank)
+        except ValueError as e:
+            parser.error(str(e))
     if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
         parser.error("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
                      "once a second")

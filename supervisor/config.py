@@ -351,6 +351,24 @@ def _check_ports(ns: argparse.Namespace, local: int) -> None:
             raise SupervisorArgError(f"--port {ns.port}: local rank {i}'s {problem}: pick a free --port")
 
 
+def _check_kv_events(ns: argparse.Namespace, start: int, local: int) -> None:
+    """Each rank offsets the KV-event ports by its DP rank (vLLM's rule): an endpoint that cannot be offset
+    (ipc://) works for rank 0 only."""
+    if ns.kv_events_config is None:
+        return
+    from engine.kv_events.config import offset_endpoint_port, parse_kv_events_config
+
+    cfg = parse_kv_events_config(ns.kv_events_config)  # already validated by engine.args
+    if not cfg.active:
+        return
+    for rank in range(start, start + local):
+        try:
+            offset_endpoint_port(cfg.endpoint, rank)
+            offset_endpoint_port(cfg.replay_endpoint, rank)
+        except ValueError as e:
+            raise SupervisorArgError(f"--kv-events-config: {e}") from None
+
+
 def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> list[str | None]:
     per_rank = ns.tensor_parallel_size * ns.pipeline_parallel_size
     ids = visible_cuda_devices(env, ns.device)
@@ -477,6 +495,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         problem = check_executable(ns.rank_engine, ns.rank_command)
         if problem:
             raise SupervisorArgError(problem)
+        _check_kv_events(ns, start, local)
         specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray,
                            changed_engine_options(parser, ns, engine_dests))
     except SupervisorArgError as e:

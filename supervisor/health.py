@@ -49,6 +49,9 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
                                      # process tree when it became ready; [] while it is down
             {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
           ],
+          "kv_event_sources": {"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", ...}},
+                                     # the ready rank's /kv_event_sources (vLLM's shape; {} when events are
+                                     # off, null until ready)
           "attempts": 0,             # consecutive failed starts (a crash loop); 0 once ready
           "backoff_s": null,         # the restart delay last applied (doubles per failure up to the cap)
           "stderr_tail": [],         # last stderr lines of the failed (or starting) process, secrets masked

@@ -85,6 +85,17 @@ class Prober:
         return ProbeResult(False, latency, status, GENERATE_FAILED,
                            f"1-token generation answered {status}: {_error_message(text) or status}")
 
+    async def kv_event_sources(self, base_url: str) -> dict | None:
+        """The rank's ``/kv_event_sources`` (vLLM's: publisher config per DP rank); None if unanswered."""
+        try:
+            async with self._client().get(base_url + "/kv_event_sources") as resp:
+                if resp.status == 200:
+                    body = orjson.loads(await resp.read())
+                    return body if isinstance(body, dict) else None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            pass
+        return None
+
     async def in_flight(self, base_url: str) -> int | None:
         """Requests the rank is still working on: `/load`, else running + waiting from `/metrics` (vLLM's or
         SGLang's names)."""

@@ -125,6 +125,7 @@ class RankWorker:
         self.backoff_s: float | None = None  # the restart delay last applied
         self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
         self.operation: str | None = None  # admin command being carried out
+        self.kv_event_sources: dict | None = None  # the ready process's /kv_event_sources
         self._probes = 0  # probes of the current process since it became ready
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
@@ -133,6 +134,7 @@ class RankWorker:
         self._spawn_task: asyncio.Future[RankHandle] | None = None
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         metrics.add_rank(spec.rank, tuple(s.value for s in RankState))
         metrics.set_state(spec.rank, RankState.STARTING.value, RankState.STARTING.value)
@@ -154,6 +156,8 @@ class RankWorker:
     async def shutdown(self, grace_s: float) -> None:
         """Stop the lifecycle, SIGTERM the rank, SIGKILL its tree after ``grace_s``."""
         self._stopping = True
+        for task in self._side_tasks:
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -188,6 +192,7 @@ class RankWorker:
             "operation": self.operation, "devices": self.spec.devices, "cpus": self.spec.cpus,
             "engine": self.spec.engine, "workers": self.workers, "attempts": self.attempts,
             "backoff_s": self.backoff_s, "stderr_tail": tail, "command": redact_argv(self.spec.argv),
+            "kv_event_sources": self.kv_event_sources,
         }
 
     def why_not_ready(self) -> str:
@@ -228,6 +233,7 @@ class RankWorker:
         gen = self.generation
         self.consecutive_failures = self.generate_failures = 0
         self._ready_mono = None
+        self.kv_event_sources = None
         self._set_state(RankState.STARTING)
         try:
             proc = await self._spawn()
@@ -394,6 +400,8 @@ class RankWorker:
                 self._set_state(RankState.READY)
                 log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
                          self._ready_mono - (self._started_mono or self._ready_mono))
+                self._side_tasks.add(task := asyncio.create_task(self._learn_sources(gen)))
+                task.add_done_callback(self._side_tasks.discard)
             return
         if self.state not in (RankState.READY, RankState.DRAINING):
             return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
@@ -408,6 +416,12 @@ class RankWorker:
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
             self._events.put_nowait(_Event(gen, "unhealthy", why))
+
+    async def _learn_sources(self, gen: int) -> None:
+        """Copy the ready rank's KV-event sources into /status (routers and operators read them there)."""
+        sources = await self.prober.kv_event_sources(self.spec.probe_url)
+        if gen == self.generation:
+            self.kv_event_sources = sources
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _set_state(self, state: RankState) -> None:

@@ -83,6 +83,9 @@ class CoreServer:
         if kind == P.HELLO:
             self.sock.send_multipart([ident, P.READY, self._info])
             return
+        if kind == P.RESET:
+            self._reset(ident, payload)
+            return
         if kind not in (P.ADD, P.ABORT):
             logger.warning("dropping a message of unknown kind %r", kind[:32])
             return
@@ -110,6 +113,15 @@ class CoreServer:
             self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
             return
         self.state.owner[req.request_id] = ident
+
+    def _reset(self, ident: bytes, payload: bytes) -> None:
+        try:
+            rid = P.decode(payload)["id"]
+        except Exception as e:
+            logger.warning("dropping a bad reset_prefix_cache message: %s", e)
+            return
+        ok = self.core.reset_prefix_cache()
+        self.sock.send_multipart([ident, P.RESET_DONE, P.encode({"id": rid, "ok": ok})])
 
     # ---- outgoing -------------------------------------------------------------------------------------
     def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
@@ -223,10 +235,10 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
         logger.exception("core loop failed")
         raise
     finally:
+        core.close()
         sock.close(linger=0)
         ctx.term()
         _remove_ipc_file(input_address)
-        core.close()
         logger.info("core exited")
 
 

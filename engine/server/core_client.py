@@ -23,6 +23,8 @@ from engine.protocol import (
     HELLO,
     OUTPUTS,
     READY,
+    RESET,
+    RESET_DONE,
     STATS,
     CoreInfo,
     EngineCoreRequest,
@@ -60,6 +62,7 @@ class CoreClient:
         self._core_pid = core_pid
         self._routes: dict[str, asyncio.Queue] = {}
         self._info: asyncio.Future[CoreInfo] | None = None
+        self._resets: dict[str, asyncio.Future[bool]] = {}
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
@@ -115,6 +118,19 @@ class CoreClient:
             self._sent()
             await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
 
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Ask the core to forget its prefix cache; False when requests hold blocks."""
+        if not self.alive:
+            raise CoreError(self.dead_reason or "engine core died", 503)
+        rid = secrets.token_hex(8)
+        done = self._resets[rid] = asyncio.get_running_loop().create_future()
+        try:
+            self._sent()
+            await self._sock.send_multipart([RESET, encode({"id": rid})])
+            return await asyncio.wait_for(done, timeout)
+        finally:
+            self._resets.pop(rid, None)
+
     def _sent(self) -> None:
         if self.pending_since is None:
             self.pending_since = asyncio.get_running_loop().time()
@@ -158,6 +174,10 @@ class CoreClient:
                 queue.put_nowait(CoreError(message, int(msg.get("status", 500))))
             else:
                 logger.warning("core error: %s", msg.get("message"))
+        elif kind == RESET_DONE:
+            done = self._resets.get(str(msg.get("id")))
+            if done is not None and not done.done():
+                done.set_result(bool(msg.get("ok")))
         elif kind == READY and self._info is not None and not self._info.done():
             self._info.set_result(CoreInfo(**msg))
 

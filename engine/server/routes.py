@@ -99,6 +99,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    from engine.server.cache_routes import add_cache_routes
     from engine.server.chat import chat_completions
     from engine.server.completions import completions
     from engine.server.responses import create_response, delete_response, get_response
@@ -117,3 +118,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/version", version_info)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics_text)
+    add_cache_routes(app)

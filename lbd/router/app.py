@@ -22,6 +22,8 @@ from engine.edge.limits import raise_open_files_limit
 from engine.edge.tls import server_context
 from lbd.router.auth import Gate
 from lbd.router.config import RouterConfig
+from lbd.router.kv.tokenize import load_local
+from lbd.router.kv.view import ExactView
 from lbd.router.messages import Request, Response
 from lbd.router.monitor import Monitor
 from lbd.router.proxy import Proxy, send_error
@@ -54,6 +56,8 @@ class RouterApp:
                          cfg.rate_limit_burst_s, cfg.workers)
         self.proxy = Proxy(self.state, self.gate, self.tracer)
         self.monitor = Monitor(self.state)
+        if cfg.kv_events != "off":
+            self.state.exact = await self._exact_view()
         # GET (and HEAD) only; other methods on these paths are proxied or 404
         self.own: dict[str, Callable[[Request, Response], Awaitable[None]]] = {
             "/health": self.health,
@@ -68,7 +72,17 @@ class RouterApp:
         await self.server.start(cfg.host, cfg.port, sock=sock)
         self.monitor.start()
 
+    async def _exact_view(self) -> ExactView:
+        local = None
+        if self.cfg.tokenizer is not None:
+            path = str(self.cfg.tokenizer)
+            local = await asyncio.get_running_loop().run_in_executor(None, load_local, path)
+        return ExactView(self.cfg.kv_events, self.monitor._get, self.cfg.stale_after_s,
+                         max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None))
+
     async def close(self) -> None:
+        if self.state.exact is not None:
+            await self.state.exact.close()
         await self.monitor.close()
         if self.server is not None:
             await self.server.close(self.cfg.shutdown_timeout_s)
@@ -123,6 +137,7 @@ class RouterApp:
     async def status(self, request: Request, out: Response) -> None:
         body = {
             "policy": self.cfg.policy,
+            "kv_events": self.cfg.kv_events,
             "worker": self.shared.worker,
             "ready": self.state.ready(),
             "endpoints": self.state.status(),

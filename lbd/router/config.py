@@ -111,6 +111,8 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
+    kv_events: str = "auto"
+    tokenizer: Path | None = None
     dns_refresh_interval_s: float = 5.0
     min_ready_endpoints: int = 1
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
@@ -225,6 +227,21 @@ def make_parser() -> OneLineParser:
         action="store_true",
         help="route a request pinned to an unhealthy or draining rank elsewhere instead of 503",
     )
+    g.add_argument(
+        "--kv-events",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="follow the engines' KV-cache events for exact prefix-cache routing: auto = where an endpoint "
+        "advertises them (/kv_event_sources), on = everywhere (warn where missing), off = never; endpoints "
+        "without events are routed on the approximate text-prefix index",
+    )
+    g.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer.json (or a folder with it and the chat template) for endpoints that do not serve "
+        "their tokenizer (vLLM); lbd engines serve theirs",
+    )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(
         "--scrape-interval-ms", type=float, default=100.0, help="how often each rank's /metrics is read"
@@ -297,6 +314,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
         problem = check_otlp_endpoint(ns.otlp_traces_endpoint)
         if problem:
             p.error(problem)
+    tok = ns.tokenizer
+    if tok is not None and not (tok.is_file() or (tok / "tokenizer.json").is_file()):
+        p.error(f"--tokenizer {ns.tokenizer}: no tokenizer.json there")
     limits = limits_from(ns)
     problem = check_limits(limits) or check_tls(
         ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs, ns.ssl_cert_reqs
@@ -340,6 +360,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        kv_events=ns.kv_events,
+        tokenizer=ns.tokenizer,
         limits=limits,
         max_streams_per_endpoint=ns.max_streams_per_endpoint,
         api_keys=list(ns.api_key),

@@ -99,14 +99,21 @@ def path_facts(path: str, headers: Any) -> RequestFacts:
     return RequestFacts(pinned_rank=pin)
 
 
-def parse_facts(body: bytes, headers: Any, session_header: str, hash_prefix: bool = True) -> RequestFacts:
-    """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin. Without
-    ``hash_prefix`` (the policy reads no prefix hashes) the text is not hashed: on a 16 KiB prompt that is
-    three quarters of the router's work per request."""
+def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
+    """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin."""
+    return parse_request(body, headers, session_header)[0]
+
+
+def parse_request(
+    body: bytes, headers: Any, session_header: str, text_prefix: bool = True
+) -> tuple[RequestFacts, dict[str, Any] | None]:
+    """The facts and the parsed body (None when empty), for the exact view to tokenize. Without
+    ``text_prefix`` the text chunk hashes are skipped (the policy reads none, or every endpoint has an exact
+    view): on a 16 KiB prompt hashing is three quarters of the router's work per request."""
     pin = pinned_rank(headers)
     session = headers.get(session_header)
     if not body:
-        return RequestFacts(session_key=session, pinned_rank=pin)
+        return RequestFacts(session_key=session, pinned_rank=pin), None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -122,10 +129,11 @@ def parse_facts(body: bytes, headers: Any, session_header: str, hash_prefix: boo
     if pin is None:
         pin = response_rank(data.get("previous_response_id"))
     raw, tokens = _prompt_bytes(data)
-    return RequestFacts(
+    facts = RequestFacts(
         model=model if isinstance(model, str) else None,
-        prefix_hashes=chunk_hashes(raw) if hash_prefix else (),
+        prefix_hashes=chunk_hashes(raw) if text_prefix else (),
         session_key=session,
         pinned_rank=pin,
         prompt_tokens=tokens,
     )
+    return facts, data

@@ -109,6 +109,9 @@ class Monitor:
             asyncio.ensure_future(self._health_loop(ep)),
         ]
         self._refetch_models(ep)
+        if self.state.exact is not None:
+            block_size = lambda: (ep.sample.block_size if ep.sample is not None else 0) or 16  # noqa: E731
+            self.state.exact.add(ep.url, lambda: ep.models, block_size, ep.slot)
 
     def _refetch_models(self, ep: Endpoint) -> None:
         """A (re)started process may serve other models: ask again (tracked, so removal cancels it)."""
@@ -119,6 +122,8 @@ class Monitor:
     def _stop_endpoint(self, ep: Endpoint) -> None:
         for t in self.tasks.pop(ep.url, []):
             t.cancel()
+        if self.state.exact is not None:
+            self.state.exact.remove(ep.url)
         pool = self.pools.pop(ep.url, None)
         if pool is not None:
             pool.close()
@@ -164,9 +169,11 @@ class Monitor:
             return
         if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
             return
-        if ep.take_sample(
-            parse_metrics(body.decode("utf-8", "replace")), began, totals.dispatched, totals.finished
-        ):
+        sample, prev = parse_metrics(body.decode("utf-8", "replace")), ep.sample
+        if prev is not None and not ep.new_process and sample.prefix_queries < prev.prefix_queries:
+            self.state.restarted(ep, "its counters went back")
+        ep.new_process = False
+        if ep.take_sample(sample, began, totals.dispatched, totals.finished):
             self.state.reorder()
         ep.record_success("scrape")
 
@@ -262,7 +269,10 @@ class Monitor:
             routable = bool(r.get("routable", state == "ready"))
             ep.draining = state == "draining"
             pid = r.get("pid")
-            if routable and (not ep.routable or (pid is not None and ep.pid is not None and pid != ep.pid)):
+            new_pid = isinstance(pid, int) and ep.pid is not None and pid != ep.pid
+            if new_pid:  # seen while it starts, too: nothing the old process cached is there any more
+                self.state.restarted(ep, f"supervisor reports a new pid {pid}")
+            if routable and (not ep.routable or new_pid):
                 # a (re)started process the supervisor found ready: start clean
                 self.state.readmit(ep, f"supervisor reports {state} (pid {pid})")
                 self._refetch_models(ep)

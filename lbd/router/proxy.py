@@ -26,7 +26,7 @@ from engine.edge.auth import ApiKey
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import BadRequest, parse_facts, path_facts
+from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
@@ -122,11 +122,15 @@ class Proxy:
                 rid_header,
             )
         body = request.body
+        exact = self.state.exact
         try:
             if request.method == "POST":
-                facts = parse_facts(body, request.headers, self.cfg.session_header, self._hash_prefix)
+                # text prefix hashes: only for a policy that reads them and lacks exact views of all
+                text = self._hash_prefix and (
+                    exact is None or not (self.state.policy.exact_aware and exact.complete()))
+                facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
             else:
-                facts = path_facts(request.path, request.headers)
+                facts, data = path_facts(request.path, request.headers), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
         if key is not None and self.gate is not None and self.gate.limits_on:
@@ -144,6 +148,10 @@ class Proxy:
             if refused is not None:
                 self.state.metrics.decision(self.cfg.policy, refused[0])
                 return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
+        if exact is not None and data is not None:
+            pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
+            if pending is not None:
+                await pending
         headers = self._forward_headers(request, rid_header, trace=trace)
         snaps = self.state.snapshots()  # live in-flight counts: --max-streams-per-endpoint needs them
         cap = self.cfg.max_streams_per_endpoint
@@ -241,6 +249,8 @@ class Proxy:
         a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), now, asyncio.current_task())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
+        if state.exact is not None and facts.block_keys is not None:
+            a.pending = state.exact.dispatched(ep.url, facts)
         state.metrics.dispatched(self.cfg.policy, d.reason, now - t0)
         ep.waiting[a] = now
         if d.reason == "half_open_trial":
@@ -299,6 +309,8 @@ class Proxy:
                 upstream.close()  # gives a fully read connection back to the pool, closes any other
             if not a.started:
                 state.shared.start(ep.slot, a.charge)
+                if a.pending is not None:
+                    state.exact.settle(a.pending, False)  # type: ignore[union-attr]
             state.outliers.ended(ep, a)
             state.shared.finish(ep.slot)
             state.metrics.request(ep.url, status, self.loop.time() - t0)
@@ -351,6 +363,8 @@ class Proxy:
         a.started = True
         self.state.outliers.answered(a.ep, a, self.loop.time())
         self.state.shared.start(a.ep.slot, a.charge)
+        if a.pending is not None:
+            self.state.exact.settle(a.pending, True)  # type: ignore[union-attr]
         if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
             self.state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
@@ -461,6 +475,7 @@ class _Attempt:
     dispatched_at: float
     task: asyncio.Task[None] | None
     started: bool = False
+    pending: object = None  # the exact view's token for the blocks this request computes
     abandoned: bool = False
 
     def abandon(self) -> None:

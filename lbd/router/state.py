@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from engine.edge.tls import client_context
 from lbd.router.config import RouterConfig
 from lbd.router.endpoints import Endpoint
+from lbd.router.kv.view import ExactView
 from lbd.router.metrics import RouterMetrics
 from lbd.router.outlier import Outliers, ejection_cap
 from lbd.router.shared import SharedCounters
@@ -35,7 +36,8 @@ class RouterState:
             seed=shared.worker,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
         )
-        self.metrics = RouterMetrics(self.live_rows)
+        self.exact: ExactView | None = None  # set by the app when --kv-events is not off
+        self.metrics = RouterMetrics(self.live_rows, self.kv_rows)
         self.outliers = Outliers(self)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
@@ -108,8 +110,21 @@ class RouterState:
         if not ep.healthy:
             self.metrics.readmissions.labels(ep.url).inc()
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
+            self.policy.forget(ep.url)  # it may be a new process: nothing it held is known to be cached
+            ep.new_process = True
         self.outliers.forget(ep)
         ep.readmit()
+
+    def restarted(self, ep: Endpoint, why: str) -> None:
+        """The process behind ``ep`` is new: its prefix cache is cold."""
+        log.info("endpoint %s (rank %s) restarted (%s): forgetting what it had cached", ep.url, ep.rank, why)
+        ep.new_process = True
+        self.policy.forget(ep.url)
+        if self.exact is not None:
+            self.exact.restarted(ep.url, why)
+
+    def kv_rows(self) -> list[tuple[str, float, float, int]]:
+        return self.exact.metric_rows() if self.exact is not None else []
 
     def ready_count(self) -> int:
         """Endpoints that take traffic and have answered us (a scrape or their model list)."""
@@ -159,6 +174,7 @@ class RouterState:
                     "scrape_age_s": None if math.isinf(snap.age_s) else round(snap.age_s, 3),
                     "failures": ep.failures,
                     "last_error": ep.last_error or None,
+                    "kv_events": self.exact.status(ep.url) if self.exact is not None else {"mode": "off"},
                 }
             )
         return out

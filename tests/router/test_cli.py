@@ -28,6 +28,8 @@ LBD = [sys.executable, "-m", "lbd", "route"]
         (["--upstreams", "http://h:1", "--policy", "nope"], "--policy"),
         (["--upstreams", "http://h:1", "--max-retries", "-1"], "--max-retries"),
         (["--upstreams", "http://h:1", "--bogus"], "--bogus"),
+        (["--upstreams", "http://h:1", "--kv-events", "maybe"], "--kv-events"),
+        (["--upstreams", "http://h:1", "--tokenizer", "/nonexistent"], "--tokenizer"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args: list[str], flag: str) -> None:
