@@ -1,18 +1,22 @@
-"""Engine throughput: lbd's server vs transformers `generate` on the same model, threads and requests.
+"""Engine throughput: lbd's server vs transformers `generate` on the same model, threads and requests, at the
+same in-flight caps, side by side in one run.
 
-Runs, side by side in one process tree:
-  (a) one request at a time, on both sides;
-  (b) the 64 requests as a server gets them (all at once: lbd batches them continuously) vs transformers in
-      static batches of 16 (left-padded; each batch runs until its longest output ends);
-  (c) lbd only: 32 concurrent requests, ~125-token prompts, 128 output tokens, greedy, ignore_eos.
-The issue asks for "our ratio to each" of transformers' (a) and (b); lbd's (b) run is compared with both.
-``--lbd-concurrency 16`` caps lbd at 16 in flight for a like-for-like batch size.
-and the start-up time of the server (first start with an empty conversion cache, then a warm start).
-Prints output tok/s, lbd's ratio to transformers, and lbd's fraction of the CPU's compute limit (useful model
-FLOP/s over the torch matmul rate measured here with the same threads).
+Rows (the same seeded requests; by default prompts of 64-512 tokens and 32-256 output tokens; greedy,
+ignore_eos):
+  cap 1       one request at a time on both sides (the first --sequential-requests of them)
+  cap 16      lbd with at most 16 requests in flight (a new one starts when one ends: continuous batching)
+              vs transformers in static batches of 16, left-padded, each batch running until its longest
+              output ends (transformers' own batching)
+  cap 64      the same at 64 (one static batch of 64 on the transformers side)
+  server      lbd only: every request sent at once, as a server receives them (its scheduler caps the batch
+              at --max-num-seqs 64)
+Only each request's own tokens count as output on both sides. Also prints lbd's fraction of the CPU's compute
+limit (useful model FLOP/s over the torch fp32 matmul rate measured here with the same threads) and the
+server's start-up time (first start with an empty conversion cache, then a warm start). No peer figure is
+written in this script: every ratio is measured in the same run.
 
-    .venv/bin/python benchmarks/engine_throughput.py            # the full run (default model, 64 requests)
-    .venv/bin/python benchmarks/engine_throughput.py --num-requests 16 --sequential-requests 4   # quicker
+    .venv/bin/python benchmarks/engine_throughput.py      # the full run (default model, 64 requests)
+    .venv/bin/python benchmarks/engine_throughput.py --num-requests 16 --sequential-requests 4 --caps 16
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support import EngineServer, exit_on_sigterm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lbd.bench.procs import EngineServer, exit_on_sigterm  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -136,24 +140,27 @@ def main() -> int:
     p.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--sequential-requests", type=int, default=None,
-                   help="requests used for (a), one at a time (default: all)")
-    p.add_argument("--lbd-concurrency", type=int, default=None,
-                   help="requests lbd gets at once in (b) (default: all of them, as a server would)")
+    p.add_argument("--sequential-requests", type=int, default=8,
+                   help="requests of the cap-1 row, one at a time")
+    p.add_argument("--caps", default="16,64",
+                   help="in-flight caps compared with transformers' static batches")
+    p.add_argument("--prompt-len", default="64,512", help="prompt length range in tokens: MIN,MAX")
+    p.add_argument("--output-len", default="32,256", help="output length range in tokens: MIN,MAX")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c,hf,startup")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: cap1,caps,server,hf,startup")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    caps = [int(c) for c in args.caps.split(",") if c]
 
     from engine.loader import resolve_model
 
     workdir = Path(tempfile.mkdtemp(prefix="lbd-bench-"))
-    cold_cache = str(workdir / "cache")
     warm_cache = os.environ.get("LBD_CACHE_DIR", str(Path.home() / ".cache" / "lbd"))
     startup: dict[str, float] = {}
+    print(f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     if "startup" not in skip:
         server, startup["first start (empty cache, conversion included)"] = start_server(
-            args.model, args.threads, cold_cache, workdir / "cold.log")
+            args.model, args.threads, str(workdir / "cache"), workdir / "cold.log")
         server.close()
     server, startup["later start (cache warm)"] = start_server(args.model, args.threads, warm_cache,
                                                                workdir / "server.log")
@@ -161,28 +168,31 @@ def main() -> int:
     import json
 
     cfg = json.loads((model_path / "config.json").read_text())
-    name = server.base_url and _served_name(server.base_url)
-    reqs = make_requests(args.num_requests, cfg["vocab_size"], args.seed, (64, 512), (32, 256))
-    seq_reqs = reqs[: args.sequential_requests or len(reqs)]
-    conc = make_requests(32, cfg["vocab_size"], args.seed + 1, (120, 130), (128, 128))
+    name = _served_name(server.base_url)
+    plen = tuple(int(x) for x in args.prompt_len.split(","))
+    olen = tuple(int(x) for x in args.output_len.split(","))
+    reqs = make_requests(args.num_requests, cfg["vocab_size"], args.seed, plen, olen)  # type: ignore[arg-type]
+    seq_reqs = reqs[: args.sequential_requests]
     results: dict[str, tuple[float, int]] = {}
     try:
-        if "a" not in skip:
-            results["lbd a"] = asyncio.run(run_lbd(server.base_url, name, seq_reqs, 1))
-        if "b" not in skip:
-            cap = args.lbd_concurrency or len(reqs)
-            results["lbd b"] = asyncio.run(run_lbd(server.base_url, name, reqs, cap))
-        if "c" not in skip:
-            results["lbd c"] = asyncio.run(run_lbd(server.base_url, name, conc, 32))
+        if "cap1" not in skip:
+            results["lbd 1"] = asyncio.run(run_lbd(server.base_url, name, seq_reqs, 1))
+        if "caps" not in skip:
+            for cap in caps:
+                results[f"lbd {cap}"] = asyncio.run(run_lbd(server.base_url, name, reqs, cap))
+        if "server" not in skip:
+            results["lbd server"] = asyncio.run(run_lbd(server.base_url, name, reqs, len(reqs)))
     finally:
         server.close()
     if "hf" not in skip:
-        if "a" not in skip:
-            results["hf a"] = run_hf(model_path, seq_reqs, 1, args.threads)
-        if "b" not in skip:
-            results["hf b"] = run_hf(model_path, reqs, 16, args.threads)
+        if "cap1" not in skip:
+            results["hf 1"] = run_hf(model_path, seq_reqs, 1, args.threads)
+        if "caps" not in skip:
+            for cap in caps:
+                results[f"hf {cap}"] = run_hf(model_path, reqs, cap, args.threads)
     rate = matmul_rate(args.threads)
-    report(results, startup, rate, cfg, {"a": seq_reqs, "b": reqs, "c": conc}, args.threads)
+    report(results, startup, rate, cfg, reqs, seq_reqs, caps, args.threads)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 
@@ -193,33 +203,24 @@ def _served_name(url: str) -> str:
 
 
 def report(results: dict[str, tuple[float, int]], startup: dict[str, float], rate: float, cfg: dict,
-           workloads: dict[str, list[Req]], threads: int) -> None:
+           reqs: list[Req], seq_reqs: list[Req], caps: list[int], threads: int) -> None:
     print(f"\nthreads={threads}  torch fp32 matmul rate (2048^2): {rate / 1e9:.1f} GFLOP/s")
     for what, secs in startup.items():
         print(f"start-up, {what}: {secs:.1f} s")
-    print(f"\n{'part':<58}{'lbd tok/s':>11}{'hf tok/s':>10}{'ratio':>8}{'lbd % of compute':>18}")
-    everything = len(workloads["b"])
-    titles = {"a": "(a) one request at a time",
-              "b": f"(b) {everything} requests (lbd: all at once; hf: static batches of 16)",
-              "c": "(c) 32 concurrent, 125 in / 128 out"}
-    for part, title in titles.items():
-        ours, theirs = results.get(f"lbd {part}"), results.get(f"hf {part}")
+    print("\n| row | requests | lbd tok/s | transformers tok/s | lbd / transformers | lbd % of compute |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = [("1", "cap 1: one at a time (transformers: batch 1)", seq_reqs)]
+    rows += [(str(c), f"cap {c} (transformers: static batches of {c}, padded)", reqs) for c in caps]
+    rows.append(("server", f"server mode: all {len(reqs)} at once (lbd only)", reqs))
+    for key, title, work in rows:
+        ours, theirs = results.get(f"lbd {key}"), results.get(f"hf {key}")
         if ours is None:
             continue
         ours_tps = ours[1] / ours[0]
-        frac = useful_flops(cfg, workloads[part]) / ours[0] / rate
-        hf_tps = theirs[1] / theirs[0] if theirs else float("nan")
-        print(f"{title:<58}{ours_tps:>11.1f}{hf_tps:>10.1f}{ours_tps / hf_tps:>7.2f}x{100 * frac:>17.1f}%")
-    if "lbd b" in results and "hf a" in results:
-        b_tps = results["lbd b"][1] / results["lbd b"][0]
-        a_tps = results["hf a"][1] / results["hf a"][0]
-        title = "(b) lbd, all at once, vs hf one request at a time"
-        print(f"{title:<58}{b_tps:>11.1f}{a_tps:>10.1f}{b_tps / a_tps:>7.2f}x")
-    if "lbd c" in results:
-        tps = results["lbd c"][1] / results["lbd c"][0]
-        print(f"\n(c) target > 110 tok/s (vLLM 0.32 CPU build ~108 tok/s on this machine class): "
-              f"{tps:.1f} tok/s "
-              f"-> {'PASS' if tps > 110 else 'MISS'}")
+        frac = useful_flops(cfg, work) / ours[0] / rate
+        hf = f"{theirs[1] / theirs[0]:.1f}" if theirs else "-"
+        ratio = f"{ours_tps / (theirs[1] / theirs[0]):.2f}x" if theirs else "-"
+        print(f"| {title} | {len(work)} | {ours_tps:.1f} | {hf} | {ratio} | {100 * frac:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -45,14 +45,22 @@ import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 from routing_report import OURS, Row, plot, step_table, table, verdicts  # noqa: E402
-from support import exit_on_sigterm, free_port, free_port_run, spawn, stop, tree_usage, wait_http  # noqa: E402
 
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
+from lbd.bench.procs import (  # noqa: E402
+    exit_on_sigterm,
+    free_port,
+    free_port_run,
+    spawn,
+    stop,
+    tree_usage,
+    wait_http,
+)
 from lbd.bench.runner import BenchConfig, run_target  # noqa: E402
 from lbd.bench.stats import percentile, summarize  # noqa: E402
 from lbd.bench.tokenizer import load_tokenizer  # noqa: E402

@@ -23,10 +23,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 # This file's folder comes first on sys.path and its name would shadow the `supervisor` package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "supervisor")]
+sys.path.insert(0, str(ROOT))
 
-from supervisor_harness import SupervisorNode  # noqa: E402
-from support import exit_on_sigterm, make_tiny_llama  # noqa: E402
+from lbd.bench.node import SupervisorNode  # noqa: E402
+from lbd.bench.procs import exit_on_sigterm  # noqa: E402
+from lbd.bench.tiny import make_tiny_llama  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from engine.edge import limits as _limits
 from engine.edge.limits import parse_bytes
@@ -75,6 +77,9 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     log_level: str = "info"
     disable_log_requests: bool = False
+    otlp_traces_endpoint: str | None = None
+    responses_store_max_entries: int = 4096
+    responses_store_max_bytes: int = 256 * 1024 * 1024
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -90,6 +95,29 @@ class EngineArgs:
     @property
     def model_names(self) -> list[str]:
         return list(self.served_model_name) if self.served_model_name else [self.model_name]
+
+
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
+def check_otlp_endpoint(endpoint: str) -> str | None:
+    """Why ``--otlp-traces-endpoint`` cannot work (None when it can); shared by the engine and the router.
+
+    vLLM exports OTLP/gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says http/protobuf; lbd ships only the
+    HTTP exporter, so any other protocol is refused instead of silently sending nothing."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"--otlp-traces-endpoint {endpoint!r}: use an OTLP/HTTP URL such as http://collector:4318"
+    protocol = os.environ.get(OTLP_PROTOCOL_ENV, "http/protobuf")
+    if protocol != "http/protobuf":
+        return (f"{OTLP_PROTOCOL_ENV}={protocol}: only the OTLP/HTTP exporter is installed; unset it or use "
+                "http/protobuf")
+    return None
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL: an endpoint given without a path gets the standard /v1/traces."""
+    return endpoint.rstrip("/") + "/v1/traces" if urlsplit(endpoint).path in ("", "/") else endpoint
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -159,6 +187,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/HTTP collector URL (e.g. http://collector:4318): one span per request, "
+                        "parented by the request's W3C traceparent; off by default")
+    g.add_argument("--responses-store-max-entries", type=int, default=4096,
+                   help="stored /v1/responses (for previous_response_id and GET) per rank; the oldest go "
+                        "first; 0 stores nothing")
+    g.add_argument("--responses-store-max-bytes", type=parse_bytes, default=256 * 1024 * 1024,
+                   help="bytes of stored /v1/responses per rank (conversation text included); the oldest "
+                        "go first")
 
     add_tls_arguments(parser)
     _limits.add_limit_arguments(parser)
@@ -218,6 +255,12 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size": args.tensor_parallel_size,
         "--pipeline-parallel-size": args.pipeline_parallel_size,
     }
+    if args.otlp_traces_endpoint:
+        problem = check_otlp_endpoint(args.otlp_traces_endpoint)
+        if problem:
+            parser.error(problem)
+    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
+        parser.error("--responses-store-max-entries and --responses-store-max-bytes must be >= 0")
     for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
                  "max_num_queued_reqs", "max_num_queued_tokens"):
         value = getattr(args, flag)

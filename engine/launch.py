@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
 from engine.procutil import set_pdeathsig, set_process_name, terminate_tree
+from engine.server.responses_store import RESPONSES_DIR_ENV
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -49,7 +50,8 @@ def configure_logging(rank: int, level: str, role: str) -> None:
 
 @dataclass(slots=True)
 class Runtime:
-    """A private temp folder: the core's ipc socket and the Prometheus multiprocess files."""
+    """A private temp folder: the core's ipc socket, the Prometheus multiprocess files and the stored
+    /v1/responses (shared by the rank's front ends)."""
 
     path: Path
 
@@ -58,7 +60,9 @@ class Runtime:
         _remove_stale_runtimes()
         path = Path(tempfile.mkdtemp(prefix=f"{_RUNTIME_PREFIX}{os.getpid()}-"))
         (path / "prom").mkdir()
+        (path / "responses").mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path / "prom")
+        os.environ[RESPONSES_DIR_ENV] = str(path / "responses")  # the rank's stored /v1/responses
         return cls(path)
 
     @property

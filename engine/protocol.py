@@ -72,6 +72,10 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", or None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first output only)
+    # (queued_at, first_scheduled_at, num_preemptions), core wall-clock times, on a request's first and last
+    # outputs only: the front end turns them into vLLM's queue/prefill/decode/inference time histograms.
+    timings: tuple[float, float, int] | None = None
+    timestamp: float = 0.0  # when the core sent it (set on decode from the message; not sent per row)
 
 
 @dataclass(slots=True)
@@ -146,7 +150,7 @@ def encode_outputs(msg: EngineCoreOutputs) -> bytes:
     rows = [(o.request_id, o.new_token_ids,
              None if o.new_logprobs is None else
              [(lp.token_logprob, lp.top_ids, lp.top_logprobs) for lp in o.new_logprobs],
-             o.finish_reason, o.stop_reason, o.num_cached_tokens) for o in msg.outputs]
+             o.finish_reason, o.stop_reason, o.num_cached_tokens, o.timings) for o in msg.outputs]
     stats = [getattr(msg.stats, name) for name in _STATS_FIELDS]
     return msgpack.packb((rows, stats, msg.timestamp), use_bin_type=True)
 
@@ -157,13 +161,17 @@ def outputs_from_dict(d: dict[str, Any] | list[Any]) -> EngineCoreOutputs:
     if isinstance(d, (list, tuple)):
         rows, stats, timestamp = d
         outs = [EngineCoreOutput(rid, toks, None if lps is None else [TokenLogprobs(*lp) for lp in lps],
-                                 reason, stop, cached) for rid, toks, lps, reason, stop, cached in rows]
+                                 reason, stop, cached, None if t is None else tuple(t), timestamp)
+                for rid, toks, lps, reason, stop, cached, t in rows]
         return EngineCoreOutputs(outputs=outs, stats=SchedulerStats(*stats), timestamp=timestamp)
     outs = []
     for o in d["outputs"]:
         lps = o.get("new_logprobs")
         o = dict(o)
         o["new_logprobs"] = [TokenLogprobs(**lp) for lp in lps] if lps is not None else None
+        if o.get("timings") is not None:
+            o["timings"] = tuple(o["timings"])
+        o["timestamp"] = d["timestamp"]
         outs.append(EngineCoreOutput(**o))
     return EngineCoreOutputs(outputs=outs, stats=SchedulerStats(**d["stats"]), timestamp=d["timestamp"])
 

@@ -24,6 +24,7 @@ def within_gap(load: float, least: float, abs_gap: float, rel_gap: float) -> boo
 @register
 class PrefixAffinity(Policy):
     name = "prefix_affinity"
+    uses_prefix_hashes = True
     help = "endpoint holding the longest prefix of the request (bounded by a load gap); cold requests spread"
 
     def __init__(
@@ -41,7 +42,8 @@ class PrefixAffinity(Policy):
         best = max(matches)
         if best == 0:
             pick = self.rotate(ties(scores))
-            return Decision(endpoints[pick], "cold", f"no cached prefix; score {scores[pick]:.0f}")
+            score = scores[pick]
+            return Decision(endpoints[pick], "cold", lambda: f"no cached prefix; score {score:.0f}")
         holders = [i for i, m in enumerate(matches) if m == best]
         holder = holders[self.rotate(ties([scores[i] for i in holders]))]
         holder_score = scores[holder]

@@ -110,6 +110,11 @@ class Policy:
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    # Whether ``choose`` reads ``RequestFacts.prefix_hashes``: the router hashes request text only for those.
+    uses_prefix_hashes: ClassVar[bool] = False
+    # Whether ``choose`` reads the snapshots' live load (in flight, unstarted, delta, telemetry age): the
+    # router skips reading its shared counters per endpoint for a policy that does not.
+    uses_load: ClassVar[bool] = True
     # True when the policy reads RequestFacts.cached_tokens: with exact views of every endpoint the router
     # then skips the text-prefix hashes (only the approximate index needs them)
     exact_aware: ClassVar[bool] = False

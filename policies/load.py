@@ -17,10 +17,12 @@ def _stale_note(ep: EndpointSnapshot, stale_s: float) -> str:
 class RoundRobin(Policy):
     name = "round_robin"
     help = "each endpoint in turn, ignoring load"
+    uses_load = False
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        pick = self.rotate(list(range(len(endpoints))))
-        return Decision(endpoints[pick], "round_robin", f"turn {self._turn - 1} of {len(endpoints)}")
+        turn, n = self._turn, len(endpoints)
+        self._turn = turn + 1
+        return Decision(endpoints[turn % n], "round_robin", lambda: f"turn {turn} of {n}")
 
 
 @register

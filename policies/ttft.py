@@ -32,6 +32,7 @@ CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
 @register
 class PredictedTtft(Policy):
     name = "predicted_ttft"
+    uses_prefix_hashes = True
     exact_aware = True
     help = "lowest estimated time to first token: queue ahead + uncached prefill, KV pressure as a penalty"
 

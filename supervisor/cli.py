@@ -34,11 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(cfg.node_rank)
     import uvloop
 
+    from supervisor.health import HealthServer
     from supervisor.node import Supervisor
 
     if cfg.backend == "ray":
         return _run_on_ray(cfg, sock)
-    return uvloop.run(Supervisor(cfg).run(sock))
+    node = Supervisor(cfg)  # here (and in _run_on_ray) the node and its health port meet
+    return uvloop.run(node.run(HealthServer(node), sock))
 
 
 def _run_on_ray(cfg: SupervisorConfig, sock: socket.socket) -> int:
@@ -56,7 +58,10 @@ def _run_on_ray(cfg: SupervisorConfig, sock: socket.socket) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
         # asyncio's own loop: Ray's futures are driven from its threads through call_soon_threadsafe
-        return asyncio.run(Supervisor(cfg, placement.start).run(sock))
+        from supervisor.health import HealthServer
+
+        node = Supervisor(cfg, placement.start)
+        return asyncio.run(node.run(HealthServer(node), sock))
     finally:
         placement.close()
 

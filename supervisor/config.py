@@ -22,9 +22,18 @@ from dataclasses import dataclass, field
 from engine.args import add_engine_arguments, engine_args_from_namespace, validate
 from engine.distributed.check import ParallelConfigError, check_model, model_facts
 from engine.distributed.layout import parse_partition
-from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
-from engine.edge.auth import API_KEYS_ENV, engine_secrets
+from engine.distributed.placement import format_cpus, split_cpus, visible_cuda_devices
+from engine.edge.auth import engine_secrets
 from engine.edge.limits import Limits, limits_from
+from supervisor.engines import (
+    ENGINES,
+    EngineFlagError,
+    Placement,
+    check_executable,
+    key_env,
+    rank_command,
+    translate,
+)
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
@@ -61,9 +70,10 @@ class RankSpec:
     argv: list[str]
     env: dict[str, str]  # overrides on top of the supervisor's environment
     devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
-    cpus: str | None  # LBD_RANK_CPUS of this rank (CPU ranks), None on CUDA
+    cpus: str | None  # the CPU slice the rank is held to (CPU ranks; see supervisor.engines), None on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
+    engine: str = "lbd"  # --rank-engine ("command" for --rank-command)
     scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
 
     @property
@@ -198,6 +208,13 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's VLLM_RAY_DP_PACK_STRATEGY: strict = exactly --data-parallel-size-local ranks "
                         "on each node used (nodes with less room are skipped); fill = that many on this "
                         "node, as many as fit on the others; span = one rank over several nodes")
+    g.add_argument("--rank-engine", choices=ENGINES, default="lbd",
+                   help="what each rank runs: lbd's engine, vLLM's OpenAI server (vllm serve) or SGLang's "
+                        "(python3 -m sglang.launch_server), each with its own flags for port, DP rank and "
+                        "devices; engine flags are translated, or refused when the engine has no equivalent")
+    g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
+                   help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
+                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {cpus} {tp} {pp}")
 
 
 def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
@@ -367,6 +384,14 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
     return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
 
 
+def changed_engine_options(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                           dests: set[str]) -> dict[str, object]:
+    """Engine options the user set to something else than their default (rank-assigned ones excluded)."""
+    return {a.dest: getattr(ns, a.dest) for a in parser._actions
+            if a.dest in dests and a.dest not in RANK_OVERRIDES | ENV_ONLY and a.option_strings
+            and getattr(ns, a.dest) != a.default}
+
+
 def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
     """(N, ranks per Ray node): one supervisor places the whole group, so no node rank or start rank."""
     n = ns.data_parallel_size
@@ -408,29 +433,34 @@ def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
 
 
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
-               env: dict[str, str], local_devices: bool = True) -> list[RankSpec]:
+               env: dict[str, str], local_devices: bool = True,
+               changed: dict[str, object] | None = None) -> list[RankSpec]:
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
     (its devices nor its CPUs)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
-    on_cuda = visible_cuda_devices(env, ns.device) is not None
-    cpus = _cpu_slices(local, on_cuda) if local_devices else [None] * local
+    visible = visible_cuda_devices(env, ns.device) if local_devices else None
+    cpus = _cpu_slices(local, visible is not None) if local_devices else [None] * local
+    changed = {} if changed is None else changed
+    try:
+        flags = translate(ns.rank_engine, changed, passthrough) if ns.rank_command is None else []
+        secrets = key_env(ns.rank_engine, ns.rank_command, keys)
+    except EngineFlagError as e:
+        raise SupervisorArgError(str(e)) from None
     specs = []
     for i in range(local):
-        argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
-                "--data-parallel-rank", str(start + i), "--data-parallel-size", str(n),
-                # ranks on one node share its CPUs: the engine sizes its thread pool by the local count
-                "--data-parallel-size-local", str(local)]
-        child_env = {"PYTHONUNBUFFERED": "1"}
-        if keys:
-            child_env[API_KEYS_ENV] = "\n".join(keys)
-        if slices[i] is not None:
-            child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
-        if cpus[i] is not None:
-            child_env[RANK_CPUS_ENV] = cpus[i]
+        devices = slices[i].split(",") if slices[i] is not None else None
+        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i])
+        try:
+            argv, child_env = rank_command(ns.rank_engine, ns.rank_command, ns, flags, place, changed)
+        except EngineFlagError as e:
+            raise SupervisorArgError(str(e)) from None
+        child_env.update(secrets)
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
-                              devices=slices[i], cpus=cpus[i], probe_host=probe_host_for(ns.host),
-                              bind_host=ns.host, scheme="https" if ns.ssl_certfile else "http"))
+                              devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
+                              probe_host=probe_host_for(ns.host), bind_host=ns.host,
+                              engine="command" if ns.rank_command else ns.rank_engine,
+                              scheme="https" if ns.ssl_certfile else "http"))
     return specs
 
 
@@ -459,8 +489,15 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         _check_model(ns)
         if not ray:
             _check_ports(ns, local)
+        elif ns.rank_engine != "lbd" or ns.rank_command is not None:
+            raise SupervisorArgError("--data-parallel-backend ray places lbd engine ranks only: drop "
+                                     "--rank-engine/--rank-command, or use --data-parallel-backend mp")
+        problem = check_executable(ns.rank_engine, ns.rank_command)
+        if problem:
+            raise SupervisorArgError(problem)
         _check_kv_events(ns, start, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray)
+        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray,
+                           changed_engine_options(parser, ns, engine_dests))
     except SupervisorArgError as e:
         parser.error(str(e))
     return SupervisorConfig(

@@ -44,6 +44,7 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "operation": null,         # "drain" or "restart" while an admin command is carried out
           "devices": "0,1",          # its CUDA_VISIBLE_DEVICES, null off CUDA
           "cpus": null,              # its CPU slice (LBD_RANK_CPUS, e.g. "0-7"), null on CUDA
+          "engine": "lbd",           # --rank-engine: lbd | vllm | sglang, or "command" (--rank-command)
           "workers": [               # its TP x PP worker processes ([] when TP x PP = 1), read from its
                                      # process tree when it became ready; [] while it is down
             {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
@@ -59,9 +60,10 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
       ]
     }
 
-GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_rank_restarts_total{rank},
-              lbd_supervisor_probe_duration_seconds, lbd_supervisor_probe_failures_total{rank,reason},
-              lbd_supervisor_ready.
+GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_rank_state{rank,state},
+              lbd_supervisor_rank_restarts_total{rank}, lbd_supervisor_probe_duration_seconds{rank},
+              lbd_supervisor_probe_failures_total{rank,reason}, lbd_supervisor_ready,
+              lbd_supervisor_ready_ranks, lbd_supervisor_ranks, lbd_supervisor_phase{phase}.
 
 Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401 on a missing or wrong
 ``Authorization: Bearer <token>``); each answers 202 with JSON at once and works in the background:
@@ -85,7 +87,7 @@ from engine.edge.auth import KeyRing
 from engine.edge.limits import Limits, raise_open_files_limit
 from engine.edge.tls import server_context
 from supervisor.config import WILDCARD_HOSTS
-from supervisor.node import Supervisor
+from supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from supervisor.rank import Command
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -166,7 +168,10 @@ class HealthServer(AppServer):
         return _json(self.sup.status(self._url_host(request)))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.sup.metrics.node_ready.set(1 if self.sup.readiness()[0] else 0)
+        m = self.sup.metrics
+        m.node_ready.set(1 if self.sup.readiness()[0] else 0)
+        m.ready_ranks.set(self.sup.ready_count())
+        m.set_phase(self.sup.phase, PHASES)
         return web.Response(body=self.sup.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from typing import Protocol
 
 from engine.edge.tls import client_context
 from supervisor.config import SupervisorConfig
@@ -19,8 +20,17 @@ from supervisor.rank import Command, FailureAction, RankState, RankWorker, Start
 log = logging.getLogger("lbd.supervisor")
 
 RUNNING, STOPPING, FAILED = "running", "stopping", "failed"
+PHASES = (RUNNING, STOPPING, FAILED)
 SHUTDOWN_EXTRA_S = 5.0  # on SIGTERM ranks get --shutdown-timeout plus this before their trees are killed
 ROLLING_POLL_S = 0.1
+
+
+class HealthPort(Protocol):
+    """The health port (``supervisor.health.HealthServer``; node and port are wired in ``supervisor.cli``)."""
+
+    async def start(self, sock: socket.socket) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class Supervisor:
@@ -81,11 +91,9 @@ class Supervisor:
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
-    async def run(self, health_sock: socket.socket) -> int:
-        from supervisor.health import HealthServer  # here: health imports this module for typing
-
+    async def run(self, server: HealthPort, health_sock: socket.socket) -> int:
+        """Serve ``server`` on ``health_sock`` and run every rank until told to stop; the exit code."""
         self._stop = asyncio.Event()
-        server = HealthServer(self)
         await server.start(health_sock)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+# (running, waiting) gauges of the engines a rank may run: vLLM's names (lbd's too), SGLang's
+_IN_FLIGHT = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
+              ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
 GENERATE_TIMEOUT, GENERATE_FAILED = "generate_timeout", "generate_failed"
@@ -94,7 +97,8 @@ class Prober:
         return None
 
     async def in_flight(self, base_url: str) -> int | None:
-        """Requests the rank is still working on: `/load`, else running + waiting from `/metrics`."""
+        """Requests the rank is still working on: `/load`, else running + waiting from `/metrics` (vLLM's or
+        SGLang's names)."""
         try:
             async with self._client().get(base_url + "/load") as resp:
                 if resp.status == 200:
@@ -105,8 +109,9 @@ class Prober:
             async with self._client().get(base_url + "/metrics") as resp:
                 if resp.status == 200:
                     text = await resp.text()
-                    return int(_metric_sum(text, "vllm:num_requests_running")
-                               + _metric_sum(text, "vllm:num_requests_waiting"))
+                    for running, waiting in _IN_FLIGHT:
+                        if running in text:
+                            return int(_metric_sum(text, running) + _metric_sum(text, waiting))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
         return None

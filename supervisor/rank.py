@@ -136,7 +136,8 @@ class RankWorker:
         self._task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
-        metrics.add_rank(spec.rank)
+        metrics.add_rank(spec.rank, tuple(s.value for s in RankState))
+        metrics.set_state(spec.rank, RankState.STARTING.value, RankState.STARTING.value)
 
     # ---- public, called by the node and the health server -------------------------------------------------
     def start(self) -> None:
@@ -189,8 +190,8 @@ class RankWorker:
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
             "operation": self.operation, "devices": self.spec.devices, "cpus": self.spec.cpus,
-            "workers": self.workers, "attempts": self.attempts, "backoff_s": self.backoff_s,
-            "stderr_tail": tail, "command": redact_argv(self.spec.argv),
+            "engine": self.spec.engine, "workers": self.workers, "attempts": self.attempts,
+            "backoff_s": self.backoff_s, "stderr_tail": tail, "command": redact_argv(self.spec.argv),
             "kv_event_sources": self.kv_event_sources,
         }
 
@@ -379,7 +380,7 @@ class RankWorker:
     def _on_probe(self, gen: int, res: ProbeResult, generate: bool = False) -> None:
         """Generation probes count their failures apart: the /health probes between them answering does not
         excuse a core that no longer generates."""
-        self.metrics.probe_duration.observe(res.latency_s)
+        self.metrics.probe_duration.labels(rank=str(self.spec.rank)).observe(res.latency_s)
         self.last_probe_latency_s = res.latency_s
         self.last_probe_at = time.time()
         self.last_probe_error = res.detail
@@ -425,6 +426,7 @@ class RankWorker:
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _set_state(self, state: RankState) -> None:
         if state is not self.state:
+            self.metrics.set_state(self.spec.rank, self.state.value, state.value)
             self.state = state
             self.state_since = time.time()
         self.metrics.rank_ready.labels(rank=str(self.spec.rank)).set(1 if state is RankState.READY else 0)

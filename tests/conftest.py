@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))
 
 from support import (  # noqa: E402
+    RouterProc,
     make_tiny_deepseek_v2,
     make_tiny_llama,
     make_tiny_mixtral,
@@ -63,3 +65,19 @@ def tiny_deepseek_v2_grouped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """V2's shape: q_lora_rank, group-limited greedy routing."""
     return make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2-grouped"), q_lora_rank=32,
                                  topk_method="group_limited_greedy")
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator:
+    procs: list[RouterProc] = []
+
+    def start(*args: str) -> RouterProc:
+        proc = RouterProc(list(args), tmp_path / f"router-{len(procs)}.log")
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for p in procs:
+            p.close()

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections import Counter, deque
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.args import EngineArgs
+from engine.core.metrics_recorder import MetricsRecorder
 from engine.core.request import Request
 from engine.core.sched_output import SampledToken, SchedulerOutput
-from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerCounters
+from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
     from engine.kv_events.publisher import KVEvents
-    from engine.metrics import EngineMetrics
+    from engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model_path: str, metrics: EngineMetrics | None = None,
+    def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
                  runner: Runner | None = None, **executor_options: Any) -> None:
         self.args = args
         self.model_path = model_path
@@ -122,14 +123,12 @@ class EngineCore:
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
-        self._recorded = SchedulerCounters()
-        self._recorded_queries = self._recorded_hits = 0
-        self._finished_reasons: Counter[str] = Counter()
         self._log_capacity()
+        self.recorder: MetricsRecorder | None = None
         if metrics is not None:
-            metrics.set_cache_config(self.runner.block_size, self.runner.num_blocks, args.kv_cache_dtype,
-                                     args.enable_prefix_caching)
-            self._record_gauges()
+            metrics.set_cache_config(self.cache_config_info())
+            self.recorder = MetricsRecorder(metrics, self.scheduler)
+            self.recorder.flush()
 
     # ---- start-up -------------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -150,6 +149,16 @@ class EngineCore:
                     "on" if cfg.enable_prefix_caching else "off")
         logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{cfg.max_model_len:,}",
                     concurrency)
+
+    def cache_config_info(self) -> dict[str, object]:
+        """The CacheConfig fields vLLM exports in vllm:cache_config_info that lbd has."""
+        a, cfg = self.args, self.config
+        return {"block_size": cfg.block_size, "cache_dtype": a.kv_cache_dtype,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "gpu_memory_utilization": a.gpu_memory_utilization,
+                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "num_cpu_blocks": None,
+                "num_gpu_blocks": cfg.num_blocks, "num_gpu_blocks_override": None,
+                "sliding_window": None, "is_attention_free": False}
 
     def core_info(self) -> CoreInfo:
         r, cfg = self.runner, self.config
@@ -172,14 +181,18 @@ class EngineCore:
         ids = req.prompt_token_ids
         if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
             raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
-        self.scheduler.add_request(req)
+        try:
+            self.scheduler.add_request(req)
+        except RequestRejected as e:
+            if e.reason is not None and self.metrics is not None:
+                self.metrics.admission_rejection(e.reason)
+            raise
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
         aborted = self.scheduler.abort(list(request_ids), reason)
-        self._finished_reasons[reason] += len(aborted)
-        if self.metrics is not None:
-            self._record()
+        if self.recorder is not None and aborted:
+            self.recorder.flush()  # the client may already have its answer (a stop string): count it now
         return aborted
 
     def reset_prefix_cache(self) -> bool:
@@ -225,43 +238,16 @@ class EngineCore:
         outputs = self.scheduler.update(out, sampled)
         if self.kv_events is not None:
             self.kv_events.flush()
-        for o in outputs:
-            if o.finish_reason is not None:
-                self._finished_reasons[o.finish_reason] += 1
-        if self.metrics is not None:
-            self._record()
+        if self.recorder is not None:
+            self.recorder.step(out.scheduled_tokens)
         return outputs
+
+    def flush_metrics(self) -> None:
+        """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
+        if self.recorder is not None:
+            self.recorder.flush()
 
     def _submit(self, out: SchedulerOutput) -> Any:
         if self._depth > 1:
             return self.runner.submit(out)  # type: ignore[attr-defined]
         return self.runner.execute(out)
-
-    # ---- metrics --------------------------------------------------------------------------------------
-    def _record(self) -> None:
-        m, c, done = self.metrics, self.scheduler.counters, self._recorded
-        kv = self.scheduler.kv
-        assert m is not None
-        if c.num_preemptions != done.num_preemptions:
-            m.num_preemptions.inc(c.num_preemptions - done.num_preemptions)
-        if c.prompt_tokens != done.prompt_tokens:
-            m.prompt_tokens.inc(c.prompt_tokens - done.prompt_tokens)
-        if c.generation_tokens != done.generation_tokens:
-            m.generation_tokens.inc(c.generation_tokens - done.generation_tokens)
-        if kv.prefix_queries != self._recorded_queries:
-            m.prefix_cache_queries.inc(kv.prefix_queries - self._recorded_queries)
-            m.prefix_cache_hits.inc(kv.prefix_hits - self._recorded_hits)
-            self._recorded_queries, self._recorded_hits = kv.prefix_queries, kv.prefix_hits
-        self._recorded = SchedulerCounters(c.num_preemptions, c.prompt_tokens, c.generation_tokens)
-        if self._finished_reasons:
-            for reason, n in self._finished_reasons.items():
-                m.request_success(reason).inc(n)
-            self._finished_reasons.clear()
-        self._record_gauges()
-
-    def _record_gauges(self) -> None:
-        m, s = self.metrics, self.scheduler
-        assert m is not None
-        m.num_requests_running.set(len(s.running))
-        m.num_requests_waiting.set(len(s.waiting))
-        m.kv_cache_usage_perc.set(s.kv.usage)

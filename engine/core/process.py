@@ -180,6 +180,7 @@ class CoreServer:
             if core.has_work():
                 self.send_outputs(core.step(), now)
             if now >= next_stats:
+                core.flush_metrics()
                 self.send_stats(now)
                 next_stats = now + STATS_INTERVAL_S
 
@@ -214,9 +215,9 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     cpus = pin_to_rank_cpus()
     if cpus is not None:
         logger.info("pinned to CPUs %s (LBD_RANK_CPUS)", os.environ["LBD_RANK_CPUS"])
-    from engine.metrics import EngineMetrics
+    from engine.metrics import CoreMetrics
 
-    metrics = EngineMetrics(args.model_name, args.rank)
+    metrics = CoreMetrics(args.model_name, args.rank)
     core = EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.ROUTER)

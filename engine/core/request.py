@@ -34,6 +34,10 @@ class Request:
     order: int = 0  # admission order at the core: lower = higher priority (FCFS, preemption victim = highest)
     block_hashes: list[bytes | int] = field(default_factory=list)  # chained keys of the full blocks
     num_registered_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
+    # for vLLM's per-request timing metrics (wall clock, the core's): when queued and first scheduled
+    queued_at: float = 0.0
+    scheduled_at: float = 0.0
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -23,6 +23,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes (num_new_tokens == 1) first
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step (runner drops state)
+    scheduled_tokens: int = 0  # the sum of num_new_tokens, counted while scheduling (metrics read it)
 
     @property
     def num_tokens(self) -> int:

@@ -20,8 +20,9 @@ micro-batches instead of all going into the first. With one batch at a time ``in
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.kv_cache import CacheListener, KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -53,15 +54,19 @@ class SchedulerCounters:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt length of each request, counted when its first token is sampled
     generation_tokens: int = 0
+    prompt_cached_tokens: int = 0  # of those prompt tokens, the ones found in the prefix cache
+    finished: int = 0  # requests finished, for any reason (aborts included)
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class RequestRejected(Exception):
     """A request the core will not take; ``status`` is the HTTP status the front end should answer."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.reason = reason  # for 503s: the queue limit ("max_num_queued_reqs" or "max_num_queued_tokens")
 
 
 class Scheduler:
@@ -93,16 +98,18 @@ class Scheduler:
         if cfg.max_num_queued_reqs is not None and len(self.waiting) >= cfg.max_num_queued_reqs:
             raise RequestRejected(
                 f"Scheduler waiting queue is full ({len(self.waiting)} requests waiting, "
-                f"max_num_queued_reqs={cfg.max_num_queued_reqs})", 503)
+                f"max_num_queued_reqs={cfg.max_num_queued_reqs})", 503, "max_num_queued_reqs")
         if (cfg.max_num_queued_tokens is not None
                 and self._waiting_tokens + req.num_tokens > cfg.max_num_queued_tokens):
             raise RequestRejected(
                 f"Scheduler waiting queue is full ({self._waiting_tokens} prompt tokens waiting, this "
-                f"request adds {req.num_tokens}, max_num_queued_tokens={cfg.max_num_queued_tokens})", 503)
+                f"request adds {req.num_tokens}, max_num_queued_tokens={cfg.max_num_queued_tokens})", 503,
+                "max_num_queued_tokens")
         if self.kv.enable_prefix_caching:  # keys of the prompt's full blocks now, outside any step
             self.kv.hash_upto(req, req.num_tokens // cfg.block_size)
         req.order = self._next_order
         self._next_order += 1
+        req.queued_at = time.time()
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -133,11 +140,12 @@ class Scheduler:
         seats = max_batch_seqs if max_batch_seqs is not None else self.config.max_num_seqs
         budget, preempted = self._schedule_running(budget, decodes, prefills, seats)
         if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
-            self._schedule_waiting(budget, decodes, prefills, seats)
+            budget = self._schedule_waiting(budget, decodes, prefills, seats)
         if not decodes and not prefills:
             return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
         decodes.extend(prefills)
-        out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids)
+        out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids,
+                              scheduled_tokens=self.config.max_num_batched_tokens - budget)
         self._finished_ids = []
         self.in_flight.update(seq.request.request_id for seq in decodes)
         return out
@@ -179,9 +187,10 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
-                          seats: int) -> None:
+                          seats: int) -> int:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
+        now = 0.0
         while (waiting and budget > 0 and len(running) < max_seqs
                and len(decodes) + len(prefills) < seats):
             req = waiting[0]
@@ -194,6 +203,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.scheduled_at = now = now or time.time()
             req.status = RequestStatus.RUNNING
             # Stays sorted by priority: a preempted request was the latest admitted and, back at the head of
             # the queue, re-enters before anyone admitted after it.
@@ -201,6 +211,7 @@ class Scheduler:
             seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
+        return budget
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -208,6 +219,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self._waiting_tokens += req.num_tokens
+        req.num_preemptions += 1
         self.counters.num_preemptions += 1
         n = self.counters.num_preemptions
         if n == 1 or n % PREEMPTION_LOG_EVERY == 0:
@@ -240,14 +252,18 @@ class Scheduler:
             req.append_token(tok.token_id)
             num_out = len(req.output_token_ids)
             first = num_out == 1
-            if first:
-                counters.prompt_tokens += req.num_prompt_tokens
-            counters.generation_tokens += 1
             o = EngineCoreOutput(req.request_id, [tok.token_id],
-                                 [tok.logprobs] if tok.logprobs is not None else None,
-                                 num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0)
+                                 [tok.logprobs] if tok.logprobs is not None else None)
+            if first:
+                cached = max(req.num_cached_tokens, 0)
+                counters.prompt_tokens += req.num_prompt_tokens
+                counters.prompt_cached_tokens += cached
+                o.num_cached_tokens = cached
+                o.timings = (req.queued_at, req.scheduled_at, req.num_preemptions)
+            counters.generation_tokens += 1
             if self._check_stop(req, tok.token_id, num_out, max_model_len):
                 o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
+                o.timings = (req.queued_at, req.scheduled_at, req.num_preemptions)
                 self._finish(req)
                 any_finished = True
             outputs.append(o)
@@ -275,6 +291,9 @@ class Scheduler:
         return False
 
     def _finish(self, req: Request) -> None:
+        c, reason = self.counters, req.finish_reason or "abort"
+        c.finished += 1
+        c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]

@@ -18,6 +18,7 @@ from engine.server.core_client import CoreClient
 from engine.server.errors import APIError, error_response
 from engine.server.offload import Offload
 from engine.server.request_io import STATE
+from engine.server.responses_store import RESPONSES_DIR_ENV, ResponseStore
 from engine.server.routes import add_routes
 from engine.server.state import FrontendState
 from engine.tokenizer import Tokenizer
@@ -88,7 +89,7 @@ class Frontend:
 
     async def connect(self, hello_timeout: float) -> None:
         """Load the tokenizer and wait until the core answers (it may still be loading the model)."""
-        from engine.metrics import EngineMetrics
+        from engine.metrics import FrontendMetrics
 
         self.client.start()
         tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
@@ -96,9 +97,20 @@ class Frontend:
         self.offload = Offload(tokenizer)
         await self.offload.warm()
         info = await self.client.hello(hello_timeout)
-        self.state = FrontendState(self.args, info, tokenizer, self.client,
-                                   EngineMetrics(self.args.model_name, self.args.rank), self.offload,
-                                   self.index)
+        metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
+        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
+                                   self._response_store(), self.index)
+        if self.args.otlp_traces_endpoint:
+            from engine.server.tracing import RequestTracer
+
+            self.state.tracer = RequestTracer(self.args.otlp_traces_endpoint, self.args.rank)
+
+    def _response_store(self) -> ResponseStore:
+        """This front end's share of the rank's response store (see responses_store)."""
+        a = self.args
+        share = a.api_server_count
+        entries = -(-a.responses_store_max_entries // share)
+        return ResponseStore(os.environ.get(RESPONSES_DIR_ENV), entries, a.responses_store_max_bytes // share)
 
     async def listen(self) -> None:
         assert self.state is not None, "connect() first"
@@ -130,3 +142,5 @@ class Frontend:
         if self.offload is not None:
             self.offload.close()
         await self.client.close()
+        if self.state is not None and self.state.tracer is not None:
+            await asyncio.to_thread(self.state.tracer.shutdown)

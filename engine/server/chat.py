@@ -9,7 +9,7 @@ from aiohttp import web
 from engine.server.errors import bad_request
 from engine.server.generate import Delta, Generation, PromptInput, Sequence
 from engine.server.logprobs import chat_entries
-from engine.server.openai_protocol import ChatRequest, parse_chat, plan_tokens
+from engine.server.openai_protocol import parse_chat, plan_tokens
 from engine.server.request_io import checked_state, read_json
 from engine.server.state import FrontendState
 from engine.server.streaming import respond
@@ -20,18 +20,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
     req = parse_chat(await read_json(request), state.limits)
     model = state.check_model(req.common.model)
-    ids = await _prompt_ids(state, req)
+    ids = await render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                  req.tools, req.template_kwargs)
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ChatFormatter(gen, model))
 
 
-async def _prompt_ids(state: FrontendState, req: ChatRequest) -> list[int]:
+async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                            param: str = "messages") -> list[int]:
+    """The chat template applied to ``messages``, tokenized (long prompts in the tokenizer worker); shared
+    with the Responses API."""
     try:
-        text = state.tokenizer.render_chat(req.messages, req.add_generation_prompt,
-                                           req.continue_final_message, req.tools, req.template_kwargs)
+        text = state.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                           template_kwargs or {})
     except ChatTemplateError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), param) from e
     return await state.offload.encode(text, False)
 
 

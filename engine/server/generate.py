@@ -17,6 +17,7 @@ from engine.protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams,
 from engine.server.core_client import CoreError
 from engine.server.errors import APIError
 from engine.server.openai_protocol import CommonParams
+from engine.server.request_metrics import record_finished, record_prompt_done
 from engine.server.state import FrontendState
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -37,7 +38,8 @@ class Sequence:
     """One choice: a core request, its detokenizer and its finish state."""
 
     __slots__ = ("index", "prompt_index", "request_id", "prompt_ids", "detok", "num_tokens", "finish_reason",
-                 "stop_reason", "first_time", "last_time", "core_done")
+                 "stop_reason", "first_time", "last_time", "core_done", "num_cached", "timings",
+                 "first_core_ts", "last_core_ts")
 
     def __init__(self, index: int, prompt_index: int, request_id: str, prompt_ids: list[int],
                  detok: IncrementalDetokenizer) -> None:
@@ -49,9 +51,13 @@ class Sequence:
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.first_time = 0.0
+        self.first_time = 0.0  # front-end monotonic times of the first and latest tokens
         self.last_time = 0.0
         self.core_done = False  # the core finished (or never needs an abort)
+        self.num_cached = 0  # prompt tokens the prefix cache served
+        self.timings: tuple[float, float, int] | None = None  # (queued, scheduled, preemptions), core clock
+        self.first_core_ts = 0.0  # core wall-clock times of the outputs with the first and latest tokens
+        self.last_core_ts = 0.0
 
     @property
     def finished(self) -> bool:
@@ -62,6 +68,14 @@ class Sequence:
         return self.detok.text
 
     def consume(self, out: EngineCoreOutput) -> Delta:
+        if out.timings is not None:
+            if self.timings is None:
+                self.num_cached = out.num_cached_tokens
+            self.timings = out.timings
+        if out.new_token_ids:
+            if not self.first_core_ts:
+                self.first_core_ts = out.timestamp
+            self.last_core_ts = out.timestamp
         ids: list[int] = []
         offsets: list[int] = []
         for token_id in out.new_token_ids:
@@ -93,7 +107,8 @@ class Generation:
                  common: CommonParams) -> None:
         self.state = state
         self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.arrival_wall = time.time()
+        self.created = int(self.arrival_wall)
         self.arrival = time.monotonic()
         self.common = common
         self.prompts = prompts
@@ -101,6 +116,7 @@ class Generation:
         self._by_id: dict[str, Sequence] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._requests: list[EngineCoreRequest] = []
+        self._unfinished = [common.n] * len(prompts)  # sequences of each prompt not finished yet
         tok = state.tokenizer
         for p_index, prompt in enumerate(prompts):
             for i in range(common.n):
@@ -160,8 +176,12 @@ class Generation:
                 for _ in delta.token_ids:
                     m.inter_token_latency.observe(gap)
             seq.last_time = now
-        if delta.finished and seq.finish_reason in ("stop", "length"):
-            m.e2e_request_latency.observe(now - self.arrival)
+        if delta.finished:
+            record_finished(m, seq, now - self.arrival, self.common.max_tokens)
+            left = self._unfinished[seq.prompt_index] = self._unfinished[seq.prompt_index] - 1
+            if left == 0:
+                siblings = self.seqs[seq.prompt_index * self.common.n:(seq.prompt_index + 1) * self.common.n]
+                record_prompt_done(m, self.common.n, max(s.num_tokens for s in siblings))
 
     async def close(self) -> None:
         """Abort what is still running in the core (client gone, error, shutdown) and drop the routes."""

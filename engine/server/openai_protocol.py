@@ -60,7 +60,8 @@ class CompletionRequest:
     add_special_tokens: bool
 
 
-def _sampling(f: Fields) -> SamplingParams:
+def sampling_from(f: Fields) -> SamplingParams:
+    """The sampling fields shared by chat, completions and responses (vLLM's extras included)."""
     top_k = f.int("top_k", 0, lo=-1, hi=(1 << 31) - 1)
     return SamplingParams(
         temperature=f.float("temperature", 1.0, lo=0.0),
@@ -100,7 +101,7 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
     if logprobs is not None and logprobs > limits.max_logprobs:
         raise bad_request(f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
                           f"{limits.max_logprobs}", "top_logprobs" if f.has("top_logprobs") else "logprobs")
-    sampling = _sampling(f)
+    sampling = sampling_from(f)
     bad_ids = [t for t in sampling.stop_token_ids if t >= limits.vocab_size]
     if bad_ids:
         raise bad_request(f"stop_token_ids {bad_ids} are outside the vocabulary (size {limits.vocab_size})",
@@ -215,8 +216,7 @@ def _prompts(value: Any, limits: Limits) -> list[str | list[int]]:
 
 def _context_error(n: int, limits: Limits, what: str) -> APIError:
     return APIError(f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
-                    f"request has {n} input tokens. Please reduce the length of the input {what}.", 400,
-                    "prompt" if what == "prompt" else "messages")
+                    f"request has {n} input tokens. Please reduce the length of the input {what}.", 400, what)
 
 
 def check_prompt_chars(chars: int, limits: Limits, what: str) -> None:
@@ -232,8 +232,7 @@ def plan_tokens(ids: list[int], max_tokens: int | None, limits: Limits, what: st
     """The request's max_tokens after checking prompt + completion against the context length."""
     n = len(ids)
     if n == 0:
-        raise bad_request(f"the {what} is empty: at least one token is needed", "prompt" if what == "prompt"
-                          else "messages")
+        raise bad_request(f"the {what} is empty: at least one token is needed", what)
     if n >= limits.max_model_len:
         raise _context_error(n, limits, what)
     if max_tokens is None:

@@ -102,10 +102,14 @@ def add_routes(app: web.Application) -> None:
     from engine.server.cache_routes import add_cache_routes
     from engine.server.chat import chat_completions
     from engine.server.completions import completions
+    from engine.server.responses import create_response, delete_response, get_response
 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)

@@ -6,15 +6,20 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs
-from engine.metrics import EngineMetrics
+from engine.metrics import FrontendMetrics
 from engine.protocol import CoreInfo
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError
 from engine.server.offload import Offload
 from engine.server.openai_protocol import Limits
+from engine.server.responses_store import ResponseStore
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.server.tracing import RequestTracer
 
 
 @dataclass(slots=True)
@@ -23,13 +28,15 @@ class FrontendState:
     info: CoreInfo
     tokenizer: Tokenizer
     client: CoreClient
-    metrics: EngineMetrics
+    metrics: FrontendMetrics
     offload: Offload
+    responses: ResponseStore
     index: int = 0  # which front end of this rank (0 runs in the launcher)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
     in_flight: int = 0
     draining: bool = False
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
 
     @property
     def limits(self) -> Limits:

@@ -1,7 +1,9 @@
 """Drive one Generation to an HTTP answer: a JSON body, or SSE chunks flushed as the core produces them.
 
 A streamed response's headers are sent only once the first output arrives, so a refusal by the core (e.g.
-admission 503) still gets its own HTTP status. Errors after that become an SSE error event, then [DONE].
+admission 503) still gets its own HTTP status. Errors after that become an SSE error event, then the end
+marker. Chat and completions frame events as ``data: {json}`` and end with ``data: [DONE]``; a formatter may
+frame them otherwise (the Responses API: ``event: type``, lead-in and closing events, no end marker).
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ class Formatter(Protocol):
     def usage_chunk(self) -> dict[str, Any]: ...
 
 
+class EventFraming:
+    """How a stream's events are written; the defaults are chat's and completions' (a formatter inherits)."""
+
+    done = _DONE
+
+    def encode(self, event: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(event) + b"\n\n"
+
+    def lead_in(self) -> list[dict[str, Any]]:
+        """Events before the first chunk."""
+        return []
+
+    def closing(self) -> list[dict[str, Any]]:
+        """Events after the last chunk (and after the usage chunk, when asked for)."""
+        return []
+
+    def error_event(self, message: str, status: int) -> dict[str, Any]:
+        return error_body(message, status)
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
@@ -43,19 +65,29 @@ async def respond(request: web.Request, gen: Generation, fmt: Formatter) -> web.
     state = gen.state
     state.in_flight += 1
     deltas = gen.deltas()
+    error: str | None = "client gone"
     try:
         await gen.start()
         if not gen.common.stream:
             async for delta in deltas:
                 fmt.collect(delta)
             _log_done(gen)
+            error = None
             return json_response(fmt.response())
         first = await anext(deltas, None)
-        return await _stream(request, gen, fmt, first, deltas)
+        resp = await _stream(request, gen, fmt, first, deltas)
+        error = None
+        return resp
+    except APIError as e:
+        error = e.message
+        raise
     finally:
         await deltas.aclose()
         await gen.close()
         state.in_flight -= 1
+        if state.tracer is not None:
+            model = getattr(fmt, "model", state.args.model_name)
+            state.tracer.request_done(request.headers, gen, model, error)
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: Delta | None,
@@ -66,8 +98,11 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
     started: set[int] = set()
     usage_each = gen.common.continuous_usage
     usage_key = gen.common.include_usage or usage_each
+    framing: EventFraming = fmt if isinstance(fmt, EventFraming) else EventFraming()
     try:
         try:
+            for event in framing.lead_in():
+                await resp.write(framing.encode(event))
             delta = first
             while delta is not None:
                 chunks = []
@@ -79,15 +114,18 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
                     if chunk is not None:
                         if usage_key:
                             chunk["usage"] = gen.usage() if usage_each else None
-                        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        await resp.write(framing.encode(chunk))
                 delta = await anext(rest, None)
             if gen.common.include_usage:
-                await resp.write(b"data: " + orjson.dumps(fmt.usage_chunk()) + b"\n\n")
+                await resp.write(framing.encode(fmt.usage_chunk()))
+            for event in framing.closing():
+                await resp.write(framing.encode(event))
             _log_done(gen)
         except APIError as e:
             logger.warning("request %s failed mid-stream: %s", gen.id, e.message)
-            await resp.write(b"data: " + orjson.dumps(error_body(e.message, e.status)) + b"\n\n")
-        await resp.write(_DONE)
+            await resp.write(framing.encode(framing.error_event(e.message, e.status)))
+        if framing.done:
+            await resp.write(framing.done)
         await resp.write_eof()
     except ConnectionResetError:  # the client went away; respond()'s finally aborts its core requests
         logger.info("client of %s disconnected", gen.id)

@@ -370,6 +370,8 @@ def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
         argv += ["--max-num-queued-reqs", str(ns.max_num_queued_reqs)]
     if ns.max_num_queued_tokens is not None:
         argv += ["--max-num-queued-tokens", str(ns.max_num_queued_tokens)]
+    if getattr(ns, "otlp_traces_endpoint", None):  # the router's span is the engine span's parent
+        argv += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
     return argv
 
 

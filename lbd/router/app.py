@@ -47,9 +47,14 @@ class RouterApp:
     async def start(self, sock: socket.socket | None = None) -> None:
         cfg = self.cfg
         self.state = RouterState(cfg, self.shared)
+        self.tracer = None
+        if cfg.otlp_traces_endpoint:
+            from lbd.router.tracing import RouterTracer
+
+            self.tracer = RouterTracer(cfg.otlp_traces_endpoint)
         self.gate = Gate(cfg.api_keys, cfg.api_key_file, cfg.rate_limit_rps, cfg.rate_limit_tps,
                          cfg.rate_limit_burst_s, cfg.workers)
-        self.proxy = Proxy(self.state, self.gate)
+        self.proxy = Proxy(self.state, self.gate, self.tracer)
         self.monitor = Monitor(self.state)
         if cfg.kv_events != "off":
             self.state.exact = await self._exact_view()
@@ -84,6 +89,8 @@ class RouterApp:
         for pool in self.state.pools.values():
             pool.close()
         self.state.metrics.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # export what is buffered
 
     def dispatch(self, request: Request, out: Response) -> Awaitable[None]:
         """The handler's coroutine for ``request`` (returned, not awaited here: one coroutine level less on

@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import policies
+from engine.args import check_otlp_endpoint
 from engine.edge.auth import key_lines, read_key_file
 from engine.edge.limits import Limits, add_limit_arguments, check_limits, limits_from
 from engine.edge.tls import add_tls_arguments, check_tls
@@ -117,6 +118,7 @@ class RouterConfig:
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
     max_num_queued_tokens: int | None = None
     shutdown_timeout_s: float = 5.0
+    otlp_traces_endpoint: str | None = None
     limits: Limits = field(default_factory=Limits)
     max_streams_per_endpoint: int = 1024
     # authentication and rate limits (lbd.router.auth)
@@ -180,6 +182,12 @@ def make_parser() -> OneLineParser:
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP/HTTP collector URL (e.g. http://collector:4318): a span per request, its context sent "
+        "to the engine as W3C traceparent (a client's is continued); off by default",
+    )
     g.add_argument(
         "--max-streams-per-endpoint",
         type=int,
@@ -302,6 +310,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     _check_numbers(p, ns)
+    if ns.otlp_traces_endpoint:
+        problem = check_otlp_endpoint(ns.otlp_traces_endpoint)
+        if problem:
+            p.error(problem)
     tok = ns.tokenizer
     if tok is not None and not (tok.is_file() or (tok / "tokenizer.json").is_file()):
         p.error(f"--tokenizer {ns.tokenizer}: no tokenizer.json there")
@@ -347,6 +359,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events,
         tokenizer=ns.tokenizer,
         limits=limits,

@@ -122,6 +122,13 @@ class Endpoint:
             snap.age_s = age if age > 0.0 else 0.0
         return snap
 
+    def static_snapshot(self) -> EndpointSnapshot:
+        """The snapshot without its live numbers refreshed (identity, health, last scrape)."""
+        snap = self.snap
+        if snap is None or self.snap_stale:
+            snap = self._refresh_snapshot()
+        return snap
+
     def _refresh_snapshot(self) -> EndpointSnapshot:
         snap = self.snap
         if snap is None or snap.key != self.url:

@@ -47,10 +47,10 @@ class Headers:
         want = _LOWER_NAMES.get(name)
         if want is None:
             want = _LOWER_NAMES[name] = name.lower().encode("latin-1")
-        try:  # the first of repeated headers wins, as aiohttp's CIMultiDict.get
-            return self.raw[self.names.index(want)][1].decode("latin-1")
-        except ValueError:
+        names = self.names
+        if want not in names:  # (a test beats catching index()'s ValueError: most lookups miss)
             return default
+        return self.raw[names.index(want)][1].decode("latin-1")  # the first of repeated headers wins
 
     def get_raw(self, name: str) -> bytes | None:
         """The first value of ``name`` as the client's bytes (no decoding)."""

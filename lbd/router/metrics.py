@@ -45,6 +45,9 @@ _BUCKETS = (
     300.0,
 )
 FLUSH_S = 0.1
+# the router's own time before a request is handed to its upstream's connection: parsing and the decision
+_OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     1.0)
 
 
 class _Live(Collector):
@@ -128,6 +131,14 @@ class RouterMetrics:
             buckets=_BUCKETS,
             **kw,
         )
+        self.overhead = Histogram(
+            "lbd_router_overhead_seconds",
+            "Router time from a request's arrival to its dispatch to the chosen upstream (body parse, "
+            "facts, decision), per attempt.",
+            ["policy"],
+            buckets=_OVERHEAD_BUCKETS,
+            **kw,
+        )
         self.decisions = Counter(
             "lbd_router_decisions", "Routing decisions by policy and reason.", ["policy", "reason"], **kw
         )
@@ -163,6 +174,7 @@ class RouterMetrics:
         self._requests: dict[tuple[str, str], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}
         self._latency: dict[str, list[float]] = {}  # endpoint -> [count per bucket..., +Inf count, sum]
+        self._overhead: dict[str, list[float]] = {}  # policy -> the same
         self._flush_at: asyncio.TimerHandle | None = None
 
     def _dirty(self) -> None:
@@ -187,24 +199,32 @@ class RouterMetrics:
         tally[bisect.bisect_left(_BUCKETS, seconds)] += 1
         tally[-1] += seconds
 
+    def dispatched(self, policy: str, reason: str, overhead_s: float) -> None:
+        """A request sent to an upstream: the decision's reason and the router's overhead until then."""
+        key = (policy, reason)
+        self._decisions[key] = self._decisions.get(key, 0) + 1
+        self._dirty()
+        tally = self._overhead.get(policy)
+        if tally is None:
+            tally = self._overhead[policy] = [0.0] * (len(_OVERHEAD_BUCKETS) + 2)
+        tally[bisect.bisect_left(_OVERHEAD_BUCKETS, overhead_s)] += 1
+        tally[-1] += overhead_s
+
     def flush(self) -> None:
         """Move the tallies into the prometheus children."""
         self._flush_at = None
         requests, self._requests = self._requests, {}
         decisions, self._decisions = self._decisions, {}
         latency, self._latency = self._latency, {}
+        overhead, self._overhead = self._overhead, {}
         for (endpoint, status), n in requests.items():
             self.requests.labels(endpoint, status).inc(n)
         for (policy, reason), n in decisions.items():
             self.decisions.labels(policy, reason).inc(n)
         for endpoint, tally in latency.items():
-            child = self.latency.labels(endpoint)
-            # Histogram children keep one (non-cumulative) counter per bucket and a sum; observe() would
-            # replay every request.
-            for bucket, n in zip(child._buckets, tally[:-1], strict=True):
-                if n:
-                    bucket.inc(n)
-            child._sum.inc(tally[-1])
+            _add_tally(self.latency.labels(endpoint), tally)
+        for policy, tally in overhead.items():
+            _add_tally(self.overhead.labels(policy), tally)
 
     def close(self) -> None:
         if self._flush_at is not None:
@@ -214,3 +234,12 @@ class RouterMetrics:
     def render(self) -> bytes:
         self.flush()
         return generate_latest(self._registry)
+
+
+def _add_tally(child: Any, tally: list[float]) -> None:
+    # A histogram child keeps one (non-cumulative) counter per bucket and a sum; observe() would replay every
+    # request.
+    for bucket, n in zip(child._buckets, tally[:-1], strict=True):
+        if n:
+            bucket.inc(n)
+    child._sum.inc(tally[-1])

@@ -16,7 +16,9 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -24,35 +26,19 @@ from engine.edge.auth import ApiKey
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import PIN_HEADER, BadRequest, parse_request, pinned_rank
+from lbd.router.facts import BadRequest, parse_request, path_facts
+from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
 from policies import Decision, Refusal, RequestFacts, route
 
+if TYPE_CHECKING:
+    from lbd.router.tracing import RouterTracer, RouteTrace
+
 log = logging.getLogger("lbd.router")
 
-_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-# Request headers are forwarded as the client's raw bytes (no decode/encode per header).
-_HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
-_HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
-_RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
 _JSON = b"Content-Type: application/json\r\n"
 
@@ -78,8 +64,12 @@ class Failure:
 
 
 class Proxy:
-    def __init__(self, state: RouterState, gate: Gate | None = None) -> None:
+    def __init__(self, state: RouterState, gate: Gate | None = None,
+                 tracer: RouterTracer | None = None) -> None:
         self.state = state
+        self.tracer = tracer
+        self._hash_prefix = state.policy.uses_prefix_hashes
+        self._headers = HeaderRewriter()
         self.cfg = state.cfg
         self.gate = gate
         self.loop = asyncio.get_running_loop()
@@ -89,8 +79,8 @@ class Proxy:
         key = cfg.upstream_api_key
         self._auth = b"Authorization: Bearer %s\r\n" % key.encode("latin-1") if key else b""
         drop_auth = frozenset({b"authorization"}) if key or not cfg.forward_authorization else frozenset()
-        self._drop = _HOP_REQ | drop_auth
-        self._drop_unpinned = _HOP_REQ_UNPINNED | drop_auth
+        self._drop = REQUEST_DROP | drop_auth
+        self._drop_unpinned = REQUEST_DROP_UNPINNED | drop_auth
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
         # request costs more than the rest of the id handling together).
         self._rid_prefix = os.urandom(8).hex().encode()
@@ -98,8 +88,23 @@ class Proxy:
         self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
 
     # ---- entry --------------------------------------------------------------------------------------
-    async def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> None:
-        """Proxy one request; ``key``: the caller's API key (checked by the app), for its rate limits."""
+    def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> Awaitable[None]:
+        """Proxy one request; ``key``: the caller's API key (checked by the app), for its rate limits. Returns
+        the handler's coroutine (untraced: no extra coroutine level, nothing allocated for tracing)."""
+        if self.tracer is None:
+            return self._handle(request, out, key, None)
+        return self._traced(request, out, key, self.tracer)
+
+    async def _traced(self, request: Request, out: Response, key: ApiKey | None,
+                      tracer: RouterTracer) -> None:
+        trace = tracer.start(request)
+        try:
+            await self._handle(request, out, key, trace)
+        finally:
+            tracer.end(trace, out.status)
+
+    async def _handle(self, request: Request, out: Response, key: ApiKey | None,
+                      trace: RouteTrace | None) -> None:
         t0 = self.loop.time()
         rid = request.headers.get("X-Request-Id")
         if rid:
@@ -120,10 +125,12 @@ class Proxy:
         exact = self.state.exact
         try:
             if request.method == "POST":
-                text = exact is None or not (self.state.policy.exact_aware and exact.complete())
+                # text prefix hashes: only for a policy that reads them and lacks exact views of all
+                text = self._hash_prefix and (
+                    exact is None or not (self.state.policy.exact_aware and exact.complete()))
                 facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
             else:
-                facts, data = RequestFacts(pinned_rank=pinned_rank(request.headers)), None
+                facts, data = path_facts(request.path, request.headers), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
         if key is not None and self.gate is not None and self.gate.limits_on:
@@ -145,8 +152,8 @@ class Proxy:
             pending = exact.annotate(facts, data)  # exact cached lengths from the engines' KV events
             if pending is not None:
                 await pending
-        headers = self._forward_headers(request, rid_header)
-        snaps = self.state.snapshots()
+        headers = self._forward_headers(request, rid_header, trace=trace)
+        snaps = self.state.snapshots()  # live in-flight counts: --max-streams-per-endpoint needs them
         cap = self.cfg.max_streams_per_endpoint
         exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
         full = len(exclude)
@@ -172,13 +179,17 @@ class Proxy:
                         out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
                 break
-            failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0)
+            if trace is not None:
+                trace.decided(self.cfg.policy, decision)
+            failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0, trace)
             if failure is None:
                 return
             out_of_budget = self.loop.time() - t0 > self.cfg.retry_budget_s
             if not failure.retryable or attempt == self.cfg.max_retries or out_of_budget:
                 break
             self.state.metrics.retries.labels(failure.kind).inc()
+            if trace is not None:
+                trace.retries += 1
             exclude.append(decision.endpoint.key)
             snaps = self.state.snapshots()
             log.info(
@@ -205,16 +216,15 @@ class Proxy:
         etype = {502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
         send_error(out, f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
 
-    def _forward_headers(self, request: Request, rid_header: bytes, unpinned: bool = False) -> bytes:
-        """The client's raw headers minus hop-by-hop ones (and its credentials, see __init__), serialized
-        once (Host and Content-Length are added by the pool); the request id is set to ours."""
-        h = request.headers
+    def _forward_headers(self, request: Request, rid_header: bytes, unpinned: bool = False,
+                         trace: RouteTrace | None = None) -> bytes:
+        """The client's headers for the upstream (lbd.router.headers; its credentials only as __init__ says),
+        our request id, our key for the engines, our trace context."""
         drop = self._drop_unpinned if unpinned else self._drop
-        parts = [b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True) if name not in drop]
-        parts.append(rid_header)
-        if self._auth:
-            parts.append(self._auth)
-        return b"".join(parts)
+        if trace is None:
+            return self._headers.request(request.headers, drop) + rid_header + self._auth
+        return (self._headers.request(request.headers, drop | TRACE_HEADERS) + rid_header + self._auth
+                + trace.lines)
 
     # ---- one try on one endpoint --------------------------------------------------------------------
     async def _attempt(
@@ -227,6 +237,7 @@ class Proxy:
         headers: bytes,
         rid_header: bytes,
         t0: float,
+        trace: RouteTrace | None,
     ) -> Failure | None:
         """None when an answer (or the start of one) reached the client."""
         state = self.state
@@ -240,14 +251,14 @@ class Proxy:
         state.policy.on_dispatch(facts, ep.url)
         if state.exact is not None and facts.block_keys is not None:
             a.pending = state.exact.dispatched(ep.url, facts)
-        state.metrics.decision(self.cfg.policy, d.reason)
+        state.metrics.dispatched(self.cfg.policy, d.reason, now - t0)
         ep.waiting[a] = now
         if d.reason == "half_open_trial":
             ep.trial = a
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
-            headers = self._forward_headers(request, rid_header, unpinned=True)
+            headers = self._forward_headers(request, rid_header, unpinned=True, trace=trace)
         try:
             try:
                 upstream = await pool.request(
@@ -317,8 +328,8 @@ class Proxy:
         return Failure(503, f"upstream {ep.url} answered 503", "overloaded", True, data or None, ctype)
 
     def _response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
-        """The upstream's raw headers minus hop-by-hop ones, plus ours, serialized."""
-        parts = [b"%s: %s\r\n" % kv for kv in upstream.raw_headers if kv[0].lower() not in _RESP_DROP]
+        """The upstream's headers for the client (lbd.router.headers), plus ours."""
+        parts = self._headers.response(upstream.raw_headers)
         parts.append(rid_header)
         if self.cfg.debug_headers:
             extra = (("x-lbd-endpoint", d.endpoint.key), ("x-lbd-route-reason", d.line()))

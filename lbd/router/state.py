@@ -80,7 +80,11 @@ class RouterState:
             self.endpoints.values(), key=lambda e: (e.rank if e.rank is not None else 1 << 30, e.url)
         )
 
-    def snapshots(self) -> list[EndpointSnapshot]:
+    def snapshots(self, load: bool = True) -> list[EndpointSnapshot]:
+        """Every endpoint as the policy sees it; without ``load`` the live numbers (in flight, delta, age) are
+        left as they were (for a policy that reads none of them)."""
+        if not load:
+            return [ep.static_snapshot() for ep in self.order]
         now = self.loop.time()
         return [ep.snapshot(self.shared, now) for ep in self.order]
 

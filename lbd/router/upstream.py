@@ -124,10 +124,12 @@ class _Conn(asyncio.Protocol):
         self.deadline = loop.time() + timeout
         self.pool.wait_for_head(self)
         assert self.transport is not None
-        if body:
-            self.transport.writelines((head, body))
-        else:
+        if not body:
             self.transport.write(head)
+        elif len(body) < 65536:  # one copy beats a writev of two buffers for small bodies
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))
         return self.waiter
 
     def abort(self) -> None:

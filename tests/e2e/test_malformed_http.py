@@ -19,8 +19,9 @@ import httpx
 import psutil
 import pytest
 from aiohttp import web
-from supervisor_harness import SupervisorNode
 from support import EngineServer, RouterServer, free_port
+
+from lbd.bench.node import SupervisorNode
 
 KEY = "malformed-suite-key"
 LIMITS = ["--header-read-timeout-s", "1", "--body-read-timeout-s", "1", "--keep-alive-timeout-s", "2",

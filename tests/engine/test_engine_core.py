@@ -248,7 +248,7 @@ def test_core_process_serves_two_front_ends(core_proc: CoreProc) -> None:
         assert metric_value(text, "vllm:prompt_tokens_total", **lab) == 66 + 3 * 67 + 3 * 30
         assert metric_value(text, "vllm:num_requests_running", **lab) == 0
         assert metric_value(text, "vllm:cache_config_info", block_size="16", enable_prefix_caching="True",
-                            num_gpu_blocks=str(info.num_blocks), **lab) == 1
+                            num_gpu_blocks=str(info.num_blocks), engine="1") == 1
     finally:
         fe0.close()
         fe1.close()
@@ -343,8 +343,8 @@ def _alive(pid: int) -> bool:
 def test_protocol_round_trips() -> None:
     lp = P.TokenLogprobs(-0.25, [5, 9], [-0.25, -2.0])
     msg = P.EngineCoreOutputs(
-        [P.EngineCoreOutput("a", [5], [lp], None, None, 32),
-         P.EngineCoreOutput("b", [7, 8], None, "stop", 8)],
+        [P.EngineCoreOutput("a", [5], [lp], None, None, 32, (1.0, 2.0, 0), timestamp=1234.5),
+         P.EngineCoreOutput("b", [7, 8], None, "stop", 8, timestamp=1234.5)],
         P.SchedulerStats(3, 1, 0.5, 100, 16), 1234.5)
     assert P.outputs_from_dict(P.decode(P.encode_outputs(msg))) == msg  # the core's compact form
     assert P.outputs_from_dict(P.decode(P.encode(msg))) == msg  # the generic field-name form

@@ -182,23 +182,6 @@ def test_sim_modules_do_not_import_torch() -> None:
 # ---- whole engines ---------------------------------------------------------------------------------------
 
 
-def _families(text: str) -> dict[str, frozenset[str]]:
-    """Metric family -> label names, from Prometheus exposition text (vllm:* only)."""
-    out: dict[str, set[str]] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith("vllm:"):
-            continue
-        head = line.rpartition(" ")[0]
-        name, _, labels = head.partition("{")
-        for suffix in ("_bucket", "_count", "_sum", "_total", "_created"):
-            if name.endswith(suffix):
-                name = name[: -len(suffix)]
-                break
-        keys = {pair.split("=", 1)[0] for pair in labels.rstrip("}").split(",") if "=" in pair} - {"le"}
-        out.setdefault(name, set()).update(keys)
-    return {k: frozenset(v) for k, v in out.items()}
-
-
 def _one_request(base_url: str) -> None:
     import httpx
 
@@ -208,22 +191,6 @@ def _one_request(base_url: str) -> None:
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert any("[DONE]" in line for line in r.iter_lines())
-
-
-def test_sim_and_real_engines_expose_the_same_metric_families(tiny_llama: Path, tmp_path: Path) -> None:
-    import httpx
-    from support import EngineServer
-
-    texts = {}
-    for device in ("cpu", "sim"):
-        with EngineServer(
-            tiny_llama, "--device", device, "--max-model-len", "512", log=tmp_path / f"{device}.log"
-        ) as server:
-            _one_request(server.base_url)
-            texts[device] = httpx.get(server.base_url + "/metrics", timeout=10).text
-    real, sim = _families(texts["cpu"]), _families(texts["sim"])
-    assert "vllm:time_to_first_token_seconds" in real and "vllm:cache_config_info" in real
-    assert sim == real
 
 
 def test_sim_engine_latencies_follow_the_profile(tiny_llama: Path, tmp_path: Path) -> None:

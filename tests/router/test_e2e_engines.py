@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,8 +19,7 @@ import openai
 import pytest
 from support import metric_value
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "supervisor"))
-from supervisor_harness import SupervisorNode  # noqa: E402
+from lbd.bench.node import SupervisorNode
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -91,6 +89,44 @@ async def test_openai_sdk_streams_and_non_streams_through_the_router(node, start
     assert len(pieces) >= 2
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    await client.close()
+
+
+async def test_responses_api_through_the_router(node, start_router) -> None:
+    """client.responses.create, stream and not; previous_response_id and GET land on the rank that stored
+    the response (its id names it); unpinned responses are balanced like any request."""
+    r = await router_for(node, start_router, "--debug-headers")
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    raw = await client.responses.with_raw_response.create(
+        model=MODEL, input="Say hello.", instructions="You are terse.", max_output_tokens=6, temperature=0)
+    first = raw.parse()
+    rank = int(first.id.split("-")[0].removeprefix("resp_r"))
+    assert raw.headers["x-lbd-endpoint"] == node.rank_url(rank)
+    assert first.object == "response" and first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.output_tokens >= 1 and first.instructions == "You are terse."
+    raw = await client.responses.with_raw_response.create(
+        model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "Again."}]}],
+        previous_response_id=first.id, max_output_tokens=4)
+    second = raw.parse()
+    assert raw.headers["x-lbd-endpoint"] == node.rank_url(rank)
+    assert second.previous_response_id == first.id and second.id.startswith(f"resp_r{rank}-")
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens  # the history
+    assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+    stream = await client.responses.create(model=MODEL, input="Count.", max_output_tokens=5, stream=True)
+    kinds = [event.type async for event in stream]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    async with client.responses.stream(model=MODEL, input="More.", max_output_tokens=5) as events:
+        async for _ in events:
+            pass
+        done = await events.get_final_response()
+    assert done.output_text and done.usage.output_tokens >= 1
+    ids = [(await client.responses.create(model=MODEL, input=f"topic {i}", max_output_tokens=2)).id
+           for i in range(9)]
+    assert len({i.split("-")[0] for i in ids}) >= 2, ids  # balanced over ranks
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(model=MODEL, input="x", previous_response_id="resp_r1-missing")
     await client.close()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lbd.bench.node import SupervisorNode
 from lbd.router.kv.tokenize import RouterTokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "supervisor"))
-from supervisor_harness import SupervisorNode  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"

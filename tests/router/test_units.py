@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lbd.router.config import parse_upstream
-from lbd.router.facts import BadRequest, parse_facts
+from lbd.router.facts import BadRequest, parse_facts, path_facts
 from lbd.router.messages import Headers
 from lbd.router.shared import SharedCounters
 from lbd.router.telemetry import parse_metrics
@@ -43,6 +43,39 @@ def test_parse_engine_metrics() -> None:
     assert parse_metrics('vllm:gpu_cache_usage_perc{model_name="a \\"q\\""} 0.5\n').models == {'a "q"'}
 
 
+def test_old_and_new_vllm_names_are_not_counted_twice() -> None:
+    both = ENGINE_TEXT + (
+        'vllm:gpu_prefix_cache_queries_total{engine="3",model_name="m"} 1000.0\n'
+        'vllm:gpu_prefix_cache_hits_total{engine="3",model_name="m"} 400.0\n'
+        'vllm:gpu_cache_usage_perc{engine="3",model_name="m"} 0.9\n'
+        'vllm:num_requests_waiting_by_reason{engine="3",model_name="m",reason="capacity"} 99.0\n'
+    )
+    s = parse_metrics(both)
+    assert (s.prefix_queries, s.prefix_hits, s.kv_usage, s.waiting) == (1000.0, 400.0, 0.25, 5.0)
+    old = parse_metrics('vllm:gpu_prefix_cache_queries_total{engine="1"} 10\n'
+                        'vllm:gpu_cache_usage_perc{engine="1"} 0.5\n')
+    assert (old.prefix_queries, old.kv_usage, old.ranks) == (10.0, 0.5, {1})
+
+
+SGLANG_TEXT = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_queue_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 4.0
+sglang:token_usage{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.5
+sglang:prompt_tokens_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2e3
+sglang:cached_tokens_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 500
+sglang:page_size{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1.0
+sglang:max_total_num_tokens{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 8192
+"""
+
+
+def test_parse_sglang_metrics() -> None:
+    s = parse_metrics(SGLANG_TEXT)
+    assert (s.running, s.waiting, s.kv_usage) == (3.0, 4.0, 0.5)
+    assert (s.prefix_queries, s.prefix_hits) == (2000.0, 500.0)
+    assert (s.block_size, s.num_blocks, s.ranks, s.models) == (1, 8192, set(), {"m"})
+
+
 def _headers(values: dict[str, str]) -> Headers:
     return Headers([(k.encode(), v.encode()) for k, v in values.items()])
 
@@ -72,6 +105,26 @@ def test_request_facts_from_completions_chat_and_token_prompts() -> None:
     with pytest.raises(BadRequest) as e:
         parse_facts(b"{}", _headers({"X-data-parallel-rank": "x"}), "X-Session-ID")
     assert e.value.param == "X-data-parallel-rank"
+
+
+def test_request_facts_of_the_responses_api() -> None:
+    import orjson
+
+    def facts(body: dict, headers: dict | None = None):
+        return parse_facts(orjson.dumps(body), _headers(headers or {}), "X-Session-ID")
+
+    one = facts({"model": "m", "instructions": "s" * 300, "input": "a" * 300})
+    two = facts({"model": "m", "instructions": "s" * 300, "input": [{"role": "user", "content": "a" * 300},
+                                                                    {"role": "user", "content": "b" * 300}]})
+    assert one.prefix_hashes and two.prefix_hashes[: len(one.prefix_hashes) - 1] == one.prefix_hashes[:-1]
+    assert one.prompt_tokens > 150
+    pinned = facts({"input": "x", "previous_response_id": "resp_r7-abc", "prompt_cache_key": "k"})
+    assert (pinned.pinned_rank, pinned.session_key) == (7, "k")
+    assert facts({"input": "x", "previous_response_id": "resp_abc"}).pinned_rank is None  # not lbd's
+    header = facts({"input": "x", "previous_response_id": "resp_r7-abc"}, {"X-data-parallel-rank": "2"})
+    assert header.pinned_rank == 2  # the header wins
+    assert path_facts("/v1/responses/resp_r12-ff", _headers({})).pinned_rank == 12
+    assert path_facts("/v1/models", _headers({})).pinned_rank is None
 
 
 def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:

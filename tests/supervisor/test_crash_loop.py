@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from supervisor_harness import SupervisorNode
+
+from lbd.bench.node import SupervisorNode
 
 INITIAL, CAP = 0.5, 1.0
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from supervisor_harness import SupervisorNode
 from support import RouterServer
+
+from lbd.bench.node import SupervisorNode
 
 TOKEN = "rolling-token"
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from supervisor_harness import SupervisorNode, gone_within
 from support import metric_value
+
+from lbd.bench.node import SupervisorNode, gone_within
 
 TOKEN = "t0ken"
 STREAM_TOKENS = 160

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import orjson
 import psutil
-from supervisor_harness import SupervisorNode, gone_within
+
+from lbd.bench.node import SupervisorNode, gone_within
 
 TIMEOUT_S = 4  # --distributed-timeout-s: how long a step may wait on a hung worker
 

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from supervisor_harness import SupervisorNode, gone_within
+from lbd.bench.node import SupervisorNode, gone_within
 
 
 def test_policy_any_stays_ready_and_sigkill_takes_every_rank_down(tiny_llama: Path, tmp_path: Path) -> None:

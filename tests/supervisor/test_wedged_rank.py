@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from supervisor_harness import SupervisorNode
 from support import RouterServer
 
 from engine.launch import CORE_PROCESS_NAME
+from lbd.bench.node import SupervisorNode
 
 pytestmark = pytest.mark.slow
 STALL_S = 2.0

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 import psutil
-from support import free_port_run, spawn, stop
+
+from lbd.bench.procs import free_port_run, spawn, stop
 
 # Small engines: two ranks share two cores with everyone else's tests.
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512",
@@ -29,7 +30,8 @@ class SupervisorNode:
 
     def __init__(self, model: Path | str, ranks: int = 2, *extra: str, interval: float = 0.2,
                  timeout: float = 1.0, threshold: int = 2, log: Path | None = None,
-                 env: dict[str, str] | None = None, scheme: str = "http", verify: object = True) -> None:
+                 env: dict[str, str] | None = None, engine_flags: list[str] | None = None,
+                 scheme: str = "http", verify: object = True) -> None:
         self.ranks = ranks
         self.base_port = free_port_run(ranks + 1)
         self.sport = self.base_port + ranks
@@ -40,7 +42,7 @@ class SupervisorNode:
                      "--data-parallel-supervisor-port", str(self.sport),
                      "--dp-supervisor-probe-interval-s", str(interval), "--dp-supervisor-probe-timeout-s",
                      str(timeout), "--dp-supervisor-probe-failure-threshold", str(threshold),
-                     "--model", str(model), *ENGINE_FLAGS, *extra]
+                     "--model", str(model), *(ENGINE_FLAGS if engine_flags is None else engine_flags), *extra]
         self.log = log
         self.scheme = scheme
         self.url = f"{scheme}://127.0.0.1:{self.sport}"
