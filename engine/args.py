@@ -51,6 +51,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     log_level: str = "info"
     disable_log_requests: bool = False
+    profile_steps: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -133,6 +134,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="log where the time of a step goes (scheduling, input preparation, attention, "
+                        "linear, sampling, IPC; the front ends' detokenization and streaming) every N steps; "
+                        "0 = off")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
@@ -190,6 +195,8 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}")
 
 
 def parse_engine_args(argv: list[str] | None = None, prog: str = "lbd serve") -> EngineArgs:

@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu as _cpu
+from kernels.cpu import packed as _packed
 from kernels.metadata import AttentionMetadata
 from kernels.reference import attention as _ref_attn
 from kernels.reference import elementwise as _ref_elem
@@ -25,7 +26,8 @@ from kernels.reference import rotary as _ref_rotary
 from kernels.rope_cache import build_rope_cache
 
 __all__ = [
-    "MODE", "backend_for", "build_rope_cache", "linear", "rms_norm", "silu_and_mul", "rotary_embedding",
+    "MODE", "backend_for", "build_rope_cache", "linear", "pack_linear_weights", "PackedWeight", "rms_norm",
+    "silu_and_mul", "rotary_embedding",
     "write_kv_cache", "paged_attention", "topk_softmax", "fused_moe",
 ]
 
@@ -70,15 +72,56 @@ def _cpu_c(*tensors: torch.Tensor) -> bool:
     return MODE == "auto" and _cpu.elementwise_ok(*tensors)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T (+ bias): the BLAS, except up to 32 fp32 CPU rows (decode steps of a few
-    dozen sequences), which ``kernels.cpu`` streams through the weights once."""
+PackedWeight = _packed.PackedWeight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias). A weight packed at load (``pack_linear_weights``) runs the packed
+    CPU kernel at any T; a plain one the BLAS, except up to 32 fp32 CPU rows, which ``kernels.cpu`` streams
+    through the weights once."""
+    if isinstance(weight, PackedWeight):
+        if x.dim() != 2:
+            return _packed.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+        return _packed.linear(x, weight, bias)
     if (x.dim() == 2 and 0 < x.shape[0] <= _cpu.MAX_SKINNY_ROWS and weight.is_contiguous()
             and weight.dtype == torch.float32 and _cpu_c(x)):
         out = _cpu.linear_few_rows(x, weight)
         if out is not None:
             return out if bias is None else out.add_(bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """Pack, once after loading, the weights of ``model``'s linear layers for the CPU's packed GEMM; returns
+    how many were packed (0 where it does not apply: not the CPU, LBD_KERNELS=torch, no AVX-512 kernel for
+    the dtype, or the kernels did not build).
+
+    A layer takes part when its class says ``packable_weight = True`` (its forward calls ``ops.linear`` with
+    ``self.weight``): the Parameter is replaced by a ``PackedWeight`` of the same shape, so the memory is not
+    doubled. A module with ``lm_head_packed = None`` and tied embeddings gets a packed copy of the embedding
+    for its logits (the embedding itself stays for the lookup).
+    """
+    if MODE != "auto":
+        return 0
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (getattr(module, "packable_weight", False) and isinstance(w, torch.nn.Parameter) and w.dim() == 2
+                and not w.is_cuda and _packed.supported(w.dtype)):
+            packed = _packed.pack(w.detach().contiguous())
+            del module._parameters["weight"]
+            module.weight = packed
+            count += 1
+        if (hasattr(module, "lm_head_packed") and getattr(module, "tie_word_embeddings", False)
+                and module.lm_head_packed is None):
+            head = module.lm_head.weight
+            if not head.is_cuda and _packed.supported(head.dtype):
+                module.lm_head_packed = _packed.pack(head.detach().contiguous())
+                count += 1
+    if count:
+        logger.info("packed %d linear weights for the CPU's packed GEMM", count)
+    return count
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -16,6 +16,7 @@ from engine.args import EngineArgs
 from engine.core.request import Request
 from engine.core.sched_output import SampledToken, SchedulerOutput
 from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerCounters
+from engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -81,6 +82,9 @@ class EngineCore:
         self._recorded = SchedulerCounters()
         self._recorded_queries = self._recorded_hits = 0
         self._finished_reasons: Counter[str] = Counter()
+        self.profiler: NullProfiler = NO_PROFILE
+        if args.profile_steps:
+            self.start_profiling(args.profile_steps)
         self._log_capacity()
         if metrics is not None:
             metrics.set_cache_config(self.runner.block_size, self.runner.num_blocks, args.kv_cache_dtype,
@@ -88,6 +92,24 @@ class EngineCore:
             self._record_gauges()
 
     # ---- start-up -------------------------------------------------------------------------------------
+    def start_profiling(self, every: int) -> StepProfiler:
+        """Time every step's phases and the forward's kernels (engine/core/step_profile.py)."""
+        sync = None
+        if getattr(self.runner, "device", "cpu").startswith("cuda"):
+            import torch
+
+            sync = torch.cuda.synchronize
+        prof = StepProfiler(every, sync=sync)
+        self._op_timer = OpTimer(prof)
+        self._op_timer.install()
+        self.profiler = self.runner.profiler = prof
+        return prof
+
+    def stop_profiling(self) -> None:
+        if self.profiler.enabled:
+            self._op_timer.uninstall()
+            self.profiler = self.runner.profiler = NO_PROFILE
+
     def _check_capacity(self) -> None:
         cfg = self.config
         need = -(-cfg.max_model_len // cfg.block_size)
@@ -145,11 +167,24 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one batch, run it, and return each touched request's new tokens (and finish)."""
+        prof = self.profiler
+        own_step = prof.enabled and not prof.in_step  # stepped directly (tests), not by the core's loop
+        if own_step:
+            prof.begin()
         out = self.scheduler.schedule()
         if not out.seqs:
+            if own_step:
+                prof.end()  # nothing scheduled: not counted as a step
             return []
+        prof.lap("schedule")
         sampled = self.runner.execute(out)
         outputs = self.scheduler.update(out, sampled)
+        prof.lap("update")
+        if prof.enabled:
+            tokens = out.num_tokens
+            prof.shape(len(out.seqs), tokens, tokens == len(out.seqs))
+            if own_step:
+                prof.end()
         for o in outputs:
             if o.finish_reason is not None:
                 self._finished_reasons[o.finish_reason] += 1

@@ -146,13 +146,19 @@ class CoreServer:
         core, state = self.core, self.state
         next_stats = 0.0
         while not state.stop_now:
+            prof = core.profiler
             if core.has_work():
+                prof.begin()
                 self.drain()
+                prof.lap("ipc_in")
             else:
                 if state.draining_since is not None:
                     break  # SIGTERM and nothing left to finish
+                prof.idle()
                 if self.sock.poll(IDLE_POLL_MS):
+                    prof.begin()
                     self.drain()
+                    prof.lap("ipc_in")
             if state.draining_since is not None and \
                     time.monotonic() - state.draining_since > self.shutdown_timeout:
                 logger.warning("shutdown timeout: exiting with %d requests unfinished",
@@ -161,6 +167,8 @@ class CoreServer:
             now = time.monotonic()
             if core.has_work():
                 self.send_outputs(core.step(), now)
+                prof.lap("ipc_out")
+            prof.end()
             if now >= next_stats:
                 self.send_stats(now)
                 next_stats = now + STATS_INTERVAL_S

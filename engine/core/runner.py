@@ -18,9 +18,11 @@ from engine.args import EngineArgs
 from engine.core import kv_alloc
 from engine.core.sampler import Sampler, SampleRow
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.core.step_profile import NO_PROFILE, NullProfiler
 from engine.loader import load_weights
 from engine.models import build_model
 from engine.models.config import load_hf_config
+from kernels import ops
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
 
 
 class ModelRunner:
+    profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
+
     def __init__(self, args: EngineArgs, model_path: str) -> None:
         t0 = time.monotonic()
         self.args = args
@@ -136,6 +140,7 @@ class ModelRunner:
             model = build_model(hf_config, self.max_model_len)
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
+        ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)
         return model.eval()
 
     def _num_blocks(self) -> int:
@@ -214,17 +219,22 @@ class ModelRunner:
         seqs = out.seqs
         if not seqs:
             return []
+        prof = self.profiler
         batch = self.prepare(seqs)
         sampling = [s for s in seqs if s.sample]
+        prof.lap("prepare")
         with torch.inference_mode():
             hidden = self._forward(batch)
+            prof.lap("forward")
             if not sampling:
                 return []
             rows_t = torch.tensor(batch.sample_rows, device=self.torch_device)
             logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+            prof.lap("lm_head")
             rows = [SampleRow(s.request.request_id, s.request.sampling, s.request.prompt_token_ids,
                               s.request.output_token_ids) for s in sampling]
             ids, logprobs = self.sampler(logits, rows)
+            prof.lap("sample")
         return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:

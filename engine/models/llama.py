@@ -126,6 +126,9 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
+    lm_head_packed: ops.PackedWeight | None = None  # the tied embedding packed for the logits (CPU)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] (only the rows that sample) -> logits [N, V]."""
-        return ops.linear(hidden, self.lm_head.weight)
+        head = self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
+        return ops.linear(hidden, head)

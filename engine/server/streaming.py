@@ -66,10 +66,12 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
     started: set[int] = set()
     usage_each = gen.common.continuous_usage
     usage_key = gen.common.include_usage or usage_each
+    prof = gen.state.client.profiler
     try:
         try:
             delta = first
             while delta is not None:
+                t0 = time.perf_counter()
                 chunks = []
                 if delta.seq.index not in started:
                     started.add(delta.seq.index)
@@ -80,6 +82,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
                         if usage_key:
                             chunk["usage"] = gen.usage() if usage_each else None
                         await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if prof is not None:
+                    prof.add("stream", time.perf_counter() - t0)
                 delta = await anext(rest, None)
             if gen.common.include_usage:
                 await resp.write(b"data: " + orjson.dumps(fmt.usage_chunk()) + b"\n\n")

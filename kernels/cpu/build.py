@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 logger = logging.getLogger("kernels.cpu")
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.c", "elementwise.c", "skinny_gemm.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.c", "elementwise.c", "skinny_gemm.c",
+                                                  "packed_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # name: (restype, argtypes)
@@ -31,6 +32,12 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
     "lbd_skinny_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]),
+    "lbd_packed_gemm_support": (ctypes.c_int, []),
+    "lbd_packed_size": (_I64, [_I64, _I64, ctypes.c_int]),
+    "lbd_pack_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "lbd_pack_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "lbd_packed_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]),
+    "lbd_packed_gemm_bf16": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

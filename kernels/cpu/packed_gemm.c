@@ -1,0 +1,217 @@
+/* y = x W^T (+ bias) over weights packed once at load: fp32 (AVX-512F) and bf16 (AVX-512 BF16, fp32 sums).
+ *
+ * Why: at decode sizes (8..64 rows of x) the BLAS's fp32 GEMM packs W into panels on every call and reached
+ * ~100 GFLOP/s here, about half of this CPU's FMA peak. Packing W once at load (the layout the inner loop
+ * reads) leaves only the arithmetic: a 12 x 32 tile of y lives in 24 vector registers while the loop walks
+ * K, loading two vectors of the W panel and broadcasting one x value per row per step (FMA-bound, not
+ * load-bound). Threads split the panels of W; each walks every row of x (x stays in its L2), so W is read from
+ * memory once per call.
+ *
+ * Layouts. fp32: panel p holds output columns [32p, 32p + 32) as K rows of 32 floats: P[p][k][j] =
+ * W[32p + j][k] (columns past N are zero). bf16: the same panels, with k taken in pairs as VDPBF16PS wants
+ * them: P[p][k/2][j][k%2] (K rounded up to even, zero-padded). x [M, K] rows x_stride elements apart, y [M, N]
+ * rows y_stride apart, both in the weights' dtype. Entry points return 0, or -1 for what they do not take
+ * (the caller then uses torch).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define NR 32 /* output columns per panel: two 16-float vectors */
+#define MR 12 /* rows of x per register tile: 2 x 12 accumulators + 2 W vectors + 1 broadcast <= 32 */
+#define X_BLOCK_BYTES (384 << 10) /* rows of x taken per pass over the panels: this much stays in L2 */
+
+/* 1: fp32 kernels, 2: bf16 kernels are compiled in (the caller packs only for those). */
+int lbd_packed_gemm_support(void) {
+    int s = 0;
+#if defined(__AVX512F__)
+    s |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    s |= 2;
+#endif
+    return s;
+}
+
+int64_t lbd_packed_size(int64_t N, int64_t K, int bf16) {
+    const int64_t panels = (N + NR - 1) / NR;
+    return panels * NR * (bf16 ? (K + 1) / 2 * 2 : K);
+}
+
+void lbd_pack_f32(const float *w, int64_t w_stride, int64_t N, int64_t K, float *out) {
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        float *dst = out + p * K * NR;
+        for (int64_t j = 0; j < NR; ++j) {
+            const int64_t n = p * NR + j;
+            for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = n < N ? w[n * w_stride + k] : 0.0f;
+        }
+    }
+}
+
+void lbd_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t N, int64_t K, uint16_t *out) {
+    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2 * 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        uint16_t *dst = out + p * K2 * NR;
+        for (int64_t j = 0; j < NR; ++j) {
+            const int64_t n = p * NR + j;
+            for (int64_t k = 0; k < K2; ++k)
+                dst[(k / 2) * 2 * NR + j * 2 + (k % 2)] = (n < N && k < K) ? w[n * w_stride + k] : 0;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __mmask16 tail_mask(int64_t cols) { return cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1); }
+
+/* Store one tile row: ``cols`` (1..32) valid columns of (c0 | c1) + bias. */
+static inline void store_f32(float *y, __m512 c0, __m512 c1, const float *bias, int64_t cols) {
+    const __mmask16 m0 = tail_mask(cols), m1 = tail_mask(cols - 16);
+    if (bias != NULL) {
+        c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, bias));
+        if (cols > 16) c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y, m0, c0);
+    if (cols > 16) _mm512_mask_storeu_ps(y + 16, m1, c1);
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t xs, const float *P, int64_t K,
+                                                           float *y, int64_t ys, const float *bias, int64_t cols,
+                                                           const int M) {
+    __m512 c0[MR], c1[MR];
+    for (int m = 0; m < M; ++m) c0[m] = c1[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m512 b0 = _mm512_loadu_ps(P + k * NR), b1 = _mm512_loadu_ps(P + k * NR + 16);
+        for (int m = 0; m < M; ++m) {
+            const __m512 a = _mm512_set1_ps(x[m * xs + k]);
+            c0[m] = _mm512_fmadd_ps(a, b0, c0[m]);
+            c1[m] = _mm512_fmadd_ps(a, b1, c1[m]);
+        }
+    }
+    for (int m = 0; m < M; ++m) store_f32(y + m * ys, c0[m], c1[m], bias, cols);
+}
+
+#define TILE_CASES(FN, ...)                  \
+    switch (rows) {                          \
+        case 1: FN(__VA_ARGS__, 1); break;   \
+        case 2: FN(__VA_ARGS__, 2); break;   \
+        case 3: FN(__VA_ARGS__, 3); break;   \
+        case 4: FN(__VA_ARGS__, 4); break;   \
+        case 5: FN(__VA_ARGS__, 5); break;   \
+        case 6: FN(__VA_ARGS__, 6); break;   \
+        case 7: FN(__VA_ARGS__, 7); break;   \
+        case 8: FN(__VA_ARGS__, 8); break;   \
+        case 9: FN(__VA_ARGS__, 9); break;   \
+        case 10: FN(__VA_ARGS__, 10); break; \
+        case 11: FN(__VA_ARGS__, 11); break; \
+        default: FN(__VA_ARGS__, 12); break; \
+    }
+
+static void panel_f32(const float *x, int64_t xs, const float *P, int64_t K, float *y, int64_t ys,
+                      const float *bias, int64_t cols, int64_t M) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t rows = M - m0 < MR ? M - m0 : MR;
+        TILE_CASES(tile_f32, x + m0 * xs, xs, P, K, y + m0 * ys, ys, bias, cols)
+    }
+}
+#endif
+
+static int64_t rows_per_pass(int64_t K, int64_t elem) {
+    int64_t r = X_BLOCK_BYTES / (K * elem) / MR * MR;
+    return r < MR ? MR : r;
+}
+
+int lbd_packed_gemm_f32(const float *x, int64_t x_stride, const float *P, int64_t N, int64_t K, const float *bias,
+                        float *y, int64_t y_stride, int64_t M) {
+#if defined(__AVX512F__)
+    const int64_t panels = (N + NR - 1) / NR, block = rows_per_pass(K, 4);
+    for (int64_t r0 = 0; r0 < M; r0 += block) {
+        const int64_t rows = M - r0 < block ? M - r0 : block;
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            panel_f32(x + r0 * x_stride, x_stride, P + p * K * NR, K, y + r0 * y_stride + p * NR, y_stride,
+                      bias == NULL ? NULL : bias + p * NR, cols, rows);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
+    return -1;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+static inline void store_bf16(uint16_t *y, __m512 c0, __m512 c1, const uint16_t *bias, int64_t cols) {
+    const __mmask16 m0 = tail_mask(cols), m1 = tail_mask(cols - 16);
+    if (bias != NULL) {
+        c0 = _mm512_add_ps(c0, bf16_to_f32(_mm256_maskz_loadu_epi16(m0, bias)));
+        if (cols > 16) c1 = _mm512_add_ps(c1, bf16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16)));
+    }
+    _mm256_mask_storeu_epi16(y, m0, (__m256i)_mm512_cvtneps_pbh(c0));
+    if (cols > 16) _mm256_mask_storeu_epi16(y + 16, m1, (__m256i)_mm512_cvtneps_pbh(c1));
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, int64_t xs, const uint16_t *P,
+                                                            int64_t K, uint16_t *y, int64_t ys,
+                                                            const uint16_t *bias, int64_t cols, const int M) {
+    __m512 c0[MR], c1[MR];
+    for (int m = 0; m < M; ++m) c0[m] = c1[m] = _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    for (int64_t k2 = 0; k2 < pairs; ++k2) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(P + k2 * 2 * NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(P + k2 * 2 * NR + NR);
+        for (int m = 0; m < M; ++m) {
+            int32_t pair;
+            memcpy(&pair, x + m * xs + 2 * k2, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
+            c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
+        }
+    }
+    if (K % 2) { /* the last k alone: its partner in the packed pair is zero, so pair it with a zero x */
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(P + pairs * 2 * NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(P + pairs * 2 * NR + NR);
+        for (int m = 0; m < M; ++m) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)x[m * xs + K - 1]);
+            c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
+            c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
+        }
+    }
+    for (int m = 0; m < M; ++m) store_bf16(y + m * ys, c0[m], c1[m], bias, cols);
+}
+
+static void panel_bf16(const uint16_t *x, int64_t xs, const uint16_t *P, int64_t K, uint16_t *y, int64_t ys,
+                       const uint16_t *bias, int64_t cols, int64_t M) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t rows = M - m0 < MR ? M - m0 : MR;
+        TILE_CASES(tile_bf16, x + m0 * xs, xs, P, K, y + m0 * ys, ys, bias, cols)
+    }
+}
+#endif
+
+int lbd_packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *P, int64_t N, int64_t K,
+                         const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2 * 2, block = rows_per_pass(K, 2);
+    for (int64_t r0 = 0; r0 < M; r0 += block) {
+        const int64_t rows = M - r0 < block ? M - r0 : block;
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            panel_bf16(x + r0 * x_stride, x_stride, P + p * K2 * NR, K, y + r0 * y_stride + p * NR, y_stride,
+                       bias == NULL ? NULL : bias + p * NR, cols, rows);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
+    return -1;
+#endif
+}
