@@ -3,9 +3,9 @@
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
-when they build (fp32: decode attention, RMSNorm, neox rotary, linear of up to 32 rows) and the references
-for the rest. The Triton modules are imported on first use, so a CPU-only process never pays for importing
-triton.
+when they build (fp32: decode attention, RMSNorm, neox rotary; fp32 and bf16: linear layers whose weights
+``pack_linear_weights`` packed at load) and the references for the rest. The Triton modules are imported
+on first use, so a CPU-only process never pays for importing triton.
 """
 
 from __future__ import annotations
@@ -78,17 +78,11 @@ PackedWeight = _packed.PackedWeight
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T (+ bias). A weight packed at load (``pack_linear_weights``) runs the packed
-    CPU kernel at any T; a plain one the BLAS, except up to 32 fp32 CPU rows, which ``kernels.cpu`` streams
-    through the weights once."""
+    CPU kernel at any T; a plain one torch's GEMM (the BLAS on the CPU)."""
     if isinstance(weight, PackedWeight):
         if x.dim() != 2:
             return _packed.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
         return _packed.linear(x, weight, bias)
-    if (x.dim() == 2 and 0 < x.shape[0] <= _cpu.MAX_SKINNY_ROWS and weight.is_contiguous()
-            and weight.dtype == torch.float32 and _cpu_c(x)):
-        out = _cpu.linear_few_rows(x, weight)
-        if out is not None:
-            return out if bias is None else out.add_(bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -205,6 +205,10 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
 
     metrics = EngineMetrics(args.model_name, args.rank)
     core = EngineCore(args, model_path, metrics=metrics)
+    if core.runner.device == "cpu":
+        from engine.core.runner import pin_core_thread
+
+        pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

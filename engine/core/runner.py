@@ -65,6 +65,42 @@ def cpu_threads(args: EngineArgs) -> int:
     return max(1, cpus // max(1, ranks))
 
 
+def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
+    """How the core's compute threads share this process's CPUs.
+
+    Where the packed kernels take the model's dtype (AVX-512), the C kernels run on their own pool (the core's
+    thread plus a helper pinned to each other CPU; ``pin_core_thread`` pins the core's), which never waits for
+    a thread that was descheduled, and torch's own ops run on the core's thread alone (kernels/cpu/pool.c:
+    with two OpenMP threads a loaded 2-core host made a decode step 4-5x slower than with one). Elsewhere
+    torch's OpenMP threads run everything, pinned one per CPU. Either way only when the threads are exactly as
+    many as the CPUs this process may use (the usual single-rank case; DP ranks sharing CPUs stay unpinned on
+    torch's threads). LBD_CPU_POOL=0 keeps torch's threads, LBD_CPU_BIND=0 leaves them unpinned.
+    """
+    from kernels import cpu as cpu_kernels
+    from kernels.cpu import packed
+
+    cpus = sorted(os.sched_getaffinity(0))
+    exact = len(cpus) == threads
+    if exact and os.environ.get("LBD_CPU_POOL", "1") != "0" and packed.supported(dtype) \
+            and cpu_kernels.start_pool(cpus):
+        torch.set_num_threads(1)
+        logger.info("CPU kernels on a pool of %d threads pinned to CPUs %s; torch ops on 1 thread", threads,
+                    cpus)
+        return
+    torch.set_num_threads(threads)
+    if exact and os.environ.get("LBD_CPU_BIND", "1") != "0" and cpu_kernels.bind_threads(cpus):
+        logger.info("torch's %d OpenMP threads pinned to CPUs %s", threads, cpus)
+
+
+def pin_core_thread() -> None:
+    """The core process's main thread onto the one CPU of its affinity that the kernels' pool left to it (a
+    thread, not the process: pid 0 in sched_setaffinity is the caller). No-op without the pool."""
+    from kernels import cpu as cpu_kernels
+
+    if cpu_kernels.pool_threads() > 1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -99,7 +135,7 @@ class ModelRunner:
         self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         if self.torch_device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args))
+            setup_cpu_threads(cpu_threads(args), self.torch_dtype)
         hf_config = load_hf_config(model_path)
         self.max_model_len = args.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:

@@ -3,8 +3,9 @@
 Why C: decode attention over a paged cache in torch must gather every sequence's blocks into a dense copy
 first; in C each row is read in place (``paged_decode.c``). The per-token ops of a layer (RMSNorm with the
 residual add, rotary) are a few torch ops each, and at decode batch sizes torch's per-op
-dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). A projection of up to 8
-rows streams its weights once for all rows, faster than the BLAS's packing GEMM (``skinny_gemm.c``).
+dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). Linear
+projections run over weights packed once at load (``packed_gemm.c``, ``packed.py``). They share a thread pool
+that never waits for a descheduled thread (``pool.c``).
 How they are built and loaded: ``kernels.cpu.build``.
 """
 
@@ -24,9 +25,35 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
     return lib
 
 
-__all__ = ["library", "supports", "paged_decode", "paged_attention", "elementwise_ok", "rms_norm",
-           "rotary_neox", "MAX_SKINNY_ROWS", "linear_few_rows"]
-MAX_SKINNY_ROWS = 32  # measured crossover with MKL on this CPU: ~1.7x at 9 rows, 1.1x at 32, 0.95x at 64
+__all__ = ["library", "bind_threads", "start_pool", "pool_threads", "supports", "paged_decode",
+           "paged_attention", "elementwise_ok", "rms_norm", "rotary_neox"]
+
+
+def _cpu_array(cpus: list[int]):  # noqa: ANN202 (a ctypes array)
+    import ctypes
+
+    return (ctypes.c_int * len(cpus))(*cpus)
+
+
+def start_pool(cpus: list[int]) -> bool:
+    """Run the C kernels on the calling thread plus len(cpus) - 1 helpers pinned to cpus[1:], instead of
+    torch's OpenMP threads (kernels/cpu/pool.c says why); cpus[0] is meant for the caller, which may pin
+    itself. Once per process; False if the kernels are not built or the pool could not start."""
+    lib = library()
+    return lib is not None and bool(cpus) and lib.lbd_pool_start(_cpu_array(cpus), len(cpus)) == 0
+
+
+def pool_threads() -> int:
+    """Threads of the kernels' pool (0: not started, the kernels use torch's OpenMP threads)."""
+    lib = library()
+    return 0 if lib is None else int(lib.lbd_pool_threads())
+
+
+def bind_threads(cpus: list[int]) -> bool:
+    """Pin torch's OpenMP threads one per CPU of ``cpus`` (thread t -> cpus[t % len]); False when the kernels
+    are not built or the kernel refused. Call after ``torch.set_num_threads``."""
+    lib = library()
+    return lib is not None and bool(cpus) and lib.lbd_bind_threads(_cpu_array(cpus), len(cpus)) == 0
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -99,14 +126,3 @@ def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_s
                             table.data_ptr(), pos.numel(), q.shape[1] // head_dim, k.shape[1] // head_dim,
                             head_dim, table.shape[1])
     return q, k
-
-
-def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T for M <= MAX_SKINNY_ROWS, or None where the kernel does not take the shape
-    (no AVX-512, K not a multiple of 16): the caller then uses the BLAS."""
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype)
-    code = _loaded().lbd_skinny_gemm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), n, k, out.data_ptr(),
-                                         n, m)
-    return out if code == 0 else None

@@ -19,6 +19,8 @@
 #include <immintrin.h>
 #endif
 
+#include "pool.h"
+
 #define NR 32 /* output columns per panel: two 16-float vectors */
 #define MR 12 /* rows of x per register tile: 2 x 12 accumulators + 2 W vectors + 1 broadcast <= 32 */
 #define X_BLOCK_BYTES (384 << 10) /* rows of x taken per pass over the panels: this much stays in L2 */
@@ -40,29 +42,70 @@ int64_t lbd_packed_size(int64_t N, int64_t K, int bf16) {
     return panels * NR * (bf16 ? (K + 1) / 2 * 2 : K);
 }
 
-void lbd_pack_f32(const float *w, int64_t w_stride, int64_t N, int64_t K, float *out) {
-    const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        float *dst = out + p * K * NR;
-        for (int64_t j = 0; j < NR; ++j) {
-            const int64_t n = p * NR + j;
-            for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = n < N ? w[n * w_stride + k] : 0.0f;
-        }
+struct pack_job {
+    const void *w;
+    int64_t w_stride, N, K;
+    void *out;
+};
+
+static void pack_f32_panel(void *arg, int64_t p) {
+    const struct pack_job *j = arg;
+    const float *w = j->w;
+    float *dst = (float *)j->out + p * j->K * NR;
+    for (int64_t c = 0; c < NR; ++c) {
+        const int64_t n = p * NR + c;
+        for (int64_t k = 0; k < j->K; ++k) dst[k * NR + c] = n < j->N ? w[n * j->w_stride + k] : 0.0f;
     }
 }
 
-void lbd_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t N, int64_t K, uint16_t *out) {
-    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2 * 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        uint16_t *dst = out + p * K2 * NR;
-        for (int64_t j = 0; j < NR; ++j) {
-            const int64_t n = p * NR + j;
-            for (int64_t k = 0; k < K2; ++k)
-                dst[(k / 2) * 2 * NR + j * 2 + (k % 2)] = (n < N && k < K) ? w[n * w_stride + k] : 0;
-        }
+static void pack_bf16_panel(void *arg, int64_t p) {
+    const struct pack_job *j = arg;
+    const uint16_t *w = j->w;
+    const int64_t K = j->K, K2 = (K + 1) / 2 * 2;
+    uint16_t *dst = (uint16_t *)j->out + p * K2 * NR;
+    for (int64_t c = 0; c < NR; ++c) {
+        const int64_t n = p * NR + c;
+        for (int64_t k = 0; k < K2; ++k)
+            dst[(k / 2) * 2 * NR + c * 2 + (k % 2)] = (n < j->N && k < K) ? w[n * j->w_stride + k] : 0;
     }
+}
+
+void lbd_pack_f32(const float *w, int64_t w_stride, int64_t N, int64_t K, float *out) {
+    struct pack_job j = {w, w_stride, N, K, out};
+    lbd_parallel_for(pack_f32_panel, &j, (N + NR - 1) / NR);
+}
+
+void lbd_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t N, int64_t K, uint16_t *out) {
+    struct pack_job j = {w, w_stride, N, K, out};
+    lbd_parallel_for(pack_bf16_panel, &j, (N + NR - 1) / NR);
+}
+
+/* One call's work split into chunks: row blocks (x that stays in L2) times groups of panels. */
+struct gemm_job {
+    const void *x, *P, *bias;
+    void *y;
+    int64_t x_stride, y_stride, N, K, M, block, panels, per_chunk, chunks_per_block, panel_elems;
+};
+
+static int64_t rows_per_pass(int64_t K, int64_t elem) {
+    int64_t r = X_BLOCK_BYTES / (K * elem) / MR * MR;
+    return r < MR ? MR : r;
+}
+
+/* Panels per chunk: enough work (~20 us of FMAs or ~32 KB of weights) to pay for claiming it, yet at least
+ * 4 chunks per thread where the matrix allows, so a late or slow thread leaves little behind. */
+static void plan(struct gemm_job *j, int64_t elem) {
+    j->block = rows_per_pass(j->K, elem);
+    j->panels = (j->N + NR - 1) / NR;
+    const int64_t rows = j->M < j->block ? j->M : j->block;
+    const int64_t fma = rows * j->K * NR, bytes = j->K * NR * elem;
+    int64_t per = 1;
+    while (per * fma < (1 << 20) && per * bytes < (32 << 10)) per *= 2;
+    const int64_t blocks = (j->M + j->block - 1) / j->block;
+    const int64_t min_chunks = 4 * lbd_parallel_threads();
+    while (per > 1 && blocks * ((j->panels + per - 1) / per) < min_chunks) per /= 2;
+    j->per_chunk = per;
+    j->chunks_per_block = (j->panels + per - 1) / per;
 }
 
 #if defined(__AVX512F__)
@@ -120,24 +163,29 @@ static void panel_f32(const float *x, int64_t xs, const float *P, int64_t K, flo
 }
 #endif
 
-static int64_t rows_per_pass(int64_t K, int64_t elem) {
-    int64_t r = X_BLOCK_BYTES / (K * elem) / MR * MR;
-    return r < MR ? MR : r;
+#if defined(__AVX512F__)
+static void gemm_f32_chunk(void *arg, int64_t c) {
+    const struct gemm_job *j = arg;
+    const int64_t r0 = c / j->chunks_per_block * j->block, p0 = c % j->chunks_per_block * j->per_chunk;
+    const int64_t rows = j->M - r0 < j->block ? j->M - r0 : j->block;
+    const int64_t p1 = p0 + j->per_chunk < j->panels ? p0 + j->per_chunk : j->panels;
+    const float *x = (const float *)j->x + r0 * j->x_stride, *bias = j->bias;
+    float *y = (float *)j->y + r0 * j->y_stride;
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
+        panel_f32(x, j->x_stride, (const float *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
+                  bias == NULL ? NULL : bias + p * NR, cols, rows);
+    }
 }
+#endif
 
 int lbd_packed_gemm_f32(const float *x, int64_t x_stride, const float *P, int64_t N, int64_t K, const float *bias,
                         float *y, int64_t y_stride, int64_t M) {
 #if defined(__AVX512F__)
-    const int64_t panels = (N + NR - 1) / NR, block = rows_per_pass(K, 4);
-    for (int64_t r0 = 0; r0 < M; r0 += block) {
-        const int64_t rows = M - r0 < block ? M - r0 : block;
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-            panel_f32(x + r0 * x_stride, x_stride, P + p * K * NR, K, y + r0 * y_stride + p * NR, y_stride,
-                      bias == NULL ? NULL : bias + p * NR, cols, rows);
-        }
-    }
+    struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
+                         .N = N, .K = K, .M = M, .panel_elems = K * NR};
+    plan(&j, 4);
+    lbd_parallel_for(gemm_f32_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
 #else
     (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
@@ -196,19 +244,29 @@ static void panel_bf16(const uint16_t *x, int64_t xs, const uint16_t *P, int64_t
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static void gemm_bf16_chunk(void *arg, int64_t c) {
+    const struct gemm_job *j = arg;
+    const int64_t r0 = c / j->chunks_per_block * j->block, p0 = c % j->chunks_per_block * j->per_chunk;
+    const int64_t rows = j->M - r0 < j->block ? j->M - r0 : j->block;
+    const int64_t p1 = p0 + j->per_chunk < j->panels ? p0 + j->per_chunk : j->panels;
+    const uint16_t *x = (const uint16_t *)j->x + r0 * j->x_stride, *bias = j->bias;
+    uint16_t *y = (uint16_t *)j->y + r0 * j->y_stride;
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
+        panel_bf16(x, j->x_stride, (const uint16_t *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
+                   bias == NULL ? NULL : bias + p * NR, cols, rows);
+    }
+}
+#endif
+
 int lbd_packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *P, int64_t N, int64_t K,
                          const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2 * 2, block = rows_per_pass(K, 2);
-    for (int64_t r0 = 0; r0 < M; r0 += block) {
-        const int64_t rows = M - r0 < block ? M - r0 : block;
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-            panel_bf16(x + r0 * x_stride, x_stride, P + p * K2 * NR, K, y + r0 * y_stride + p * NR, y_stride,
-                       bias == NULL ? NULL : bias + p * NR, cols, rows);
-        }
-    }
+    struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
+                         .N = N, .K = K, .M = M, .panel_elems = (K + 1) / 2 * 2 * NR};
+    plan(&j, 2);
+    lbd_parallel_for(gemm_bf16_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
 #else
     (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;

@@ -12,9 +12,12 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 /* One 64-byte vector per step and a single horizontal sum per dot: left to itself, gcc reduces the
  * vectorised dot through 16 dependent scalar adds, which made this pass 5x slower than its memory reads. */
@@ -182,35 +185,52 @@ static void weighted_values(const float *p, const float *vc, const int32_t *bt, 
     }
 }
 
-/* All B sequences, spread over the OpenMP threads, each thread with one score buffer. Built with -fopenmp,
- * this library needs libgomp.so.1, which resolves to the one torch already loaded: the same thread pool and
- * thread count (torch.set_num_threads) as torch's own ops, so no second set of threads spins against them.
- * Sequences are handed out one at a time (dynamic), since their lengths differ. */
+struct decode_job {
+    const float *q, *kc, *vc;
+    const int32_t *block_tables, *seq_lens;
+    float *out;
+    int64_t q_row_stride, bt_stride, out_row_stride, H, Hkv, D, BS, max_len;
+    float scale;
+    _Atomic int failed;
+};
+
+/* The score buffer of the thread running a sequence: grown as needed, kept for the thread's life. */
+static float *scratch(int64_t floats) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    if (floats > cap) {
+        float *grown = realloc(buf, (size_t)floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+static void decode_one(void *arg, int64_t b) {
+    struct decode_job *j = arg;
+    const int64_t L = j->seq_lens[b], G = j->H / j->Hkv, row = j->Hkv * j->D;
+    float *o = j->out + b * j->out_row_stride;
+    float *s = L > 0 ? scratch(j->H * L) : NULL;
+    if (L <= 0 || s == NULL) {
+        if (L > 0) atomic_store(&j->failed, 1);
+        memset(o, 0, (size_t)(j->H * j->D) * sizeof(float));
+        return;
+    }
+    const int32_t *bt = j->block_tables + b * j->bt_stride;
+    scores(j->q + b * j->q_row_stride, j->kc, bt, L, j->H, G, j->D, j->BS, row, j->scale, s);
+    softmax_rows(s, j->H, L);
+    weighted_values(s, j->vc, bt, L, j->H, G, j->D, j->BS, row, o);
+}
+
+/* All B sequences, one chunk each (their lengths differ, so they are claimed one at a time) over the
+ * kernels' threads (pool.h). Returns -1 when a score buffer could not be allocated (those rows are zero). */
 int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
                          int64_t B, int64_t max_len) {
-    const int64_t G = H / Hkv, row = Hkv * D;
-    int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
-        failed = s == NULL;
-        /* every thread meets the loop (a worksharing construct must be), one without a buffer skips its share */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b) {
-            const int64_t L = seq_lens[b];
-            float *o = out + b * out_row_stride;
-            if (L <= 0 || s == NULL) {
-                memset(o, 0, (size_t)(H * D) * sizeof(float));
-                continue;
-            }
-            const int32_t *bt = block_tables + b * bt_stride;
-            scores(q + b * q_row_stride, kc, bt, L, H, G, D, BS, row, scale, s);
-            softmax_rows(s, H, L);
-            weighted_values(s, vc, bt, L, H, G, D, BS, row, o);
-        }
-        free(s);
-    }
-    return failed ? -1 : 0;
+    struct decode_job j = {q, kc, vc, block_tables, seq_lens, out, q_row_stride, bt_stride, out_row_stride,
+                           H, Hkv, D, BS, max_len, scale, 0};
+    lbd_parallel_for(decode_one, &j, B);
+    return atomic_load(&j.failed) ? -1 : 0;
 }
