@@ -65,6 +65,24 @@ def cpu_threads(args: EngineArgs) -> int:
     return max(1, cpus // max(1, ranks))
 
 
+def cpu_has_bf16() -> bool:
+    """AVX-512 BF16 or AMX-BF16: bf16 dot products in hardware (oneDNN and the packed GEMM use them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line for line in lines if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def warn_emulated_bf16(dtype: torch.dtype) -> None:
+    """``--dtype bfloat16`` on a CPU without bf16 instructions still runs (torch emulates bf16 math, and the
+    result is the same) but is slower than float32: say so once rather than refuse a valid dtype."""
+    if dtype == torch.bfloat16 and not cpu_has_bf16():
+        logger.warning("--dtype bfloat16: this CPU has no AVX-512 BF16 or AMX, so bf16 math is emulated "
+                       "(same results, usually slower than --dtype float32)")
+
+
 def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
     """How the core's compute threads share this process's CPUs.
 
@@ -135,6 +153,7 @@ class ModelRunner:
         self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         if self.torch_device.type == "cpu":
+            warn_emulated_bf16(self.torch_dtype)
             setup_cpu_threads(cpu_threads(args), self.torch_dtype)
         hf_config = load_hf_config(model_path)
         self.max_model_len = args.max_model_len or hf_config.max_position_embeddings

@@ -57,10 +57,11 @@ def bind_threads(cpus: list[int]) -> bool:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the C decode attention takes these (fp32 CPU, dense heads), and the kernels loaded."""
-    return (query.dtype == torch.float32 and key_cache.dtype == torch.float32 and not query.is_cuda
-            and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1] and key_cache.is_contiguous()
-            and library() is not None)
+    """Whether the C decode attention takes these (fp32 or bf16 CPU, query and cache alike, dense heads), and
+    the kernels loaded."""
+    return (query.dtype in (torch.float32, torch.bfloat16) and key_cache.dtype == query.dtype
+            and not query.is_cuda and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1]
+            and key_cache.is_contiguous() and library() is not None)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -72,7 +73,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     _, bs, hkv, _ = key_cache.shape
     tables = block_tables[:b].to(torch.int32).contiguous()
     lens_t = seq_lens[:b].to(torch.int32).contiguous()
-    code = lib.lbd_paged_decode_f32(
+    fn = lib.lbd_paged_decode_bf16 if query.dtype == torch.bfloat16 else lib.lbd_paged_decode_f32
+    code = fn(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens_t.data_ptr(), out.data_ptr(), out.stride(0), h, hkv, d, bs, scale, b,
         max(lens, default=0))
@@ -82,7 +84,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The reference's contract (fp32 caches): decodes here in C, prefill chunks through the reference."""
+    """The reference's contract (fp32 or bf16 caches): decodes in C, prefill chunks through the reference."""
     query_lens, seq_lens = _ref.host_lens(meta)
     out = torch.empty_like(query)
     nd = meta.num_decodes

@@ -30,6 +30,8 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_paged_decode_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                             _I64, _I64, _F32, _I64, _I64]),
+    "lbd_paged_decode_bf16": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                             _I64, _I64, _F32, _I64, _I64]),
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
     "lbd_bind_threads": (ctypes.c_int, [_PTR, ctypes.c_int]),

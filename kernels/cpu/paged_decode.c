@@ -5,8 +5,10 @@
  * each sequence walks its block table and reads every K and V row once, in two passes: the scores of all
  * query heads (a head reads its kv head's part of the row: GQA without copies), a softmax per head
  * (max-subtracted, the same math as SDPA), then the probability-weighted sum of V rows.
- * Layouts: q/out [B, H, D] with row strides in floats, caches [num_blocks, BS, Hkv, D] contiguous,
+ * Layouts: q/out [B, H, D] with row strides in elements, caches [num_blocks, BS, Hkv, D] contiguous,
  * block_tables [B, bt_stride] int32, seq_lens [B] int32 (0 = padding: the output rows are zero).
+ * bf16 (lbd_paged_decode_bf16): a sequence's K and V rows are widened to fp32 in the thread's L2 buffer, once
+ * each, and the fp32 passes run on them: the memory reads halve, the math stays fp32 like SDPA's.
  */
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -186,9 +188,9 @@ static void weighted_values(const float *p, const float *vc, const int32_t *bt, 
 }
 
 struct decode_job {
-    const float *q, *kc, *vc;
+    const void *q, *kc, *vc;
     const int32_t *block_tables, *seq_lens;
-    float *out;
+    void *out;
     int64_t q_row_stride, bt_stride, out_row_stride, H, Hkv, D, BS, max_len;
     float scale;
     _Atomic int failed;
@@ -210,7 +212,7 @@ static float *scratch(int64_t floats) {
 static void decode_one(void *arg, int64_t b) {
     struct decode_job *j = arg;
     const int64_t L = j->seq_lens[b], G = j->H / j->Hkv, row = j->Hkv * j->D;
-    float *o = j->out + b * j->out_row_stride;
+    float *o = (float *)j->out + b * j->out_row_stride;
     float *s = L > 0 ? scratch(j->H * L) : NULL;
     if (L <= 0 || s == NULL) {
         if (L > 0) atomic_store(&j->failed, 1);
@@ -218,9 +220,71 @@ static void decode_one(void *arg, int64_t b) {
         return;
     }
     const int32_t *bt = j->block_tables + b * j->bt_stride;
-    scores(j->q + b * j->q_row_stride, j->kc, bt, L, j->H, G, j->D, j->BS, row, j->scale, s);
+    scores((const float *)j->q + b * j->q_row_stride, j->kc, bt, L, j->H, G, j->D, j->BS, row, j->scale, s);
     softmax_rows(s, j->H, L);
     weighted_values(s, j->vc, bt, L, j->H, G, j->D, j->BS, row, o);
+}
+
+static void widen(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+#endif
+    for (; i < n; ++i) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+static void narrow(const float *src, uint16_t *dst, int64_t n) { /* round to nearest even, like torch */
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = (src[i] != src[i]) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* A whole sequence's blocks of one cache, widened into dense fp32 rows [L, row]. */
+static void widen_blocks(const uint16_t *cache, const int32_t *bt, int64_t L, int64_t BS, int64_t row,
+                         float *dst) {
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        widen(cache + (int64_t)bt[blk] * BS * row, dst + t0 * row, n * row);
+    }
+}
+
+static void decode_one_bf16(void *arg, int64_t b) {
+    struct decode_job *j = arg;
+    const int64_t L = j->seq_lens[b], H = j->H, D = j->D, G = H / j->Hkv, row = j->Hkv * D;
+    uint16_t *o = (uint16_t *)j->out + b * j->out_row_stride;
+    float *s = L > 0 ? scratch(H * L + 2 * L * row + 2 * H * D) : NULL;
+    if (L <= 0 || s == NULL) {
+        if (L > 0) atomic_store(&j->failed, 1);
+        memset(o, 0, (size_t)(H * D) * sizeof(uint16_t));
+        return;
+    }
+    float *k = s + H * L, *v = k + L * row, *q = v + L * row, *out = q + H * D;
+    const int32_t *bt = j->block_tables + b * j->bt_stride;
+    const int32_t dense = 0; /* the widened rows are one block of L tokens */
+    widen((const uint16_t *)j->q + b * j->q_row_stride, q, H * D);
+    widen_blocks(j->kc, bt, L, j->BS, row, k);
+    scores(q, k, &dense, L, H, G, D, L, row, j->scale, s);
+    softmax_rows(s, H, L);
+    widen_blocks(j->vc, bt, L, j->BS, row, v);
+    weighted_values(s, v, &dense, L, H, G, D, L, row, out);
+    narrow(out, o, H * D);
+}
+
+static int run_decode(lbd_task_fn fn, const void *q, int64_t q_row_stride, const void *kc, const void *vc,
+                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                      int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                      int64_t B, int64_t max_len) {
+    struct decode_job j = {q, kc, vc, block_tables, seq_lens, out, q_row_stride, bt_stride, out_row_stride,
+                           H, Hkv, D, BS, max_len, scale, 0};
+    lbd_parallel_for(fn, &j, B);
+    return atomic_load(&j.failed) ? -1 : 0;
 }
 
 /* All B sequences, one chunk each (their lengths differ, so they are claimed one at a time) over the
@@ -229,8 +293,14 @@ int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, 
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
                          int64_t B, int64_t max_len) {
-    struct decode_job j = {q, kc, vc, block_tables, seq_lens, out, q_row_stride, bt_stride, out_row_stride,
-                           H, Hkv, D, BS, max_len, scale, 0};
-    lbd_parallel_for(decode_one, &j, B);
-    return atomic_load(&j.failed) ? -1 : 0;
+    return run_decode(decode_one, q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out, out_row_stride,
+                      H, Hkv, D, BS, scale, B, max_len);
+}
+
+int lbd_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kc, const uint16_t *vc,
+                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, uint16_t *out,
+                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                          int64_t B, int64_t max_len) {
+    return run_decode(decode_one_bf16, q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out,
+                      out_row_stride, H, Hkv, D, BS, scale, B, max_len);
 }

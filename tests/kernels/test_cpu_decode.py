@@ -72,3 +72,19 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
     assert "no C compiler" in out.stderr
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 80)])
+def test_bf16_cache_matches_dense(heads: int, kv_heads: int, head_dim: int) -> None:
+    """bf16 query and caches: fp32 math on the stored values, one rounding of the output to bf16."""
+    lens = [(1, 1), (1, 45), (1, 300), (5, 20)]
+    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                     dtype=torch.bfloat16, pad_tokens=2)
+    assert cpu.supports(case.query, case.key_cache)
+    out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    assert out.dtype == torch.bfloat16
+    want = dense_attention(case)  # fp64 over the same bf16 values
+    n = sum(q for q, _ in lens)
+    torch.testing.assert_close(out[:3].double(), want[:3], atol=1e-2, rtol=2 ** -7)  # the C decodes
+    torch.testing.assert_close(out[:n].double(), want, atol=3e-2, rtol=3e-2)  # + the torch prefill in bf16
+    assert out[n:].abs().max() == 0
