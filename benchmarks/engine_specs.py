@@ -1,5 +1,5 @@
-"""The engines benchmarks/engine_vs_vllm.py compares: how each is started, which of its processes are the front
-end and which the engine, and how long it took to serve its first answer.
+"""The engines benchmarks/engine_vs_vllm.py compares: how each is started, which of its processes are the
+front end and which the engine, and how long it took to serve its first answer.
 
 lbd: `python -m engine` from this checkout (the interpreter running the benchmark). vLLM: its OpenAI server
 from the venv of `scripts/setup-peers.sh vllm` (`.venv-vllm/`), with the CPU settings vLLM documents:
@@ -36,13 +36,13 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
 
     def argv(self, model: Path, port: int, max_model_len: int, kv_gib: float, python: Path) -> list[str]:
+        """``kv_gib`` 0: the engine sizes its KV cache itself (on CUDA, from --gpu-memory-utilization)."""
+        common = ["--host", "127.0.0.1", "--port", str(port), "--model", str(model), "--dtype", self.dtype,
+                  "--max-model-len", str(max_model_len)]
         if self.kind == "lbd":
-            return [sys.executable, "-m", "engine", "--host", "127.0.0.1", "--port", str(port), "--model",
-                    str(model), "--dtype", self.dtype, "--max-model-len", str(max_model_len),
-                    "--kv-cache-memory-bytes", f"{kv_gib}GiB", "--disable-log-requests", *self.extra]
-        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
-                str(port), "--model", str(model), "--dtype", self.dtype, "--max-model-len", str(max_model_len),
-                *self.extra]
+            kv = ["--kv-cache-memory-bytes", f"{kv_gib}GiB"] if kv_gib > 0 else []
+            return [sys.executable, "-m", "engine", *common, *kv, "--disable-log-requests", *self.extra]
+        return [str(python), "-m", "vllm.entrypoints.openai.api_server", *common, *self.extra]
 
     def environment(self, cpus: str, threads: int, kv_gib: float, device: str) -> dict[str, str]:
         if self.kind == "lbd":

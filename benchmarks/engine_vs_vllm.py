@@ -4,8 +4,8 @@ Every engine starts first and stays up (warm) for the whole run; then, round aft
 level runs on each engine in turn (A B A B ..., the order flipped every round) with the other engines idle, so
 only one engine is under load at a time. Each run sends N completions of ~125-token prompts for 128 output
 tokens (ignore_eos, temperature 0, streamed) with C in flight, through lbd's own bench client
-(``lbd.bench.client``). Every round draws new prompts (no prefix-cache hits across rounds; both engines get the
-same ones). Printed:
+(``lbd.bench.client``). Every round draws new prompts (no prefix-cache hits across rounds; both engines get
+the same ones). Printed:
   - start-up time (spawn -> first answer) of each engine;
   - a greedy check: both engines' texts for a few prompts must agree (so neither wins by computing something
     else); a near-tie fork late in a text is reported, not hidden;
@@ -42,7 +42,13 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.engine_specs import VLLM_PYTHON, EngineSpec, RunningEngine, cpu_seconds, vllm_available  # noqa: E402
+from benchmarks.engine_specs import (  # noqa: E402
+    VLLM_PYTHON,
+    EngineSpec,
+    RunningEngine,
+    cpu_seconds,
+    vllm_available,
+)
 from lbd.bench.client import RequestRecord, send  # noqa: E402
 from lbd.bench.stats import percentile  # noqa: E402
 
@@ -120,10 +126,11 @@ def measure(eng: RunningEngine, prompts: list[list[int]], output_len: int, concu
     ok = [r for r in records if r.ok]
     bad = [r for r in records if not r.ok]
     if bad:
-        print(f"  {eng.spec.name}: {len(bad)} errors, e.g. {bad[0].error}: {bad[0].error_message}", flush=True)
+        print(f"  {eng.spec.name}: {len(bad)} errors, e.g. {bad[0].error}: {bad[0].error_message}",
+              flush=True)
     return Run(eng.spec.name, concurrency, round_, wall, sum(r.output_tokens for r in ok), len(bad),
-               [r.ttft for r in ok if r.ttft is not None], [x for r in ok for x in r.itl], fe1 - fe0, en1 - en0,
-               os.getloadavg()[0])
+               [r.ttft for r in ok if r.ttft is not None], [x for r in ok for x in r.itl], fe1 - fe0,
+               en1 - en0, os.getloadavg()[0])
 
 
 def greedy_texts(eng: RunningEngine, max_tokens: int) -> list[str]:
@@ -191,8 +198,8 @@ class Report:
                     f"| {e}{' (' + str(errors) + ' errors)' if errors else ''} | {c} | {_med(tps):.1f} "
                     f"({min(tps):.1f}-{max(tps):.1f}) | {_ms(_med([t[0] for t in ttft]))} / "
                     f"{_ms(_med([t[1] for t in ttft]))} | {_ms(_med([t[0] for t in itl]))} / "
-                    f"{_ms(_med([t[1] for t in itl]))} | {fe_cores:.2f} | {100 * share:.0f}% | {us_tok:.0f} | "
-                    f"{_med([r.load for r in rs]):.1f} |")
+                    f"{_ms(_med([t[1] for t in itl]))} | {fe_cores:.2f} | {100 * share:.0f}% | "
+                    f"{us_tok:.0f} | {_med([r.load for r in rs]):.1f} |")
         return lines
 
     def ratios(self, engines: list[str], levels: list[int]) -> list[str]:
@@ -226,55 +233,62 @@ class Report:
 # ------------------------------------------------------------------------------------------------ profile
 
 
-def profile_lbd(spec: EngineSpec, common: dict, workload: Workload, levels: list[int], requests: dict[int, int],
-                workdir: Path, every: int) -> list[str]:
-    """A separate lbd server with --profile-steps: its step breakdown on the same workload, per level."""
+def profile_level(eng: RunningEngine, workload: Workload, c: int,
+                  n: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Run one level on a server started with --profile-steps; its (core, front-end) profile lines."""
     from engine.core.step_profile import parse_line
 
-    prof_spec = EngineSpec(spec.name + "-profile", "lbd", spec.dtype, [*spec.extra, "--profile-steps", str(every)])
-    log = workdir / f"{prof_spec.name}.log"
-    eng = RunningEngine(prof_spec, log=log, **common)
-    out = ["| conc | step kind | steps | seqs | step ms | schedule | prepare | attention | linear | "
-           "other fwd | lm_head | sample | update | IPC in+out | loop | front end: detok / SSE / IPC / CPU "
-           "us per token |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    try:
-        for c in levels:
-            mark = len(log.read_text(errors="replace"))
-            measure(eng, workload.prompts(requests[c], 10_000 + c, c), workload.output_len, c, -1)
-            time.sleep(0.5)
-            lines = [parse_line(x) for x in log.read_text(errors="replace")[mark:].splitlines()]
-            core = [d for d in lines if d.get("label") == "core"]
-            fe = [d for d in lines if d.get("label", "").startswith("frontend")]
-            out += _profile_rows(c, core, fe)
-    finally:
-        eng.close()
+    mark = len(eng.log.read_text(errors="replace"))
+    measure(eng, workload.prompts(n, 10_000 + c, c), workload.output_len, c, -1)
+    time.sleep(0.5)  # the last window's lines
+    lines = [parse_line(x) for x in eng.log.read_text(errors="replace")[mark:].splitlines()]
+    return ([d for d in lines if d.get("label") == "core"],
+            [d for d in lines if d.get("label", "").startswith("frontend")])
+
+
+PROFILE_KEYS = ("seqs", "step_ms", "schedule", "prepare", "forward_attention", "forward_linear",
+                "forward_other", "lm_head", "sample", "update", "ipc_in", "ipc_out", "idle_or_loop")
+FRONTEND_KEYS = ("detokenize_us_per_token", "stream_us_per_token", "ipc_us_per_token", "cpu_us_per_token")
+
+
+def average_rows(rows: list[dict[str, str]], keys: tuple[str, ...] = PROFILE_KEYS,
+                 weight: str = "steps") -> dict[str, float] | None:
+    """The ``weight``-weighted mean of ``keys`` over profile lines (None for no lines)."""
+    total = sum(float(r.get(weight, 0)) for r in rows)
+    if not total:
+        return None
+    out = {k: sum(float(r.get(k, 0)) * float(r.get(weight, 0)) for r in rows) / total for k in keys}
+    out[weight] = total
     return out
 
 
-def _avg(rows: list[dict[str, str]], key: str, weight: str = "steps") -> float:
-    w = [float(r.get(weight, 0)) for r in rows]
-    total = sum(w)
-    return sum(float(r.get(key, 0)) * x for r, x in zip(rows, w, strict=True)) / total if total else 0.0
-
-
-def _profile_rows(c: int, core: list[dict[str, str]], fe: list[dict[str, str]]) -> list[str]:
-    fe_part = " / ".join(f"{_avg(fe, k, 'tokens'):.0f}" for k in ("detokenize_us_per_token",
-                                                                   "stream_us_per_token", "ipc_us_per_token",
-                                                                   "cpu_us_per_token"))
-    rows = []
-    for kind in ("decode", "mixed"):
-        rs = [r for r in core if r.get("kind") == kind]
-        if not rs:
-            continue
-        a = {k: _avg(rs, k) for k in ("seqs", "step_ms", "schedule", "prepare", "forward_attention",
-                                      "forward_linear", "forward_other", "lm_head", "sample", "update",
-                                      "ipc_in", "ipc_out", "idle_or_loop")}
-        steps = sum(int(r["steps"]) for r in rs)
-        rows.append(f"| {c} | {kind} | {steps} | {a['seqs']:.0f} | {a['step_ms']:.1f} | {a['schedule']:.2f} | "
-                    f"{a['prepare']:.2f} | {a['forward_attention']:.1f} | {a['forward_linear']:.1f} | "
-                    f"{a['forward_other']:.1f} | {a['lm_head']:.1f} | {a['sample']:.2f} | {a['update']:.2f} | "
-                    f"{a['ipc_in'] + a['ipc_out']:.2f} | {a['idle_or_loop']:.2f} | {fe_part} |")
-    return rows
+def profile_lbd(spec: EngineSpec, common: dict, workload: Workload, levels: list[int],
+                requests: dict[int, int], workdir: Path, every: int) -> list[str]:
+    """A separate lbd server with --profile-steps: its step breakdown on the same workload, per level."""
+    prof_spec = EngineSpec(spec.name + "-profile", "lbd", spec.dtype,
+                           [*spec.extra, "--profile-steps", str(every)])
+    eng = RunningEngine(prof_spec, log=workdir / f"{prof_spec.name}.log", **common)
+    out = ["| conc | step kind | steps | seqs | step ms | schedule | prepare | attention | linear | "
+           "other fwd | lm_head | sample | update | IPC in+out | loop | "
+           "front end us/token: detok / SSE / IPC / CPU |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    try:
+        for c in levels:
+            core, fe = profile_level(eng, workload, c, requests[c])
+            f = average_rows(fe, FRONTEND_KEYS, "tokens") or dict.fromkeys(FRONTEND_KEYS, 0.0)
+            fe_part = " / ".join(f"{f[k]:.0f}" for k in FRONTEND_KEYS)
+            for kind in ("decode", "mixed"):
+                a = average_rows([r for r in core if r.get("kind") == kind])
+                if a is None:
+                    continue
+                out.append(f"| {c} | {kind} | {a['steps']:.0f} | {a['seqs']:.0f} | {a['step_ms']:.1f} | "
+                           f"{a['schedule']:.2f} | {a['prepare']:.2f} | {a['forward_attention']:.1f} | "
+                           f"{a['forward_linear']:.1f} | {a['forward_other']:.1f} | {a['lm_head']:.1f} | "
+                           f"{a['sample']:.2f} | {a['update']:.2f} | {a['ipc_in'] + a['ipc_out']:.2f} | "
+                           f"{a['idle_or_loop']:.2f} | {fe_part} |")
+    finally:
+        eng.close()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -299,6 +313,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-every", type=int, default=16, help="steps per --profile-steps window")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    g = p.add_argument_group("--device cuda (benchmarks/engine_cuda.py)")
+    g.add_argument("--cuda-shape", default="llama3-8b", choices=["llama3-8b", "tiny"],
+                   help="shape of the random-weight checkpoint the CUDA mode writes")
+    g.add_argument("--cuda-on-cpu", action="store_true",
+                   help="run the CUDA mode's pipeline on the CPU (with --cuda-shape tiny: a smoke test)")
+    g.add_argument("--work-dir", type=Path, default=None,
+                   help="where the CUDA mode caches its checkpoint (default: $LBD_CACHE_DIR or ~/.cache/lbd)")
     return p.parse_args(argv)
 
 
@@ -322,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine_cuda import main as cuda_main
 
         return cuda_main(args)
-    names = list(ENGINES) if args.engines == "all" else [e.strip() for e in args.engines.split(",") if e.strip()]
+    names = list(ENGINES) if args.engines == "all" else [e for e in args.engines.split(",") if e.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
         print(f"unknown --engines {unknown}: choose from {', '.join(ENGINES)}", file=sys.stderr)
@@ -341,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(args.input_len, args.output_len, cfg["vocab_size"])
     cpus, threads = (args.cpus, len(_expand(args.cpus))) if args.cpus else cpu_list()
     workdir = Path(tempfile.mkdtemp(prefix="lbd-vs-vllm-"))
-    common = dict(model=model, cpus=cpus, threads=threads, kv_gib=args.kv_gib, max_model_len=args.max_model_len,
-                  device="cpu", python=args.vllm_python, ready_timeout=args.ready_timeout)
+    common = dict(model=model, cpus=cpus, threads=threads, kv_gib=args.kv_gib,
+                  max_model_len=args.max_model_len, device="cpu", python=args.vllm_python,
+                  ready_timeout=args.ready_timeout)
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  model {model.name}  cpus {cpus}  engines {names}  levels "
           f"{levels}  requests {requests}  {args.input_len} in / {args.output_len} out  logs in {workdir}",
           flush=True)
@@ -375,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     present = list(engines)
     print(f"\n## lbd vs vLLM, {time.strftime('%Y-%m-%d')}, {threads} CPUs ({cpus}), {model.name}, "
           f"{args.input_len} in / {args.output_len} out, {args.rounds} rounds\n")
-    print("start-up (spawn -> first answer): " + ", ".join(f"{n} {s:.1f} s" for n, s in report.startup.items()))
+    print("start-up (spawn -> first answer): "
+          + ", ".join(f"{n} {s:.1f} s" for n, s in report.startup.items()))
     for line in report.notes:
         print(f"note: {line}")
     print()
@@ -406,8 +429,9 @@ def _greedy_check(engines: dict[str, RunningEngine], report: Report) -> None:
 def _run_dict(r: Run) -> dict:
     return {"engine": r.engine, "concurrency": r.concurrency, "round": r.round, "wall_s": r.wall_s,
             "tokens": r.tokens, "tok_s": r.tok_s, "errors": r.errors, "ttft_p50": percentile(r.ttft, 50),
-            "ttft_p99": percentile(r.ttft, 99), "itl_p50": percentile(r.itl, 50), "itl_p99": percentile(r.itl, 99),
-            "fe_cpu_s": r.fe_cpu_s, "engine_cpu_s": r.engine_cpu_s, "load": r.load}
+            "ttft_p99": percentile(r.ttft, 99), "itl_p50": percentile(r.itl, 50),
+            "itl_p99": percentile(r.itl, 99), "fe_cpu_s": r.fe_cpu_s, "engine_cpu_s": r.engine_cpu_s,
+            "load": r.load}
 
 
 def _expand(spec: str) -> list[int]:

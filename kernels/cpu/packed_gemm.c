@@ -92,15 +92,16 @@ static int64_t rows_per_pass(int64_t K, int64_t elem) {
     return r < MR ? MR : r;
 }
 
-/* Panels per chunk: enough work (~20 us of FMAs or ~32 KB of weights) to pay for claiming it, yet at least
- * 4 chunks per thread where the matrix allows, so a late or slow thread leaves little behind. */
+/* Panels per chunk: enough work (~40 us of FMAs or ~128 KB of weights) to pay for claiming it and to let the
+ * next panel stream in behind the current one, yet at least 4 chunks per thread where the matrix allows, so
+ * a late or slow thread leaves little behind. */
 static void plan(struct gemm_job *j, int64_t elem) {
     j->block = rows_per_pass(j->K, elem);
     j->panels = (j->N + NR - 1) / NR;
     const int64_t rows = j->M < j->block ? j->M : j->block;
     const int64_t fma = rows * j->K * NR, bytes = j->K * NR * elem;
     int64_t per = 1;
-    while (per * fma < (1 << 20) && per * bytes < (32 << 10)) per *= 2;
+    while (per * fma < (4 << 20) && per * bytes < (128 << 10)) per *= 2;
     const int64_t blocks = (j->M + j->block - 1) / j->block;
     const int64_t min_chunks = 4 * lbd_parallel_threads();
     while (per > 1 && blocks * ((j->panels + per - 1) / per) < min_chunks) per /= 2;
@@ -154,10 +155,21 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
         default: FN(__VA_ARGS__, 12); break; \
     }
 
+/* The first row tile of a panel reads it from memory, the others from L2: while they run, the next panel
+ * (``next_bytes`` bytes right after this one, 0 at a chunk's end) is requested into L2 a slice per tile, so
+ * the memory reads are spread over the whole panel instead of bunched at its first tile. */
+static inline void prefetch_slice(const char *next, int64_t next_bytes, int64_t tile, int64_t tiles) {
+    if (next_bytes == 0 || tiles < 2) return;
+    const int64_t from = next_bytes * tile / tiles, to = next_bytes * (tile + 1) / tiles;
+    for (int64_t b = from; b < to; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+}
+
 static void panel_f32(const float *x, int64_t xs, const float *P, int64_t K, float *y, int64_t ys,
-                      const float *bias, int64_t cols, int64_t M) {
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                      const float *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+    const int64_t tiles = (M + MR - 1) / MR;
+    for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
         const int64_t rows = M - m0 < MR ? M - m0 : MR;
+        prefetch_slice((const char *)(P + K * NR), next_bytes, t, tiles);
         TILE_CASES(tile_f32, x + m0 * xs, xs, P, K, y + m0 * ys, ys, bias, cols)
     }
 }
@@ -173,8 +185,9 @@ static void gemm_f32_chunk(void *arg, int64_t c) {
     float *y = (float *)j->y + r0 * j->y_stride;
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
+        const int64_t next_bytes = p + 1 < p1 ? j->panel_elems * (int64_t)sizeof(float) : 0;
         panel_f32(x, j->x_stride, (const float *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
-                  bias == NULL ? NULL : bias + p * NR, cols, rows);
+                  bias == NULL ? NULL : bias + p * NR, cols, rows, next_bytes);
     }
 }
 #endif
@@ -236,9 +249,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
 }
 
 static void panel_bf16(const uint16_t *x, int64_t xs, const uint16_t *P, int64_t K, uint16_t *y, int64_t ys,
-                       const uint16_t *bias, int64_t cols, int64_t M) {
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                       const uint16_t *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+    const int64_t tiles = (M + MR - 1) / MR;
+    for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
         const int64_t rows = M - m0 < MR ? M - m0 : MR;
+        prefetch_slice((const char *)(P + (K + 1) / 2 * 2 * NR), next_bytes, t, tiles);
         TILE_CASES(tile_bf16, x + m0 * xs, xs, P, K, y + m0 * ys, ys, bias, cols)
     }
 }
@@ -254,8 +269,9 @@ static void gemm_bf16_chunk(void *arg, int64_t c) {
     uint16_t *y = (uint16_t *)j->y + r0 * j->y_stride;
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
+        const int64_t next_bytes = p + 1 < p1 ? j->panel_elems * (int64_t)sizeof(uint16_t) : 0;
         panel_bf16(x, j->x_stride, (const uint16_t *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
-                   bias == NULL ? NULL : bias + p * NR, cols, rows);
+                  bias == NULL ? NULL : bias + p * NR, cols, rows, next_bytes);
     }
 }
 #endif
