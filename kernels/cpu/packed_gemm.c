@@ -80,11 +80,16 @@ void lbd_pack_bf16(const uint16_t *w, int64_t w_stride, int64_t N, int64_t K, ui
     lbd_parallel_for(pack_bf16_panel, &j, (N + NR - 1) / NR);
 }
 
+/* A panel against rows of x (fp32 or bf16; pointers to the first row, panel and column). */
+typedef void (*panel_fn)(const void *x, int64_t xs, const void *P, int64_t K, void *y, int64_t ys,
+                         const void *bias, int64_t cols, int64_t M, int64_t next_bytes);
+
 /* One call's work split into chunks: row blocks (x that stays in L2) times groups of panels. */
 struct gemm_job {
     const void *x, *P, *bias;
     void *y;
-    int64_t x_stride, y_stride, N, K, M, block, panels, per_chunk, chunks_per_block, panel_elems;
+    int64_t x_stride, y_stride, N, K, M, block, panels, per_chunk, chunks_per_block, panel_elems, elem;
+    panel_fn panel;
 };
 
 static int64_t rows_per_pass(int64_t K, int64_t elem) {
@@ -164,8 +169,10 @@ static inline void prefetch_slice(const char *next, int64_t next_bytes, int64_t 
     for (int64_t b = from; b < to; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
 }
 
-static void panel_f32(const float *x, int64_t xs, const float *P, int64_t K, float *y, int64_t ys,
-                      const float *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+static void panel_f32(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
+                      const void *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+    const float *x = xv, *P = Pv;
+    float *y = yv;
     const int64_t tiles = (M + MR - 1) / MR;
     for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
         const int64_t rows = M - m0 < MR ? M - m0 : MR;
@@ -176,18 +183,18 @@ static void panel_f32(const float *x, int64_t xs, const float *P, int64_t K, flo
 #endif
 
 #if defined(__AVX512F__)
-static void gemm_f32_chunk(void *arg, int64_t c) {
+static void gemm_chunk(void *arg, int64_t c) {
     const struct gemm_job *j = arg;
     const int64_t r0 = c / j->chunks_per_block * j->block, p0 = c % j->chunks_per_block * j->per_chunk;
     const int64_t rows = j->M - r0 < j->block ? j->M - r0 : j->block;
-    const int64_t p1 = p0 + j->per_chunk < j->panels ? p0 + j->per_chunk : j->panels;
-    const float *x = (const float *)j->x + r0 * j->x_stride, *bias = j->bias;
-    float *y = (float *)j->y + r0 * j->y_stride;
+    const int64_t p1 = p0 + j->per_chunk < j->panels ? p0 + j->per_chunk : j->panels, e = j->elem;
+    const char *x = (const char *)j->x + r0 * j->x_stride * e, *bias = j->bias;
+    char *y = (char *)j->y + r0 * j->y_stride * e;
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
-        const int64_t next_bytes = p + 1 < p1 ? j->panel_elems * (int64_t)sizeof(float) : 0;
-        panel_f32(x, j->x_stride, (const float *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
-                  bias == NULL ? NULL : bias + p * NR, cols, rows, next_bytes);
+        const int64_t next_bytes = p + 1 < p1 ? j->panel_elems * e : 0;
+        j->panel(x, j->x_stride, (const char *)j->P + p * j->panel_elems * e, j->K, y + p * NR * e, j->y_stride,
+                 bias == NULL ? NULL : bias + p * NR * e, cols, rows, next_bytes);
     }
 }
 #endif
@@ -196,9 +203,9 @@ int lbd_packed_gemm_f32(const float *x, int64_t x_stride, const float *P, int64_
                         float *y, int64_t y_stride, int64_t M) {
 #if defined(__AVX512F__)
     struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
-                         .N = N, .K = K, .M = M, .panel_elems = K * NR};
+                         .N = N, .K = K, .M = M, .panel_elems = K * NR, .elem = 4, .panel = panel_f32};
     plan(&j, 4);
-    lbd_parallel_for(gemm_f32_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
+    lbd_parallel_for(gemm_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
 #else
     (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
@@ -248,8 +255,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     for (int m = 0; m < M; ++m) store_bf16(y + m * ys, c0[m], c1[m], bias, cols);
 }
 
-static void panel_bf16(const uint16_t *x, int64_t xs, const uint16_t *P, int64_t K, uint16_t *y, int64_t ys,
-                       const uint16_t *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+static void panel_bf16(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
+                       const void *bias, int64_t cols, int64_t M, int64_t next_bytes) {
+    const uint16_t *x = xv, *P = Pv;
+    uint16_t *y = yv;
     const int64_t tiles = (M + MR - 1) / MR;
     for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR, ++t) {
         const int64_t rows = M - m0 < MR ? M - m0 : MR;
@@ -259,30 +268,15 @@ static void panel_bf16(const uint16_t *x, int64_t xs, const uint16_t *P, int64_t
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-static void gemm_bf16_chunk(void *arg, int64_t c) {
-    const struct gemm_job *j = arg;
-    const int64_t r0 = c / j->chunks_per_block * j->block, p0 = c % j->chunks_per_block * j->per_chunk;
-    const int64_t rows = j->M - r0 < j->block ? j->M - r0 : j->block;
-    const int64_t p1 = p0 + j->per_chunk < j->panels ? p0 + j->per_chunk : j->panels;
-    const uint16_t *x = (const uint16_t *)j->x + r0 * j->x_stride, *bias = j->bias;
-    uint16_t *y = (uint16_t *)j->y + r0 * j->y_stride;
-    for (int64_t p = p0; p < p1; ++p) {
-        const int64_t cols = j->N - p * NR < NR ? j->N - p * NR : NR;
-        const int64_t next_bytes = p + 1 < p1 ? j->panel_elems * (int64_t)sizeof(uint16_t) : 0;
-        panel_bf16(x, j->x_stride, (const uint16_t *)j->P + p * j->panel_elems, j->K, y + p * NR, j->y_stride,
-                  bias == NULL ? NULL : bias + p * NR, cols, rows, next_bytes);
-    }
-}
-#endif
 
 int lbd_packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *P, int64_t N, int64_t K,
                          const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
-                         .N = N, .K = K, .M = M, .panel_elems = (K + 1) / 2 * 2 * NR};
+                         .N = N, .K = K, .M = M, .panel_elems = (K + 1) / 2 * 2 * NR, .elem = 2,
+                         .panel = panel_bf16};
     plan(&j, 2);
-    lbd_parallel_for(gemm_bf16_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
+    lbd_parallel_for(gemm_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
 #else
     (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
