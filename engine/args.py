@@ -48,6 +48,9 @@ class EngineArgs:
     data_parallel_rpc_port: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_s: float = 600.0
     enable_expert_parallel: bool = False
     log_level: str = "info"
     disable_log_requests: bool = False
@@ -111,8 +114,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + activations + KV cache (CUDA)")
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                   help="KV-cache byte budget, e.g. 4GiB (default on CPU: 4GiB; on CUDA overrides "
-                        "--gpu-memory-utilization)")
+                   help="KV-cache byte budget, e.g. 4GiB. CPU: the whole rank's (default 4GiB), shared by "
+                        "its TP x PP workers in proportion to the layers and heads each holds; CUDA: per "
+                        "device, overriding --gpu-memory-utilization")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto = model dtype; fp8 = e4m3 storage with a per-layer scale")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
@@ -144,12 +148,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks in the whole deployment")
     g.add_argument("--data-parallel-size-local", type=int, default=None, help="DP ranks on this node")
     g.add_argument("--data-parallel-start-rank", type=int, default=None, help="first DP rank on this node")
-    g.add_argument("--data-parallel-address", default=None, help="address of DP rank 0 (coordinator)")
-    g.add_argument("--data-parallel-rpc-port", type=int, default=None, help="DP coordinator port")
+    g.add_argument("--data-parallel-address", default=None,
+                   help="the head of a multi-node lbd serve deployment (refused by one rank and by lbd "
+                        "supervise, which do not use it)")
+    g.add_argument("--data-parallel-rpc-port", type=int, default=None,
+                   help="the head's registration port of a multi-node lbd serve deployment (refused by one "
+                        "rank and by lbd supervise)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices per rank for tensor parallelism")
-    g.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per rank")
-    g.add_argument("--enable-expert-parallel", action="store_true", help="shard MoE experts across DP ranks")
+                   help="devices (worker processes) per rank for tensor parallelism (Megatron sharding: "
+                        "heads, MLP and vocabulary split, one all-reduce per attention and MLP block)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages per rank, each of --tensor-parallel-size workers; up to this many "
+                        "batches are in flight so stages overlap")
+    g.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 10,10,12 (default: an even split, the remainder "
+                        "to the stages before the last)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="how a rank's TP x PP workers run: mp = processes on this node, gloo on the CPU, "
+                        "NCCL on CUDA (ray: not implemented yet, refused)")
+    g.add_argument("--distributed-timeout-s", type=float, default=600.0,
+                   help="a collective or rendezvous of a rank's workers that waits longer fails the rank "
+                        "(vLLM's NCCL default)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard MoE experts across DP ranks (not implemented yet: refused)")
     return parser
 
 
@@ -197,6 +218,51 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error("--shutdown-timeout must be >= 0")
     if args.profile_steps < 0:
         parser.error(f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}")
+    problem = parallel_flags_problem(args)
+    if problem:
+        parser.error(problem)
+
+
+# Refused wherever these flags reach the engine's own checks: one engine rank (python -m engine) and lbd
+# supervise. ``lbd serve --data-parallel-size N`` (lbd.deploy) consumes the address and port itself.
+NOT_YET = {
+    "enable_expert_parallel": "--enable-expert-parallel is not implemented yet (expert parallelism comes "
+                              "with MoE support): drop the flag",
+    "data_parallel_address": "--data-parallel-address is where the nodes of an lbd serve "
+                             "--data-parallel-size N deployment register; one engine rank or one lbd "
+                             "supervise node does not use it: drop it",
+    "data_parallel_rpc_port": "--data-parallel-rpc-port is the registration port of an lbd serve "
+                              "--data-parallel-size N deployment; one engine rank or one lbd supervise node "
+                              "does not use it: drop it",
+}
+
+
+def parallel_flags_problem(args: EngineArgs) -> str | None:
+    """What is wrong with the parallelism flags on their own (the model-dependent checks are in
+    ``engine.distributed.check``), or None."""
+    for name, message in NOT_YET.items():
+        if getattr(args, name) not in (None, False):
+            return message
+    if args.distributed_executor_backend == "ray":
+        return ("--distributed-executor-backend ray is not implemented yet: use mp (the default), which runs "
+                "a rank's TP x PP workers as processes on this node")
+    if not args.distributed_timeout_s > 0:
+        return f"--distributed-timeout-s must be > 0, got {args.distributed_timeout_s}"
+    pp = args.pipeline_parallel_size
+    if args.pp_layer_partition is not None:
+        from engine.distributed.layout import parse_partition
+
+        try:
+            parts = parse_partition(args.pp_layer_partition) or []
+        except ValueError as e:
+            return f"--pp-layer-partition: {e}"
+        if len(parts) != pp or min(parts, default=0) < 1:
+            return (f"--pp-layer-partition {args.pp_layer_partition} must give {pp} positive layer counts, "
+                    f"one per stage of --pipeline-parallel-size {pp}")
+    if args.device == "sim" and args.tensor_parallel_size * pp > 1:
+        return ("--device sim simulates one device: drop --tensor-parallel-size / --pipeline-parallel-size "
+                "(or run --device cpu)")
+    return None
 
 
 def parse_engine_args(argv: list[str] | None = None, prog: str = "lbd serve") -> EngineArgs:

@@ -303,11 +303,47 @@ class Launcher:
             logger.warning("engine core exited with code %s", core.exitcode)
 
 
+def check_serve_only(args: EngineArgs) -> str | None:
+    """Deployment flags that one engine rank cannot act on (refused here; ``lbd serve`` hands a deployment to
+    lbd.deploy before it gets here, ``python -m engine`` is always one rank)."""
+    if args.data_parallel_start_rank is not None:
+        return ("--data-parallel-start-rank names a node's first rank (lbd supervise, lbd serve "
+                "--data-parallel-size N); one engine rank takes --data-parallel-rank instead")
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:
+        return (f"--data-parallel-size {args.data_parallel_size} without --data-parallel-rank is a "
+                f"deployment of {args.data_parallel_size} ranks: run lbd serve (or lbd supervise) with "
+                "it, or pass --data-parallel-rank to start one of its ranks")
+    return None
+
+
+def _check_model_flags(args: EngineArgs, model_path: str) -> int:
+    """The flags against the model (TP/PP sizes and support, the KV-cache dtype) and the devices: 2 (after
+    one line on stderr) before anything starts, else 0; warnings are logged."""
+    from engine.distributed.check import ModelFacts, ParallelConfigError, check_rank
+
+    try:
+        facts = ModelFacts.from_config(Path(model_path) / "config.json")
+    except (OSError, KeyError, ValueError) as e:
+        logger.warning("cannot read %s/config.json for the parallelism checks: %s", model_path, e)
+        facts = None
+    try:
+        warning = check_rank(args, facts, dict(os.environ))
+    except ParallelConfigError as e:
+        print(f"lbd serve: error: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        logger.warning("%s", warning)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one engine rank until SIGTERM/SIGINT; the process exits here (no interpreter teardown)."""
     parser = make_parser("lbd serve")
     args = engine_args_from_namespace(parser.parse_args(sys.argv[1:] if argv is None else argv))
     validate(args, parser)
+    problem = check_serve_only(args)
+    if problem:
+        parser.error(problem)
     if args.chat_template:
         from engine.tokenizer import read_template
 
@@ -326,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lbd serve: error: {e}", file=sys.stderr)
             code = 2
         else:
-            code = Launcher(args, runtime, model_path).run()
+            code = _check_model_flags(args, model_path) or Launcher(args, runtime, model_path).run()
     finally:
         runtime.remove()
     _exit_now(code)

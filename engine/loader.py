@@ -153,7 +153,49 @@ def _convert(gguf: Path, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------- weights
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
+    """Copy the checkpoint in ``folder`` into ``model`` (our modules, named like HF's but with fused qkv and
+    gate_up projections); converts dtype on the fly. Raises if a parameter stays unloaded.
+
+    Sharded models (tensor/pipeline parallel workers) read only their part: a module's
+    ``source_slice(leaf, shard)`` names the slice of the checkpoint tensor it holds (read with safetensors'
+    ``get_slice``, so no worker materialises a whole tensor it does not hold), tensors of ``Absent`` modules
+    (``is_absent``: another pipeline stage's) are skipped, and ``model.checkpoint_aliases`` maps a checkpoint
+    tensor to more parameters it fills (a tied LM head on another stage than the embedding). A model may
+    map tensors itself (``checkpoint_slots(name)``: MoE experts, renames), which takes whole tensors."""
+    import torch
+
+    params = dict(model.named_parameters())
+    aliases: dict[str, list[str]] = getattr(model, "checkpoint_aliases", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    slots_of = getattr(model, "checkpoint_slots", None)  # the model's own mapping (MoE experts, renames)
+    covered: dict[str, int] = {}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, handle in iter_checkpoint(Path(folder)):
+            if "rotary_emb" in name:
+                continue
+            slots = slots_of(name) if slots_of is not None else None
+            if slots is not None:
+                if slots:  # [] = known, for another rank: not even read
+                    _copy_slots(params, name, handle.get_tensor(name), slots, covered)
+                continue
+            placed = False
+            for ours in [name, *aliases.get(name, [])]:
+                target, rows, shard = _locate(model, params, ours)
+                if target is not None:
+                    _copy_into(model, params[target], target, rows, shard, handle, name)
+                    loaded.add(target if rows is None else f"{target}#{rows[0]}")
+                    placed = True
+            if placed or _absent(model, name) or (name == "lm_head.weight" and tied):
+                continue  # (some checkpoints store the tied copy of the embedding too)
+            raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+    loaded.update(p for p, n in covered.items() if n == params[p].numel())
+    _check_complete(model, params, loaded)
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, object]]:
+    """(tensor name, open safetensors handle) for every tensor of the folder, read lazily by the caller."""
     from safetensors import safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -162,47 +204,70 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, f
 
 
-def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
-    """Copy the checkpoint in ``folder`` into ``model`` (our modules, named like HF's but with fused qkv and
-    gate_up projections); converts dtype on the fly. Raises if a parameter stays unloaded."""
-    import torch
-
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for name, tensor in iter_safetensors(Path(folder)):
-            if "rotary_emb" in name:
-                continue
-            target, rows = _locate(model, params, name)
-            if target is None:
-                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-                    continue  # some checkpoints store the tied copy too
-                raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
-            dst = params[target] if rows is None else params[target].narrow(0, rows[0], rows[1])
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add(name if rows is None else f"{target}#{rows[0]}")
-    _check_complete(model, params, loaded)
+def _copy_into(model: torch.nn.Module, param: torch.Tensor, target: str, rows: tuple[int, int] | None,
+               shard: int, handle, name: str) -> None:
+    owner, _, leaf = target.rpartition(".")
+    module = model.get_submodule(owner)
+    spec = module.source_slice(leaf, shard) if hasattr(module, "source_slice") else None
+    dst = param if rows is None else param.narrow(0, rows[0], rows[1])
+    if spec is None:
+        tensor = handle.get_tensor(name)
+    else:
+        dim, start, length = spec
+        tensor = handle.get_slice(name)[(slice(None),) * dim + (slice(start, start + length),)]
+        dst = dst.narrow(dim, 0, length)
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(dst.shape)}")
+    dst.copy_(tensor)
 
 
-def _locate(model: torch.nn.Module, params: dict, name: str) -> tuple[str | None, tuple[int, int] | None]:
-    """Our parameter for checkpoint tensor ``name`` and, for a fused one, its (row offset, rows)."""
+def _copy_slots(params: dict, name: str, tensor: torch.Tensor, slots: list, covered: dict[str, int]) -> None:
+    """Copy parts of checkpoint tensor ``name`` into parts of our parameters (``engine.models.weights``)."""
+    for slot in slots:
+        if slot.param not in params:
+            raise ValueError(f"checkpoint tensor {name} maps to {slot.param}, which the model lacks")
+        dst, src = slot.target(params[slot.param]), slot.source(tensor)
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{name}: checkpoint part {tuple(src.shape)} != ours {tuple(dst.shape)} "
+                             f"in {slot.param}")
+        dst.copy_(src)
+        covered[slot.param] = covered.get(slot.param, 0) + dst.numel()
+        if covered[slot.param] > params[slot.param].numel():
+            raise ValueError(f"{name}: {slot.param} is filled more than once by the checkpoint")
+
+
+def _absent(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` belongs to a module this shard does not hold (another pipeline stage's)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        try:
+            module = model.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            return False
+        if getattr(module, "is_absent", False):
+            return True
+    return False
+
+
+def _locate(model: torch.nn.Module, params: dict,
+            name: str) -> tuple[str | None, tuple[int, int] | None, int]:
+    """Our parameter for checkpoint tensor ``name``, for a fused one its (row offset, rows), and its shard
+    index in the fused parameter (0 when not fused)."""
     if name in params:
-        return name, None
+        return name, None, 0
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in PACKED_SHARDS:
             fused, shard = PACKED_SHARDS[part]
             target = ".".join([*parts[:i], fused, *parts[i + 1:]])
             if target not in params:
-                return None, None
+                return None, None, 0
             sizes = model.get_submodule(".".join([*parts[:i], fused])).shard_sizes
-            return target, (sum(sizes[:shard]), sizes[shard])
-    return None, None
+            return target, (sum(sizes[:shard]), sizes[shard]), shard
+    return None, None, 0
 
 
 def _check_complete(model: torch.nn.Module, params: dict, loaded: set[str]) -> None:

@@ -21,6 +21,7 @@ from kernels.cpu import packed as _packed
 from kernels.metadata import AttentionMetadata
 from kernels.reference import attention as _ref_attn
 from kernels.reference import elementwise as _ref_elem
+from kernels.reference import mla as _ref_mla
 from kernels.reference import moe as _ref_moe
 from kernels.reference import rotary as _ref_rotary
 from kernels.rope_cache import build_rope_cache
@@ -28,7 +29,8 @@ from kernels.rope_cache import build_rope_cache
 __all__ = [
     "MODE", "backend_for", "build_rope_cache", "linear", "pack_linear_weights", "PackedWeight", "rms_norm",
     "silu_and_mul", "rotary_embedding",
-    "write_kv_cache", "paged_attention", "topk_softmax", "fused_moe",
+    "write_kv_cache", "paged_attention", "topk_softmax", "grouped_topk", "fused_experts", "fused_moe",
+    "write_mla_cache", "mla_decode", "mla_prefill",
 ]
 
 _MODES = ("auto", "torch", "triton")
@@ -93,8 +95,8 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
 
     A layer takes part when its class says ``packable_weight = True`` (its forward calls ``ops.linear`` with
     ``self.weight``): the Parameter is replaced by a ``PackedWeight`` of the same shape, so the memory is not
-    doubled. A module with ``lm_head_packed = None`` and tied embeddings gets a packed copy of the embedding
-    for its logits (the embedding itself stays for the lookup).
+    doubled. A module with ``packs_tied_head = True`` (its LM head is its embedding, on one device) gets a
+    packed copy of the embedding in ``lm_head_packed`` for its logits (the embedding stays for the lookup).
     """
     if MODE != "auto":
         return 0
@@ -107,8 +109,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
             del module._parameters["weight"]
             module.weight = packed
             count += 1
-        if (hasattr(module, "lm_head_packed") and getattr(module, "tie_word_embeddings", False)
-                and module.lm_head_packed is None):
+        if getattr(module, "packs_tied_head", False) and module.lm_head_packed is None:
             head = module.lm_head.weight
             if not head.is_cuda and _packed.supported(head.dtype):
                 module.lm_head_packed = _packed.pack(head.detach().contiguous())
@@ -165,8 +166,43 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int,
     return (_tri(router_logits) or _ref_moe).topk_softmax(router_logits, top_k, renormalize)
 
 
+def grouped_topk(router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's group-limited routing (sync-free torch on every device): (weights fp32, ids int32)."""
+    return _ref_moe.grouped_topk(router_logits, top_k, num_groups, topk_groups, renormalize)
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts of an MoE block: hidden[T, D] with (weights, global ids) [T, k] -> [T, D], summed
+    over the experts this rank holds (w13 [E_local, 2I, D], w2 [E_local, D, I]; ``expert_map[g]`` = local
+    index of global expert g or -1)."""
+    impl = _tri(hidden) or _ref_moe
+    return impl.fused_experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
               top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Mixture-of-experts MLP: hidden[T, D] -> [T, D]; ``expert_map[g]`` = local expert index or -1."""
     impl = _tri(hidden) or _ref_moe
     return impl.fused_moe(hidden, w13, w2, router_logits, top_k, renormalize, expert_map)
+
+
+def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Store MLA latent rows [kv_c (T, L) | k_pe (T, R)] in the cache [NB, BS, L + R] (slot -1 = skip)."""
+    (_tri(kv_c) or _ref_mla).write_mla_cache(kv_c, k_pe, cache, slot_mapping)
+
+
+def mla_decode(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               kv_lora_rank: int) -> torch.Tensor:
+    """Weight-absorbed MLA decode of the batch's first B = query.shape[0] sequences (its decodes):
+    [B, H, L + R] -> latent output [B, H, L]."""
+    return (_tri(query) or _ref_mla).mla_decode(query, cache, meta, scale, kv_lora_rank)
+
+
+def mla_prefill(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_b_weight: torch.Tensor,
+                kv_lora_rank: int, v_head_dim: int, scale: float) -> torch.Tensor:
+    """Expanded causal MLA for the sequences after the decodes: [T', H, dn + R] -> [T', H, dv] (torch SDPA
+    on every device; prefill is compute-bound, so expanding the latents costs little)."""
+    return _ref_mla.mla_prefill(query, cache, meta, kv_b_weight, kv_lora_rank, v_head_dim, scale)

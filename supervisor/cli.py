@@ -8,9 +8,10 @@ code 2 before it was ever ready (an engine usage error such as a model that does
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
-from supervisor.config import PROG, SupervisorArgError, bind_health_socket, parse_args
+from supervisor.config import PROG, SupervisorArgError, SupervisorConfig, bind_health_socket, parse_args
 
 
 def _setup_logging(node_rank: int) -> None:
@@ -35,7 +36,29 @@ def main(argv: list[str] | None = None) -> int:
 
     from supervisor.node import Supervisor
 
+    if cfg.backend == "ray":
+        return _run_on_ray(cfg, sock)
     return uvloop.run(Supervisor(cfg).run(sock))
+
+
+def _run_on_ray(cfg: SupervisorConfig, sock: socket.socket) -> int:
+    """Place the group on the Ray cluster first (exit 2 if it cannot hold it), then supervise as usual."""
+    import asyncio
+
+    from supervisor.node import Supervisor
+    from supervisor.ray_rank import PlacementError, RayPlacement
+
+    placement = RayPlacement(cfg)
+    try:
+        try:
+            placement.setup()
+        except PlacementError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        # asyncio's own loop: Ray's futures are driven from its threads through call_soon_threadsafe
+        return asyncio.run(Supervisor(cfg, placement.start).run(sock))
+    finally:
+        placement.close()
 
 
 if __name__ == "__main__":

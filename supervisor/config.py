@@ -1,8 +1,14 @@
 """`lbd supervise` flags, their validation and the launch spec of every local rank.
 
 Everything here runs before anything is started: a bad command line exits 2 with one line that names the
-flag and the fix, binds no port and spawns nothing. Engine flags come from `engine.args` (the only module
-of ours the supervisor imports), so every engine flag is accepted, validated and passed through to each rank.
+flag and the fix, binds no port and spawns nothing. Engine flags come from `engine.args`, so every engine flag
+is accepted, validated and passed through to each rank; the TP/PP flags are checked against the model's
+config.json and the devices with `engine.distributed.check` / `.placement` (json and the standard library
+only: the supervisor still imports no torch).
+
+Placement: on CUDA each rank gets TP x PP devices of the inherited CUDA_VISIBLE_DEVICES; on the CPU each rank
+gets a contiguous slice of the supervisor's CPUs in ``LBD_RANK_CPUS`` (one CPU each, round robin, when there
+are more ranks than CPUs), which the rank pins itself to and splits again between its TP x PP workers.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.args import add_engine_arguments, engine_args_from_namespace, validate
+from engine.distributed.check import ParallelConfigError, check_model, model_facts
+from engine.distributed.layout import parse_partition
+from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
@@ -22,6 +30,8 @@ ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
 RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
                             "data_parallel_start_rank"})
 FAILURE_POLICIES = ("restart", "exit")
+DP_BACKENDS = ("mp", "ray")
+RAY_PACK_STRATEGIES = ("strict", "fill", "span")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
 
 
@@ -47,12 +57,18 @@ class RankSpec:
     argv: list[str]
     env: dict[str, str]  # overrides on top of the supervisor's environment
     devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
+    cpus: str | None  # LBD_RANK_CPUS of this rank (CPU ranks), None on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
 
     @property
     def probe_url(self) -> str:
         return f"http://{_url_host(self.probe_host)}:{self.port}"
+
+    def url(self, wildcard_host: str) -> str:
+        """The rank's base URL for others: its bind address, or ``wildcard_host`` when it binds them all."""
+        host = wildcard_host if self.bind_host in WILDCARD_HOSTS else _url_host(self.bind_host or "")
+        return f"http://{host}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -77,6 +93,11 @@ class SupervisorConfig:
     backoff_max_s: float
     backoff_reset_s: float
     ranks: list[RankSpec] = field(default_factory=list)
+    backend: str = "mp"  # mp: ranks are local processes; ray: Ray places each rank (supervisor.ray_rank)
+    ray_pack_strategy: str = "strict"
+    ranks_per_node: int = 0  # ray: --data-parallel-size-local, the ranks each Ray node takes
+    device: str = "auto"
+    devices_per_rank: int = 1  # tensor x pipeline parallel size
 
     @property
     def ready_needed(self) -> int:
@@ -151,18 +172,34 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cap of the restart delay")
     g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
                    help="a rank ready this long gets the initial delay again on its next failure")
+    g.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default="mp",
+                   help="mp: ranks are processes on this machine; ray: every rank of the group is placed on "
+                        "the Ray cluster (RAY_ADDRESS, else the local one), one placement group per rank, "
+                        "--data-parallel-size-local ranks per Ray node")
+    g.add_argument("--ray-dp-pack-strategy", choices=RAY_PACK_STRATEGIES, default="strict",
+                   help="vLLM's VLLM_RAY_DP_PACK_STRATEGY: strict = exactly --data-parallel-size-local ranks "
+                        "on each node used (nodes with less room are skipped); fill = that many on this "
+                        "node, as many as fit on the others; span = one rank over several nodes")
 
 
-def make_parser() -> tuple[OneLineParser, set[str]]:
+def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
     """The full parser, and the dests that belong to the engine (passed through to ranks)."""
-    parser = OneLineParser(prog=PROG, allow_abbrev=False,
+    # resolve: a flag defined here again (e.g. one the engine lists only to refuse it) means ours
+    parser = OneLineParser(prog=prog, allow_abbrev=False, conflict_handler="resolve",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description="Run this node's DP ranks, each an engine server on its own port; "
                                        "probe, restart and drain them; serve one health port.")
     add_engine_arguments(parser)
     engine_dests = {a.dest for a in parser._actions if a.dest != "help"}
     add_supervisor_arguments(parser)
-    return parser, engine_dests
+    # a flag both list belongs to the supervisor (see conflict_handler): it is not passed on to ranks
+    return parser, engine_dests & {a.dest for a in parser._actions if a.option_strings} - _supervisor_dests()
+
+
+def _supervisor_dests() -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)
+    add_supervisor_arguments(probe)
+    return {a.dest for a in probe._actions}
 
 
 def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests: set[str]) -> list[str]:
@@ -198,26 +235,6 @@ def probe_host_for(bind_host: str | None) -> str:
     if bind_host == "::":
         return "::1"
     return bind_host
-
-
-def _nvidia_device_count() -> int:
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        return sum(1 for _ in proc.iterdir())
-    return sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))
-
-
-def visible_cuda_devices(env: dict[str, str], device: str) -> list[str] | None:
-    """The inherited CUDA device ids, or None when the ranks will not run on CUDA."""
-    if device in ("cpu", "sim"):
-        return None
-    if "CUDA_VISIBLE_DEVICES" in env:
-        ids = [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    else:
-        ids = [str(i) for i in range(_nvidia_device_count())]
-    if not ids and device != "cuda":
-        return None  # device auto on a machine without GPUs: the engine falls back to the CPU
-    return ids
 
 
 def port_in_use(host: str | None, port: int) -> str | None:
@@ -314,9 +331,53 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
     return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
 
 
+def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
+    """(N, ranks per Ray node): one supervisor places the whole group, so no node rank or start rank."""
+    n = ns.data_parallel_size
+    per_node = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
+    if not 0 < per_node <= n:
+        raise SupervisorArgError(f"--data-parallel-size-local {per_node} (ranks per Ray node) must be in "
+                                 f"1..{n} with --data-parallel-backend ray")
+    if ns.node_rank or ns.data_parallel_start_rank:
+        raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this one "
+                                 "command: drop --node-rank and --data-parallel-start-rank")
+    if ns.ray_dp_pack_strategy == "span":
+        raise SupervisorArgError("--ray-dp-pack-strategy span runs one rank across nodes, which needs "
+                                 "--distributed-executor-backend ray (not implemented yet): use strict or "
+                                 "fill")
+    if ns.data_parallel_rank is not None:
+        raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it")
+    return n, per_node
+
+
+def _check_model(ns: argparse.Namespace) -> None:
+    """The model against the flags (TP/PP support and sizes, the KV-cache dtype), when its config.json can
+    be read without converting anything (a GGUF never converted is checked by the ranks, which exit 2
+    before binding their ports, and the supervisor exits 2 too)."""
+    if ns.device == "sim":
+        return
+    facts = model_facts(ns.model)
+    if facts is not None:
+        try:
+            check_model(ns.tensor_parallel_size, ns.pipeline_parallel_size,
+                        parse_partition(ns.pp_layer_partition), facts, ns.kv_cache_dtype)
+        except ParallelConfigError as e:
+            raise SupervisorArgError(str(e)) from e
+
+
+def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
+    if cuda:
+        return [None] * local
+    return [format_cpus(part) for part in split_cpus(sorted(os.sched_getaffinity(0)), local)]
+
+
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
-               env: dict[str, str]) -> list[RankSpec]:
-    slices = _device_slices(ns, local, env)
+               env: dict[str, str], local_devices: bool = True) -> list[RankSpec]:
+    """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
+    (its devices nor its CPUs)."""
+    slices = _device_slices(ns, local, env) if local_devices else [None] * local
+    on_cuda = visible_cuda_devices(env, ns.device) is not None
+    cpus = _cpu_slices(local, on_cuda) if local_devices else [None] * local
     specs = []
     for i in range(local):
         argv = [sys.executable, "-m", "engine", *passthrough, "--port", str(ns.port + i),
@@ -326,27 +387,37 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         child_env = {"PYTHONUNBUFFERED": "1"}
         if slices[i] is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+        if cpus[i] is not None:
+            child_env[RANK_CPUS_ENV] = cpus[i]
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
-                              devices=slices[i], probe_host=probe_host_for(ns.host), bind_host=ns.host))
+                              devices=slices[i], cpus=cpus[i], probe_host=probe_host_for(ns.host),
+                              bind_host=ns.host))
     return specs
 
 
-def parse_args(argv: list[str], env: dict[str, str] | None = None) -> SupervisorConfig:
+def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
     """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
     env = dict(os.environ) if env is None else env
-    parser, engine_dests = make_parser()
+    parser, engine_dests = make_parser(prog)
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
                      "lists them)")
     validate(engine_args_from_namespace(ns), parser)
+    ray = ns.data_parallel_backend == "ray"
     try:
-        n, local, start = _check_topology(ns)
+        if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
+            (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
+        else:
+            n, local, start = _check_topology(ns)
+            per_node = local
         if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
-        _check_ports(ns, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env)
+        _check_model(ns)
+        if not ray:
+            _check_ports(ns, local)
+        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray)
     except SupervisorArgError as e:
         parser.error(str(e))
     return SupervisorConfig(
@@ -359,4 +430,6 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None) -> Supervisor
         shutdown_timeout_s=ns.shutdown_timeout,
         drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
-        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs)
+        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
+        ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
+        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size)

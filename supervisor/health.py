@@ -41,7 +41,12 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "last_exit_code": null,    # negative: killed by that signal
           "next_start_in_s": null,   # in state restarting: the backoff left
           "operation": null,         # "drain" or "restart" while an admin command is carried out
-          "devices": "0,1"           # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "devices": "0,1",          # its CUDA_VISIBLE_DEVICES, null off CUDA
+          "cpus": null,              # its CPU slice (LBD_RANK_CPUS, e.g. "0-7"), null on CUDA
+          "workers": [               # its TP x PP worker processes ([] when TP x PP = 1), read from its
+                                     # process tree when it became ready; [] while it is down
+            {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
+          ]
         }
       ]
     }
@@ -93,7 +98,7 @@ def _text(ok: bool, reason: str) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -102,17 +107,12 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return error_response(e.status, f"{request.method} {request.path}: {e.reason}")
 
 
-class HealthServer:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.app = web.Application(middlewares=[_json_errors])
-        self.app.add_routes([
-            web.get("/health", self.health), web.get("/readyz", self.readyz),
-            web.get("/status", self.status), web.get("/metrics", self.metrics),
-            web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
-            web.post("/rolling-restart", self.rolling_restart),
-        ])
-        self._runner: web.AppRunner | None = None
+class AppServer:
+    """An aiohttp app served on a socket bound beforehand (the port is ours from validation on); no access
+    log, no signal handlers (the owner handles SIGTERM). Subclasses set ``self.app``."""
+
+    app: web.Application
+    _runner: web.AppRunner | None = None
 
     async def start(self, sock: socket.socket) -> None:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
@@ -122,6 +122,18 @@ class HealthServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+class HealthServer(AppServer):
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.app = web.Application(middlewares=[json_errors])
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/readyz", self.readyz),
+            web.get("/status", self.status), web.get("/metrics", self.metrics),
+            web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
+            web.post("/rolling-restart", self.rolling_restart),
+        ])
 
     # ---- read-only ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

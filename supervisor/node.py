@@ -12,7 +12,8 @@ import time
 from supervisor.config import SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
 from supervisor.probe import Prober
-from supervisor.rank import Command, FailureAction, RankState, RankWorker
+from supervisor.process import RankProcess
+from supervisor.rank import Command, FailureAction, RankState, RankWorker, StartRank
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -22,11 +23,11 @@ ROLLING_POLL_S = 0.1
 
 
 class Supervisor:
-    def __init__(self, cfg: SupervisorConfig) -> None:
+    def __init__(self, cfg: SupervisorConfig, start_rank: StartRank = RankProcess.start) -> None:
         self.cfg = cfg
         self.metrics = SupervisorMetrics()
         self.prober = Prober(cfg.probe_timeout_s)
-        self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure)
+        self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
         self.phase = RUNNING
         self.exit_code = 0
@@ -87,10 +88,11 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
-        log.info("health port %s:%d; starting %d ranks %d..%d on ports %d..%d", self.cfg.supervisor_host,
+        where = ("on their Ray placement groups" if self.cfg.backend == "ray" else
+                 f"on ports {self.cfg.base_port}..{self.cfg.base_port + len(self.workers) - 1}")
+        log.info("health port %s:%d; starting %d ranks %d..%d %s", self.cfg.supervisor_host,
                  self.cfg.supervisor_port, len(self.workers), self.cfg.dp_start_rank,
-                 self.cfg.dp_start_rank + len(self.workers) - 1, self.cfg.base_port,
-                 self.cfg.base_port + len(self.workers) - 1)
+                 self.cfg.dp_start_rank + len(self.workers) - 1, where)
         for w in self.workers:
             w.start()
         try:

@@ -24,13 +24,16 @@ from supervisor.config import RankSpec
 log = logging.getLogger("lbd.supervisor")
 
 _PR_SET_PDEATHSIG = 1
+WORKER_MODULE = "engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
 
 
-def _child_setup(parent_pid: int) -> Callable[[], None]:
+def child_setup(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn of a child that must die with this process (also lbd serve's router and supervisor)."""
+
     def setup() -> None:
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -56,7 +59,7 @@ class RankProcess:
         env.pop("LBD_ADMIN_TOKEN", None)  # ranks have no use for the supervisor's secret
         proc = await asyncio.create_subprocess_exec(
             *spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_child_setup(os.getpid()),
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=child_setup(os.getpid()),
             limit=_LINE_LIMIT)
         return cls(spec, proc)
 
@@ -98,11 +101,30 @@ class RankProcess:
         await _wait_gone(procs, 5.0)
         await self.close_relays()
 
+    def workers(self) -> list[dict[str, object]]:
+        """The rank's TP/PP worker processes, found in its tree by their command line
+        (``-m engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus C``)."""
+        found = []
+        for p in _descendants(self.pid)[1:]:
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                if WORKER_MODULE in cmd:
+                    found.append({"pid": p.pid, "rank": int(_flag(cmd, "--rank") or -1),
+                                  "tp_rank": int(_flag(cmd, "--tp-rank") or -1),
+                                  "pp_rank": int(_flag(cmd, "--pp-rank") or -1),
+                                  "cpus": _flag(cmd, "--cpus")})
+        return sorted(found, key=lambda w: w["rank"])
+
     async def close_relays(self) -> None:
         """Let the relays drain what is left in the pipes (they end at EOF), but never hang on them."""
         _, pending = await asyncio.wait(self._relays, timeout=1.0)
         for task in pending:
             task.cancel()
+
+
+def _flag(cmd: list[str], flag: str) -> str | None:
+    i = cmd.index(flag) if flag in cmd else -1
+    return cmd[i + 1] if 0 <= i < len(cmd) - 1 else None
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -14,8 +14,9 @@ import enum
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from supervisor.config import RankSpec, SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
@@ -28,6 +29,19 @@ STARTUP_PROBE_INTERVAL_S = 0.25  # while starting, probe this often (connection 
 FAILED_STOP_GRACE_S = 3.0  # a hung or dead rank gets this long to exit on SIGTERM before SIGKILL
 DRAIN_POLL_S = 0.2  # how often a draining rank's in-flight count is read
 DRAIN_SETTLE_S = 1.0  # least time in `draining`, so routers polling /status see it before the restart
+
+
+class RankHandle(Protocol):
+    """A started rank, wherever it runs: a local process (RankProcess) or one Ray placed (ray_rank)."""
+
+    pid: int
+
+    async def wait(self) -> int: ...
+    async def stop(self, grace_s: float) -> int | None: ...
+    async def kill_tree(self) -> None: ...
+
+
+StartRank = Callable[[RankSpec], Awaitable[RankHandle]]
 
 
 class RankState(enum.StrEnum):
@@ -80,8 +94,10 @@ class _Event:
 
 class RankWorker:
     def __init__(self, spec: RankSpec, cfg: SupervisorConfig, prober: Prober, metrics: SupervisorMetrics,
-                 on_failure: Callable[[RankWorker, str, bool], FailureAction]) -> None:
+                 on_failure: Callable[[RankWorker, str, bool], FailureAction],
+                 start_rank: StartRank = RankProcess.start) -> None:
         self.spec = spec
+        self._start_rank = start_rank
         self.cfg = cfg
         self.prober = prober
         self.metrics = metrics
@@ -92,6 +108,7 @@ class RankWorker:
         self.generation = 0
         self.restarts = 0
         self.pid: int | None = None
+        self.workers: list[dict[str, object]] = []  # TP/PP worker processes, read when the rank got ready
         self.consecutive_failures = 0
         self.last_probe_latency_s: float | None = None
         self.last_probe_at: float | None = None
@@ -104,8 +121,8 @@ class RankWorker:
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
         self._ever_ready = False
-        self._proc: RankProcess | None = None
-        self._spawn_task: asyncio.Task[RankProcess] | None = None
+        self._proc: RankHandle | None = None
+        self._spawn_task: asyncio.Future[RankHandle] | None = None
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -147,7 +164,7 @@ class RankWorker:
         now = time.monotonic()
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
-            "url": f"http://{url_host}:{self.spec.port}", "port": self.spec.port, "pid": self.pid,
+            "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
             "state": self.state.value, "routable": self.state is RankState.READY,
             "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
             "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
@@ -157,7 +174,8 @@ class RankWorker:
             "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
-            "operation": self.operation, "devices": self.spec.devices,
+            "operation": self.operation, "devices": self.spec.devices, "cpus": self.spec.cpus,
+            "workers": self.workers,
         }
 
     # ---- the lifecycle ------------------------------------------------------------------------------------
@@ -212,9 +230,9 @@ class RankWorker:
             for task in helpers:
                 task.cancel()
 
-    async def _spawn(self) -> RankProcess:
+    async def _spawn(self) -> RankHandle:
         # Shielded: if shutdown() cancels us mid-spawn, the process still gets recorded and stopped there.
-        self._spawn_task = asyncio.ensure_future(RankProcess.start(self.spec))
+        self._spawn_task = asyncio.ensure_future(self._start_rank(self.spec))
         proc = await asyncio.shield(self._spawn_task)
         self._proc, self._spawn_task = proc, None
         self.pid = proc.pid
@@ -276,11 +294,12 @@ class RankWorker:
             if self._proc is proc:  # cleared only once stopped: a cancelled stop is finished by shutdown()
                 self._proc = None
         self.pid = None
+        self.workers = []
         self._started_mono = None
         self._ready_mono = None
 
     # ---- event sources ------------------------------------------------------------------------------------
-    async def _watch_exit(self, gen: int, proc: RankProcess) -> None:
+    async def _watch_exit(self, gen: int, proc: RankHandle) -> None:
         code = await proc.wait()
         self.last_exit_code = code
         why = f"exited with code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
@@ -327,6 +346,9 @@ class RankWorker:
             if self.state is RankState.STARTING:
                 self._ready_mono = time.monotonic()
                 self._ever_ready = True
+                # A rank answers /health only once all its workers are up, and a worker never changes
+                # without the rank restarting: one read per incarnation is enough.
+                self.workers = self._proc.workers() if self._proc is not None else []
                 self._set_state(RankState.READY)
                 log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
                          self._ready_mono - (self._started_mono or self._ready_mono))

@@ -13,7 +13,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 # (the editable install's finder runs after the path finder).
 sys.path.insert(1, str(Path(__file__).parent.parent))
 
-from support import make_tiny_llama  # noqa: E402
+from support import (  # noqa: E402
+    make_tiny_deepseek_v2,
+    make_tiny_llama,
+    make_tiny_mixtral,
+    make_tiny_qwen3,
+    make_tiny_qwen3_moe,
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +34,32 @@ def slower_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama with a real (small BPE) tokenizer and ChatML template."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# Tiny MoE / MLA checkpoints (2 layers, hidden 64, 4-8 experts; ~0.1 s each to build)
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """V2-Lite's shape: no q_lora_rank, greedy routing; yarn rope with mscale."""
+    return make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"), yarn=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_grouped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """V2's shape: q_lora_rank, group-limited greedy routing."""
+    return make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2-grouped"), q_lora_rank=32,
+                                 topk_method="group_limited_greedy")

@@ -5,6 +5,10 @@ all at once. Inputs live in static buffers that each replay overwrites; a batch 
 captured size with rows that write nothing (slot -1) and attend to one key of block 0. The attention kernels
 get ``max_seq_len = max_model_len`` and read the real lengths from ``seq_lens`` on the device, so one graph
 serves every context length. Prefill and mixed steps run eagerly.
+
+In a tensor/pipeline-parallel worker the same graphs are captured per worker: TP collectives inside the
+forward are captured with it (NCCL), and a pipeline stage after the first (``carry_dim``) reads the previous
+stage's (hidden, residual) from a static buffer too; a stage before the last returns its pair.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, carry_dim: int | None = None) -> None:
         t0 = time.monotonic()
         self.model, self.kv_caches, self.max_model_len = model, kv_caches, max_model_len
         self.sizes = capture_sizes(max_num_seqs)
@@ -42,8 +46,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.carry = None if carry_dim is None else torch.zeros(
+            2, n, carry_dim, dtype=next(model.parameters()).dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first so smaller graphs reuse its memory pool
@@ -66,14 +72,20 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
             max_seq_len=self.max_model_len, num_decodes=size, num_decode_tokens=size)
 
-    def _run_model(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+    def _run_model(self, size: int, meta: AttentionMetadata):  # noqa: ANN202 (a tensor or a pair)
+        if self.carry is None:
+            return self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+        carry = (self.carry[0, :size], self.carry[1, :size])
+        return self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches, carry)
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: StepBatch, carry: tuple[torch.Tensor, torch.Tensor] | None = None):  # noqa: ANN201
         n = batch.meta.num_seqs
+        if carry is not None and self.carry is not None:
+            self.carry[0, :n].copy_(carry[0])
+            self.carry[1, :n].copy_(carry[1])
         size = next(s for s in self.sizes if s >= n)
         meta = batch.meta
         self.input_ids[:n].copy_(batch.input_ids)
@@ -87,4 +99,5 @@ class DecodeGraphs:
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size].zero_()
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        out = self.outputs[size]
+        return (out[0][:n], out[1][:n]) if isinstance(out, tuple) else out[:n]

@@ -2,15 +2,17 @@
 
 ``process.py`` wraps it in the core process's busy loop; tests and parity checks use it directly.
 No torch import here: the runner (which imports torch, or not for ``--device sim``) is loaded in
-``make_runner``.
+``make_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
+processes; with PP > 1 it takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue
+full so the stages overlap (vLLM V1's batch queue).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections import Counter
-from typing import TYPE_CHECKING, Protocol
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.args import EngineArgs
 from engine.core.request import Request
@@ -43,8 +45,24 @@ class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> list[SampledToken]: ...
 
 
-def make_runner(args: EngineArgs, model_path: str) -> Runner:
+class PipelinedRunner(Runner, Protocol):
+    """A runner that takes batches before the earlier ones are done (the multiprocess executor)."""
+
+    max_in_flight: int
+
+    def submit(self, out: SchedulerOutput) -> Any: ...
+
+    def collect(self, handle: Any) -> list[SampledToken]: ...
+
+    def close(self) -> None: ...
+
+
+def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
     """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        from engine.executor import make_executor
+
+        return make_executor(args, model_path, **executor_options)
     if args.device == "sim":
         module, name = "engine.core.sim_runner", "SimRunner"
     else:
@@ -71,13 +89,19 @@ def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: str, metrics: EngineMetrics | None = None,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, **executor_options: Any) -> None:
         self.args = args
         self.model_path = model_path
-        self.runner = runner if runner is not None else make_runner(args, model_path)
-        self.config = scheduler_config(args, self.runner)
-        self._check_capacity()
+        self.runner = runner if runner is not None else make_runner(args, model_path, **executor_options)
+        try:
+            self.config = scheduler_config(args, self.runner)
+            self._check_capacity()
+        except Exception:
+            self.close()
+            raise
         self.scheduler = Scheduler(self.config)
+        self._depth = getattr(self.runner, "max_in_flight", 1)
+        self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
         self._recorded = SchedulerCounters()
         self._recorded_queries = self._recorded_hits = 0
@@ -159,25 +183,47 @@ class EngineCore:
         return aborted
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._batches)
+
+    def close(self) -> None:
+        """Stop the runner's worker processes, if it has any."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule one batch, run it, and return each touched request's new tokens (and finish)."""
+        """Schedule a batch and run it; return each touched request's new tokens (and finish).
+
+        With a pipelined runner, a batch is only submitted while fewer than ``max_in_flight`` are queued;
+        the oldest one's results are collected when the queue is full or nothing more can be scheduled.
+        Under ``--profile-steps`` a pipelined step's forward is the wait for the oldest batch."""
         prof = self.profiler
         own_step = prof.enabled and not prof.in_step  # stepped directly (tests), not by the core's loop
         if own_step:
             prof.begin()
-        out = self.scheduler.schedule()
-        if not out.seqs:
+        batches, depth = self._batches, self._depth
+        if len(batches) < depth:
+            # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
+            out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
+            prof.lap("schedule")
+            if out.seqs:
+                batches.append((out, self._submit(out)))
+                if len(batches) < depth:
+                    if own_step:
+                        prof.end()  # filling the pipeline: no batch finished, not counted as a step
+                    return []
+        if not batches:
             if own_step:
                 prof.end()  # nothing scheduled: not counted as a step
             return []
-        prof.lap("schedule")
-        sampled = self.runner.execute(out)
+        out, handle = batches.popleft()
+        sampled = self.runner.collect(handle) if depth > 1 else handle
+        if depth > 1:
+            prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
         prof.lap("update")
         if prof.enabled:
@@ -191,6 +237,11 @@ class EngineCore:
         if self.metrics is not None:
             self._record()
         return outputs
+
+    def _submit(self, out: SchedulerOutput) -> Any:
+        if self._depth > 1:
+            return self.runner.submit(out)  # type: ignore[attr-defined]
+        return self.runner.execute(out)
 
     # ---- metrics --------------------------------------------------------------------------------------
     def _record(self) -> None:

@@ -18,16 +18,25 @@ ZERO_PAGES_BYTES = 64 << 20  # larger CPU buffers come from fresh mmap (zero pag
 
 @dataclass(slots=True)
 class KVSpec:
+    """Per layer ``num_tensors`` caches of [blocks, block_size, num_kv_heads, head_dim]: K and V (2), or
+    one latent cache (MLA: 1 "head" of kv_lora_rank + rope dims). A model with a cache of its own shape
+    says so in ``kv_cache_spec(block_size, dtype)``; the runner builds the K/V one for the rest."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    num_tensors: int = 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_tensors * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * self.bytes_per_token
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -51,19 +60,22 @@ def cpu_num_blocks(spec: KVSpec, requested_bytes: int | None) -> int:
     return budget // spec.bytes_per_block
 
 
-def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One buffer for every layer's K and V, [layers, 2, blocks, block_size, Hkv, d]; a view pair per layer.
+def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list:
+    """One buffer for every layer's caches, [layers, tensors, blocks, block_size, Hkv, d]; per layer a
+    (key, value) pair of views, or for a one-tensor spec one [blocks, block_size, Hkv * d] view.
 
     Attention multiplies zero weights with the unused slots of a sequence's last block, so those must hold
     finite numbers: the buffer starts zeroed. On CPU a large buffer is fresh zero pages from mmap, so it is
     left untouched and costs RAM only as blocks get used (a multi-GiB budget is then free until needed).
     """
-    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_layers, spec.num_tensors, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     nbytes = spec.bytes_per_block * num_blocks
     if device.type == "cpu" and nbytes >= ZERO_PAGES_BYTES:
         buf = torch.empty(shape, dtype=spec.dtype, device=device)
     else:
         buf = torch.zeros(shape, dtype=spec.dtype, device=device)
+    if spec.num_tensors == 1:
+        return [buf[i, 0].view(num_blocks, spec.block_size, -1) for i in range(spec.num_layers)]
     return [(buf[i, 0], buf[i, 1]) for i in range(spec.num_layers)]
 
 

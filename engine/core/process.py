@@ -8,7 +8,9 @@ It never waits on a front end: sends never block (unlimited high-water mark, unk
 
 Run as ``python -m engine.core.process <engine flags> --model-path DIR --input-address ipc://...`` or call
 ``run_core`` in a child process. SIGTERM drains: requests already in the core finish (up to
-``--shutdown-timeout``), then the process exits 0. SIGINT exits at once.
+``--shutdown-timeout``), then the process exits 0. SIGINT exits at once. With TP x PP workers, a worker that
+dies ends this process at once with code 1 (its front ends then fail their in-flight requests and answer 503
+on /health), and the workers stop with it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import zmq
 from engine import protocol as P
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
 from engine.core.engine_core import EngineCore, RequestRejected
+from engine.distributed.placement import pin_to_rank_cpus
 from engine.procutil import keep_freed_memory, set_pdeathsig
 
 logger = logging.getLogger(__name__)
@@ -201,10 +204,13 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     set_pdeathsig(signal.SIGKILL)
     keep_freed_memory()
     configure_logging(args)
+    cpus = pin_to_rank_cpus()
+    if cpus is not None:
+        logger.info("pinned to CPUs %s (LBD_RANK_CPUS)", os.environ["LBD_RANK_CPUS"])
     from engine.metrics import EngineMetrics
 
     metrics = EngineMetrics(args.model_name, args.rank)
-    core = EngineCore(args, model_path, metrics=metrics)
+    core = EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
     if core.runner.device == "cpu":
         from engine.core.runner import pin_core_thread
 
@@ -228,7 +234,16 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
         sock.close(linger=0)
         ctx.term()
         _remove_ipc_file(input_address)
+        core.close()
         logger.info("core exited")
+
+
+def _worker_failed(reason: str) -> None:
+    """The executor's watchdog (another thread) saw a worker die: the rank cannot serve, so end the core now
+    (its other workers are killed already)."""
+    logger.error("%s: exiting; the front ends answer 503 and fail their in-flight requests", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _remove_ipc_file(address: str) -> None:

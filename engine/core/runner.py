@@ -1,12 +1,19 @@
-"""The model runner: owns the device, the weights and the KV cache; turns a SchedulerOutput into tokens."""
+"""The model runner: owns the device, the weights and the KV cache; turns a SchedulerOutput into tokens.
+
+It is single-device shaped. A tensor/pipeline-parallel worker (``engine/executor/stage.py``) builds one with a
+``ParallelContext`` (its shard of the model, its share of the KV cache) and overrides only ``_forward`` and
+``_logits``; batch preparation (``device_batch``), KV sizing and allocation, fp8 calibration and CUDA graphs
+are the same code. KV sizing is in two steps (``measure_num_blocks``, ``allocate_kv``) so a rank's workers
+can agree on one block count (the smallest any of them can hold) before allocating.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,12 +23,16 @@ import torch
 
 from engine.args import EngineArgs
 from engine.core import kv_alloc
+from engine.core.host_batch import HostBatch
 from engine.core.sampler import Sampler, SampleRow
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.core.step_profile import NO_PROFILE, NullProfiler
+from engine.distributed.context import ParallelContext
+from engine.distributed.placement import rank_threads
 from engine.loader import load_weights
 from engine.models import build_model
 from engine.models.config import load_hf_config
+from engine.models.parallel import kv_heads_per_rank
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 
@@ -57,12 +68,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_threads(args: EngineArgs) -> int:
-    """Share this process's CPUs among the ranks of this node (OMP_NUM_THREADS wins when set)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    cpus = len(os.sched_getaffinity(0))
-    ranks = args.data_parallel_size_local or args.data_parallel_size or 1
-    return max(1, cpus // max(1, ranks))
+    """This process's compute threads (see engine.distributed.placement; a worker gets OMP_NUM_THREADS)."""
+    return rank_threads(args.data_parallel_size_local, args.data_parallel_size)
 
 
 def cpu_has_bf16() -> bool:
@@ -141,13 +148,40 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
     return eos
 
 
+def device_batch(host: HostBatch, block_size: int, dev: torch.device) -> StepBatch:
+    """The device tensors of a step from its host lists: per-token index tensors (positions, slots) come from
+    a few vectorised ops on the device, never from Python loops over tokens."""
+    bs = block_size
+    num_seqs, num_tokens = len(host.starts), host.num_tokens
+    block_tables = torch.tensor(host.tables, dtype=torch.int32, device=dev)
+    ids_t = torch.tensor(host.input_ids, dtype=torch.int64, device=dev)
+    per_seq = torch.tensor([host.starts, host.query_lens, host.seq_lens], dtype=torch.int32, device=dev)
+    start_t, qlen_t, seqlen_t = per_seq[0], per_seq[1], per_seq[2]
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(qlen_t, 0, out=qsl[1:])
+    if num_tokens == num_seqs:  # decode-only: one token per sequence
+        seq_idx = torch.arange(num_tokens, device=dev)
+        positions = start_t.long()
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=dev), qlen_t, output_size=num_tokens)
+        positions = (torch.arange(num_tokens, device=dev) - qsl[seq_idx] + start_t[seq_idx]).long()
+    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    meta = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=seqlen_t, block_tables=block_tables, slot_mapping=slots,
+        max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens), num_decodes=host.num_decodes,
+        num_decode_tokens=host.num_decodes, query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens)
+    return StepBatch(ids_t, positions, meta, host.sample_rows, num_tokens == num_seqs)
+
+
 class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
 
-    def __init__(self, args: EngineArgs, model_path: str) -> None:
-        t0 = time.monotonic()
+    def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None, *,
+                 allocate: bool = True) -> None:
+        self._t0 = time.monotonic()
         self.args = args
         self.model_path = model_path
+        self.parallel = parallel or ParallelContext.single()
         self.torch_device = resolve_device(args.device)
         self.device = str(self.torch_device)
         self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
@@ -171,37 +205,54 @@ class ModelRunner:
         self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
             8192 if self.torch_device.type == "cuda" else 512)
-        self.kv_spec = kv_alloc.KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
-                                       kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = kv_alloc.allocate(self.kv_spec, self.num_blocks, self.torch_device)
-        if self.kv_spec.dtype == torch.float8_e4m3fn:
-            self._calibrate_fp8()
+        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
+        rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size
+        self.rank_kv_spec = dataclasses.replace(self.kv_spec, num_layers=cfg.num_layers,
+                                                num_kv_heads=rank_heads)
         self.sampler = Sampler(self.torch_device, args.seed)
         self.graphs = None
-        if self.torch_device.type == "cuda" and not args.enforce_eager:
-            from engine.core.cuda_graph import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_model_len,
-                                       self.block_size, self.torch_device)
-        logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
-                    Path(model_path).name, self.device, self.dtype, time.monotonic() - t0, self.num_blocks,
-                    self.block_size, str(self.kv_spec.dtype).removeprefix("torch."))
+        self.num_blocks = 0
+        self.kv_caches: list = []
+        if allocate:
+            self.allocate_kv(self.measure_num_blocks())
 
     # ------------------------------------------------------------------------------------------- set-up
 
     def _load_model(self, hf_config: object) -> torch.nn.Module:
         with torch.device(self.torch_device), _default_dtype(self.torch_dtype):
-            model = build_model(hf_config, self.max_model_len)
+            model = build_model(hf_config, self.max_model_len, self.parallel)
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
         ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)
         return model.eval()
 
-    def _num_blocks(self) -> int:
+    def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
+        """This process's K/V caches: its stage's layers, its TP rank's KV heads; unless the model has a cache
+        of its own (MLA's latents)."""
+        model, cfg = self.model, self.model.cfg
+        if not hasattr(model, "kv_cache_spec"):
+            start, end = self.parallel.layer_range(cfg.num_layers)
+            return kv_alloc.KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
+                                   cfg.head_dim, self.block_size, dtype)
+        if dtype == torch.float8_e4m3fn:
+            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "
+                             f"{type(model).__name__}: pass --kv-cache-dtype auto")
+        spec = model.kv_cache_spec(self.block_size, dtype)
+        if hasattr(model, "mha_kv_elements_per_token"):
+            mha = model.mha_kv_elements_per_token() * torch.empty(0, dtype=dtype).element_size()
+            logger.info("MLA KV cache: %d bytes per token (%d layers x %d latent values), plain MHA of this "
+                        "model would take %d (%.1fx more)", spec.bytes_per_token, spec.num_layers,
+                        spec.num_kv_heads * spec.head_dim, mha, mha / spec.bytes_per_token)
+        return spec
+
+    def measure_num_blocks(self) -> int:
+        """Blocks this process can hold. On the CPU ``--kv-cache-memory-bytes`` is the whole rank's budget
+        (its workers share it by what each holds: every worker gets the same block count); on CUDA it and
+        ``--gpu-memory-utilization`` are per device."""
         per_block = self.kv_spec.bytes_per_block
         if self.torch_device.type == "cpu":
-            blocks = kv_alloc.cpu_num_blocks(self.kv_spec, self.args.kv_cache_memory_bytes)
+            blocks = kv_alloc.cpu_num_blocks(self.rank_kv_spec, self.args.kv_cache_memory_bytes)
         elif self.args.kv_cache_memory_bytes:
             blocks = self.args.kv_cache_memory_bytes // per_block
         else:
@@ -210,6 +261,24 @@ class ModelRunner:
             raise ValueError(f"the KV-cache budget holds no block of {per_block} bytes: raise "
                              "--kv-cache-memory-bytes (or --gpu-memory-utilization)")
         return int(blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks, calibrate fp8 scales, capture CUDA graphs."""
+        self.num_blocks = num_blocks
+        self.kv_caches = kv_alloc.allocate(self.kv_spec, num_blocks, self.torch_device)
+        if self.kv_spec.dtype == torch.float8_e4m3fn:
+            self._calibrate_fp8()
+        if self.torch_device.type == "cuda" and not self.args.enforce_eager:
+            self.graphs = self._capture_graphs()
+        logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
+                    Path(self.model_path).name, self.device, self.dtype, time.monotonic() - self._t0,
+                    self.num_blocks, self.block_size, str(self.kv_spec.dtype).removeprefix("torch."))
+
+    def _capture_graphs(self):  # noqa: ANN202 (a DecodeGraphs)
+        from engine.core.cuda_graph import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_model_len,
+                            self.block_size, self.torch_device)
 
     def _profile_cuda_blocks(self) -> int:
         """Run the largest step once with a scratch cache; what the budget leaves goes to the KV cache."""
@@ -233,20 +302,16 @@ class ModelRunner:
 
     def _dummy_prefill(self, kv_caches: list, tokens: int) -> None:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).to(self.torch_device)
+        ids = torch.randint(0, self.vocab_size, (tokens,), generator=gen).tolist()
         nb = math.ceil(tokens / self.block_size)
-        dev = self.torch_device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None, :],
-            slot_mapping=torch.arange(tokens, dtype=torch.int64, device=dev),
-            max_query_len=tokens, max_seq_len=tokens, num_decodes=0, num_decode_tokens=0,
-            query_lens_cpu=[tokens], seq_lens_cpu=[tokens])
-        positions = torch.arange(tokens, device=dev)
+        rows = min(tokens, self.max_num_seqs)
+        host = HostBatch(ids, [0], [tokens], [tokens], [list(range(nb))], list(range(tokens - rows, tokens)),
+                         0)
+        batch = device_batch(host, self.block_size, self.torch_device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions, meta, kv_caches)
-            self.model.compute_logits(hidden[-min(tokens, self.max_num_seqs):])
+            hidden = self._forward(batch, kv_caches)
+            if hidden is not None:
+                self._logits(hidden, batch)
 
     def _calibrate_fp8(self) -> None:
         """Per-layer K/V scales from one fixed pseudo-random prompt (deterministic across starts); the stored
@@ -279,12 +344,11 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sample]
         prof.lap("prepare")
         with torch.inference_mode():
-            hidden = self._forward(batch)
+            hidden = self._forward(batch, self.kv_caches)
             prof.lap("forward")
             if not sampling:
                 return []
-            rows_t = torch.tensor(batch.sample_rows, device=self.torch_device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+            logits = self._logits(hidden, batch)
             prof.lap("lm_head")
             rows = [SampleRow(s.request.request_id, s.request.sampling, s.request.prompt_token_ids,
                               s.request.output_token_ids) for s in sampling]
@@ -292,60 +356,18 @@ class ModelRunner:
             prof.lap("sample")
         return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, kv_caches: list) -> torch.Tensor | None:
+        """The forward this process runs: here the whole model (a pipeline stage in a worker, which returns
+        None before the last stage)."""
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(batch.meta.num_seqs):
             return self.graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        return self.model(batch.input_ids, batch.positions, batch.meta, kv_caches)
+
+    def _logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+        """Logits of the sampling rows (with TP: on TP rank 0 only, None elsewhere)."""
+        rows_t = torch.tensor(batch.sample_rows, device=self.torch_device)
+        return self.model.compute_logits(hidden.index_select(0, rows_t))
 
     def prepare(self, seqs: list[ScheduledSeq]) -> StepBatch:
-        """Flat batch for ``seqs`` (decodes first): Python builds only per-sequence lists; per-token index
-        tensors (positions, slots) come from a few vectorised ops on the device."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        num_decodes = 0
-        counting_decodes = True
-        for s in seqs:
-            r = s.request
-            start, n = r.num_computed_tokens, s.num_new_tokens
-            end = start + n
-            if n == 1:
-                input_ids.append(r.all_token_ids[start])
-                num_decodes += counting_decodes
-            else:
-                input_ids.extend(r.all_token_ids[start:end])
-                counting_decodes = False
-            if s.sample:
-                sample_rows.append(len(input_ids) - 1)
-            starts.append(start)
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(r.block_ids[: (end + bs - 1) // bs])
-        width = max(len(t) for t in tables)
-        dev = self.torch_device
-        if any(len(t) < width for t in tables):
-            tables = [t + [0] * (width - len(t)) for t in tables]
-        block_tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        per_seq = torch.tensor([starts, query_lens, seq_lens], dtype=torch.int32, device=dev)
-        start_t, qlen_t, seqlen_t = per_seq[0], per_seq[1], per_seq[2]
-        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(qlen_t, 0, out=qsl[1:])
-        num_tokens = len(input_ids)
-        if num_tokens == len(seqs):  # decode-only: one token per sequence
-            seq_idx = torch.arange(num_tokens, device=dev)
-            positions = start_t.long()
-        else:
-            seq_idx = torch.repeat_interleave(torch.arange(len(seqs), device=dev), qlen_t,
-                                              output_size=num_tokens)
-            positions = (torch.arange(num_tokens, device=dev) - qsl[seq_idx] + start_t[seq_idx]).long()
-        slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-        meta = AttentionMetadata(
-            query_start_loc=qsl, seq_lens=seqlen_t, block_tables=block_tables, slot_mapping=slots,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
-            num_decode_tokens=num_decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        return StepBatch(ids_t, positions, meta, sample_rows, num_tokens == len(seqs))
+        """Flat batch for ``seqs`` (decodes first)."""
+        return device_batch(HostBatch.from_seqs(seqs, self.block_size), self.block_size, self.torch_device)

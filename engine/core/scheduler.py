@@ -7,6 +7,14 @@ lowest-priority running request (latest admitted) is preempted by recompute: its
 computed-token count reset, and it goes back to the front of the waiting queue with the tokens it generated,
 so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
 conditions and frees finished requests.
+
+Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
+request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
+scheduled again (its next token is not known yet) nor preempted (a stage may still write its KV). An abort may
+finish it; its result is then dropped. So that PP batches overlap, the core passes ``max_batch_seqs`` (the
+live requests divided by PP): a batch takes at most that many sequences, and the live requests spread over PP
+micro-batches instead of all going into the first. With one batch at a time ``in_flight`` is empty whenever
+``schedule`` runs and there is no cap: all of this is a no-op.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self._finished_ids: list[str] = []  # freed since the last SchedulerOutput
+        self.in_flight: set[str] = set()  # ids of requests in a batch that has not been updated yet
         self._waiting_tokens = 0
         self._next_order = 0
 
@@ -113,30 +122,35 @@ class Scheduler:
         return aborted
 
     # ---- scheduling -----------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_batch_seqs: int | None = None) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
-        budget, preempted = self._schedule_running(budget, decodes, prefills)
+        seats = max_batch_seqs if max_batch_seqs is not None else self.config.max_num_seqs
+        budget, preempted = self._schedule_running(budget, decodes, prefills, seats)
         if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
-            self._schedule_waiting(budget, decodes, prefills)
+            self._schedule_waiting(budget, decodes, prefills, seats)
         if not decodes and not prefills:
             return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
         decodes.extend(prefills)
         out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids)
         self._finished_ids = []
+        self.in_flight.update(seq.request.request_id for seq in decodes)
         return out
 
-    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq],
-                          prefills: list[ScheduledSeq]) -> tuple[int, bool]:
-        running = self.running
+    def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                          seats: int) -> tuple[int, bool]:
+        running, in_flight = self.running, self.in_flight
         preemptions_before = self.counters.num_preemptions
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(decodes) + len(prefills) < seats:
             req = running[i]
+            if req.request_id in in_flight:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._make_room(req, num_new):
-                break  # req itself was the lowest priority left, and is now waiting
+                break  # req was the lowest priority left (now waiting), or must wait for batches in flight
             seq = ScheduledSeq(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
@@ -145,19 +159,27 @@ class Scheduler:
 
     def _make_room(self, req: Request, num_new: int) -> bool:
         """Allocate ``req``'s next tokens, preempting from the tail of ``running`` (the lowest priority,
-        never one already scheduled this step) until they fit; False if ``req`` had to go itself."""
+        never one already scheduled this step nor one in flight) until they fit; False if ``req`` had to go
+        itself, or if only requests in flight rank below it (then it waits for their batch, unpreempted)."""
+        running, in_flight = self.running, self.in_flight
         while not self.kv.allocate_for(req, num_new):
-            victim = self.running.pop()
+            j = len(running) - 1
+            while running[j].request_id in in_flight:
+                j -= 1  # stops at req at the latest: it is not in flight
+            if running[j] is req and j < len(running) - 1:
+                return False
+            victim = running.pop(j)
             self._preempt(victim)
             if victim is req:
                 return False
         return True
 
-    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq],
-                          prefills: list[ScheduledSeq]) -> None:
+    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                          seats: int) -> None:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
-        while waiting and budget > 0 and len(running) < max_seqs:
+        while (waiting and budget > 0 and len(running) < max_seqs
+               and len(decodes) + len(prefills) < seats):
             req = waiting[0]
             computed, num_cached = kv.get_computed_prefix(req)
             num_new = min(req.num_tokens - num_cached, budget)
@@ -201,6 +223,10 @@ class Scheduler:
         any_finished = False
         for seq in out.seqs:
             req = seq.request
+            self.in_flight.discard(req.request_id)
+            if req.status is RequestStatus.FINISHED:  # aborted while its batch was in flight
+                k += seq.sample
+                continue
             req.num_computed_tokens += seq.num_new_tokens
             kv.cache_blocks(req)
             if not seq.sample:

@@ -24,6 +24,26 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False,
                          "sliding_window": 4096},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                           "num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128, "use_sliding_window": False,
+                         "sliding_window": 4096},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False,
+                            "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                            "num_experts_per_tok": 8, "num_local_experts": 128, "norm_topk_prob": False,
+                            "mlp_only_layers": []},
+    "DeepseekV2ForCausalLM": {"max_position_embeddings": 2048, "first_k_dense_replace": 0,
+                              "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536, "n_group": None,
+                              "topk_group": None, "n_routed_experts": 64, "n_shared_experts": 2,
+                              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                              "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False,
+                              "num_experts_per_tok": None, "moe_intermediate_size": 1407},
+}
+# transformers' attribute_map: other names config.json may use for the same key (ours: the value)
+_ALIASES: dict[str, dict[str, str]] = {
+    "MixtralForCausalLM": {"num_experts": "num_local_experts"},
+    "Qwen3MoeForCausalLM": {"num_experts": "num_local_experts"},
+    "DeepseekV2ForCausalLM": {"num_experts": "n_routed_experts"},
 }
 
 
@@ -31,6 +51,9 @@ def load_hf_config(folder: Path | str) -> SimpleNamespace:
     """config.json as attributes, with transformers' defaults for keys it omits."""
     raw = json.loads((Path(folder) / "config.json").read_text())
     arch = (raw.get("architectures") or [""])[0]
+    for alias, key in _ALIASES.get(arch, {}).items():
+        if alias in raw and key not in raw:
+            raw[key] = raw.pop(alias)
     return SimpleNamespace(**{**_COMMON_DEFAULTS, **_ARCH_DEFAULTS.get(arch, {}), **raw})
 
 
@@ -53,6 +76,7 @@ class ArchConfig:
     o_bias: bool
     mlp_bias: bool
     sliding_window: int | None  # only set when the model really uses one
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rotary
 
 
 def _rope(config: Any) -> tuple[float, dict | None]:

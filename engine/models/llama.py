@@ -1,31 +1,47 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat packed batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat packed batch and a paged KV cache.
 
 Every token of a step (decodes and prefill chunks of many sequences) is one row of a [T, D] matrix, so each
 projection is one matmul for the whole batch; attention reads all keys from the paged cache through
 ``AttentionMetadata``. All math beyond the matmuls goes through ``kernels.ops``.
+
+Tensor/pipeline parallel (``parallel``, see ``engine.models.parallel``): each worker builds its TP shard of
+its pipeline stage's layers only (the others are ``Absent``); the first stage embeds, the last one normalises
+and computes logits, and stages in between take and return the (hidden, residual) pair.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from engine.distributed.context import ParallelContext
+from engine.models import parallel as par
 from engine.models.config import ArchConfig
-from engine.models.layers import Embedding, Linear, RMSNorm
+from engine.models.layers import RMSNorm
 from kernels import ops
 from kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, Hkv, d]
+Carry = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between pipeline stages
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        ctx = ctx or ParallelContext.single()
+        self.num_heads = cfg.num_heads // ctx.tp_size  # this rank's heads
+        self.num_kv_heads = par.kv_heads_per_rank(cfg.num_kv_heads, ctx.tp_size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = par.qkv_linear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       cfg.qkv_bias, ctx)
+        self.o_proj = par.row_linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
+        # Qwen3: RMSNorm over each head's q and k before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         # fp8 KV cache: stored value = x / scale. Plain floats so the kernels get no tensor to sync on.
         self.k_scale = 1.0
@@ -39,6 +55,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -53,21 +72,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias=cfg.mlp_bias)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        ctx = ctx or ParallelContext.single()
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = par.merged_linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, ctx)
+        self.down_proj = par.row_linear(inter, cfg.hidden_size, cfg.mlp_bias, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Pre-norm attention + MLP; other models pass their own attention (MLA) or MLP (an MoE block)."""
+
+    def __init__(self, cfg: ArchConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, ctx) if self_attn is None else self_attn
+        self.mlp = MLP(cfg, ctx=ctx) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,24 +109,54 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+LayerFactory = Callable[[int], nn.Module]  # layer index -> decoder layer
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Embedding, layers, final norm; with pipeline stages, what another stage holds is ``Absent`` (its
+    layers keep their indices, so checkpoint names still match); ``make_layer`` builds local layers only."""
+
+    def __init__(self, cfg: ArchConfig, make_layer: LayerFactory | None = None,
+                 ctx: ParallelContext | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        ctx = ctx or ParallelContext.single()
+        start, end = ctx.layer_range(cfg.num_layers)
+        self.embed_tokens = par.embedding(cfg.vocab_size, cfg.hidden_size, ctx) if ctx.is_first_stage \
+            else par.Absent()
+        make_layer = make_layer or (lambda _: DecoderLayer(cfg, ctx=ctx))
+        self.layers = nn.ModuleList(make_layer(i) if start <= i < end else par.Absent()
+                                    for i in range(cfg.num_layers))
+        self.local_layers = list(self.layers[start:end])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ctx.is_last_stage else par.Absent()
 
 
 class LlamaForCausalLM(nn.Module):
     """Checkpoint names match transformers' except the fused ``qkv_proj`` and ``gate_up_proj``."""
 
-    def __init__(self, cfg: ArchConfig, max_positions: int) -> None:
+    supports_parallel = True
+
+    def __init__(self, cfg: ArchConfig, max_positions: int, make_layer: LayerFactory | None = None,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        ctx = parallel or ParallelContext.single()
         self.cfg = cfg
+        self.parallel = ctx
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.model = LlamaModel(cfg)
-        self.lm_head = self.model.embed_tokens if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
-                                                                                        cfg.vocab_size)
+        self.model = LlamaModel(cfg, make_layer, ctx)
+        # checkpoint tensor -> more of our parameters it fills (a tied LM head on another stage than the
+        # embedding)
+        self.checkpoint_aliases: dict[str, list[str]] = {}
+        if not ctx.is_last_stage:
+            self.lm_head: nn.Module = par.Absent()
+        elif cfg.tie_word_embeddings and ctx.is_first_stage:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = par.lm_head(cfg.vocab_size, cfg.hidden_size, ctx)
+            if cfg.tie_word_embeddings:
+                self.checkpoint_aliases["model.embed_tokens.weight"] = ["lm_head.weight"]
+        # the logits may read a packed copy of the embedding (ops.pack_linear_weights): only where the head
+        # is the one-device embedding itself (a separate head is a Linear and packs by itself)
+        self.packs_tied_head = ctx.tp_size == 1 and self.lm_head is self.model.embed_tokens
         self.max_positions = max_positions
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
@@ -114,21 +168,30 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.local_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, D] (normed)."""
-        x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                kv_caches: list[KVCache], carry: Carry | None = None) -> torch.Tensor | Carry:
+        """input_ids/positions [T] -> final hidden states [T, D] (normed). A pipeline stage after the first
+        takes ``carry`` (hidden, residual) instead of embedding; one before the last returns its carry."""
+        if carry is None:
+            x = self.model.embed_tokens(input_ids)
+            residual = None
+        else:
+            x, residual = carry
+        for layer, kv_cache in zip(self.model.local_layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, meta, kv_cache, self.cos_sin)
+        if not self.parallel.is_last_stage:
+            return x, residual
         x, _ = self.model.norm(x, residual)
         return x
 
-    lm_head_packed: ops.PackedWeight | None = None  # the tied embedding packed for the logits (CPU)
+    lm_head_packed: ops.PackedWeight | None = None  # the tied embedding packed for the logits (CPU, TP = 1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] (only the rows that sample) -> logits [N, V]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, D] (only the rows that sample) -> logits [N, V]; with TP, on TP rank 0 only (None on
+        the others)."""
+        if self.parallel.tp_size > 1:
+            return par.vocab_logits(hidden, self.lm_head)
         head = self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
         return ops.linear(hidden, head)

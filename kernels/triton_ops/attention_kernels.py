@@ -32,7 +32,13 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, offs_d, d_mask
 def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
     """One online-softmax step over a key tile; scores in the log2 domain."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    s = tl.where(s_mask, s, float("-inf"))
+    return online_softmax_step(tl.where(s_mask, s, float("-inf")), v, m_i, l_i, acc, DOT_PREC)
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """Fold a key tile's scores ``s`` (log2 domain, -inf where masked) and values ``v`` into the running
+    max ``m_i``, sum ``l_i`` and output ``acc``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend yet
     p = tl.exp2(s - m_safe[:, None])
@@ -125,17 +131,26 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_ptr, lse_ptr, bt_ptr, seq
         v = _load_kv_tile(vc_ptr, bt_row, offs_n, n_mask, kv_head, offs_d, d_mask, stride_cb, stride_cs,
                           stride_ch, v_scale, q.dtype, BLOCK_SIZE, FP8)
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty split (or seq_len 0) gives zeros
-    mask = g_mask[:, None] & d_mask[None, :]
+    finish_split(acc, m_i, l_i, out_ptr + seq.to(tl.int64) * stride_ot + heads * stride_oh, part_ptr, lse_ptr,
+                 (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split, g_mask, offs_d,
+                 d_mask, D_PAD, NUM_SPLITS)
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i, out_rows, part_ptr, lse_ptr, part_rows, row_mask, offs_d, d_mask,
+                 D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """End a split-KV decode program: with one split, store the normalised output at ``out_rows`` (a
+    pointer per query head row); else the partial output and its log-sum-exp at ``part_rows`` of
+    part [B, H, NUM_SPLITS, D_PAD] / lse [B, H, NUM_SPLITS] (fp32, log2 domain, -inf if empty) for
+    ``reduce_splits_kernel``. An empty split (or seq_len 0) gives zeros."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows[:, None] + offs_d[None, :], out.to(out_rows.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
     else:
-        # part: [B, H, NUM_SPLITS, D_PAD] fp32; lse: [B, H, NUM_SPLITS] fp32 (log2 domain, -inf if empty)
-        base = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
-        tl.store(part_ptr + base[:, None] * D_PAD + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_ptr + part_rows[:, None] * D_PAD + offs_d[None, :], out, mask=row_mask[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + base, lse, mask=g_mask)
+        tl.store(lse_ptr + part_rows, lse, mask=row_mask)
 
 
 @triton.jit

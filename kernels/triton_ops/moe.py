@@ -145,16 +145,18 @@ def _gemm_blocks(on_gpu: bool) -> tuple[int, int, int]:
     return (64, 64, 32) if on_gpu else (16, 32, 32)
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
-              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
-              *, block_m: int | None = None) -> torch.Tensor:
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+                  *, block_m: int | None = None) -> torch.Tensor:
+    """The routed experts of ``kernels.reference.moe.fused_experts``: global ids, ``expert_map`` to local."""
     t, dim = hidden.shape
+    top_k = topk_ids.shape[1]
     n_local, inter = w13.shape[0], w2.shape[2]
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe needs expert weights dense along their last dimension")
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    weights, ids = topk_softmax(router_logits, top_k, renormalize)
-    local = ids if expert_map is None else expert_map[ids.long()]
+    weights = topk_weights.float().contiguous()
+    local = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     bm, bn, bk = _gemm_blocks(hidden.is_cuda)
     bm = block_m or bm
     pairs, block_expert = align_by_expert(local, n_local, bm)
@@ -172,3 +174,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_
             act, w2, per_pair, weights, pairs, block_expert, n_pairs, dim, inter, act.stride(0), w2.stride(0),
             w2.stride(1), per_pair.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec)
     return per_pair.view(t, top_k, dim).sum(1).to(hidden.dtype)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
+              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
+              *, block_m: int | None = None) -> torch.Tensor:
+    weights, ids = topk_softmax(router_logits, top_k, renormalize)
+    return fused_experts(hidden, w13, w2, weights, ids, expert_map, block_m=block_m)

@@ -58,7 +58,7 @@ class RouterApp:
     async def close(self) -> None:
         await self.monitor.close()
         if self.server is not None:
-            await self.server.close()
+            await self.server.close(self.cfg.shutdown_timeout_s)
         for pool in self.state.pools.values():
             pool.close()
         self.state.metrics.close()
@@ -85,7 +85,9 @@ class RouterApp:
         if self.state.ready():
             out.send(200, _JSON, b'{"ready":true}')
         else:
-            send_error(out, 503, "no endpoint is ready", "ServiceUnavailableError")
+            have, need = self.state.ready_count(), self.cfg.min_ready_endpoints
+            why = "no endpoint is ready" if need == 1 else f"{have}/{need} endpoints ready"
+            send_error(out, 503, why, "ServiceUnavailableError")
 
     async def models(self, request: Request, out: Response) -> None:
         out.send(200, _JSON, orjson.dumps({"object": "list", "data": self.state.models()}))

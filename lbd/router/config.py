@@ -26,7 +26,7 @@ class OneLineParser(argparse.ArgumentParser):
 class Upstream:
     """An engine base URL, or a supervisor whose /status lists a node's ranks."""
 
-    kind: str  # "engine" | "supervisor"
+    kind: str  # "engine" | "supervisor" | "supervisor-dns" (every address of a DNS name is a supervisor)
     url: str  # http(s)://host:port with no trailing slash (a supervisor's health-port base)
 
     @property
@@ -35,13 +35,15 @@ class Upstream:
 
 
 def parse_upstream(text: str) -> Upstream:
-    """``http://host:port``, ``https://...`` or ``supervisor://host:port`` (IPv6 literals in brackets)."""
+    """``http://host:port``, ``https://...``, ``supervisor://host:port`` (IPv6 literals in brackets) or
+    ``supervisor+dns://name:port``: every address the name resolves to, re-resolved periodically (a
+    Kubernetes headless Service of supervisors)."""
     raw = text.strip()
     if "://" not in raw:
         raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https", "supervisor"):
-        raise ValueError(f"{raw!r}: scheme must be http, https or supervisor")
+    if parts.scheme not in ("http", "https", "supervisor", "supervisor+dns"):
+        raise ValueError(f"{raw!r}: scheme must be http, https, supervisor or supervisor+dns")
     try:
         host, port = parts.hostname, parts.port
     except ValueError as e:
@@ -56,6 +58,8 @@ def parse_upstream(text: str) -> Upstream:
         netloc_host = host
     if parts.scheme == "supervisor":
         return Upstream("supervisor", f"http://{netloc_host}:{port or 9256}")
+    if parts.scheme == "supervisor+dns":
+        return Upstream("supervisor-dns", f"http://{netloc_host}:{port or 9256}")
     default = 443 if parts.scheme == "https" else 80
     return Upstream("engine", f"{parts.scheme}://{netloc_host}:{port or default}")
 
@@ -96,6 +100,11 @@ class RouterConfig:
     session_header: str
     prefill_tokens_per_s: float | None
     log_level: str
+    dns_refresh_interval_s: float = 5.0
+    min_ready_endpoints: int = 1
+    max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
+    max_num_queued_tokens: int | None = None
+    shutdown_timeout_s: float = 5.0
 
 
 def _bytes(text: str) -> int:
@@ -130,6 +139,8 @@ def make_parser() -> OneLineParser:
         default=0.5,
         help="how often each supervisor's /status is read (ranks, drains, restarts)",
     )
+    g.add_argument("--dns-refresh-interval-s", type=float, default=5.0,
+                   help="how often supervisor+dns:// names are resolved again (supervisors come and go)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="bind address")
     g.add_argument("--port", type=int, default=8080, help="listen port")
@@ -152,6 +163,16 @@ def make_parser() -> OneLineParser:
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds open requests get to finish after SIGTERM (the port closes at once)")
+    g.add_argument("--min-ready-endpoints", type=int, default=1,
+                   help="/readyz is 200 once this many endpoints take traffic")
+    g = p.add_argument_group("admission (over every endpoint together, as vLLM's internal load balancer)")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 when this many requests are already in flight through the router")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="answer 503 while the prompts of requests not yet answering (estimated tokens) "
+                        "add up to this many")
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",
@@ -264,6 +285,11 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        dns_refresh_interval_s=ns.dns_refresh_interval_s,
+        min_ready_endpoints=ns.min_ready_endpoints,
+        max_num_queued_reqs=ns.max_num_queued_reqs,
+        max_num_queued_tokens=ns.max_num_queued_tokens,
+        shutdown_timeout_s=ns.shutdown_timeout,
     )
 
 
@@ -280,7 +306,13 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--response-timeout-s": ns.response_timeout_s,
         "--stream-idle-timeout-s": ns.stream_idle_timeout_s,
         "--max-request-body-bytes": ns.max_request_body_bytes,
+        "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
+        "--min-ready-endpoints": ns.min_ready_endpoints,
     }
+    for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
+                        "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
+        if value is not None:
+            positive[flag] = value
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
     if ns.prefill_tokens_per_s is not None:
@@ -291,6 +323,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
     for flag, value in {
         "--max-retries": ns.max_retries,
         "--retry-budget-s": ns.retry_budget_s,
+        "--shutdown-timeout": ns.shutdown_timeout,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from lbd.router.config import Upstream, read_upstreams_file
+from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
 from lbd.router.state import RouterState
 from lbd.router.telemetry import parse_metrics
@@ -46,8 +47,22 @@ class Monitor:
     def _start_source(self, up: Upstream, source: str) -> None:
         if up.kind == "supervisor":
             self.source_tasks.append(asyncio.ensure_future(self._follow_supervisor(up)))
+        elif up.kind == "supervisor-dns":
+            task = asyncio.ensure_future(follow_dns(up, self.cfg.dns_refresh_interval_s,
+                                                    self._follow_found, self.forget_source))
+            task.lbd_url = up.url  # type: ignore[attr-defined]
+            self.source_tasks.append(task)
         else:
             self.state.add(up.url, source)
+
+    def _follow_found(self, up: Upstream) -> asyncio.Task[None]:
+        """A supervisor found by DNS: followed until its address leaves the name (then cancelled)."""
+        return asyncio.ensure_future(self._follow_supervisor(up))
+
+    def forget_source(self, source: str) -> None:
+        """Drop every endpoint a supervisor listed (it is no longer followed)."""
+        for url in [u for u, e in self.state.endpoints.items() if e.source == source]:
+            self.state.remove(url)
 
     def reload_file(self) -> None:
         """(Re)read --upstreams-file: add what is new, drop file endpoints that are gone (SIGHUP)."""
@@ -63,13 +78,13 @@ class Monitor:
         for up in ups:
             if up.kind == "engine" and up.url not in self.file_urls:
                 self.state.add(up.url, "file")
-            elif up.kind == "supervisor" and up.url not in self._followed():
+            elif up.kind in ("supervisor", "supervisor-dns") and up.url not in self._followed():
                 self._start_source(up, "file")
         self.file_urls = urls
         log.info(
             "upstreams file read: %d engines, %d supervisors",
             len(urls),
-            sum(u.kind == "supervisor" for u in ups),
+            sum(u.kind != "engine" for u in ups),
         )
 
     def _followed(self) -> set[str]:

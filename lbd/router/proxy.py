@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from lbd.router import admission
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
 from lbd.router.messages import Request, Response, serialize_headers
@@ -81,6 +82,7 @@ class Proxy:
         # request costs more than the rest of the id handling together).
         self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
+        self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
 
     # ---- entry --------------------------------------------------------------------------------------
     async def handle(self, request: Request, out: Response) -> None:
@@ -108,6 +110,11 @@ class Proxy:
                 facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        if self._admission and request.method == "POST" and admission.admits(request.path):
+            refused = admission.refusal(self.state)
+            if refused is not None:
+                self.state.metrics.decision(self.cfg.policy, refused[0])
+                return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
         headers = self._forward_headers(request, rid_header)
         exclude: list[str] = []
         failure: Failure | None = None

@@ -90,12 +90,16 @@ class RouterState:
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
         ep.readmit()
 
-    def ready(self) -> bool:
-        """At least one endpoint takes traffic and has answered us (a scrape or its model list)."""
-        return any(
-            e.healthy and e.routable and not e.draining and (e.sample is not None or e.model_cards)
+    def ready_count(self) -> int:
+        """Endpoints that take traffic and have answered us (a scrape or their model list)."""
+        return sum(
+            e.healthy and e.routable and not e.draining and (e.sample is not None or bool(e.model_cards))
             for e in self.order
         )
+
+    def ready(self) -> bool:
+        """At least --min-ready-endpoints endpoints take traffic (/readyz)."""
+        return self.ready_count() >= self.cfg.min_ready_endpoints
 
     def live_rows(self) -> Iterable[tuple[str, int, bool, float]]:
         now = self.loop.time()

@@ -102,3 +102,91 @@ def dense_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits:
             act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
             out[t] += weight * (w2[local].double() @ act)
     return out
+
+
+@dataclass(slots=True)
+class MLACase:
+    """A paged MLA batch: per sequence the latents c [S, L] and rope keys k_pe [S, R] (in ``cache`` as
+    [NB, BS, L + R] rows), queries split in q_nope [T, H, dn] and rotated q_pe [T, H, R], and kv_b_proj's
+    weight [H * (dn + dv), L]."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    latents: list[torch.Tensor]
+    rope_keys: list[torch.Tensor]
+    cache: torch.Tensor
+    kv_b: torch.Tensor
+    meta: AttentionMetadata
+    v_dim: int
+    scale: float
+
+    @property
+    def lora(self) -> int:
+        return self.latents[0].shape[1]
+
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, dn, L] and W_UV [H, dv, L]."""
+        heads, dn = self.q_nope.shape[1], self.q_nope.shape[2]
+        w = self.kv_b.view(heads, dn + self.v_dim, self.lora)
+        return w[:, :dn], w[:, dn:]
+
+
+def make_mla_case(lens: list[tuple[int, int]], *, heads: int, lora: int, rope: int, nope: int, v_dim: int,
+                  block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> MLACase:
+    """``lens`` = [(query_len, seq_len)], decodes first; shuffled blocks, junk in unused slots."""
+    base = make_case(lens, heads=1, kv_heads=1, head_dim=lora + rope, block_size=block_size, dtype=dtype,
+                     seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    cache = base.key_cache[:, :, 0]  # [NB, BS, L + R], holding base.keys
+    latents = [k[:, 0, :lora] for k in base.keys]
+    rope_keys = [k[:, 0, lora:] for k in base.keys]
+    total = base.query.shape[0]
+    q_nope = torch.randn(total, heads, nope, generator=g).to(dtype)
+    q_pe = torch.randn(total, heads, rope, generator=g).to(dtype)
+    kv_b = (torch.randn(heads * (nope + v_dim), lora, generator=g) / lora**0.5).to(dtype)
+    return MLACase(q_nope, q_pe, latents, rope_keys, cache.contiguous(), kv_b, base.meta, v_dim,
+                   (nope + rope) ** -0.5)
+
+
+def dense_mla(case: MLACase) -> torch.Tensor:
+    """Keys and values expanded per head, causal attention one sequence at a time, in fp64 -> [T, H, dv]."""
+    w_uk, w_uv = (w.double() for w in case.w_uk_uv())
+    outs, start = [], 0
+    for c, kpe, n in zip(case.latents, case.rope_keys, case.meta.query_lens_cpu, strict=True):
+        s = c.shape[0]
+        k_nope = torch.einsum("sl,hdl->shd", c.double(), w_uk)
+        v = torch.einsum("sl,hdl->shd", c.double(), w_uv)
+        q_nope, q_pe = case.q_nope[start:start + n].double(), case.q_pe[start:start + n].double()
+        scores = (torch.einsum("qhd,shd->hqs", q_nope, k_nope)
+                  + torch.einsum("qhr,sr->hqs", q_pe, kpe.double())) * case.scale
+        q_pos = torch.arange(s - n, s)[:, None]
+        scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), v))
+        start += n
+    return torch.cat(outs)
+
+
+def absorbed_query(case: MLACase, rows: slice) -> torch.Tensor:
+    """[q_nope W_UK | q_pe] for ``rows``: the decode kernel's input [B, H, L + R]."""
+    w_uk, _ = case.w_uk_uv()
+    q_lat = torch.einsum("bhd,hdl->bhl", case.q_nope[rows], w_uk)
+    return torch.cat([q_lat, case.q_pe[rows]], dim=-1).contiguous()
+
+
+def dense_grouped_topk(logits: torch.Tensor, top_k: int, groups: int, topk_groups: int,
+                       renormalize: bool) -> list[dict[int, float]]:
+    """Token by token in fp64: {expert: weight} of DeepSeek's group-limited greedy routing."""
+    out = []
+    e = logits.shape[1]
+    size = e // groups
+    for row in logits.double():
+        probs = row.softmax(-1)
+        best = [max(probs[g * size:(g + 1) * size].tolist()) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: -best[g])[:topk_groups]
+        cands = sorted((i for g in kept for i in range(g * size, (g + 1) * size)), key=lambda i: -probs[i])
+        chosen = {i: float(probs[i]) for i in cands[:top_k]}
+        if renormalize:
+            total = sum(chosen.values())
+            chosen = {i: w / total for i, w in chosen.items()}
+        out.append(chosen)
+    return out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 from support import free_port_run
@@ -28,8 +30,8 @@ def test_ranks_get_ports_ranks_and_passthrough_flags() -> None:
     base, cfg = _cfg("--data-parallel-size", "4", "--data-parallel-size-local", "2", "--node-rank", "1",
                      "--device", "cpu", "--max-num-seqs", "4", "--no-enable-prefix-caching",
                      "--served-model-name", "a", "b", "--kv-cache-memory-bytes", "1GiB", "--enforce-eager",
-                     "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345",
-                     "--shutdown-timeout", "7.5", "--chat-template", "-{{ odd }}")
+                     "--distributed-timeout-s", "30", "--shutdown-timeout", "7.5", "--chat-template",
+                     "-{{ odd }}")
     assert [r.rank for r in cfg.ranks] == [2, 3] and cfg.dp_start_rank == 2
     assert [r.port for r in cfg.ranks] == [base, base + 1]
     for i, spec in enumerate(cfg.ranks):
@@ -39,9 +41,10 @@ def test_ranks_get_ports_ranks_and_passthrough_flags() -> None:
         assert ns.host == "127.0.0.1" and ns.device == "cpu" and ns.max_num_seqs == 4
         assert ns.enable_prefix_caching is False and ns.enforce_eager is True
         assert ns.served_model_name == ["a", "b"] and ns.kv_cache_memory_bytes == 1 << 30
-        assert (ns.data_parallel_address, ns.data_parallel_rpc_port) == ("10.0.0.1", 13345)
+        assert ns.distributed_timeout_s == 30
         assert ns.shutdown_timeout == 7.5 and ns.chat_template == "-{{ odd }}"
         assert spec.devices is None and "CUDA_VISIBLE_DEVICES" not in spec.env
+        assert spec.env["LBD_RANK_CPUS"] == spec.cpus
         assert spec.probe_url == f"http://127.0.0.1:{base + i}"
     assert cfg.shutdown_timeout_s == 7.5 and cfg.drain_timeout_s == 7.5
 
@@ -64,14 +67,27 @@ def test_single_rank_node_of_a_larger_group() -> None:
     assert [r.rank for r in cfg.ranks] == [3]
 
 
-def test_cuda_device_slices() -> None:
-    _, cfg = _cfg("--data-parallel-size", "2", "--tensor-parallel-size", "2",
+def test_cuda_device_slices(tiny_llama: Path) -> None:
+    _, cfg = _cfg("--model", str(tiny_llama), "--data-parallel-size", "2", "--tensor-parallel-size", "2",
                   env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     assert [r.devices for r in cfg.ranks] == ["4,5", "6,7"]
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in cfg.ranks] == ["4,5", "6,7"]
-    _, cfg = _cfg("--data-parallel-size", "2", "--pipeline-parallel-size", "2", "--data-parallel-size-local",
-                  "1", "--node-rank", "1", env={"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b, GPU-c"})
+    assert all(r.cpus is None and "LBD_RANK_CPUS" not in r.env for r in cfg.ranks)
+    _, cfg = _cfg("--model", str(tiny_llama), "--data-parallel-size", "2", "--pipeline-parallel-size", "2",
+                  "--data-parallel-size-local", "1", "--node-rank", "1",
+                  env={"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b, GPU-c"})
     assert [r.devices for r in cfg.ranks] == ["GPU-a,GPU-b"]
+
+
+def test_cpu_slices_split_the_cores_between_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    _, cfg = _cfg("--data-parallel-size", "3", "--device", "cpu")
+    assert [r.env["LBD_RANK_CPUS"] for r in cfg.ranks] == ["0-2", "3-5", "6-7"]
+    _, cfg = _cfg("--data-parallel-size", "4", "--device", "cpu")
+    assert [r.cpus for r in cfg.ranks] == ["0-1", "2-3", "4-5", "6-7"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    _, cfg = _cfg("--data-parallel-size", "3", "--device", "cpu")
+    assert [r.cpus for r in cfg.ranks] == ["0", "1", "0"]  # more ranks than CPUs: round robin
 
 
 def test_visible_devices_rules() -> None:

@@ -106,8 +106,8 @@ def test_rank_ports_past_65535() -> None:
 
 @pytest.mark.parametrize(("visible", "extra", "needles"), [
     ("0", ["--data-parallel-size", "2"], ["needs 2 CUDA devices", "1 are visible"]),
-    ("0,1,2", ["--data-parallel-size", "2", "--tensor-parallel-size", "2"],
-     ["--tensor-parallel-size 2", "needs 4 CUDA devices"]),
+    ("0,1,2", ["--data-parallel-size", "2", "--tensor-parallel-size", "3"],
+     ["--tensor-parallel-size 3", "needs 6 CUDA devices"]),
     ("", ["--data-parallel-size", "1", "--device", "cuda"], ["needs 1 CUDA devices", "0 are visible"]),
 ])
 def test_too_few_cuda_devices(ports: tuple[int, int], visible: str, extra: list[str],

@@ -1,0 +1,149 @@
+"""TP=2, PP=2 and TP=2 x PP=2 ranks (real worker processes, gloo) give TP=1's tokens.
+
+One scenario per layout covers everything at once, so each layout starts its workers once: 16 concurrent
+requests of mixed lengths under chunked prefill (32-token budget), prefix-cache hits (a warmed shared prefix)
+and preemption (a small KV cache), greedy with the parity tests' near-tie rule, plus two seeded sampling
+requests with repetition/frequency penalties (state the sampler worker keeps across steps), which must match
+exactly. TP=2 x PP=2 runs a model with a single KV head (replicated on both TP ranks), tied embeddings (the
+last stage loads its LM head from the embedding tensor) and an uneven --pp-layer-partition.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from support import make_tiny_llama
+from test_parity import Run, assert_all_close, engine_args, greedy, run_engine
+
+from engine.core.engine_core import EngineCore
+from engine.executor.mp import WorkerFailure
+from engine.protocol import EngineCoreRequest, SamplingParams
+
+BLOCKS = 20  # the 16 requests need more: preemptions (max_model_len 256 needs 16)
+LAYOUTS = {  # name: (model, tp, pp, --pp-layer-partition)
+    "tp2": ("kv2", 2, 1, None),
+    "pp2": ("kv2", 1, 2, None),
+    "tp2pp2": ("mqa", 2, 2, "1,3"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("parallel-models")
+    return {"kv2": make_tiny_llama(base / "kv2", layers=4, heads=4, kv_heads=2),
+            "mqa": make_tiny_llama(base / "mqa", layers=4, heads=4, kv_heads=1, tie=True, seed=1)}
+
+
+def _core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = None) -> EngineCore:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    rank_kv_heads = max(1, cfg.num_key_value_heads // tp) * tp  # replicated heads cost their memory
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_block = 2 * cfg.num_hidden_layers * 16 * rank_kv_heads * head_dim * 4
+    return EngineCore(engine_args(path, kv_cache_memory_bytes=BLOCKS * per_block, max_model_len=256,
+                                  max_num_batched_tokens=32, tensor_parallel_size=tp,
+                                  pipeline_parallel_size=pp, pp_layer_partition=partition), str(path))
+
+
+@pytest.fixture(scope="module")
+def cores(models: dict[str, Path]) -> Iterator[Callable[[str], EngineCore]]:
+    made: dict[str, EngineCore] = {}
+
+    def get(name: str) -> EngineCore:
+        if name not in made:
+            model, tp, pp, partition = LAYOUTS[name]
+            made[name] = _core(models[model], tp, pp, partition)
+        return made[name]
+
+    yield get
+    for core in made.values():
+        core.close()
+
+
+def _scenario(core: EngineCore, vocab: int) -> list[Run]:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, vocab) for _ in range(48)]
+    warm = run_engine(core, [shared + [5, 6]], [greedy(6)], prefix="warm")
+    hits = core.scheduler.kv.prefix_hits
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    prompts += [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 150))] for _ in range(10)]
+    params = [greedy(rng.randint(4, 32)) for _ in prompts]
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True,
+                              repetition_penalty=1.3, frequency_penalty=0.4) for s in (7, 8)]
+    prompts += [[rng.randrange(3, vocab) for _ in range(30)] for _ in sampled]
+    runs = run_engine(core, prompts, params + sampled, prefix="s")
+    assert core.scheduler.kv.prefix_hits - hits >= 6 * 48, "the shared prefix was not served from the cache"
+    assert core.scheduler.counters.num_preemptions > 0, "the scenario did not preempt"
+    assert core.scheduler.kv.num_free_blocks == core.runner.num_blocks  # nothing leaked
+    return warm + runs
+
+
+@pytest.fixture(scope="module")
+def references(models: dict[str, Path]) -> dict[str, list[Run]]:
+    out = {}
+    for name, path in models.items():
+        core = _core(path)
+        out[name] = _scenario(core, core.runner.vocab_size)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_tokens_equal_tp1(layout: str, cores: Callable[[str], EngineCore],
+                                   references: dict[str, list[Run]]) -> None:
+    core = cores(layout)
+    model, tp, pp, _ = LAYOUTS[layout]
+    assert len(core.runner.worker_pids()) == tp * pp
+    ours, ref = _scenario(core, core.runner.vocab_size), references[model]
+    assert_all_close(ours[:-2], ref[:-2])
+    assert [r.tokens for r in ours[-2:]] == [r.tokens for r in ref[-2:]]  # seeded sampling with penalties
+
+
+def test_a_dead_worker_fails_the_rank(cores: Callable[[str], EngineCore]) -> None:
+    """SIGKILL of one worker: the watchdog kills the others and the next step raises (in the core process,
+    ``run_core`` exits there; tests/supervisor/test_supervisor_parallel.py covers the whole rank)."""
+    core = cores("tp2")
+    pids = core.runner.worker_pids()
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while core.runner.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert core.runner.failure is not None and f"pid {pids[1]}" in core.runner.failure
+    assert "SIGKILL" in core.runner.failure
+    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    core.add_request(EngineCoreRequest("late", [5, 6, 7], greedy(2), None, 0.0))
+    with pytest.raises(WorkerFailure, match="SIGKILL"):
+        core.step()
+
+
+@pytest.mark.slow
+def test_default_model_tp3_equals_tp1() -> None:
+    """SmolLM2 (9 heads, 3 KV heads) split over three workers: one KV head and three query heads each."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import resolve_model
+
+    path = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    texts = [chat, "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    params = [greedy(24)] * len(prompts)
+    kw = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
+    ref = run_engine(EngineCore(engine_args(path, **kw), str(path)), prompts, params)
+    core = EngineCore(engine_args(path, tensor_parallel_size=3, **kw), str(path))
+    try:
+        ours = run_engine(core, prompts, params)
+    finally:
+        core.close()
+    assert "Paris" in tok.decode(ours[0].tokens)
+    assert_all_close(ours, ref)
