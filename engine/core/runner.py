@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -57,7 +57,7 @@ def test_unpack_gives_the_weight_back() -> None:
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.tie_word_embeddings = True
+        self.packs_tied_head = True  # as LlamaForCausalLM says when its head is its one-device embedding
         self.lm_head = nn.Embedding(50, 16)
         self.proj = _Lin(16, 24)
         self.lm_head_packed = None
@@ -79,6 +79,17 @@ def test_pack_linear_weights_replaces_parameters_and_packs_a_tied_head() -> None
     torch.testing.assert_close(ops.linear(x, model.proj.weight, model.proj.bias), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.linear(x, model.lm_head_packed), x @ head.t(), atol=1e-5, rtol=1e-5)
     assert torch.equal(model.lm_head.weight, head)  # the embedding itself is still there for the lookup
+
+
+@needs_fp32
+def test_no_tied_copy_where_the_model_does_not_ask() -> None:
+    """A pipeline stage without the head (or a TP-sharded head) says packs_tied_head = False: no copy, no
+    lookup of a head it does not hold."""
+    model = _Tied()
+    model.packs_tied_head = False
+    del model.lm_head
+    assert ops.pack_linear_weights(model) == 1
+    assert model.lm_head_packed is None
 
 
 _POOL_CHILD = textwrap.dedent("""
