@@ -301,7 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per run (default: 2x the concurrency, at least 4)")
+                   help="requests per run (default: --requests-factor x the concurrency, at least 4)")
+    p.add_argument("--requests-factor", type=float, default=2.0,
+                   help="requests per run per unit of concurrency when --requests is not given")
     p.add_argument("--input-len", type=int, default=125)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--model", default=None, help="HF folder (default: the bundled SmolLM2, converted once)")
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         report.notes.append(f"vLLM skipped: {why}")
         names = [n for n in names if ENGINES[n].kind != "vllm"]
     levels = [int(c) for c in args.concurrency.split(",")]
-    requests = {c: args.requests or max(4, 2 * c) for c in levels}
+    requests = {c: args.requests or max(4, round(args.requests_factor * c)) for c in levels}
     from engine.loader import resolve_model
 
     model = Path(resolve_model(args.model))
