@@ -3,9 +3,9 @@
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
-when they build (fp32: decode attention, RMSNorm, neox rotary; fp32 and bf16: linear layers whose weights
-``pack_linear_weights`` packed at load) and the references for the rest. The Triton modules are imported
-on first use, so a CPU-only process never pays for importing triton.
+when they build (fp32: decode attention, RMSNorm, neox rotary, SiLU-and-mul; fp32 and bf16: linear layers
+whose weights ``pack_linear_weights`` packed at load) and the references for the rest. The Triton modules
+are imported on first use, so a CPU-only process never pays for importing triton.
 """
 
 from __future__ import annotations
@@ -131,7 +131,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return (_tri(x) or _ref_elem).silu_and_mul(x)
+    impl = _tri(x)
+    if impl is None and x.shape[-1] % 2 == 0 and _cpu_c(x):
+        return _cpu.silu_and_mul(x)
+    return (impl or _ref_elem).silu_and_mul(x)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,

@@ -118,6 +118,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, new_residual
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The reference's contract: x [T, 2I] -> silu(x[:, :I]) * x[:, I:] (fp32, rows dense)."""
+    t, two_i = x.shape
+    out = torch.empty((t, two_i // 2), dtype=x.dtype)
+    _loaded().lbd_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, two_i // 2)
+    return out
+
+
 def rotary_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*d] and k [T, Hk*d] in place (neox layout) by ``cos_sin[positions]``."""

@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger("kernels.cpu")
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("pool.c", "paged_decode.c", "elementwise.c", "packed_gemm.c")]
-_HEADERS = [Path(__file__).with_name("pool.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("pool.h", "vexp.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # name: (restype, argtypes)
@@ -34,6 +34,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
                                              _I64, _I64, _F32, _I64, _I64]),
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
+    "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
     "lbd_bind_threads": (ctypes.c_int, [_PTR, ctypes.c_int]),
     "lbd_pool_start": (ctypes.c_int, [_PTR, ctypes.c_int]),
     "lbd_pool_threads": (ctypes.c_int, []),

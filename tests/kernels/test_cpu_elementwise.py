@@ -1,4 +1,4 @@
-"""The C RMSNorm and rotary (kernels.cpu) against torch, and their dispatch."""
+"""The C RMSNorm, rotary and SiLU-and-mul (kernels.cpu) against torch, and their dispatch."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def test_rotary_matches_reference(head_dim: int, rot_dim: int) -> None:
     torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k, want_k, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 10 * head_dim :], v_before)  # v, beside k in the same rows, untouched
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 3072 goes parallel
+def test_silu_and_mul_matches_reference(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    fused = torch.randn(rows, 3072 + 64, generator=g) * 6
+    fused[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])  # saturated and signed-zero gates
+    x = fused[:, :3072]  # rows of a wider buffer
+    torch.testing.assert_close(cpu.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+    odd = torch.randn(3, 2 * 17, generator=g)  # the scalar tail past the 16-float vectors
+    torch.testing.assert_close(cpu.silu_and_mul(odd), ref_elem.silu_and_mul(odd), atol=1e-6, rtol=1e-5)
+    if ops.MODE == "auto":
+        torch.testing.assert_close(ops.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
 
 
 def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
