@@ -28,6 +28,21 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int, head_dim: int, blo
     assert out[n:].abs().max() == 0  # padding rows are zero
 
 
+@pytest.mark.parametrize("lens", [
+    [(1, 40), (30, 30), (9, 600), (7, 50)],  # short, long (SDPA), short: two runs of rows in C
+    [(1, 9), (125, 125), (125, 125), (16, 512)],  # every prefill short: one run, in place
+], ids=["short-long-short", "all-short"])
+def test_prefill_chunks_in_c_and_in_sdpa_match_dense(lens: list[tuple[int, int]]) -> None:
+    """Prefill chunks of up to PREFILL_IN_C_MAX_LEN tokens run as one decode per query token, longer ones
+    through SDPA, in the same batch."""
+    assert max(s for _, s in lens) in (600, 512) and cpu.PREFILL_IN_C_MAX_LEN == 512
+    case = make_case(lens, heads=9, kv_heads=3, head_dim=64, block_size=16, pad_tokens=2)
+    out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    n = sum(q for q, _ in lens)
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-5, rtol=1e-5)
+    assert out[n:].abs().max() == 0
+
+
 def test_strided_query_and_padding_sequence() -> None:
     """A query that is a view into a fused qkv row (as in the model), and a seq_len-0 filler row."""
     case = make_case([(1, 33), (1, 70), (1, 2)], heads=9, kv_heads=3, head_dim=64, block_size=16)
