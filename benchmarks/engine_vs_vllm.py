@@ -21,8 +21,8 @@ the same ones). Printed:
     .venv/bin/python benchmarks/engine_vs_vllm.py --device cuda                # a GPU: see engine_cuda.py
 
 Engines (--engines, comma list or "all"): lbd, vllm (fp32); lbd-bf16, vllm-bf16 (--dtype bfloat16); lbd-api2
-(fp32, --api-server-count 2). vLLM comes from `bash scripts/setup-peers.sh vllm` (.venv-vllm/); without it the
-vLLM rows are skipped with a note.
+(fp32, --api-server-count 2); lbd-base (fp32, the source tree of --lbd-base-src: before/after a change). vLLM
+comes from `bash scripts/setup-peers.sh vllm` (.venv-vllm/); without it the vLLM rows are skipped with a note.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ ENGINES = {
     "vllm-bf16": EngineSpec("vllm-bf16", "vllm", "bfloat16"),
     "lbd-api2": EngineSpec("lbd-api2", "lbd", extra=["--api-server-count", "2"]),
 }
-PAIRS = [("lbd", "vllm"), ("lbd-bf16", "vllm-bf16"), ("lbd-api2", "vllm"), ("lbd-bf16", "lbd")]
+PAIRS = [("lbd", "vllm"), ("lbd-bf16", "vllm-bf16"), ("lbd-api2", "vllm"), ("lbd-bf16", "lbd"),
+         ("lbd", "lbd-base"), ("lbd-base", "vllm")]
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                   "The three primary colors are", "Water boils at a temperature of"]
 HEADERS = {"Content-Type": "application/json"}
@@ -311,6 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV-cache GiB for each engine")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    p.add_argument("--lbd-base-src", type=Path, default=None,
+                   help="another lbd source tree (e.g. `git archive OLD | tar -x -C DIR`), run as engine "
+                        "lbd-base (fp32) in the same rounds: a change measured side by side with its parent")
     p.add_argument("--profile", action="store_true", help="also print lbd's step breakdown (--profile-steps)")
     p.add_argument("--profile-every", type=int, default=16, help="steps per --profile-steps window")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
@@ -345,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine_cuda import main as cuda_main
 
         return cuda_main(args)
+    if args.lbd_base_src is not None:
+        src = args.lbd_base_src.resolve()
+        if not (src / "engine" / "__main__.py").is_file():
+            print(f"--lbd-base-src {src}: no engine/__main__.py there (pass an lbd source tree)",
+                  file=sys.stderr)
+            return 2
+        ENGINES["lbd-base"] = EngineSpec("lbd-base", "lbd", env={"PYTHONPATH": str(src)})
     names = list(ENGINES) if args.engines == "all" else [e for e in args.engines.split(",") if e.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
