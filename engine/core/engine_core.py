@@ -200,7 +200,7 @@ class EngineCore:
 
         With a pipelined runner, a batch is only submitted while fewer than ``max_in_flight`` are queued;
         the oldest one's results are collected when the queue is full or nothing more can be scheduled.
-        Under ``--profile-steps`` a pipelined step's forward is the wait for the oldest batch."""
+        Under ``--profile-steps`` an executor's step (TP/PP workers) counts as ``forward``."""
         prof = self.profiler
         own_step = prof.enabled and not prof.in_step  # stepped directly (tests), not by the core's loop
         if own_step:
@@ -222,8 +222,9 @@ class EngineCore:
             return []
         out, handle = batches.popleft()
         sampled = self.runner.collect(handle) if depth > 1 else handle
-        if depth > 1:
-            prof.lap("forward")
+        # a runner that marks its own phases (ModelRunner) left ~0 s to this lap; the TP/PP executor did not
+        # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
+        prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
         prof.lap("update")
         if prof.enabled:
