@@ -149,8 +149,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store key/value [T, Hkv, d] at ``slot_mapping`` in caches [NB, BS, Hkv, d]; fp8 caches hold x/scale."""
-    impl = _tri(key) or _ref_attn
-    impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    impl = _tri(key)
+    if (impl is None and MODE == "auto" and value_cache.is_contiguous()
+            and _cpu.write_ok(key, value, key_cache)):
+        return _cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    (impl or _ref_attn).write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -27,6 +27,7 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
 
 __all__ = ["library", "bind_threads", "start_pool", "pool_threads", "supports", "paged_decode",
            "paged_attention", "elementwise_ok", "rms_norm", "rotary_neox", "silu_and_mul",
+           "write_ok", "write_kv_cache",
            "PREFILL_IN_C_MAX_LEN"]
 
 
@@ -63,6 +64,27 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (query.dtype in (torch.float32, torch.bfloat16) and key_cache.dtype == query.dtype
             and not query.is_cuda and query.stride(-1) == 1 and query.stride(-2) == query.shape[-1]
             and key_cache.is_contiguous() and library() is not None)
+
+
+def write_ok(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``write_kv_cache`` takes these: rows of the caches' own dtype (no fp8 scaling), each token's
+    [Hkv, d] dense, contiguous caches, the kernels loaded."""
+    return (key.dtype == key_cache.dtype == value.dtype and key.dtype in (torch.float32, torch.bfloat16)
+            and not key.is_cuda and key_cache.is_contiguous() and key.dim() == 3
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+            and library() is not None)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """The reference's contract for ``write_ok`` inputs: key/value [T, Hkv, d] to caches [NB, BS, Hkv, d] at
+    ``slot_mapping`` (-1 = skip), one pass on the kernels' pool."""
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.to(torch.int64).contiguous()
+    elem = key.element_size()
+    _loaded().lbd_write_kv(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+                           key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), n,
+                           key.shape[1] * key.shape[2] * elem)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -32,6 +32,7 @@ _SIGNATURES = {  # name: (restype, argtypes)
                                             _I64, _I64, _F32, _I64, _I64]),
     "lbd_paged_decode_bf16": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                              _I64, _I64, _F32, _I64, _I64]),
+    "lbd_write_kv": (None, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]),
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
     "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),

@@ -285,3 +285,33 @@ int lbd_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_
     return run_decode(decode_one_bf16, q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out,
                       out_row_stride, H, Hkv, D, BS, scale, B, max_len);
 }
+
+struct write_job {
+    const char *key, *value;
+    char *kc, *vc;
+    const int64_t *slots;
+    int64_t key_stride, value_stride, row_bytes, T;
+};
+
+#define WRITE_ROWS 64 /* tokens per chunk of the pool */
+
+static void write_rows(void *arg, int64_t chunk) {
+    const struct write_job *j = arg;
+    const int64_t t1 = (chunk + 1) * WRITE_ROWS < j->T ? (chunk + 1) * WRITE_ROWS : j->T;
+    for (int64_t t = chunk * WRITE_ROWS; t < t1; ++t) {
+        const int64_t s = j->slots[t];
+        if (s < 0) continue; /* padding */
+        memcpy(j->kc + s * j->row_bytes, j->key + t * j->key_stride, (size_t)j->row_bytes);
+        memcpy(j->vc + s * j->row_bytes, j->value + t * j->value_stride, (size_t)j->row_bytes);
+    }
+}
+
+/* Store token t's key and value rows (row_bytes each; rows key_stride / value_stride bytes apart) at slot
+ * slots[t] of the caches, viewed as [slots, row_bytes] (slot -1 = skip): the reference's pair of index_copy_
+ * in one pass, without the check of the slots' minimum it needs per layer. Any dtype the caches share with
+ * the rows. */
+void lbd_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *kc,
+                  void *vc, const int64_t *slots, int64_t T, int64_t row_bytes) {
+    struct write_job j = {key, value, kc, vc, slots, key_stride, value_stride, row_bytes, T};
+    lbd_parallel_for(write_rows, &j, (T + WRITE_ROWS - 1) / WRITE_ROWS);
+}

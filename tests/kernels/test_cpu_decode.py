@@ -43,6 +43,23 @@ def test_prefill_chunks_in_c_and_in_sdpa_match_dense(lens: list[tuple[int, int]]
     assert out[n:].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype: torch.dtype) -> None:
+    """Key/value views into a fused qkv row, padding slots (-1) skipped, 70 tokens (two pool chunks)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(70, (9 + 6) * 64, generator=g).to(dtype)
+    key, value = qkv[:, 9 * 64:12 * 64].view(70, 3, 64), qkv[:, 12 * 64:].view(70, 3, 64)
+    slots = torch.randperm(20 * 16, generator=g)[:70]
+    slots[[3, 69]] = -1
+    caches = [torch.randn(20, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    assert cpu.write_ok(key, value, caches[0])
+    cpu.write_kv_cache(key, value, caches[0], caches[1], slots)
+    ref.write_kv_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    assert not cpu.write_ok(key, value, caches[0].to(torch.float8_e4m3fn))  # fp8 scales: the reference's
+
+
 def test_strided_query_and_padding_sequence() -> None:
     """A query that is a view into a fused qkv row (as in the model), and a seq_len-0 filler row."""
     case = make_case([(1, 33), (1, 70), (1, 2)], heads=9, kv_heads=3, head_dim=64, block_size=16)
