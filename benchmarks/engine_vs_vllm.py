@@ -267,7 +267,7 @@ def profile_lbd(spec: EngineSpec, common: dict, workload: Workload, levels: list
                 requests: dict[int, int], workdir: Path, every: int) -> list[str]:
     """A separate lbd server with --profile-steps: its step breakdown on the same workload, per level."""
     prof_spec = EngineSpec(spec.name + "-profile", "lbd", spec.dtype,
-                           [*spec.extra, "--profile-steps", str(every)])
+                           [*spec.extra, "--profile-steps", str(every)], dict(spec.env))
     eng = RunningEngine(prof_spec, log=workdir / f"{prof_spec.name}.log", **common)
     out = ["| conc | step kind | steps | seqs | step ms | schedule | prepare | attention | linear | "
            "other fwd | lm_head | sample | update | IPC in+out | loop | "
@@ -317,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "lbd-base (fp32) in the same rounds: a change measured side by side with its parent")
     p.add_argument("--profile", action="store_true", help="also print lbd's step breakdown (--profile-steps)")
     p.add_argument("--profile-every", type=int, default=16, help="steps per --profile-steps window")
+    p.add_argument("--profile-levels", default=None, help="concurrency levels of --profile (default: all)")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     g = p.add_argument_group("--device cuda (benchmarks/engine_cuda.py)")
@@ -419,10 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(report.ratios(present, levels)))
     if args.profile:
-        for n in [x for x in ("lbd", "lbd-bf16") if x in present]:
+        prof_levels = [int(c) for c in args.profile_levels.split(",")] if args.profile_levels else levels
+        prof_requests = {c: requests.get(c) or max(4, round(args.requests_factor * c)) for c in prof_levels}
+        for n in [x for x in ("lbd", "lbd-base", "lbd-bf16") if x in present]:
             print(f"\nstep breakdown, {n} (ms per step; a separate server with --profile-steps "
                   f"{args.profile_every}):\n")
-            print("\n".join(profile_lbd(ENGINES[n], common, workload, levels, requests, workdir,
+            print("\n".join(profile_lbd(ENGINES[n], common, workload, prof_levels, prof_requests, workdir,
                                         args.profile_every)))
     if args.json:
         args.json.write_text(json.dumps({"startup": report.startup, "notes": report.notes,
