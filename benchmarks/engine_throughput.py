@@ -217,9 +217,10 @@ def report(results: dict[str, tuple[float, int]], startup: dict[str, float], rat
         print(f"{title:<58}{b_tps:>11.1f}{a_tps:>10.1f}{b_tps / a_tps:>7.2f}x")
     if "lbd c" in results:
         tps = results["lbd c"][1] / results["lbd c"][0]
-        print(f"\n(c) target > 110 tok/s (vLLM 0.32 CPU build ~108 tok/s on this machine class): "
-              f"{tps:.1f} tok/s "
-              f"-> {'PASS' if tps > 110 else 'MISS'}")
+        # no fixed peer figure (another day's or machine's number is no comparison): vLLM runs side by side
+        # in benchmarks/engine_vs_vllm.py
+        print(f"\n(c) lbd, 32 concurrent: {tps:.1f} tok/s (against vLLM, side by side: "
+              "benchmarks/engine_vs_vllm.py)")
 
 
 if __name__ == "__main__":
