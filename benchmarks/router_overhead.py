@@ -97,7 +97,8 @@ class _StubProtocol(asyncio.Protocol):
             self.transport.write(self.answers.get(path, self.answers[b"*"]))  # type: ignore[attr-defined]
 
 
-def run_stub(port: int, rank: int) -> None:
+def run_stub(port: int, rank: int, chat_fixture: str | None = None) -> None:
+    """A stub engine; with ``chat_fixture`` it also serves a tokenizer and publishes KV events."""
     import uvloop
 
     answers = {
@@ -106,6 +107,11 @@ def run_stub(port: int, rank: int) -> None:
         b"/v1/models": _http(b"200 OK", b'{"object":"list","data":[{"id":"stub-model","object":"model"}]}'),
         b"*": _http(b"200 OK", ANSWER),
     }
+    if chat_fixture:
+        from chat_stub import stub_answers
+
+        extra, _publisher = stub_answers(chat_fixture, _http)  # the publisher lives as long as the stub
+        answers.update(extra)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -164,7 +170,8 @@ def run_wrk(url: str, conc: int, seconds: float, script: Path) -> Load:
 
 
 class _Client(asyncio.Protocol):
-    def __init__(self, request: bytes, lat: list[float], stop_at: float, done: asyncio.Future[None]) -> None:
+    def __init__(self, request: Callable[[], bytes], lat: list[float], stop_at: float,
+                 done: asyncio.Future[None]) -> None:
         self.request, self.lat, self.stop_at, self.done = request, lat, stop_at, done
         self.buf = b""
         self.errors = 0
@@ -174,8 +181,9 @@ class _Client(asyncio.Protocol):
         self._send()
 
     def _send(self) -> None:
+        data = self.request()
         self.t = time.perf_counter()
-        self.transport.write(self.request)  # type: ignore[attr-defined]
+        self.transport.write(data)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -207,15 +215,25 @@ class _Client(asyncio.Protocol):
             self.done.set_result(None)
 
 
-def run_pyload(url: str, conc: int, seconds: float) -> None:
+def run_pyload(url: str, conc: int, seconds: float, chat_fixture: str | None = None) -> None:
     """Closed loop in this process (used via a subprocess); prints one JSON line."""
+    import itertools
+
     import uvloop
 
     host, port = url.split("//")[1].split(":")
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(BODY)}\r\n\r\n"
-    ).encode() + BODY
+    path, make_body = "/v1/completions", lambda: BODY
+    if chat_fixture:
+        from chat_stub import body
+
+        fixture, counter = json.loads(Path(chat_fixture).read_text()), itertools.count(1)
+        path, make_body = "/v1/chat/completions", lambda: body(fixture, next(counter))
+
+    def request() -> bytes:
+        data = make_body()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n")
+        return head.encode() + data
 
     async def main() -> dict[str, float]:
         loop = asyncio.get_running_loop()
@@ -246,18 +264,23 @@ def run_pyload(url: str, conc: int, seconds: float) -> None:
     print(json.dumps(uvloop.run(main())))
 
 
-def make_loader(seconds: float, tmp: Path) -> Callable[[str, int], Load]:
+def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> Callable[[str, int], Load]:
     if shutil.which("wrk"):
-        script = tmp / "post.lua"
-        script.write_text(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = '{BODY.decode()}'\n"
-        )
+        if chat_fixture is not None:
+            from chat_stub import wrk_script
+
+            script = wrk_script(json.loads(chat_fixture.read_text()), tmp / "chat.lua")
+        else:
+            script = tmp / "post.lua"
+            script.write_text(
+                'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                f"wrk.body = '{BODY.decode()}'\n"
+            )
         return lambda url, conc: run_wrk(url, conc, seconds, script)
 
     def py(url: str, conc: int) -> Load:
         out = subprocess.run(
-            [sys.executable, __file__, "--pyload", url, str(conc), str(seconds)],
+            [sys.executable, __file__, "--pyload", url, str(conc), str(seconds), str(chat_fixture or "")],
             capture_output=True,
             text=True,
             timeout=seconds + 60,
@@ -381,6 +404,7 @@ def measure_all(
     load: Callable[[str, int], Load],
     rounds: int,
     tmp: Path,
+    when_ready: Callable[[], None] | None = None,
 ) -> tuple[Load, list[Row]]:
     """Start every router, then run interleaved rounds (direct, A, B, ..., again), so drifts in the machine's
     background load hit every router alike; the rows are medians over the rounds."""
@@ -395,6 +419,8 @@ def measure_all(
                 live[name] = f"http://127.0.0.1:{port}"
             else:
                 print(f"  {name}: did not start (see {tmp})", file=sys.stderr)
+        if when_ready is not None:
+            when_ready()
         for url in live.values():
             load(url, 8)  # warm-up: connections, first scrapes
         runs: dict[str, list[tuple[Load, Load, float, int]]] = {name: [] for name in live}
@@ -446,7 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     p.add_argument("--only", default="", help="comma-separated name prefixes to run (e.g. 'lbd,nginx')")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--parts", default="small,chat", help="small: the short completion; chat: 2,000-token "
+                   "chat prompts, each a new turn, through lbd with KV events (and without) and the peers")
     args = p.parse_args(argv)
+    parts = {x.strip() for x in args.parts.split(",")}
     tmp = Path(tempfile.mkdtemp(prefix="lbd-router-bench-"))
     stubs = []
     try:
@@ -472,12 +501,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, c in router_commands(tmp, ups).items()
             if not wanted or any(name.startswith(w) for w in wanted)
         }
-        direct, rows = measure_all(cmds, ups[0], load, args.rounds, tmp)
-        print(
-            f"direct to one stub: c=1 p50 {direct.p50_us:.0f} us, p99 {direct.p99_us:.0f} us; c=64 "
-            f"{direct64.rps:.0f} req/s; load average after {os.getloadavg()[0]:.1f}"
-        )
-        print_table(rows)
+        rows: list[Row] = []
+        if "small" in parts:
+            direct, rows = measure_all(cmds, ups[0], load, args.rounds, tmp)
+            print(
+                f"direct to one stub: c=1 p50 {direct.p50_us:.0f} us, p99 {direct.p99_us:.0f} us; c=64 "
+                f"{direct64.rps:.0f} req/s; load average after {os.getloadavg()[0]:.1f}"
+            )
+            print_table(rows)
+        if "chat" in parts:
+            chat_rows, direct = chat_part(args, tmp, stubs, wanted)
+            rows += chat_rows
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(
@@ -497,6 +531,64 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def chat_part(args: argparse.Namespace, tmp: Path, stubs: list, wanted: list[str]) -> tuple[list[Row], Load]:
+    """2,000-token chat prompts, a new user turn each: lbd with KV events, lbd without, the peers."""
+    from chat_stub import prepare
+
+    from engine.loader import converted_path, default_gguf
+
+    fixture_path = tmp / "chat" / "fixture.json"
+    fixture_path.parent.mkdir()
+    fixture = prepare(str(converted_path(default_gguf())), fixture_path)
+    ports = [free_port(), free_port()]
+    for i, port in enumerate(ports):
+        stubs.append(start([sys.executable, __file__, "--stub", str(port), str(i), str(fixture_path)],
+                           tmp / f"chat-stub{i}.log"))
+    ups = [f"http://127.0.0.1:{port}" for port in ports]
+    for port in ports:
+        wait_port(port, "/health")
+    cmds: dict[str, tuple[list[str], int, str]] = {}
+    for name, extra in (("lbd route, chat 2k, KV events", ()), ("lbd route, chat 2k, --kv-events off",
+                                                                 ("--kv-events", "off"))):
+        port = free_port()
+        argv, ready = lbd_route_argv(port, ",".join(ups), *extra)
+        cmds[name] = (argv, port, ready)
+    for kind in PEER_KINDS:
+        if peer_installed(kind):
+            port = free_port()
+            argv, ready = peer_argv(kind, port, ups, "round_robin")
+            cmds[f"{kind}, chat 2k"] = (argv, port, ready)
+    cmds = {n: c for n, c in cmds.items() if not wanted or any(n.startswith(w) for w in wanted)}
+    load = make_loader(args.seconds, tmp, fixture_path)
+    exact = [(n, port) for n, (_, port, _) in cmds.items() if "KV events" in n]
+    direct, rows = measure_all(cmds, ups[0], load, args.rounds, tmp, lambda: _wait_exact(exact))
+    print(
+        f"\nchat, {fixture['prompt_tokens']}-token prompts ({len(fixture['block_tokens']) // 16} blocks "
+        f"announced by the stubs' KV events), a new user turn per request: direct c=1 p50 "
+        f"{direct.p50_us:.0f} us, p99 {direct.p99_us:.0f} us; load average after {os.getloadavg()[0]:.1f}"
+    )
+    print_table(rows)
+    return rows, direct
+
+
+def _wait_exact(routers: list[tuple[str, int]], timeout: float = 60.0) -> None:
+    """Until each lbd router's view of every stub is exact (events followed, tokenizer learned)."""
+    import httpx
+
+    for name, port in routers:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = httpx.get(f"http://127.0.0.1:{port}/router/status", timeout=2).json()
+                if all(e["kv_events"]["mode"] == "exact" for e in st["endpoints"]) and st["endpoints"]:
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+        else:
+            print(f"  {name}: its view never became exact", file=sys.stderr)
+
+
 def print_table(rows: list[Row]) -> None:
     print(
         "\n| router | c=1 p50 overhead (us) | c=1 p99 overhead (us) | c=64 req/s | c=64 p50 (us) "
@@ -511,8 +603,8 @@ def print_table(rows: list[Row]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--stub":
-        run_stub(int(sys.argv[2]), int(sys.argv[3]))
+        run_stub(int(sys.argv[2]), int(sys.argv[3]), (sys.argv[4:] or [None])[0])
     elif len(sys.argv) > 1 and sys.argv[1] == "--pyload":
-        run_pyload(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        run_pyload(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), (sys.argv[5:] or [""])[0] or None)
     else:
         sys.exit(main())

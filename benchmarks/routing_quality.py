@@ -1,22 +1,28 @@
 """Routing quality at fleet scale: 8 simulated H100 ranks, the same seeded workloads through every router.
 
 For each workload and each target, a fresh `lbd supervise` starts 8 `--device sim` ranks (real front ends,
-schedulers, KV-cache managers and prefix caches; the forward pass is the h100-llama3-8b timing model, time
-dilated --time-scale times so two CPU cores are never the bottleneck), then the router under test starts, then
-`lbd bench` sends the seeded workload, then each rank's /metrics is read. Fresh ranks per target: every router
-starts from cold caches and zeroed counters.
+schedulers, KV-cache managers, prefix caches and KV-event publishers; the forward pass is the h100-llama3-8b
+timing model, time dilated --time-scale times so two CPU cores are never the bottleneck), then the router
+under test starts, then `lbd bench` sends the seeded workload, then each rank's /metrics is read. Fresh ranks
+per target: every router starts from cold caches and zeroed counters. Every fleet publishes KV events
+(vLLM's format), so every target runs against the same engines; only lbd's routers read them.
 
-Targets: `lbd route --policy P` for every policy (round_robin included), and vllm-router (cache_aware,
-power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
-Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID), long/short skew.
+Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
+`/w2`, `/w4` (router workers) and `/approx` (`--kv-events off`: the text-prefix index), and vllm-router
+(cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
-Per target: TTFT p50/p99, ITL p99, output tok/s (latencies divided by the time scale: simulated H100 time),
-prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that holds
-every block any rank computed, looked up in arrival order: the best any router could do), and the most/fewest
-requests served by one rank.
+Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID); many-tenant
+(after llm-d's precise-prefix benchmark: many tenants each with a long system prompt, several users per
+tenant in 3-turn sessions, Poisson arrivals stepping up; each rank's KV cache holds about a third of all the
+tenants' prompts, so a router that spreads every tenant everywhere thrashes); long/short skew.
 
-    .venv/bin/python benchmarks/routing_quality.py [--quick] [--only predicted_ttft,round_robin]
-        [--workloads multi-turn,skew] [--mt-rate 800] [--skew-rate 250] [--time-scale 40]
+Per target: TTFT p50/p90/p99, ITL p99, output tok/s (latencies divided by the time scale: simulated H100
+time), prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that
+holds every block any rank computed, looked up in arrival order: the best any router could do), and the
+most/fewest requests served by one rank. Stepped workloads report every step.
+
+    .venv/bin/python benchmarks/routing_quality.py [--quick] [--only lbd:predicted_ttft,lbd:round_robin]
+        [--workloads multi-turn,many-tenant,skew] [--mt-rate 800] [--skew-rate 250] [--time-scale 40]
         [--plot benchmarks/routing_quality.png] [--json out.json]
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import platform
@@ -41,16 +48,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from routing_report import OURS, Row, plot, step_table, table, verdicts  # noqa: E402
 from support import exit_on_sigterm, free_port, free_port_run, spawn, stop, tree_usage, wait_http  # noqa: E402
 
-from lbd.bench.client import Target  # noqa: E402
-from lbd.bench.oracle import oracle_hit_rate  # noqa: E402
-from lbd.bench.runner import BenchConfig, RunResult, run_target  # noqa: E402
-from lbd.bench.stats import percentile  # noqa: E402
+from lbd.bench.client import RequestRecord, Target  # noqa: E402
+from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
+from lbd.bench.runner import BenchConfig, run_target  # noqa: E402
+from lbd.bench.stats import percentile, summarize  # noqa: E402
 from lbd.bench.tokenizer import load_tokenizer  # noqa: E402
 from lbd.bench.workloads import TextSource, WorkloadSpec  # noqa: E402
 
 PY = sys.executable
+KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 
 
 # ---- workloads ---------------------------------------------------------------------------------------------
@@ -59,10 +68,14 @@ class Workload:
     name: str
     spec: WorkloadSpec
     cfg: BenchConfig
+    engine_flags: list[str] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)  # simulated req/s of each step (empty: one run)
+    step_s: float = 0.0  # simulated seconds of arrivals per step
+    time_scale: float | None = None  # overrides --time-scale
 
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
-    """Rates are simulated requests/s; the client sends them time-dilated (divided by --time-scale)."""
+    """Rates are simulated requests/s; the client sends them time-dilated (divided by the time scale)."""
     n_mt, n_skew = (96, 96) if args.quick else (320, 300)
     seed = args.seed
     mt = Workload(
@@ -85,6 +98,30 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
             timeout=900,
         ),
     )
+    tenants = Workload(
+        "many-tenant",
+        WorkloadSpec(
+            name="multi-turn",
+            num_groups=args.tenants,
+            system_prompt_len=args.tenant_prompt_len,
+            question_len=150,
+            num_turns=3,
+            output_len=64,
+            prefix_seed=seed,
+            group_skew=args.tenant_skew,
+        ),
+        BenchConfig(
+            endpoint="chat", num_prompts=None, session_header=True, seed=seed, progress=False, timeout=900
+        ),
+        # each rank's KV cache holds --tenant-kv-share of all tenants' system prompts
+        engine_flags=[
+            "--kv-cache-memory-bytes",
+            str(int(args.tenants * args.tenant_prompt_len * args.tenant_kv_share * 131072)),
+        ],
+        steps=[float(x) for x in args.mt_steps.split(",")][: 2 if args.quick else None],
+        step_s=args.step_s / (3 if args.quick else 1),
+        time_scale=args.tenant_time_scale,
+    )
     skew = Workload(
         "long/short skew",
         WorkloadSpec(name="skew", long_fraction=0.1, long_input_len=6000, short_input_len=200, output_len=32),
@@ -97,7 +134,7 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
             timeout=900,
         ),
     )
-    return {"multi-turn": mt, "skew": skew}
+    return {"multi-turn": mt, "many-tenant": tenants, "skew": skew}
 
 
 # ---- processes ---------------------------------------------------------------------------------------------
@@ -115,8 +152,9 @@ class Fleet:
         return [f"http://127.0.0.1:{self.base_port + i}" for i in range(self.ranks)]
 
 
-def start_fleet(args: argparse.Namespace, log: Path) -> Fleet:
+def start_fleet(args: argparse.Namespace, wl: Workload, log: Path) -> Fleet:
     base, sup = free_port_run(args.ranks), free_port()
+    scale = wl.time_scale or args.time_scale
     argv = [
         PY,
         "-m",
@@ -136,12 +174,15 @@ def start_fleet(args: argparse.Namespace, log: Path) -> Fleet:
         "--device",
         "sim",
         "--sim-profile",
-        f"{args.sim_profile}*{args.time_scale:g}",
+        f"{args.sim_profile}*{scale:g}",
         "--model",
         str(args.model),
         "--log-level",
         "warning",
         "--disable-log-requests",
+        "--kv-events-config",
+        KV_EVENTS,
+        *wl.engine_flags,
     ]
     proc = spawn(argv, log=log)
     fleet = Fleet(proc, base, sup, args.ranks)
@@ -154,12 +195,21 @@ def start_fleet(args: argparse.Namespace, log: Path) -> Fleet:
 
 
 def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
-    """argv and readiness path of target ``name`` (``lbd:<policy>``, ``vllm-router:<policy>``, ...)."""
-    kind, _, policy = name.partition(":")
+    """argv and readiness path of ``name``: ``lbd:<policy>[/wN][/approx]``, ``vllm-router:<policy>``..."""
+    kind, _, rest = name.partition(":")
     if kind == "lbd":
-        return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", "--policy", policy)
+        policy, *mods = rest.split("/")
+        extra = ["--policy", policy]
+        for mod in mods:
+            if mod.startswith("w") and mod[1:].isdigit():
+                extra += ["--workers", mod[1:]]
+            elif mod == "approx":
+                extra += ["--kv-events", "off"]
+            else:
+                raise ValueError(f"target {name}: unknown suffix /{mod}")
+        return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", *extra)
     if kind in PEER_KINDS:
-        return peer_argv(kind, port, fleet.urls, policy)
+        return peer_argv(kind, port, fleet.urls, rest)
     raise ValueError(name)
 
 
@@ -167,6 +217,7 @@ def available_targets() -> list[str]:
     import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
+    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx"]
     if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
     if peer_installed("sglang-router"):
@@ -187,200 +238,174 @@ def scrape(fleet: Fleet) -> list[dict[str, float]]:
     out = []
     for url in fleet.urls:
         text = httpx.get(url + "/metrics", timeout=10).text
-        out.append(
-            {
-                k: _metric_sum(text, f"vllm:{k}")
-                for k in ("prefix_cache_queries_total", "prefix_cache_hits_total", "request_success_total")
-            }
-        )
+        keys = ("prefix_cache_queries_total", "prefix_cache_hits_total", "request_success_total")
+        out.append({k: _metric_sum(text, f"vllm:{k}") for k in keys})
     return out
 
 
+def oracle(steps: list[list[RequestRecord]], tok: object, block_size: int) -> list[tuple[float, int, int]]:
+    """(hit rate, prompts at the server's length, prompts) per step; the cache carries across steps."""
+    seen: set[int] = set()
+    out = []
+    for records in steps:
+        hits = queries = matches = n_req = 0
+        for rec in sorted((r for r in records if r.ok and r.prompt is not None), key=lambda r: r.start):
+            ids = prompt_ids(tok, rec.prompt)
+            matches += len(ids) == rec.prompt_tokens
+            n_req += 1
+            hashes = block_hashes(ids, block_size)
+            n, limit = 0, (len(ids) - 1) // block_size
+            while n < limit and hashes[n] in seen:
+                n += 1
+            hits, queries = hits + n * block_size, queries + len(ids)
+            seen.update(hashes)
+            seen.update(block_hashes(ids + tok.encode(rec.text, add_special_tokens=False), block_size))
+        out.append((hits / queries if queries else 0.0, matches, n_req))
+    return out
+
+
+def decision_counts(port: int) -> dict[str, int]:
+    """lbd's routing decisions by reason, from its /metrics (every worker's)."""
+    out: dict[str, int] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("lbd_router_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def wait_exact(port: int, workers: int, timeout: float = 60.0) -> None:
+    """Until every router worker has answered /router/status with an exact view of every rank (a new
+    connection per poll, so SO_REUSEPORT spreads them over the workers)."""
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < workers and time.monotonic() < deadline:
+        st = httpx.get(f"http://127.0.0.1:{port}/router/status", timeout=10).json()
+        modes = [(e.get("kv_events") or {}).get("mode") for e in st["endpoints"]]
+        if modes and all(m == "exact" for m in modes):
+            ready.add(st["worker"])
+        time.sleep(0.05)
+    if len(ready) < workers:
+        print(f"  warning: only workers {sorted(ready)} of {workers} had exact views after {timeout:g} s")
+
+
 # ---- one run -----------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Row:
-    workload: str
-    target: str
-    completed: int
-    failed: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    short_ttft_p99_ms: float  # skew: p99 TTFT of the short prompts alone (the ones stuck behind long ones)
-    itl_p99_ms: float
-    output_tok_s: float
-    hit_rate: float
-    oracle_hit_rate: float
-    oracle_length_matches: str  # prompts the oracle tokenized to the server's length / all
-    max_per_rank: int
-    min_per_rank: int
-    errors: dict[str, int] = field(default_factory=dict)
-    ttfts_ms: list[float] = field(default_factory=list)
-    host_cpu_percent: float = math.nan
-    own_cores: float = math.nan
-
-    @property
-    def hit_vs_oracle(self) -> float:
-        return self.hit_rate / self.oracle_hit_rate if self.oracle_hit_rate else math.nan
-
-
-def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource, logs: Path) -> Row:
-    tag = f"{wl.spec.name}-{target.replace(':', '-')}"
-    fleet = start_fleet(args, logs / f"{tag}-supervise.log")
+def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource, logs: Path) -> list[Row]:
+    tag = f"{wl.spec.name}-{wl.name[:4]}-{target.replace(':', '-').replace('/', '-')}"
+    fleet = start_fleet(args, wl, logs / f"{tag}-supervise.log")
+    scale = wl.time_scale or args.time_scale
     router = None
+    results, per_rank = [], [scrape(fleet)]
     try:
         port = free_port()
         argv, ready = router_argv(target, port, fleet)
         router = spawn(argv, log=logs / f"{tag}-router.log")
         wait_http(f"http://127.0.0.1:{port}{ready}", timeout=120, proc=router)
-        time.sleep(1.0)  # let telemetry-driven routers take a first scrape of every rank
+        time.sleep(2.0)  # let telemetry-driven routers take a first scrape (and lbd its event sources)
+        if target.startswith("lbd:") and "/approx" not in target:
+            wait_exact(port, int(next((m[1:] for m in target.split("/") if m[:1] == "w"), "1")))
         # the engines' model name: some routers' /v1/models answer a placeholder ("unknown")
         model = httpx.get(fleet.urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         psutil.cpu_percent(None)
         trees = [os.getpid()]  # this client and its children: the fleet and the router
         cpu0, t0 = tree_usage(*trees)[0], time.monotonic()
-        result: RunResult = asyncio.run(
-            run_target(wl.cfg, wl.spec, Target(target, f"http://127.0.0.1:{port}", model), src)
-        )
+        plan = [(wl.cfg, math.nan)]
+        if wl.steps:
+            plan = [
+                (
+                    dataclasses.replace(
+                        wl.cfg,
+                        request_rate=rate / scale,
+                        num_prompts=max(24, int(rate * wl.step_s)),
+                        seed=wl.cfg.seed + 101 * i,
+                    ),
+                    rate,
+                )
+                for i, rate in enumerate(wl.steps)
+            ]
+        for cfg, rate in plan:
+            target_obj = Target(target, f"http://127.0.0.1:{port}", model)
+            results.append((asyncio.run(run_target(cfg, wl.spec, target_obj, src)), rate))
+            per_rank.append(scrape(fleet))
+        reasons = decision_counts(port) if target.startswith("lbd:") else {}
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
         own_cores = (tree_usage(*trees)[0] - cpu0) / (time.monotonic() - t0)  # ranks + router + this client
-        per_rank = scrape(fleet)
     finally:
         if router is not None:
             stop(router)
         stop(fleet.proc, timeout=30)
-    s, scale = result.summary, args.time_scale
-    queries = sum(r["prefix_cache_queries_total"] for r in per_rank)
-    served = [int(r["request_success_total"]) for r in per_rank]
-    oracle = oracle_hit_rate(result.records, src.tok, args.block_size)
-    return Row(
-        workload=wl.name,
-        target=target,
-        completed=s.completed,
-        failed=s.failed,
-        ttft_p50_ms=s.ttft_ms["p50"] / scale,
-        ttft_p99_ms=s.ttft_ms["p99"] / scale,
-        short_ttft_p99_ms=percentile([r.ttft for r in result.records if r.ok and r.kind == "short"], 99)
-        * 1e3
-        / scale,
-        itl_p99_ms=s.itl_ms["p99"] / scale,
-        output_tok_s=s.output_throughput * scale,
-        hit_rate=sum(r["prefix_cache_hits_total"] for r in per_rank) / queries if queries else math.nan,
-        oracle_hit_rate=oracle.hit_rate,
-        oracle_length_matches=f"{oracle.length_matches}/{oracle.requests}",
-        max_per_rank=max(served),
-        min_per_rank=min(served),
-        errors=s.errors,
-        ttfts_ms=[r.ttft * 1e3 / scale for r in result.records if r.ok and r.ttft is not None],
-        host_cpu_percent=host_cpu,
-        own_cores=own_cores,
-    )
+    orc = oracle([r.records for r, _ in results], src.tok, args.block_size)
+    rows = []
+    for i, ((result, rate), (o_rate, o_match, o_n)) in enumerate(zip(results, orc, strict=True)):
+        before, after = per_rank[i], per_rank[i + 1]
 
+        def delta(key: str, rank: int, a: list = after, b: list = before) -> float:
+            return a[rank][key] - b[rank][key]
 
-# ---- report ------------------------------------------------------------------------------------------------
-def table(rows: list[Row]) -> str:
-    """One markdown table; the short-prompt p99 column only where the workload has short prompts."""
-    shorts = any(math.isfinite(r.short_ttft_p99_ms) for r in rows)
-    header = ["target", "TTFT p50 ms", "TTFT p99 ms", *(["short-prompt TTFT p99 ms"] if shorts else []),
-              "ITL p99 ms", "out tok/s", "prefix hit", "hit/oracle", "req/rank max/min", "errors"]
-    body = [
-        [
-            r.target,
-            f"{r.ttft_p50_ms:,.1f}",
-            f"{r.ttft_p99_ms:,.1f}",
-            *([f"{r.short_ttft_p99_ms:,.1f}"] if shorts else []),
-            f"{r.itl_p99_ms:,.1f}",
-            f"{r.output_tok_s:,.0f}",
-            f"{100 * r.hit_rate:.1f}%",
-            f"{100 * r.hit_vs_oracle:.0f}%" if r.oracle_hit_rate > 0 else "-",
-            f"{r.max_per_rank}/{r.min_per_rank}",
-            str(r.failed),
-        ]
-        for r in rows
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
-
-
-def verdicts(rows: list[Row], ours: str = "lbd:predicted_ttft") -> list[str]:
-    """The issue's targets, each with MET or MISSED and the numbers behind it."""
-    out = []
-
-    def line(ok: bool, text: str) -> None:
-        out.append(f"- {'MET' if ok else 'MISSED'}: {text}")
-
-    for wl in dict.fromkeys(r.workload for r in rows):
-        by = {r.target: r for r in rows if r.workload == wl}
-        me, rr = by.get(ours), by.get("lbd:round_robin")
-        if me is None:
-            continue
-        peers = [r for name, r in by.items() if not name.startswith("lbd:")]
-        if rr is not None and me.oracle_hit_rate > 0:
-            ratio = rr.ttft_p99_ms / me.ttft_p99_ms
-            line(ratio >= 2.0, f"{wl}: {ours} p99 TTFT {me.ttft_p99_ms:.1f} ms vs round robin "
-                               f"{rr.ttft_p99_ms:.1f} ms = {ratio:.2f}x lower (target >= 2x)")
-            line(me.hit_vs_oracle >= 0.9, f"{wl}: {ours} prefix hit rate {100 * me.hit_rate:.1f}% = "
-                                          f"{100 * me.hit_vs_oracle:.0f}% of the oracle's (target >= 90%)")
-        for peer in peers:
-            line(me.ttft_p99_ms <= peer.ttft_p99_ms,
-                 f"{wl}: p99 TTFT {me.ttft_p99_ms:.1f} ms vs {peer.target} {peer.ttft_p99_ms:.1f} ms")
-            line(me.output_tok_s >= peer.output_tok_s * 0.98,  # 2%: run-to-run noise of the same router
-                 f"{wl}: output {me.output_tok_s:,.0f} tok/s vs {peer.target} {peer.output_tok_s:,.0f} tok/s")
-    return out
-
-
-def plot(rows: list[Row], path: Path, scale: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r.workload for r in rows))
-    palette = plt.get_cmap("tab10").colors
-    color = {t: palette[i % len(palette)] for i, t in enumerate(dict.fromkeys(r.target for r in rows))}
-    fig, axes = plt.subplots(len(names), 2, figsize=(14, 5 * len(names)), squeeze=False)
-    for i, wl in enumerate(names):
-        mine = [r for r in rows if r.workload == wl]
-        ax = axes[i][0]
-        for r in mine:
-            xs = sorted(r.ttfts_ms)
-            ax.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=r.target, color=color[r.target])
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, simulated H100 time)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{wl}: TTFT CDF")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        ax = axes[i][1]
-        xs = range(len(mine))
-        ax.bar([x - 0.2 for x in xs], [r.ttft_p99_ms for r in mine], width=0.4, label="TTFT p99 (ms)")
-        ax.set_ylabel("TTFT p99 (ms)")
-        ax2 = ax.twinx()
-        ax2.bar(
-            [x + 0.2 for x in xs],
-            [100 * r.hit_rate for r in mine],
-            width=0.4,
-            color="tab:orange",
-            label="prefix hit rate (%)",
+        queries = sum(delta("prefix_cache_queries_total", k) for k in range(args.ranks))
+        hits = sum(delta("prefix_cache_hits_total", k) for k in range(args.ranks))
+        served = [int(delta("request_success_total", k)) for k in range(args.ranks)]
+        s = summarize(result.records, result.duration_s, {})
+        shorts = [r.ttft for r in result.records if r.ok and r.kind == "short"]
+        rows.append(
+            Row(
+                workload=wl.name,
+                target=target,
+                completed=s.completed,
+                failed=s.failed,
+                ttft_p50_ms=s.ttft_ms["p50"] / scale,
+                ttft_p99_ms=s.ttft_ms["p99"] / scale,
+                ttft_p90_ms=percentile([r.ttft for r in result.records if r.ok and r.ttft is not None], 90)
+                * 1e3
+                / scale,
+                short_ttft_p99_ms=percentile(shorts, 99) * 1e3 / scale,
+                itl_p99_ms=s.itl_ms["p99"] / scale,
+                output_tok_s=s.output_throughput * scale,
+                hit_rate=hits / queries if queries else math.nan,
+                oracle_hit_rate=o_rate,
+                oracle_length_matches=f"{o_match}/{o_n}",
+                max_per_rank=max(served),
+                min_per_rank=min(served),
+                errors=s.errors,
+                ttfts_ms=[r.ttft * 1e3 / scale for r in result.records if r.ok and r.ttft is not None],
+                host_cpu_percent=host_cpu,
+                own_cores=own_cores,
+                step_rate=rate,
+                reasons=reasons,
+            )
         )
-        ax2.set_ylabel("prefix-cache hit rate (%)")
-        ax2.set_ylim(0, 100)
-        ax.set_xticks(list(xs), [r.target for r in mine], rotation=30, ha="right", fontsize=7)
-        ax.set_title(f"{wl}: p99 TTFT (blue) and prefix hit rate (orange)")
-    fig.suptitle(f"Routing quality: 8 simulated H100 ranks (Llama-3-8B), time scale {scale:g}")
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    exit_on_sigterm()
+def report(files: list[Path]) -> int:
+    """Tables and verdicts of saved runs; each file stays its own side-by-side run."""
+    for f in files:
+        rows = [Row(**d) for d in orjson.loads(f.read_bytes())]
+        print(f"## {f.name}")
+        for wl in dict.fromkeys(r.workload for r in rows):
+            mine = [r for r in rows if r.workload == wl]
+            stepped = any(math.isfinite(r.step_rate) for r in mine)
+            print(f"\n### {wl}\n\n{step_table(mine) if stepped else table(mine)}")
+        print("\n### Targets (issue 13)\n\n" + "\n".join(verdicts(rows)) + "\n")
+    return 0
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--sim-profile", default="h100-llama3-8b")
     p.add_argument("--time-scale", type=float, default=40.0, help="dilation of simulated time (see the doc)")
     p.add_argument("--mt-rate", type=float, default=800.0, help="multi-turn: simulated requests/s (Poisson)")
     p.add_argument("--skew-rate", type=float, default=250.0, help="skew: simulated requests/s (Poisson)")
+    p.add_argument("--tenants", type=int, default=48, help="many-tenant: tenants (system prompts)")
+    p.add_argument("--tenant-prompt-len", type=int, default=3000, help="many-tenant: system prompt tokens")
+    p.add_argument("--mt-steps", default="30,60,90,120", help="many-tenant: simulated req/s of each step")
+    p.add_argument("--step-s", type=float, default=3.0, help="many-tenant: simulated seconds per step")
+    p.add_argument("--tenant-kv-share", type=float, default=1 / 3,
+                   help="many-tenant: share of all tenants' system prompts one rank's KV cache holds")
+    p.add_argument("--tenant-skew", type=float, default=0.0, help="many-tenant: Zipf exponent of popularity")
+    p.add_argument("--tenant-time-scale", type=float, default=20.0, help="many-tenant: time dilation")
     p.add_argument(
         "--model",
         default=None,
@@ -390,12 +415,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--only", default=None, help="comma-separated targets (see --list)")
     p.add_argument("--list", action="store_true", help="print the targets available here and exit")
-    p.add_argument("--workloads", default="multi-turn,skew")
+    p.add_argument("--workloads", default="multi-turn,many-tenant,skew")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=str(ROOT / "benchmarks" / "routing_quality.png"))
-    p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--json", default=None, help="write every row here (after every target)")
+    p.add_argument("--report", default=None, metavar="JSON[,JSON]",
+                   help="run nothing: print the tables and verdicts of earlier --json files, one run each")
     args = p.parse_args(argv)
+    args.parser = p
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
+    args = parse(argv)
+    if args.report:
+        return report([Path(f) for f in args.report.split(",")])
     targets = available_targets()
     if args.list:
         print("\n".join(targets))
@@ -404,55 +440,65 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [t.strip() for t in args.only.split(",")]
         unknown = [t for t in wanted if t not in targets and f"lbd:{t}" not in targets]
         if unknown:
-            p.error(f"--only: unknown targets {unknown}; available: {', '.join(targets)}")
+            args.parser.error(f"--only: unknown targets {unknown}; available: {', '.join(targets)}")
         targets = [t if t in targets else f"lbd:{t}" for t in wanted]
     if args.model is None:
         from engine.loader import converted_path, default_gguf, resolve_model
 
-        args.model = (
-            str(resolve_model(None))
-            if not (converted_path(default_gguf()) / "config.json").exists()
-            else str(converted_path(default_gguf()))
-        )
+        done = (converted_path(default_gguf()) / "config.json").exists()
+        args.model = str(converted_path(default_gguf())) if done else str(resolve_model(None))
     all_wl = workloads(args)
     chosen = [all_wl[w.strip()] for w in args.workloads.split(",")]
     src = TextSource(load_tokenizer(args.model))
     logs = Path(tempfile.mkdtemp(prefix="routing-quality-"))
     print(
-        f"# routing quality: {args.ranks} sim ranks, {args.sim_profile} x{args.time_scale:g}, "
-        f"{platform.node()} ({os.cpu_count()} CPUs), logs in {logs}",
+        f"# routing quality: {args.ranks} sim ranks, {args.sim_profile}, {platform.node()} "
+        f"({os.cpu_count()} CPUs), load average {os.getloadavg()[0]:.1f}, logs in {logs}",
         flush=True,
     )
     rows: list[Row] = []
     for wl in chosen:
         for target in targets:
             t0 = time.monotonic()
-            row = run_one(args, wl, target, src, logs)
-            rows.append(row)
-            print(
-                f"  {wl.name} / {target}: TTFT p99 {row.ttft_p99_ms:,.1f} ms, hit {100 * row.hit_rate:.1f}% "
-                f"(oracle {100 * row.oracle_hit_rate:.1f}%, lengths matched {row.oracle_length_matches}), "
-                f"{row.failed} failed, host CPU "
-                f"{row.host_cpu_percent:.0f}% (ours {row.own_cores:.2f} cores), "
-                f"{time.monotonic() - t0:.0f} s",
-                flush=True,
-            )
+            got = run_one(args, wl, target, src, logs)
+            rows += got
+            for row in got:
+                step = f" @ {row.step_rate:g} req/s" if math.isfinite(row.step_rate) else ""
+                print(
+                    f"  {wl.name}{step} / {target}: TTFT p90 {row.ttft_p90_ms:,.1f} "
+                    f"p99 {row.ttft_p99_ms:,.1f} ms, hit {100 * row.hit_rate:.1f}% "
+                    f"(oracle {100 * row.oracle_hit_rate:.1f}%, lengths matched "
+                    f"{row.oracle_length_matches}), {row.failed} failed, host CPU "
+                    f"{row.host_cpu_percent:.0f}% (ours {row.own_cores:.2f} cores) {row.reasons or ''}",
+                    flush=True,
+                )
+            print(f"  ({time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
+            if args.json:  # after every target: a run cut short keeps what it measured
+                rows_json = orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2)
+                Path(args.json).write_bytes(rows_json)
     for wl in chosen:
         mine = [r for r in rows if r.workload == wl.name]
-        print(
-            f"\n### {wl.name} ({wl.cfg.num_prompts} requests, Poisson {wl.cfg.request_rate:g} req/s dilated "
-            f"time = {wl.cfg.request_rate * args.time_scale:g} req/s simulated)\n"
-        )
-        print(table(mine))
+        scale = wl.time_scale or args.time_scale
+        if wl.steps:
+            print(
+                f"\n### {wl.name} ({wl.spec.num_groups} tenants x {wl.spec.system_prompt_len}-token prompts, "
+                f"steps {wl.steps} req/s simulated, {wl.step_s:g} s each, time scale {scale:g})\n"
+            )
+            print(step_table(mine))
+        else:
+            print(
+                f"\n### {wl.name} ({wl.cfg.num_prompts} requests, Poisson "
+                f"{wl.cfg.request_rate * scale:g} req/s simulated, time scale {scale:g})\n"
+            )
+            print(table(mine))
     checks = verdicts(rows)
     if checks:
-        print("\n### Targets (issue 6)\n")
+        print("\n### Targets (issue 13)\n")
         print("\n".join(checks))
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
     if args.plot:
         plot(rows, Path(args.plot), args.time_scale)
         print(f"\nplot: {args.plot}")
-    if args.json:
-        Path(args.json).write_bytes(orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2))
     return 0
 
 

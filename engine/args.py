@@ -10,6 +10,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from engine.edge import limits as _limits
+from engine.edge.limits import parse_bytes
+from engine.edge.tls import add_tls_arguments, check_tls
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -34,12 +38,29 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    kv_events_config: str | None = None  # vLLM's JSON (engine.kv_events.config)
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
     api_server_count: int = 1
-    max_request_body_bytes: int = 32 * 1024 * 1024
     shutdown_timeout: float = 30.0
+    api_key: list[str] | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    health_stall_timeout_s: float = 60.0
+    # connection limits (engine.edge.limits)
+    max_request_line_bytes: int = _limits.DEFAULTS.max_request_line_bytes
+    max_header_bytes: int = _limits.DEFAULTS.max_header_bytes
+    max_headers: int = _limits.DEFAULTS.max_headers
+    max_head_bytes: int = _limits.DEFAULTS.max_head_bytes
+    max_request_body_bytes: int = _limits.DEFAULTS.max_request_body_bytes
+    header_read_timeout_s: float = _limits.DEFAULTS.header_read_timeout_s
+    body_read_timeout_s: float = _limits.DEFAULTS.body_read_timeout_s
+    keep_alive_timeout_s: float = _limits.DEFAULTS.keep_alive_timeout_s
+    max_connections: int = _limits.DEFAULTS.max_connections
     data_parallel_rank: int | None = None
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
@@ -70,16 +91,6 @@ class EngineArgs:
     @property
     def model_names(self) -> list[str]:
         return list(self.served_model_name) if self.served_model_name else [self.model_name]
-
-
-def parse_bytes(text: str) -> int:
-    """Parse 4GiB, 512MiB, 1e9 or a plain integer (shared by every CLI that takes a byte size)."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -123,6 +134,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="reject new requests with 503 when this many are waiting")
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
                    help="reject new requests with 503 when waiting prompts hold this many tokens")
+    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "builtin"],
+                   help="block keys of the prefix cache: sha256 (vLLM's keys, collision resistant) or "
+                        "builtin (Python's hash: faster, unsafe where tenants share a cache)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5567"}\' (tcp ports are offset by the DP rank)')
     g.add_argument("--max-logprobs", type=int, default=20, help="largest top-k logprobs a request may ask")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
@@ -131,8 +149,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and one core")
-    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 * 1024 * 1024,
-                   help="larger request bodies get 413")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require Authorization: Bearer <one of these keys> on every path but /health, /ping, "
+                        "/load, /version and /metrics (also $VLLM_API_KEY, and $LBD_API_KEYS one per line)")
+    g.add_argument("--health-stall-timeout-s", type=float, default=60.0,
+                   help="/health answers 503 when requests are in flight and the core has sent nothing for "
+                        "this long (a wedged step, a hung collective); 0 turns the check off")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -142,6 +164,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="log where the time of a step goes (scheduling, input preparation, attention, "
                         "linear, sampling, IPC; the front ends' detokenization and streaming) every N steps; "
                         "0 = off")
+
+    add_tls_arguments(parser)
+    _limits.add_limit_arguments(parser)
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
@@ -164,8 +189,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="layers per pipeline stage, e.g. 10,10,12 (default: an even split, the remainder "
                         "to the stages before the last)")
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                   help="how a rank's TP x PP workers run: mp = processes on this node, gloo on the CPU, "
-                        "NCCL on CUDA (ray: not implemented yet, refused)")
+                   help="how a rank's TP x PP workers run (gloo on the CPU, NCCL on CUDA): mp = processes "
+                        "on this node; ray = one Ray actor per worker in a placement group of TP x PP "
+                        "GPU (or CPU) bundles, so a rank may span nodes (RAY_ADDRESS, else the cluster "
+                        "of `ray start` on this node, else a local one the rank starts and stops)")
     g.add_argument("--distributed-timeout-s", type=float, default=600.0,
                    help="a collective or rendezvous of a rank's workers that waits longer fails the rank "
                         "(vLLM's NCCL default)")
@@ -218,6 +245,23 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error("--shutdown-timeout must be >= 0")
     if args.profile_steps < 0:
         parser.error(f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}")
+    if args.kv_events_config is not None:
+        from engine.kv_events.config import offset_endpoint_port, parse_kv_events_config
+
+        try:
+            cfg = parse_kv_events_config(args.kv_events_config)
+            if cfg.active:
+                offset_endpoint_port(cfg.endpoint, args.rank)
+                offset_endpoint_port(cfg.replay_endpoint, args.rank)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
+        parser.error("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
+                     "once a second")
+    problem = _limits.check_limits(_limits.limits_from(args)) or check_tls(
+        args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if problem:
+        parser.error(problem)
     problem = parallel_flags_problem(args)
     if problem:
         parser.error(problem)
@@ -243,9 +287,9 @@ def parallel_flags_problem(args: EngineArgs) -> str | None:
     for name, message in NOT_YET.items():
         if getattr(args, name) not in (None, False):
             return message
-    if args.distributed_executor_backend == "ray":
-        return ("--distributed-executor-backend ray is not implemented yet: use mp (the default), which runs "
-                "a rank's TP x PP workers as processes on this node")
+    if args.distributed_executor_backend == "ray" and args.device == "sim":
+        return ("--distributed-executor-backend ray places real devices: drop it with --device sim (or run "
+                "--device cpu)")
     if not args.distributed_timeout_s > 0:
         return f"--distributed-timeout-s must be > 0, got {args.distributed_timeout_s}"
     pp = args.pipeline_parallel_size

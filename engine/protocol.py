@@ -5,7 +5,7 @@ unique identity and sends ``[kind, payload]`` frames. The core answers through t
 identity that sent the request, so N front ends share one core and each gets only its own requests' outputs.
 
 Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` ({"ids", "reason"}; see abort_from_payload),
-``hello`` (empty).
+``hello`` (empty), ``reset_prefix_cache`` ({"id"}; answered with ``reset_done`` {"id", "ok"}).
 Core -> front end kinds:  ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
 it with ``outputs_from_dict(decode(payload))``), ``ready`` (CoreInfo, answer to ``hello``), ``error``
 ({"request_id", "message", "status"}), ``stats`` (SchedulerStats, sent at most every 100 ms when idle so
@@ -19,8 +19,8 @@ from typing import Any
 
 import msgpack
 
-ADD, ABORT, HELLO = b"add", b"abort", b"hello"
-OUTPUTS, READY, ERROR, STATS = b"outputs", b"ready", b"error", b"stats"
+ADD, ABORT, HELLO, RESET = b"add", b"abort", b"hello", b"reset_prefix_cache"
+OUTPUTS, READY, ERROR, STATS, RESET_DONE = b"outputs", b"ready", b"error", b"stats", b"reset_done"
 
 
 @dataclass(slots=True)

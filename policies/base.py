@@ -14,14 +14,20 @@ from typing import Any, ClassVar
 
 @dataclass(slots=True)
 class RequestFacts:
-    """What the router parsed out of one request (no tokenization: lengths are estimates). Treat as
-    read-only; not frozen because a frozen dataclass's __init__ costs three times as much (every request)."""
+    """What the router parsed out of one request. Treat as read-only; not frozen because a frozen
+    dataclass's __init__ costs three times as much (every request).
+
+    ``cached_tokens`` is exact where the router follows an endpoint's KV-cache events: the prompt tokens that
+    endpoint holds in its prefix cache, by endpoint key (then ``prompt_tokens`` is exact too). Endpoints
+    missing from it (or all, when it is None) are judged by the approximate text-prefix index."""
 
     model: str | None = None
     prefix_hashes: tuple[int, ...] = ()  # chained hashes of fixed-size chunks of the request text
     session_key: str | None = None
     pinned_rank: int | None = None
-    prompt_tokens: int = 0  # estimate (characters / 4)
+    prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
+    cached_tokens: dict[str, int] | None = None
+    block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
 
 
 @dataclass(slots=True)
@@ -104,6 +110,9 @@ class Policy:
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    # True when the policy reads RequestFacts.cached_tokens: with exact views of every endpoint the router
+    # then skips the text-prefix hashes (only the approximate index needs them)
+    exact_aware: ClassVar[bool] = False
 
     def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
         self.stale_s = stale_s

@@ -4,11 +4,18 @@ Estimate per endpoint, in prefill-token equivalents divided by a prefill rate (t
     tokens ahead   = the router's own requests there without a first byte yet (their uncached tokens, exact)
                    + other clients' waiting requests x the average prompt length seen
     decode drag    = running requests x ``running_tokens`` (each takes a slot of every step's token budget)
-    this request   = its prompt minus the prefix that endpoint already holds (approximate prefix index)
+    this request   = its prompt minus the prefix that endpoint already holds: exact where the router follows
+                     the endpoint's KV-cache events (``facts.cached_tokens``), else the approximate index
     KV pressure    = ``kv_penalty_tokens`` x how far KV use is past ``kv_threshold`` (near full = preemption)
 The rate is a flag, or learned from observed times to first byte (EWMA) when not given.
-Bounded stickiness: endpoints whose queue score is past the least one by a gap are not considered, so a
-cached prefix never outweighs a large load gap; equal estimates rotate so cold bursts spread.
+The choice minimises the estimate plus ``reuse_weight`` x this request's uncached tokens: a token computed
+again where another rank holds it delays everything queued behind it there, so between two near-equal
+estimates the one that reuses the cache wins (e.g. a request whose prefix another request is computing right
+now), while a rank whose queue outgrows the saving loses the request (a hot prefix spreads).
+Bounded stickiness: approximate endpoints whose queue score is past the least one by a gap are not
+considered, so a guessed prefix never outweighs a large load gap. Endpoints with an exact view are exempt:
+their estimate already holds the queue ahead and the true cost of a miss (a gap on running requests only
+broke affinity for chat sessions with long decodes). Equal estimates rotate so cold bursts spread.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
 @register
 class PredictedTtft(Policy):
     name = "predicted_ttft"
+    exact_aware = True
     help = "lowest estimated time to first token: queue ahead + uncached prefill, KV pressure as a penalty"
 
     def __init__(
@@ -37,6 +45,8 @@ class PredictedTtft(Policy):
         gap_rel: float = 0.5,
         index_capacity: int = 65536,
         learn_alpha: float = 0.1,
+        reuse_weight: float = 1.0,
+        exact_gap_free: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -48,10 +58,19 @@ class PredictedTtft(Policy):
             kv_penalty_tokens,
         )
         self.gap_abs, self.gap_rel, self.alpha = gap_abs, gap_rel, learn_alpha
+        self.reuse_weight = reuse_weight
+        self.exact_gap_free = exact_gap_free
         self.avg_prompt_tokens = 256.0
         self.index = PrefixIndex(index_capacity)
 
     def uncached_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> tuple[float, int]:
+        """(prompt tokens ``ep`` would compute, prefix blocks or chunks it holds)."""
+        exact = facts.cached_tokens
+        if exact is not None:
+            cached = exact.get(ep.key)
+            if cached is not None:
+                uncached = facts.prompt_tokens - cached
+                return (uncached if uncached > 0 else 0.0), cached // ep.block_size
         if not facts.prefix_hashes:
             return float(facts.prompt_tokens), 0
         matched = self.index.match(ep.key, facts.prefix_hashes)
@@ -90,11 +109,15 @@ class PredictedTtft(Policy):
         scores = [queue_score(e, stale_s) for e in endpoints]
         least = min(scores)
         bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
-        allowed = [i for i, s in enumerate(scores) if s <= bound]
-        pick = allowed[self.rotate(ties([costs[i][0] for i in allowed], eps=1e-6))]
+        exact = facts.cached_tokens if self.exact_gap_free else None
+        # With an exact view the estimate itself holds the queue (the endpoint's unstarted tokens and waiting
+        # requests) and the true cost of a miss; the queue-score gap stays for approximate endpoints only.
+        allowed = [i for i, s in enumerate(scores) if s <= bound or (exact and endpoints[i].key in exact)]
+        w = self.reuse_weight
+        pick = allowed[self.rotate(ties([costs[i][0] + w * costs[i][1] for i in allowed], eps=1e-6))]
         ep = endpoints[pick]
         total, uncached, matched = costs[pick]
-        if len(allowed) < len(costs) and total > min(c[0] for c in costs) + 1e-6:
+        if len(allowed) < len(costs) and total + w * uncached > min(c[0] + w * c[1] for c in costs) + 1e-6:
             reason = "load_gap"
         elif ep.age_s > stale_s:
             reason = "stale_telemetry"
@@ -103,11 +126,12 @@ class PredictedTtft(Policy):
         else:
             reason = "lowest_ttft"
         rate = self.rate
+        exact = facts.cached_tokens is not None and ep.key in facts.cached_tokens
 
         def detail() -> str:
             return (
                 f"est {total / rate * 1000:.1f} ms ({total:.0f} tok at {rate:.0f} tok/s, "
-                f"{uncached:.0f} uncached, {matched} chunks cached)"
+                f"{uncached:.0f} uncached, {matched} {'blocks' if exact else 'chunks'} cached)"
             )
 
         return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / rate)

@@ -22,6 +22,7 @@ from engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProf
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
+    from engine.kv_events.publisher import KVEvents
     from engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class PipelinedRunner(Runner, Protocol):
 
 def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
     """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    if parallel or args.distributed_executor_backend == "ray":
         from engine.executor import make_executor
 
         return make_executor(args, model_path, **executor_options)
@@ -84,7 +86,23 @@ def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
+
+
+def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
+    """The KV-event publisher of ``--kv-events-config`` (None when off); binds its sockets now."""
+    if args.kv_events_config is None:
+        return None
+    from engine.kv_events.config import parse_kv_events_config
+
+    cfg = parse_kv_events_config(args.kv_events_config)
+    if not cfg.active:
+        return None
+    from engine.kv_events.publisher import KVEvents
+
+    host = args.host if args.host not in (None, "", "0.0.0.0", "::") else None
+    return KVEvents(cfg, args.rank, block_size, host)
 
 
 class EngineCore:
@@ -92,14 +110,16 @@ class EngineCore:
                  runner: Runner | None = None, **executor_options: Any) -> None:
         self.args = args
         self.model_path = model_path
+        self.kv_events: KVEvents | None = None
         self.runner = runner if runner is not None else make_runner(args, model_path, **executor_options)
         try:
             self.config = scheduler_config(args, self.runner)
             self._check_capacity()
+            self.kv_events = make_kv_events(args, self.config.block_size)
         except Exception:
             self.close()
             raise
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
@@ -161,7 +181,9 @@ class EngineCore:
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         device=r.device, dtype=r.dtype,
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
-                               "kv_cache_dtype": self.args.kv_cache_dtype})
+                               "kv_cache_dtype": self.args.kv_cache_dtype,
+                               "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
+                               "kv_events": self.kv_events.advertised() if self.kv_events else None})
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
@@ -182,11 +204,21 @@ class EngineCore:
             self._record()
         return aborted
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (AllBlocksCleared); False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._batches)
 
     def close(self) -> None:
-        """Stop the runner's worker processes, if it has any."""
+        """Flush and close the KV-event publisher; stop the runner's worker processes, if it has any."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -226,6 +258,8 @@ class EngineCore:
         # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
         prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         prof.lap("update")
         if prof.enabled:
             tokens = out.num_tokens

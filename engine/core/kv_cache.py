@@ -2,37 +2,63 @@
 
 The cache is a fixed pool of ``num_blocks`` blocks of ``block_size`` token slots. A request owns a list of
 block ids in position order (``Request.block_ids``). With prefix caching, every *full* block that has been
-computed is registered under a hash chained over the whole prefix (hash of the parent block's hash and the
-block's token ids), so a later request whose tokens start the same way reuses those blocks instead of
-recomputing them. Blocks are reference counted; a freed block that still holds a registered hash is kept,
-in LRU order, and only evicted (its hash forgotten) when no never-cached free block is left.
+computed is registered under a key chained over the whole prefix (``engine.core.block_hash``: the parent
+block's key, the block's token ids, extra keys), so a later request whose tokens start the same way reuses
+those blocks instead of recomputing them. Blocks are reference counted; a freed block that still holds a
+registered key is kept, in LRU order, and only evicted (its key forgotten) when no never-cached free block is
+left.
+
+Collisions are harmless by construction, whatever the hash: a registered block remembers its token ids and
+the *content serial* of the block before it (every computed full block gets one; a block proven identical to
+a registered one shares its serial). A lookup takes a cached block only if its tokens equal the request's and
+its parent serial is that of the block just taken, so by induction every block taken holds exactly the
+request's prefix. A key that matches other content is a miss (and the newer content takes the key over).
 
 Invariant: ``block_hash[b] == h`` iff ``cached[h] == b``; a block with ``ref_cnt 0`` is either in
-``free_plain`` (no hash) or in ``evictable`` (hashed).
+``free_plain`` (no key) or in ``evictable`` (keyed). Every registration, eviction and reset is told to the
+optional ``listener`` (the KV-event publisher's recorder), in order.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
 
+from engine.core.block_hash import BlockKey, make_hasher
 from engine.core.request import Request
 
-_ROOT_HASH = 0x6C6264  # parent "hash" of a request's first block
+_ROOT_SERIAL = 0  # the "parent" of a request's first block
+
+
+class CacheListener(Protocol):
+    def stored(self, keys: list[BlockKey], parent: BlockKey | None, token_ids: Sequence[int]) -> None: ...
+    def removed(self, key: BlockKey) -> None: ...
+    def cleared(self) -> None: ...
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256", listener: CacheListener | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self.hasher = make_hasher(hash_algo)
+        self.listener = listener
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[BlockKey | None] = [None] * num_blocks
+        self.cached: dict[BlockKey, int] = {}  # block key -> block id
+        # what a registered block holds, checked on every hit: its tokens and its parent's content serial
+        self._tokens: list[list[int] | None] = [None] * num_blocks
+        self._parent: list[int] = [_ROOT_SERIAL] * num_blocks
+        self._serial: list[int] = [_ROOT_SERIAL] * num_blocks  # content serial of each computed full block
+        self._next_serial = _ROOT_SERIAL + 1
         # A stack popped from the end: low block ids go out first, which keeps small pools easy to read.
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # hashed blocks with ref 0, oldest first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks with ref 0, oldest first
         self.prefix_queries = 0  # tokens looked up in the prefix cache (vLLM semantics)
         self.prefix_hits = 0  # tokens found there
 
@@ -59,14 +85,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        self._hash_upto(req, max_blocks)
+        self.hash_upto(req, max_blocks)
         blocks: list[int] = []
-        cached = self.cached
-        for h in req.block_hashes[:max_blocks]:
+        cached, tokens, parents, serials = self.cached, self._tokens, self._parent, self._serial
+        bs, toks, prev = self.block_size, req.all_token_ids, _ROOT_SERIAL
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
             b = cached.get(h)
-            if b is None:
-                break
+            if b is None or parents[b] != prev or tokens[b] != toks[i * bs:(i + 1) * bs]:
+                break  # a miss, or a key collision: never another prompt's KV
             blocks.append(b)
+            prev = serials[b]
         return blocks, len(blocks) * self.block_size
 
     def allocate_for(self, req: Request, num_new_tokens: int,
@@ -110,10 +138,19 @@ class KVCacheManager:
             b = self.free_plain.pop()
         else:
             b, _ = self.evictable.popitem(last=False)  # least recently freed cached block
-            del self.cached[self.block_hash[b]]
-            self.block_hash[b] = None
+            self._unregister(b)
         self.ref_cnt[b] = 1
+        self._serial[b] = _ROOT_SERIAL
         return b
+
+    def _unregister(self, b: int) -> None:
+        h = self.block_hash[b]
+        assert h is not None
+        del self.cached[h]
+        self.block_hash[b] = None
+        self._tokens[b] = None
+        if self.listener is not None:
+            self.listener.removed(h)
 
     # ---- registration and release ---------------------------------------------------------------------
     def cache_blocks(self, req: Request) -> None:
@@ -124,17 +161,51 @@ class KVCacheManager:
         start = req.num_registered_blocks
         if num_full <= start:
             return
-        self._hash_upto(req, num_full)
-        hashes, block_ids = req.block_hashes, req.block_ids
+        self.hash_upto(req, num_full)
+        hashes, block_ids, toks, bs = req.block_hashes, req.block_ids, req.all_token_ids, self.block_size
+        prev = self._serial[block_ids[start - 1]] if start else _ROOT_SERIAL
+        run_start = -1  # first block of the current run of newly registered blocks (one event per run)
         for i in range(start, num_full):
             b = block_ids[i]
-            h = hashes[i]
-            # A block already registered (a prefix hit) keeps its hash; a duplicate of a block another
-            # request registered first stays unregistered and simply returns to the plain pool when freed.
-            if self.block_hash[b] is None and h not in self.cached:
-                self.cached[h] = b
-                self.block_hash[b] = h
+            if self.block_hash[b] is None:  # a prefix hit keeps its key: only new blocks are offered
+                if self._register(b, hashes[i], toks[i * bs:(i + 1) * bs], prev):
+                    run_start = i if run_start < 0 else run_start
+                else:
+                    self._emit_run(req, run_start, i)
+                    run_start = -1
+            prev = self._serial[b]
+        self._emit_run(req, run_start, num_full)
         req.num_registered_blocks = num_full
+
+    def _register(self, b: int, h: BlockKey, tokens: list[int], parent: int) -> bool:
+        """Key block ``b``; False when an identical block already holds the key (``b`` shares its serial
+        and simply returns to the plain pool when freed)."""
+        x = self.cached.get(h)
+        if x is not None:
+            if self._parent[x] == parent and self._tokens[x] == tokens:
+                self._serial[b] = self._serial[x]
+                return False
+            self._drop_key(x)  # other content under the same key (a collision or a stale chain): newest wins
+        self.cached[h] = b
+        self.block_hash[b] = h
+        self._tokens[b] = tokens
+        self._parent[b] = parent
+        self._serial[b] = self._next_serial
+        self._next_serial += 1
+        return True
+
+    def _drop_key(self, x: int) -> None:
+        self._unregister(x)
+        if self.ref_cnt[x] == 0:
+            del self.evictable[x]
+            self.free_plain.append(x)
+
+    def _emit_run(self, req: Request, first: int, end: int) -> None:
+        if self.listener is None or first < 0 or end <= first:
+            return
+        bs = self.block_size
+        parent = req.block_hashes[first - 1] if first else None
+        self.listener.stored(req.block_hashes[first:end], parent, req.all_token_ids[first * bs:end * bs])
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s hold on all its blocks (finish, abort or preemption)."""
@@ -149,14 +220,28 @@ class KVCacheManager:
         req.block_ids = []
         req.num_registered_blocks = 0
 
-    def _hash_upto(self, req: Request, num_blocks: int) -> None:
-        """Extend ``req.block_hashes`` to its first ``num_blocks`` full blocks (hashes never change)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); False, changing nothing, while any block is
+        held by a request."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for b in self.evictable:
+            self.block_hash[b] = None
+            self._tokens[b] = None
+            self.free_plain.append(b)
+        self.evictable.clear()
+        self.cached.clear()
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
+
+    def hash_upto(self, req: Request, num_blocks: int) -> None:
+        """Extend ``req.block_hashes`` to its first ``num_blocks`` full blocks (keys never change)."""
         hashes = req.block_hashes
         if len(hashes) >= num_blocks:
             return
-        bs, toks = self.block_size, req.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        bs, toks, key = self.block_size, req.all_token_ids, self.hasher
+        parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            # Tuples of ints hash the same in every process (PYTHONHASHSEED only salts str/bytes).
-            parent = hash((parent, *toks[i * bs:(i + 1) * bs]))
+            parent = key(parent, toks[i * bs:(i + 1) * bs], None)
             hashes.append(parent)

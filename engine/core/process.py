@@ -83,6 +83,9 @@ class CoreServer:
         if kind == P.HELLO:
             self.sock.send_multipart([ident, P.READY, self._info])
             return
+        if kind == P.RESET:
+            self._reset(ident, payload)
+            return
         if kind not in (P.ADD, P.ABORT):
             logger.warning("dropping a message of unknown kind %r", kind[:32])
             return
@@ -111,6 +114,15 @@ class CoreServer:
             return
         self.state.owner[req.request_id] = ident
 
+    def _reset(self, ident: bytes, payload: bytes) -> None:
+        try:
+            rid = P.decode(payload)["id"]
+        except Exception as e:
+            logger.warning("dropping a bad reset_prefix_cache message: %s", e)
+            return
+        ok = self.core.reset_prefix_cache()
+        self.sock.send_multipart([ident, P.RESET_DONE, P.encode({"id": rid, "ok": ok})])
+
     # ---- outgoing -------------------------------------------------------------------------------------
     def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
         owner = self.state.owner
@@ -133,13 +145,16 @@ class CoreServer:
             peer.last_sent, peer.last_stats = now, stats
 
     def send_stats(self, now: float) -> None:
-        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by)."""
+        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by). While the
+        core has work every front end hears from it at least every 100 ms: its /health reads a long silence
+        with requests in flight as a wedged core (--health-stall-timeout-s)."""
         stats = None
+        busy = self.core.has_work()
         for ident, peer in self.state.peers.items():
             if now - peer.last_sent < STATS_INTERVAL_S:
                 continue
             stats = stats or self.core.stats()
-            if stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
+            if not busy and stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
                 continue
             self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
             peer.last_sent, peer.last_stats = now, stats
@@ -231,10 +246,10 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
         logger.exception("core loop failed")
         raise
     finally:
+        core.close()
         sock.close(linger=0)
         ctx.term()
         _remove_ipc_file(input_address)
-        core.close()
         logger.info("core exited")
 
 

@@ -32,7 +32,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | None = None
     order: int = 0  # admission order at the core: lower = higher priority (FCFS, preemption victim = highest)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of all_token_ids
+    block_hashes: list[bytes | int] = field(default_factory=list)  # chained keys of the full blocks
     num_registered_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from engine.core.kv_cache import KVCacheManager
+from engine.core.kv_cache import CacheListener, KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.protocol import EngineCoreOutput, SchedulerStats
@@ -43,6 +43,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    prefix_caching_hash_algo: str = "sha256"
 
 
 @dataclass(slots=True)
@@ -64,9 +65,10 @@ class RequestRejected(Exception):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cache_listener: CacheListener | None = None) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.prefix_caching_hash_algo, cache_listener)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by priority (Request.order), highest first
         self.requests: dict[str, Request] = {}
@@ -97,6 +99,8 @@ class Scheduler:
             raise RequestRejected(
                 f"Scheduler waiting queue is full ({self._waiting_tokens} prompt tokens waiting, this "
                 f"request adds {req.num_tokens}, max_num_queued_tokens={cfg.max_num_queued_tokens})", 503)
+        if self.kv.enable_prefix_caching:  # keys of the prompt's full blocks now, outside any step
+            self.kv.hash_upto(req, req.num_tokens // cfg.block_size)
         req.order = self._next_order
         self._next_order += 1
         req.status = RequestStatus.WAITING

@@ -145,7 +145,7 @@ def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if facts is not None and args.device != "sim":
         check_model(tp, pp, parse_partition(args.pp_layer_partition), facts, args.kv_cache_dtype)
-    if tp * pp == 1:
+    if tp * pp == 1 or args.distributed_executor_backend == "ray":  # Ray finds the devices, on any node
         return None
     cuda = visible_cuda_devices(env, args.device)
     cpus = rank_threads(args.data_parallel_size_local, args.data_parallel_size, env)

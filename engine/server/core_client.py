@@ -25,6 +25,8 @@ from engine.protocol import (
     HELLO,
     OUTPUTS,
     READY,
+    RESET,
+    RESET_DONE,
     STATS,
     CoreInfo,
     EngineCoreRequest,
@@ -62,19 +64,29 @@ class CoreClient:
         self._core_pid = core_pid
         self._routes: dict[str, asyncio.Queue] = {}
         self._info: asyncio.Future[CoreInfo] | None = None
+        self._resets: dict[str, asyncio.Future[bool]] = {}
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         # --profile-steps: this front end's ipc / detokenize / stream costs (engine/core/step_profile.py)
         self.profiler = FrontendProfiler(profile_steps, f"frontend pid={os.getpid()}") \
             if profile_steps else None
+        # Loop time of the core's last message: while it has work it sends something at least every 100 ms
+        # (outputs or stats), so a long silence with requests in flight means a wedged core (see /health).
+        self.last_heard = 0.0
+        # Loop time of the first message sent since the core last spoke (None: it answered since). A live
+        # core answers anything within a second (an idle one still sends stats every second), so this
+        # growing old is a stall too, also once the requests that were waiting have been given up.
+        self.pending_since: float | None = None
 
     @property
     def alive(self) -> bool:
         return self.dead_reason is None
 
     def start(self) -> None:
-        self._info = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._info = loop.create_future()
+        self.last_heard = loop.time()
         self._tasks = [asyncio.create_task(self._read(), name="core-reader"),
                        asyncio.create_task(self._watch(), name="core-watcher")]
 
@@ -102,17 +114,50 @@ class CoreClient:
     async def add(self, req: EngineCoreRequest) -> None:
         if not self.alive:
             raise CoreError(self.dead_reason or "engine core died", 503)
+        self._sent()
         await self._sock.send_multipart([ADD, encode(req)])
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Stop requests in the core; reason "stop" counts them as finished by a stop string."""
         if request_ids and self.alive:
+            self._sent()
             await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
 
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Ask the core to forget its prefix cache; False when requests hold blocks."""
+        if not self.alive:
+            raise CoreError(self.dead_reason or "engine core died", 503)
+        rid = secrets.token_hex(8)
+        done = self._resets[rid] = asyncio.get_running_loop().create_future()
+        try:
+            self._sent()
+            await self._sock.send_multipart([RESET, encode({"id": rid})])
+            return await asyncio.wait_for(done, timeout)
+        finally:
+            self._resets.pop(rid, None)
+
+    def _sent(self) -> None:
+        if self.pending_since is None:
+            self.pending_since = asyncio.get_running_loop().time()
+
+    def silence(self, now: float) -> float:
+        """How long the core has been expected to speak and has not (0 when nothing is expected)."""
+        if self._routes:
+            return now - self.last_heard
+        return now - self.pending_since if self.pending_since is not None else 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Core requests this front end waits on."""
+        return len(self._routes)
+
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             kind, payload = await self._sock.recv_multipart(copy=True)
             t0 = time.perf_counter()
+            self.last_heard = loop.time()
+            self.pending_since = None
             try:
                 tokens = self._dispatch(kind, decode(payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)
@@ -143,6 +188,10 @@ class CoreClient:
                 queue.put_nowait(CoreError(message, int(msg.get("status", 500))))
             else:
                 logger.warning("core error: %s", msg.get("message"))
+        elif kind == RESET_DONE:
+            done = self._resets.get(str(msg.get("id")))
+            if done is not None and not done.done():
+                done.set_result(bool(msg.get("ok")))
         elif kind == READY and self._info is not None and not self._info.done():
             self._info.set_result(CoreInfo(**msg))
         return 0

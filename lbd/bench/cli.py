@@ -96,6 +96,10 @@ def make_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--system-prompt-len", type=int, default=1024, help="shared-prefix, multi-turn: tokens")
     g.add_argument(
+        "--group-skew", type=float, default=0.0,
+        help="shared-prefix, multi-turn: Zipf exponent of the system prompts' popularity (0: uniform)",
+    )
+    g.add_argument(
         "--question-len", type=int, default=128, help="shared-prefix, multi-turn: tokens per question"
     )
     g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per session")
@@ -173,6 +177,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig, Worklo
         output_len=ns.output_len,
         range_ratio=ns.range_ratio,
         num_groups=ns.num_groups,
+        group_skew=ns.group_skew,
         system_prompt_len=ns.system_prompt_len,
         question_len=ns.question_len,
         num_turns=ns.num_turns,

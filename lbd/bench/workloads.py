@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,8 @@ class WorkloadSpec:
     long_input_len: int = 4096
     short_input_len: int = 128
     file: str | None = None
+    prefix_seed: int | None = None  # system prompts from this seed (not the stream's): fixed across runs
+    group_skew: float = 0.0  # Zipf exponent of the groups' popularity (0: uniform)
 
     def check(self) -> None:
         """Raise WorkloadError naming the flag of an impossible value."""
@@ -75,6 +77,8 @@ class WorkloadSpec:
                 raise WorkloadError(f"{flag} must be positive, got {value}")
         if self.system_prompt_len < 0:
             raise WorkloadError(f"--system-prompt-len must be >= 0, got {self.system_prompt_len}")
+        if self.group_skew < 0:
+            raise WorkloadError(f"--group-skew must be >= 0, got {self.group_skew}")
         if not 0.0 <= self.range_ratio < 1.0:
             raise WorkloadError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         if not 0.0 <= self.long_fraction <= 1.0:
@@ -128,13 +132,25 @@ def _random(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> Iterator
 
 def _system_prompts(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> list[str]:
     # A distinct opening per group, so groups share no prefix beyond the chat template.
+    if spec.prefix_seed is not None:  # the same tenants whatever the stream's seed (runs in steps)
+        rng = random.Random(spec.prefix_seed)
     return [f"Group {g}. " + src.text(rng, spec.system_prompt_len) for g in range(spec.num_groups)]
+
+
+def _group_picker(spec: WorkloadSpec, rng: random.Random) -> Callable[[], int]:
+    """Group g is drawn with weight 1 / (g + 1) ** group_skew."""
+    if spec.group_skew <= 0:
+        return lambda: rng.randrange(spec.num_groups)
+    weights = list(itertools.accumulate(1.0 / (g + 1) ** spec.group_skew for g in range(spec.num_groups)))
+    groups = range(spec.num_groups)
+    return lambda: rng.choices(groups, cum_weights=weights)[0]
 
 
 def _shared_prefix(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> Iterator[Session]:
     systems = _system_prompts(spec, src, rng)
+    pick = _group_picker(spec, rng)
     for i in itertools.count():
-        g = rng.randrange(spec.num_groups)
+        g = pick()
         question = src.text(rng, _length(rng, spec.question_len, spec.range_ratio))
         yield Session(
             f"s{i}",
@@ -146,8 +162,9 @@ def _shared_prefix(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> I
 
 def _multi_turn(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> Iterator[Session]:
     systems = _system_prompts(spec, src, rng)
+    pick = _group_picker(spec, rng)
     for i in itertools.count():
-        g = rng.randrange(spec.num_groups)
+        g = pick()
         turns = [
             Turn(
                 src.text(rng, _length(rng, spec.question_len, spec.range_ratio)),

@@ -99,6 +99,10 @@ def _supervise_workers(cfg: RouterConfig) -> int:
 
     _setup_logging(cfg.log_level, -1)
     shared = SharedCounters(cfg.workers)
+    if cfg.kv_events != "off":  # workers tell each other the prefixes they sent out (before any fork)
+        from lbd.router.kv.shared_pending import SharedPending
+
+        shared.kv_pending = SharedPending()
     ctx = multiprocessing.get_context("fork")
     procs: dict[int, multiprocessing.Process] = {}
     stopping = False

@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
+from engine.edge.rank_header import RANK_HEADER as PIN_HEADER
+from engine.edge.rank_header import RankHeaderError, parse_rank
 from policies import CHARS_PER_TOKEN, RequestFacts, chunk_hashes
-
-PIN_HEADER = "X-data-parallel-rank"
 
 
 class BadRequest(Exception):
@@ -53,21 +53,27 @@ def _prompt_bytes(body: dict[str, Any]) -> tuple[bytes, int]:
 
 
 def pinned_rank(headers: Any) -> int | None:
-    value = headers.get(PIN_HEADER)
-    if value is None:
-        return None
+    """The rank pin, by the engine's own rule (engine.edge.rank_header)."""
     try:
-        return int(value.strip())
-    except ValueError:
-        raise BadRequest(f"{PIN_HEADER} must be an integer rank, got {value!r}", PIN_HEADER) from None
+        return parse_rank(headers.get_all(PIN_HEADER))
+    except RankHeaderError as e:
+        raise BadRequest(str(e), PIN_HEADER) from None
 
 
 def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
     """Facts for routing. Raises BadRequest for a body that is not a JSON object or a bad pin."""
+    return parse_request(body, headers, session_header)[0]
+
+
+def parse_request(
+    body: bytes, headers: Any, session_header: str, text_prefix: bool = True
+) -> tuple[RequestFacts, dict[str, Any] | None]:
+    """The facts and the parsed body (None when empty), for the exact view to tokenize. Without
+    ``text_prefix`` the text chunk hashes are skipped (every endpoint has an exact view)."""
     pin = pinned_rank(headers)
     session = headers.get(session_header)
     if not body:
-        return RequestFacts(session_key=session, pinned_rank=pin)
+        return RequestFacts(session_key=session, pinned_rank=pin), None
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -78,10 +84,11 @@ def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:
     if session is None and isinstance(data.get("user"), str):
         session = data["user"]
     raw, tokens = _prompt_bytes(data)
-    return RequestFacts(
+    facts = RequestFacts(
         model=model if isinstance(model, str) else None,
-        prefix_hashes=chunk_hashes(raw),
+        prefix_hashes=chunk_hashes(raw) if text_prefix else (),
         session_key=session,
         pinned_rank=pin,
         prompt_tokens=tokens,
     )
+    return facts, data

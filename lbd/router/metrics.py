@@ -76,8 +76,42 @@ class _Live(Collector):
         yield age
 
 
+class _KvLive(Collector):
+    """KV-event gauges per endpoint with a feed: event lag, age of the last batch, indexed blocks."""
+
+    def __init__(self, rows: Callable[[], Iterable[tuple[str, float, float, int]]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        lag = GaugeMetricFamily(
+            "lbd_router_kv_event_lag_seconds",
+            "Arrival time minus the engine's timestamp of the last KV-event batch (this worker).",
+            labels=["endpoint"],
+        )
+        age = GaugeMetricFamily(
+            "lbd_router_kv_event_age_seconds",
+            "Seconds since the endpoint's last KV-event batch (-1: none yet; this worker).",
+            labels=["endpoint"],
+        )
+        blocks = GaugeMetricFamily(
+            "lbd_router_kv_index_blocks", "Blocks in the exact index of the endpoint (this worker).",
+            labels=["endpoint"],
+        )
+        for url, lag_s, age_s, n in self.rows():
+            lag.add_metric([url], lag_s)
+            age.add_metric([url], age_s)
+            blocks.add_metric([url], n)
+        yield lag
+        yield age
+        yield blocks
+
+
 class RouterMetrics:
-    def __init__(self, live_rows: Callable[[], Iterable[tuple[str, int, bool, float]]]) -> None:
+    def __init__(
+        self,
+        live_rows: Callable[[], Iterable[tuple[str, int, bool, float]]],
+        kv_rows: Callable[[], Iterable[tuple[str, float, float, int]]] = list,
+    ) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         own = None if self.multiprocess else CollectorRegistry()
         kw: dict[str, Any] = {"registry": own}
@@ -112,6 +146,9 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "lbd_router_upstream_errors", "Upstream failures by kind.", ["endpoint", "kind"], **kw
         )
+        self.rate_limited = Counter(
+            "lbd_router_rate_limited", "Requests answered 429 by a key's rate limit.", ["key"], **kw
+        )
         self.disconnects = Counter(
             "lbd_router_client_disconnects", "Clients gone before their response ended.", ["endpoint"], **kw
         )
@@ -121,6 +158,7 @@ class RouterMetrics:
         else:
             self._registry = own  # type: ignore[assignment]
         self._registry.register(_Live(live_rows))
+        self._registry.register(_KvLive(kv_rows))
         # tallies since the last flush
         self._requests: dict[tuple[str, str], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}

@@ -111,6 +111,17 @@ def test_shared_prefix_and_multi_turn_structure(src: TextSource) -> None:
     assert prompt.startswith(first.system) and "an answer" in prompt
 
 
+def test_group_skew_makes_low_groups_popular(src: TextSource) -> None:
+    spec = WorkloadSpec(
+        name="shared-prefix", num_groups=4, system_prompt_len=8, question_len=4, group_skew=1.5
+    )
+    counts = [0] * 4
+    for s in _take(sessions(spec, src, 1), 400):
+        counts[s.group] += 1
+    # weights 1, 0.35, 0.19, 0.125 of 1.67: group 0 ~60%, group 3 ~7.5%
+    assert counts[0] > 180 and counts[3] < 60 and counts == sorted(counts, reverse=True)
+
+
 def test_skew_mix(src: TextSource) -> None:
     spec = WorkloadSpec(name="skew", long_fraction=0.25, long_input_len=80, short_input_len=8)
     got = _take(sessions(spec, src, 3), 200)
@@ -147,6 +158,7 @@ def test_file_workload(tmp_path: Path, src: TextSource) -> None:
         (["--base-url", "http://a", "--slo", "ttft"], "--slo"),
         (["--base-url", "http://a", "--workload", "file"], "--workload-file"),
         (["--base-url", "http://a", "--range-ratio", "1.5"], "--range-ratio"),
+        (["--base-url", "http://a", "--group-skew", "-1"], "--group-skew"),
         (["--base-url", "http://a", "--duration", "5"], "--max-concurrency"),
         (["--compare", "nourl"], "--compare"),
         (["--base-url", "http://a", "--header", "novalue"], "--header"),

@@ -203,3 +203,93 @@ def test_prompt_logprobs_skip_the_cache() -> None:
     kv = KVCacheManager(8, BS)
     admit(kv, req("a", range(9)))
     assert kv.get_computed_prefix(req("b", range(9), prompt_logprobs=1))[1] == 0
+
+
+# ---- block keys, collisions, events ---------------------------------------------------------------------
+def _first_blocks_collide(parent, tokens, extra):
+    """Every first block gets one key; later blocks are keyed by their own tokens, whatever came before."""
+    return ("first",) if parent is None else ("block", tuple(tokens))
+
+
+def test_key_collision_never_shares_another_prompts_blocks() -> None:
+    kv = KVCacheManager(16, BS)
+    kv.hasher = _first_blocks_collide
+    A, A2, B = [1, 2, 3, 4], [9, 8, 7, 6], [5, 6, 7, 8]
+    a = req("a", [*A, *B, 0])
+    admit(kv, a)
+    # Same first-block key, other tokens: the token check refuses it.
+    assert kv.get_computed_prefix(req("x", [*A2, *B, 0]))[1] == 0
+    b = req("b", [*A2, 0])
+    assert admit(kv, b) == 0  # A2 takes the first-block key over; a's B keeps its key
+    assert kv.cached[("first",)] == b.block_ids[0] and ("block", tuple(B)) in kv.cached
+    # A2 then B: B's tokens match the cached block, but that block was computed after A, not A2.
+    e = req("e", [*A2, *B, 0])
+    blocks, cached = kv.get_computed_prefix(e)
+    assert cached == 4 and blocks == b.block_ids[:1]
+    assert admit(kv, e) == 4
+    # a's content again: its first block lost the key, so nothing of a is served from the cache.
+    assert kv.get_computed_prefix(req("a2", [*A, *B, 0]))[1] == 0
+    for r in (a, b, e):
+        kv.free(r)
+    assert_all_free(kv)
+
+
+def test_sha256_keys_are_vllms() -> None:
+    import hashlib
+    import pickle
+
+    kv = KVCacheManager(16, BS)
+    a = req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(kv, a)
+    proto = pickle.HIGHEST_PROTOCOL
+    root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=proto)).digest()
+    h1 = hashlib.sha256(pickle.dumps((root, (1, 2, 3, 4), None), protocol=proto)).digest()
+    h2 = hashlib.sha256(pickle.dumps((h1, (5, 6, 7, 8), None), protocol=proto)).digest()
+    assert a.block_hashes[:2] == [h1, h2]
+    builtin = KVCacheManager(16, BS, hash_algo="builtin")
+    admit(builtin, b := req("b", [1, 2, 3, 4, 5]))
+    assert isinstance(b.block_hashes[0], int)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stored(self, keys, parent, token_ids) -> None:
+        self.events.append(("stored", list(keys), parent, list(token_ids)))
+
+    def removed(self, key) -> None:
+        self.events.append(("removed", key))
+
+    def cleared(self) -> None:
+        self.events.append(("cleared",))
+
+
+def test_listener_hears_every_registration_eviction_and_reset() -> None:
+    log = _Log()
+    kv = KVCacheManager(8, BS, listener=log)
+    a = req("a", range(9))  # 2 full blocks + 1 token
+    admit(kv, a)
+    assert log.events == [("stored", a.block_hashes[:2], None, list(range(8)))]
+    b = req("b", [*range(8), 40, 41, 42, 43, 44])  # hits both, then fills a third block
+    admit(kv, b)
+    assert log.events[-1] == ("stored", [b.block_hashes[2]], b.block_hashes[1], [40, 41, 42, 43])
+    dup = req("dup", range(9))  # identical content computed again: its copies stay unregistered, silently
+    assert kv.allocate_for(dup, 9)
+    dup.num_computed_tokens = 9
+    kv.cache_blocks(dup)
+    assert log.events[-1][0] == "stored" and len(kv.cached) == 3
+    for r in (a, b, dup):
+        kv.free(r)
+    keys = set(kv.cached)
+    log.events.clear()
+    big = req("big", range(100, 132))
+    assert kv.allocate_for(big, 32)  # all 8 blocks: the 3 cached ones are evicted, oldest first
+    assert [e[0] for e in log.events] == ["removed"] * 3
+    assert {e[1] for e in log.events} == keys and not kv.cached
+    kv.free(big)
+    assert kv.reset_prefix_cache() and log.events[-1] == ("cleared",) and not kv.cached
+    held = req("h", range(5))
+    admit(kv, held)
+    assert not kv.reset_prefix_cache()  # a request holds blocks: nothing changes
+    kv.free(held)

@@ -103,3 +103,59 @@ def test_uncached_part_shrinks_with_the_cached_prefix() -> None:
     p.on_dispatch(half, "http://e0")
     ep = eps(1)[0]
     assert p.charge_tokens(facts, ep) == facts.prompt_tokens - 5 * CHUNK_CHARS / 4
+
+
+# ---- the exact path: cached lengths from the engines' KV events --------------------------------------------
+def exact(prompt: int, cached: dict[str, int], hashes: tuple[int, ...] = ()) -> RequestFacts:
+    return RequestFacts(prompt_tokens=prompt, cached_tokens=cached, prefix_hashes=hashes)
+
+
+def test_exact_cached_lengths_decide_where_they_are_known() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    e = eps(3)
+    facts = exact(2000, {"http://e0": 0, "http://e1": 1984, "http://e2": 1024})
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e1" and d.reason == "prefix_hit" and "124 blocks cached" in d.explain()
+    assert p.charge_tokens(facts, e[1]) == 16  # only its own uncached tokens are charged to e1's queue
+    # The approximate index is not consulted for endpoints in cached_tokens, even if it remembers more...
+    text_facts = hot(16)
+    p.on_dispatch(text_facts, "http://e0")
+    facts = exact(2000, {"http://e0": 0, "http://e1": 512}, text_facts.prefix_hashes)
+    assert p.choose(facts, e[:2]).endpoint.key == "http://e1"
+    # ...but is for endpoints without an exact view (here e0: its events are missing)
+    facts = exact(2000, {"http://e1": 0}, text_facts.prefix_hashes)
+    assert p.choose(facts, e[:2]).endpoint.key == "http://e0"
+
+
+def test_exact_affinity_is_bounded_by_load() -> None:
+    """With exact views the estimate carries the queue: a busy holder keeps a prefix until the work queued
+    ahead there outweighs recomputing it elsewhere (reuse counted), then the prefix spreads."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    facts = exact(2000, {"http://e0": 1984, "http://e1": 0, "http://e2": 0})
+    e = eps(3)
+    e[0] = replace(e[0], waiting=3, running=12)  # many decodes (a queue score the text-prefix gap refuses)...
+    assert p.choose(facts, e).endpoint.key == "http://e0"  # ...but nothing waits long: 16 tokens to compute
+    e[0] = replace(e[0], unstarted=6, unstarted_tokens=4200, inflight=6)  # a long prefill queue ahead
+    d = p.choose(facts, e)
+    assert d.endpoint.key != "http://e0" and d.reason == "lowest_ttft"
+    # a hot prefix under a burst: the holder takes it until its queue outweighs the saving, then it spreads
+    keys = dispatch(p, facts, eps(3), 400)
+    assert keys[0] == "http://e0" and len(set(keys)) == 3
+    # approximate endpoints keep the queue-score gap
+    text = hot(16)
+    p.on_dispatch(text, "http://e0")
+    e = eps(2)
+    e[0] = replace(e[0], running=20)
+    assert p.choose(text, e).reason == "load_gap"
+
+
+def test_reuse_breaks_near_ties_toward_the_cache() -> None:
+    # e0 is computing this prefix for an earlier request (its 2,000 tokens are queued there): the estimate
+    # is a little worse there, but recomputing the prefix on e1 wastes 2,000 tokens of e1's time.
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    e = eps(2)
+    e[0] = replace(e[0], inflight=1, unstarted=1, unstarted_tokens=2000, delta=1, running=1)
+    facts = exact(2200, {"http://e0": 2000, "http://e1": 0})
+    assert p.choose(facts, e).endpoint.key == "http://e0"
+    greedy = make_policy("predicted_ttft", prefill_tokens_per_s=1000, reuse_weight=0.0)
+    assert greedy.choose(facts, e).endpoint.key == "http://e1"

@@ -1,0 +1,204 @@
+"""Tables, verdicts and the plot of benchmarks/routing_quality.py (rows come from its runs)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OURS = "lbd:predicted_ttft"  # the default policy with KV events (auto)
+
+
+@dataclass(slots=True)
+class Row:
+    workload: str
+    target: str
+    completed: int
+    failed: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    short_ttft_p99_ms: float  # skew: p99 TTFT of the short prompts alone (the ones stuck behind long ones)
+    itl_p99_ms: float
+    output_tok_s: float
+    hit_rate: float
+    oracle_hit_rate: float
+    oracle_length_matches: str  # prompts the oracle tokenized to the server's length / all
+    max_per_rank: int
+    min_per_rank: int
+    errors: dict[str, int] = field(default_factory=dict)
+    ttfts_ms: list[float] = field(default_factory=list)
+    host_cpu_percent: float = math.nan
+    own_cores: float = math.nan
+    ttft_p90_ms: float = math.nan
+    step_rate: float = math.nan  # stepped workloads: the step's simulated request rate
+    reasons: dict[str, int] = field(default_factory=dict)  # lbd: routing decisions by reason (whole run)
+
+    @property
+    def hit_vs_oracle(self) -> float:
+        return self.hit_rate / self.oracle_hit_rate if self.oracle_hit_rate else math.nan
+
+
+def table(rows: list[Row]) -> str:
+    """One markdown table; the short-prompt p99 column only where the workload has short prompts."""
+    shorts = any(math.isfinite(r.short_ttft_p99_ms) for r in rows)
+    header = [
+        "target",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        *(["short-prompt TTFT p99 ms"] if shorts else []),
+        "ITL p99 ms",
+        "out tok/s",
+        "prefix hit",
+        "hit/oracle",
+        "req/rank max/min",
+        "errors",
+    ]
+    body = [
+        [
+            r.target,
+            f"{r.ttft_p50_ms:,.1f}",
+            f"{r.ttft_p99_ms:,.1f}",
+            *([f"{r.short_ttft_p99_ms:,.1f}"] if shorts else []),
+            f"{r.itl_p99_ms:,.1f}",
+            f"{r.output_tok_s:,.0f}",
+            f"{100 * r.hit_rate:.1f}%",
+            f"{100 * r.hit_vs_oracle:.0f}%" if r.oracle_hit_rate > 0 else "-",
+            f"{r.max_per_rank}/{r.min_per_rank}",
+            str(r.failed),
+        ]
+        for r in rows
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def step_table(rows: list[Row]) -> str:
+    """A stepped workload: one line per target and step, TTFT p50/p90 and output tok/s."""
+    header = [
+        "target",
+        "step req/s",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "out tok/s",
+        "prefix hit",
+        "hit/oracle",
+        "req/rank max/min",
+        "errors",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in sorted(rows, key=lambda r: (r.step_rate, r.target)):
+        cells = [
+            r.target,
+            f"{r.step_rate:g}",
+            f"{r.ttft_p50_ms:,.1f}",
+            f"{r.ttft_p90_ms:,.1f}",
+            f"{r.output_tok_s:,.0f}",
+            f"{100 * r.hit_rate:.1f}%",
+            f"{100 * r.hit_vs_oracle:.0f}%" if r.oracle_hit_rate > 0 else "-",
+            f"{r.max_per_rank}/{r.min_per_rank}",
+            str(r.failed),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    """The issue's targets (13), each MET or MISSED with the numbers behind it."""
+    out: list[str] = []
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"- {'MET' if ok else 'MISSED'}: {text}")
+
+    for wl in dict.fromkeys(r.workload for r in rows):
+        mine = [r for r in rows if r.workload == wl]
+        peers = [r for r in mine if not r.target.startswith("lbd:")]
+        stepped = any(math.isfinite(r.step_rate) for r in mine)
+        if stepped:
+            top = max(r.step_rate for r in mine)
+            at_top = [r for r in mine if r.step_rate == top]
+            peers_top = [r for r in at_top if not r.target.startswith("lbd:")]
+            best = min(peers_top, key=lambda r: r.ttft_p90_ms, default=None)
+            for me in (r for r in at_top if r.target.startswith(OURS)):
+                if best is not None:
+                    ratio = best.ttft_p90_ms / me.ttft_p90_ms if me.ttft_p90_ms else math.inf
+                    line(
+                        ratio >= 2.0,
+                        f"{wl} at {top:g} req/s: {me.target} p90 TTFT {me.ttft_p90_ms:,.1f} ms vs "
+                        f"best peer {best.target} {best.ttft_p90_ms:,.1f} ms = {ratio:.2f}x lower "
+                        "(target >= 2x)",
+                    )
+            continue
+        best = min(peers, key=lambda r: r.ttft_p99_ms, default=None)
+        if wl.startswith("long/short"):
+            others = [r for r in mine if not r.target.startswith(OURS)]
+            rival = min(others, key=lambda r: r.ttft_p99_ms, default=None)
+            me = next((r for r in mine if r.target == OURS), None)
+            if me is not None and rival is not None:
+                line(
+                    me.ttft_p99_ms <= rival.ttft_p99_ms * 1.05,
+                    f"{wl}: {OURS} p99 TTFT {me.ttft_p99_ms:,.1f} ms vs the best other target {rival.target} "
+                    f"{rival.ttft_p99_ms:,.1f} ms (at least as good, 5% noise allowed)",
+                )
+            continue
+        for me in (r for r in mine if r.target.startswith(OURS) and "approx" not in r.target):
+            if best is not None:
+                line(
+                    me.ttft_p99_ms < best.ttft_p99_ms,
+                    f"{wl}: {me.target} p99 TTFT {me.ttft_p99_ms:,.1f} ms vs "
+                    f"best peer {best.target} {best.ttft_p99_ms:,.1f} ms",
+                )
+            if me.oracle_hit_rate > 0:
+                line(
+                    me.hit_vs_oracle >= 0.98,
+                    f"{wl}: {me.target} prefix hit {100 * me.hit_rate:.1f}% = "
+                    f"{100 * me.hit_vs_oracle:.1f}% of the oracle's (target >= 98%)",
+                )
+    return out
+
+
+def plot(rows: list[Row], path: Path, scale: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = {wl: max(r.step_rate for r in rows if r.workload == wl) for wl in {r.workload for r in rows}}
+    rows = [r for r in rows if not math.isfinite(r.step_rate) or r.step_rate == top[r.workload]]
+
+    names = list(dict.fromkeys(r.workload for r in rows))
+    palette = plt.get_cmap("tab10").colors
+    color = {t: palette[i % len(palette)] for i, t in enumerate(dict.fromkeys(r.target for r in rows))}
+    fig, axes = plt.subplots(len(names), 2, figsize=(14, 5 * len(names)), squeeze=False)
+    for i, wl in enumerate(names):
+        mine = [r for r in rows if r.workload == wl]
+        ax = axes[i][0]
+        for r in mine:
+            xs = sorted(r.ttfts_ms)
+            ax.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=r.target, color=color[r.target])
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, simulated H100 time)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{wl}: TTFT CDF")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        ax = axes[i][1]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [r.ttft_p99_ms for r in mine], width=0.4, label="TTFT p99 (ms)")
+        ax.set_ylabel("TTFT p99 (ms)")
+        ax2 = ax.twinx()
+        ax2.bar(
+            [x + 0.2 for x in xs],
+            [100 * r.hit_rate for r in mine],
+            width=0.4,
+            color="tab:orange",
+            label="prefix hit rate (%)",
+        )
+        ax2.set_ylabel("prefix-cache hit rate (%)")
+        ax2.set_ylim(0, 100)
+        ax.set_xticks(list(xs), [r.target for r in mine], rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{wl}: p99 TTFT (blue) and prefix hit rate (orange)")
+    fig.suptitle(f"Routing quality: 8 simulated H100 ranks (Llama-3-8B), time scale {scale:g}")
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

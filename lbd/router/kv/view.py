@@ -1,0 +1,408 @@
+"""One router worker's exact view of every endpoint's prefix cache, and the per-request lookup.
+
+For each endpoint (``--kv-events auto``: where advertised; ``on``: everywhere, warning where missing) the
+view reads ``/kv_event_sources`` (vLLM's) and ``/tokenizer_info`` + ``/tokenizer.json`` (lbd's engine; for
+vLLM engines pass ``lbd route --tokenizer``), then follows the event stream (``feed``). A request is rendered
+and tokenized once (``tokenize``), its block chain walked once over the index (``index``), and its facts get
+the exact cached prefix length of every endpoint whose view is exact: a live or just-disconnected feed (a dead
+publisher means a cold cache), events not lagging past ``stale_s``, the same tokenizer. Every other endpoint
+is left out, so the policy uses its approximate index there; ``status`` says which and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from lbd.router.kv.feed import EventFeed, Source
+from lbd.router.kv.index import BlockIndex, ChainMemo, EndpointBlocks
+from lbd.router.kv.shared_pending import SharedPending, checkpoints
+from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
+from policies import RequestFacts
+
+log = logging.getLogger("lbd.router")
+Getter = Callable[[str, float], Awaitable[tuple[int, bytes]]]  # (url, timeout) -> (status, body)
+OFFLOAD_CHARS = 4096  # new prompt text longer than this is tokenized in a thread
+SETTLE_S = 0.5  # a dispatched prefix stays pending this long after the first byte (its events are due)
+REDISCOVER_S = 2.0  # while an endpoint has no usable feed, ask it again this often
+TOKENIZER_RETRY_S = 30.0
+_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
+
+
+@dataclass(slots=True)
+class EndpointView:
+    url: str
+    models: Callable[[], frozenset[str]]
+    blocks: EndpointBlocks
+    feed: EventFeed | None = None
+    tokenizer: RouterTokenizer | None = None
+    default_block_size: Callable[[], int] = lambda: 16
+    reason: str = "discovering"  # why the view is approximate (when it is)
+    task: asyncio.Task[None] | None = None
+    source: Source | None = None
+    slot: int = -1
+
+    @property
+    def block_size(self) -> int:
+        return (self.feed.stats.block_size if self.feed else 0) or self.default_block_size()
+
+    def exact(self, stale_s: float) -> bool:
+        feed = self.feed
+        if feed is None or self.tokenizer is None:
+            return False
+        st = feed.stats
+        return st.state == "disconnected" or (st.state == "live" and st.lag_s <= stale_s)
+
+
+def subscribe_address(advertised: str, engine_url: str) -> str | None:
+    """Where to connect for an advertised endpoint: a wildcard host becomes the engine's host; None when
+    the publisher connects out (vLLM does so for a specific tcp host) or the address is process-local."""
+    if advertised.startswith("inproc://"):
+        return None
+    if advertised.startswith("ipc://"):
+        return advertised
+    if not advertised.startswith("tcp://"):
+        return None
+    hostport = advertised[len("tcp://") :]
+    host, _, port = hostport.rpartition(":")
+    if host in _WILDCARDS:
+        engine_host = urlsplit(engine_url).hostname or "127.0.0.1"
+        return f"tcp://[{engine_host}]:{port}" if ":" in engine_host else f"tcp://{engine_host}:{port}"
+    return advertised
+
+
+class ExactView:
+    def __init__(
+        self,
+        mode: str,
+        get: Getter,
+        stale_s: float,
+        timeout_s: float,
+        local_tokenizer: RouterTokenizer | None = None,
+        shared: SharedPending | None = None,
+    ) -> None:
+        self.mode = mode
+        self.shared = shared  # other workers' pending prefixes (--workers > 1)
+        self._by_slot: dict[int, EndpointView] = {}
+        self.get = get
+        self.stale_s = stale_s
+        self.timeout_s = timeout_s
+        self.local_tokenizer = local_tokenizer
+        self.index = BlockIndex()
+        self._chains: dict[int, ChainMemo] = {}  # block size -> memo of prompts' block keys
+        self.views: dict[str, EndpointView] = {}
+        self._tokenizers: dict[str, asyncio.Future[RouterTokenizer]] = {}  # tokenizer.json sha256 -> it
+
+    # ---- endpoints ------------------------------------------------------------------------------------
+    def add(
+        self,
+        url: str,
+        models: Callable[[], frozenset[str]],
+        default_block_size: Callable[[], int],
+        slot: int = -1,
+    ) -> None:
+        """Follow ``url``'s events; ``slot`` is its shared-counter slot (the same in every worker)."""
+        if self.mode == "off" or url in self.views:
+            return
+        view = self.views[url] = EndpointView(
+            url, models, self.index.endpoint(), default_block_size=default_block_size, slot=slot
+        )
+        if slot >= 0:
+            self._by_slot[slot] = view
+        view.task = asyncio.ensure_future(self._discover(view))
+
+    def remove(self, url: str) -> None:
+        view = self.views.pop(url, None)
+        if view is None:
+            return
+        if self._by_slot.get(view.slot) is view:
+            del self._by_slot[view.slot]
+        if view.task is not None:
+            view.task.cancel()
+        if view.feed is not None:
+            view.feed.cancel()
+        self.index.release(view.blocks)
+
+    def restarted(self, url: str, why: str) -> None:
+        """The process behind ``url`` was replaced: its cache is cold, its addresses may have changed."""
+        view = self.views.get(url)
+        if view is None:
+            return
+        view.blocks.clear()
+        if view.task is not None and not view.task.done():
+            view.task.cancel()
+        view.task = asyncio.ensure_future(self._rediscover(view, why))
+
+    async def close(self) -> None:
+        views = list(self.views.values())
+        for url in list(self.views):
+            self.remove(url)
+        tasks = [t for v in views for t in (v.task, v.feed.task if v.feed else None) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _rediscover(self, view: EndpointView, why: str) -> None:
+        log.info("KV events of %s: %s; asking for its event sources again", view.url, why)
+        if view.feed is not None:
+            await view.feed.close()
+            view.feed = None
+        view.reason = f"rediscovering ({why})"
+        await self._discover(view)
+
+    async def _discover(self, view: EndpointView) -> None:
+        """Find the endpoint's publisher and tokenizer, and again whenever its feed is gone (a restart on a
+        new port) or the tokenizer is still unknown."""
+        tokenizer_due = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            feed = view.feed
+            try:
+                if view.tokenizer is None and loop.time() >= tokenizer_due:
+                    view.tokenizer = await self._tokenizer(view)
+                    if view.tokenizer is None:  # it answered, without one: ask again now and then
+                        tokenizer_due = loop.time() + TOKENIZER_RETRY_S
+                        view.reason = (
+                            "no tokenizer: the endpoint serves no /tokenizer.json; start lbd route "
+                            "with --tokenizer"
+                        )
+                if feed is None or feed.stats.state in ("disconnected", "failed"):
+                    await self._follow(view, await self._source(view))
+            except (OSError, TimeoutError, ValueError) as e:
+                view.reason = f"discovery failed: {type(e).__name__}: {e}"
+            await asyncio.sleep(REDISCOVER_S)
+
+    async def _follow(self, view: EndpointView, source: Source | None) -> None:
+        if source == view.source and view.feed is not None:
+            return  # same publisher address: the SUB socket reconnects by itself
+        if view.feed is not None:
+            await view.feed.close()
+            view.feed = None
+        view.source = source
+        if source is not None:
+            view.feed = EventFeed(view.url, source, view.blocks)
+            view.feed.start()
+
+    async def _json(self, url: str) -> Any:
+        status, body = await self.get(url, self.timeout_s)
+        if status == 404:
+            return None
+        if status != 200:
+            raise ValueError(f"{urlsplit(url).path} answered {status}")
+        return orjson.loads(body)
+
+    async def _source(self, view: EndpointView) -> Source | None:
+        sources = await self._json(view.url + "/kv_event_sources")
+        if not sources:
+            if self.mode == "on" and not view.reason.startswith("no KV events"):
+                log.warning("--kv-events on: %s advertises no KV events; routing it approximately", view.url)
+            view.reason = "no KV events advertised (/kv_event_sources is empty or absent)"
+            return None
+        cfg = next(iter(sources.values())) if isinstance(sources, dict) else None
+        if (
+            not isinstance(cfg, dict)
+            or not cfg.get("enable_kv_cache_events")
+            or cfg.get("publisher") != "zmq"
+        ):
+            view.reason = "KV events are not enabled on the endpoint"
+            return None
+        address = subscribe_address(str(cfg.get("endpoint") or ""), view.url)
+        if address is None:
+            view.reason = (
+                f"publisher endpoint {cfg.get('endpoint')!r} cannot be subscribed to (it connects "
+                "out or is process-local): give the engine a tcp://*:PORT endpoint"
+            )
+            return None
+        replay = cfg.get("replay_endpoint")
+        replay_address = subscribe_address(str(replay), view.url) if replay else None
+        return Source(address, replay_address, str(cfg.get("topic") or ""))
+
+    async def _tokenizer(self, view: EndpointView) -> RouterTokenizer | None:
+        info = await self._json(view.url + "/tokenizer_info")
+        sha = info.get("tokenizer_json_sha256") if isinstance(info, dict) else None
+        if not sha:
+            return self.local_tokenizer
+        loading = self._tokenizers.get(sha)
+        if loading is None:  # one download per tokenizer, however many endpoints serve it
+            loading = self._tokenizers[sha] = asyncio.ensure_future(self._load_tokenizer(view, sha, info))
+        try:
+            return await asyncio.shield(loading)
+        except (OSError, TimeoutError, ValueError):
+            if self._tokenizers.get(sha) is loading:
+                del self._tokenizers[sha]  # the next endpoint (or the next try) fetches it again
+            raise
+
+    async def _load_tokenizer(self, view: EndpointView, sha: str, info: dict[str, Any]) -> RouterTokenizer:
+        status, body = await self.get(view.url + "/tokenizer.json", max(self.timeout_s, 30.0))
+        if status != 200 or hashlib.sha256(body).hexdigest() != sha:
+            raise ValueError(f"/tokenizer.json answered {status} or does not match its sha256")
+        tok = await asyncio.get_running_loop().run_in_executor(None, RouterTokenizer, body.decode(), info)
+        log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
+        return tok
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def complete(self) -> bool:
+        """Every endpoint has an exact view (no request needs the approximate index)."""
+        views = self.views.values()
+        return bool(views) and all(v.exact(self.stale_s) for v in views)
+
+    def annotate(self, facts: RequestFacts, data: dict[str, Any]) -> Awaitable[None] | None:
+        """Set ``facts.prompt_tokens`` (exact) and ``facts.cached_tokens`` for exact endpoints; returns an
+        awaitable when a long new prompt text is being tokenized off the event loop."""
+        views = [v for v in self.views.values() if v.exact(self.stale_s) and _serves(v, facts.model)]
+        if not views:
+            return None
+        tok = views[0].tokenizer
+        assert tok is not None
+        try:
+            plan = tok.plan_request(data)
+        except NotTokenizable:
+            return None
+        if plan is None:
+            return None
+        if plan.missing_chars > OFFLOAD_CHARS:
+            return self._annotate_later(facts, tok, plan, views)
+        if plan.missing:
+            tok.fill(plan, tok.encode_missing(plan))
+        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
+        return None
+
+    async def _annotate_later(
+        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
+    ) -> None:
+        encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan)
+        tok.fill(plan, encoded)
+        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
+
+    def _lookup(self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView]) -> None:
+        n = sum(len(p) for p in pieces)
+        facts.prompt_tokens = n
+        cached: dict[str, int] = {}
+        keys_by_size: dict[int, list[int]] = {}
+        by_size: dict[int, list[EndpointView]] = {}
+        for v in views:
+            by_size.setdefault(v.block_size, []).append(v)
+        for bs, group in by_size.items():
+            bits = 0
+            for v in group:
+                bits |= v.blocks.bit
+            # the engine always computes the last prompt token: a fully cached prompt still recomputes it
+            memo = self._chains.get(bs)
+            if memo is None:
+                memo = self._chains[bs] = ChainMemo(bs)
+            keys = keys_by_size[bs] = memo.keys(pieces)[: (n - 1) // bs]
+            depth = self.index.match(keys, bits)
+            if self.shared is not None:
+                self._shared_depths(keys, group, depth)
+            for v in group:
+                cached[v.url] = depth.get(v.blocks.bit, 0) * bs
+        facts.cached_tokens = cached
+        facts.block_keys = keys_by_size
+
+    def _shared_depths(self, keys: list[int], group: list[EndpointView], depth: dict[int, int]) -> None:
+        """Raise ``depth`` where another worker sent a request computing these blocks (its checkpoints)."""
+        assert self.shared is not None
+        mine = {v.slot: v for v in group if v.slot >= 0}
+        for pos in reversed(checkpoints(0, len(keys))):
+            if not mine:
+                return
+            for slot in self.shared.slots(keys[pos]):
+                v = mine.pop(slot, None)
+                if v is not None and depth.get(v.blocks.bit, 0) < pos + 1:
+                    depth[v.blocks.bit] = pos + 1
+
+    def dispatched(self, url: str, facts: RequestFacts) -> tuple[EndpointView, list[int], list[int]] | None:
+        """``facts`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
+        view = self.views.get(url)
+        if view is None or not facts.block_keys or facts.cached_tokens is None:
+            return None
+        bs = view.block_size
+        chain = facts.block_keys.get(bs)
+        if not chain:
+            return None
+        start = facts.cached_tokens.get(url, 0) // bs
+        keys = chain[start:]
+        self.index.add_pending(keys, view.blocks.bit)
+        marks: list[int] = []
+        if self.shared is not None and view.slot >= 0:
+            marks = [chain[p] for p in checkpoints(start, len(chain))]
+            self.shared.add(marks, view.slot)
+        return view, keys, marks
+
+    def settle(self, token: tuple[EndpointView, list[int], list[int]], first_byte: bool) -> None:
+        """The request's first byte arrived (its events are due: drop the entry soon) or it failed."""
+        view, keys, marks = token
+
+        def drop() -> None:
+            if self.views.get(view.url) is view:  # the endpoint's bit may belong to another one now
+                self.index.remove_pending(keys, view.blocks.bit)
+            if marks and self.shared is not None:
+                self.shared.remove(marks, view.slot)
+
+        if first_byte:
+            asyncio.get_running_loop().call_later(SETTLE_S, drop)
+        else:
+            drop()
+
+    # ---- reporting ------------------------------------------------------------------------------------
+    def status(self, url: str) -> dict[str, Any] | None:
+        view = self.views.get(url)
+        if view is None:
+            return None
+        feed = view.feed
+        out: dict[str, Any] = {
+            "mode": "exact" if view.exact(self.stale_s) else "approximate",
+            "blocks": len(view.blocks),
+            "tokenizer": view.tokenizer is not None,
+        }
+        if feed is None:
+            out["reason"] = view.reason
+            return out
+        st = feed.stats
+        out.update(
+            state=st.state,
+            endpoint=feed.source.endpoint,
+            replay_endpoint=feed.source.replay_endpoint,
+            last_seq=st.last_seq,
+            batches=st.batches,
+            events=dict(st.events),
+            gaps=st.gaps,
+            resyncs=st.resyncs,
+            lost=st.lost,
+            partial=st.partial,
+            orphans=view.blocks.orphans,
+            lag_s=round(st.lag_s, 4),
+            age_s=round(time.time() - st.last_batch_at, 3) if st.last_batch_at else None,
+            error=st.error or None,
+        )
+        if out["mode"] == "approximate":
+            if view.tokenizer is None:
+                out["reason"] = view.reason
+            elif st.state == "live":
+                out["reason"] = f"events lag {st.lag_s:.3f} s (over {self.stale_s:g} s)"
+            else:
+                out["reason"] = f"event feed {st.state}"
+        return out
+
+    def metric_rows(self) -> list[tuple[str, float, float, int]]:
+        """(url, event lag s, seconds since the last batch, indexed blocks) per endpoint with a feed."""
+        now = time.time()
+        rows = []
+        for url, v in self.views.items():
+            if v.feed is not None:
+                st = v.feed.stats
+                rows.append(
+                    (url, st.lag_s, now - st.last_batch_at if st.last_batch_at else -1.0, len(v.blocks))
+                )
+        return rows
+
+
+def _serves(view: EndpointView, model: str | None) -> bool:
+    models = view.models()
+    return model is None or not models or model in models

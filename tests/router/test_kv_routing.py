@@ -1,0 +1,230 @@
+"""Exact cache-aware routing: `lbd route` following the KV events of `lbd supervise` ranks (--device sim:
+the real scheduler, KV-cache manager and publisher, a timed stand-in forward pass, the tiny model's
+tokenizer and chat template).
+
+- the router tokenizes chat and completion bodies exactly as the engine's /tokenize does;
+- multi-turn chat stays on the rank that holds its history, and the decisions say how many blocks it holds,
+  with two router workers that each follow the events themselves;
+- after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
+  the view at once) and with the approximate fallback (--kv-events off; the new pid clears it).
+One node for the module (~5 s to start), a router per test; ~40 s in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lbd.router.kv.tokenize import RouterTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "supervisor"))
+from supervisor_harness import SupervisorNode  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+EVENTS = json.dumps(
+    {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+    }
+)
+FAST = (
+    "--scrape-interval-ms",
+    "100",
+    "--health-check-interval-s",
+    "0.5",
+    "--health-check-timeout-s",
+    "1",
+    "--supervisor-poll-interval-s",
+    "0.2",
+    "--debug-headers",
+)
+SYSTEM = "You are a careful assistant who answers questions about rivers, lakes and the sea. " * 6
+
+
+@pytest.fixture(scope="module")
+def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorNode]:
+    log = tmp_path_factory.mktemp("kv-node") / "supervise.log"
+    n = SupervisorNode(
+        tiny_llama,
+        2,
+        "--served-model-name",
+        MODEL,
+        "--device",
+        "sim",
+        "--sim-profile",
+        "h100-llama3-8b",
+        "--kv-cache-memory-bytes",
+        "1GiB",
+        "--max-model-len",
+        "2048",
+        "--kv-events-config",
+        EVENTS,
+        interval=0.3,
+        timeout=1.0,
+        threshold=3,
+        log=log,
+    )
+    try:
+        n.wait_ready(timeout=120)
+        yield n
+    finally:
+        n.close()
+
+
+async def router_for(node: SupervisorNode, start_router, *extra: str):
+    r = start_router("--upstreams", f"supervisor://127.0.0.1:{node.sport}", *FAST, *extra)
+    await r.wait(timeout=60)
+    await until(
+        r,
+        lambda st: (
+            all(e["state"] == "ready" and e["models"] for e in st["endpoints"]) and len(st["endpoints"]) == 2
+        ),
+        "both ranks ready",
+    )
+    return r
+
+
+async def until(r, pred, what: str, timeout: float = 30.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        st = await r.status()
+        if pred(st):
+            return st
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}: {st}"
+        await asyncio.sleep(0.05)
+
+
+def exact_everywhere(st: dict) -> bool:
+    return all(e["kv_events"]["mode"] == "exact" for e in st["endpoints"])
+
+
+async def chat(c: httpx.AsyncClient, url: str, messages: list[dict]) -> tuple[str, str, str]:
+    resp = await c.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8}
+    )
+    assert resp.status_code == 200, resp.text
+    return (
+        resp.headers["x-lbd-endpoint"],
+        resp.headers["x-lbd-route-reason"],
+        resp.json()["choices"][0]["message"]["content"],
+    )
+
+
+async def conversation(c: httpx.AsyncClient, url: str, turns: int, tag: str) -> list[tuple[str, str]]:
+    msgs = [{"role": "system", "content": f"{tag}. {SYSTEM}"}]
+    out = []
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"Question {t}: how deep is lake number {t * 7}?"})
+        endpoint, reason, text = await chat(c, url, msgs)
+        msgs.append({"role": "assistant", "content": text})
+        out.append((endpoint, reason))
+    return out
+
+
+def test_router_tokenizes_like_the_engine(node: SupervisorNode) -> None:
+    url = node.rank_url(0)
+    info = httpx.get(url + "/tokenizer_info").json()
+    tok = RouterTokenizer(httpx.get(url + "/tokenizer.json").text, info)
+    assert node.rank(0)["kv_event_sources"]["0"]["enable_kv_cache_events"] is True  # the supervisor's copy
+    bodies = [
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "a <|im_end|> b"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "  spaced  \n\n out"},
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}],
+                }
+            ],
+            "add_generation_prompt": False,
+        },
+        {"prompt": "The capital of France is"},
+        {"prompt": "no specials", "add_special_tokens": False},
+    ]
+    for body in bodies:
+        plan = tok.plan_request(body)
+        tok.fill(plan, tok.encode_missing(plan))
+        engine = httpx.post(url + "/tokenize", json={"model": MODEL, **body}).json()["tokens"]
+        assert tok.assemble(plan) == engine, body
+
+
+async def test_multi_turn_stays_on_the_rank_that_holds_it(node: SupervisorNode, start_router) -> None:
+    r = await router_for(node, start_router, "--workers", "2")
+    await until(r, exact_everywhere, "exact views")
+    async with httpx.AsyncClient(timeout=60) as c:
+        turns = await conversation(c, r.url, 4, "River")
+        home = turns[0][0]
+        assert all(e == home for e, _ in turns), turns
+        assert all(reason.startswith("prefix_hit") for _, reason in turns[1:]), turns
+        cached = [int(reason.split(" uncached, ")[1].split(" blocks")[0]) for _, reason in turns[1:]]
+        assert cached == sorted(cached) and cached[0] > 0, turns  # the history grows, and is held
+        for _ in range(8):  # each worker follows the events itself: every answer says the same
+            st = await r.status()
+            held = {e["url"]: e["kv_events"]["blocks"] for e in st["endpoints"]}
+            assert exact_everywhere(st) and held[home] > 0, st
+
+
+@pytest.mark.parametrize("events", ["auto", "off"])
+async def test_a_restarted_rank_loses_its_prefixes(node: SupervisorNode, start_router, events: str) -> None:
+    r = await router_for(node, start_router, "--kv-events", events)
+    if events == "auto":
+        await until(r, exact_everywhere, "exact views")
+    async with httpx.AsyncClient(timeout=60) as c:
+        msgs = [
+            {"role": "system", "content": f"Lake {events}. {SYSTEM}"},
+            {"role": "user", "content": "hello"},
+        ]
+        home, _, _ = await chat(c, r.url, msgs)
+        again, reason, _ = await chat(c, r.url, msgs)
+        assert again == home and reason.startswith("prefix_hit"), reason
+        rank = int(home.rsplit(":", 1)[1]) - node.base_port
+        old_pid = node.rank(rank)["pid"]
+        t_kill = time.monotonic()
+        node.signal_rank(rank, signal.SIGKILL)
+        if events == "auto":  # the publisher's disconnection clears the view within an event interval
+            await until(
+                r,
+                lambda st: next(e for e in st["endpoints"] if e["url"] == home)["kv_events"]["blocks"] == 0,
+                "the dead rank's view cleared",
+                timeout=5.0,
+            )
+            assert time.monotonic() - t_kill < 5.0
+        node.wait_for(
+            lambda: node.rank(rank)["state"] == "ready" and node.rank(rank)["pid"] != old_pid,
+            60,
+            "the rank back",
+        )
+        st = await until(
+            r,
+            lambda st: next(e for e in st["endpoints"] if e["url"] == home)["state"] == "ready",
+            "the router re-admits it",
+        )
+        if events == "auto":
+            assert next(e for e in st["endpoints"] if e["url"] == home)["kv_events"]["blocks"] == 0
+        endpoint, reason, _ = await chat(c, r.url, msgs)  # nobody holds it now
+        assert cached_of(reason) == 0, (endpoint, reason)
+        again, reason, _ = await chat(c, r.url, msgs)  # and now the rank that served it does
+        assert again == endpoint and cached_of(reason) > 0, reason
+
+
+def cached_of(reason: str) -> int:
+    """The blocks (or text chunks) the decision counted as cached where it sent the request."""
+    return int(reason.rsplit(" uncached, ", 1)[1].split(" ", 1)[0])
