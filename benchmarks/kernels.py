@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ def cpu_ms(fn: Callable[[], object], n: int = 50) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def cpu_references(threads: int) -> None:
+def cpu_references(threads: int, pool: bool = True) -> None:
     """The CPU serving path at SmolLM2-135M's shapes (9/3 heads, d64, hidden 576): the torch references and,
     where one exists, the C kernel of ``kernels.cpu`` on the same inputs, side by side."""
     from kernels import cpu
@@ -177,6 +178,8 @@ def cpu_references(threads: int) -> None:
 
     torch.set_num_threads(threads)
     c = cpu.library() is not None
+    if c and pool:  # as the engine core runs them: the C kernels on their pool (torch keeps its threads here)
+        cpu.start_pool(sorted(os.sched_getaffinity(0))[:threads])
     heads, kv_heads, d, hidden = 9, 3, 64, 576
     cases: list[tuple[str, Callable[[], object], Callable[[], object] | None]] = []
     for label, lens in (("decode 32 seqs x 256 ctx", [(1, 256)] * 32),
@@ -199,11 +202,13 @@ def cpu_references(threads: int) -> None:
                       partial(cpu.rotary_neox, *rot_args) if c else None))
         gu = torch.randn(rows, 2 * 1536)
         cases.append((f"silu_and_mul {rows} x 1536", partial(elementwise.silu_and_mul, gu), None))
+    cases += linear_cases(hidden, c)
     h, logits = torch.randn(32, hidden), torch.randn(32, 8)
     w13, w2 = torch.randn(8, 2 * 512, hidden) / 24, torch.randn(8, hidden, 512) / 22
     cases.append(("fused_moe 32 tokens, 8 experts top-2, I512",
                   partial(moe.fused_moe, h, w13, w2, logits, 2, True), None))
-    print(f"CPU, {threads} thread(s), min / median ms (C kernels {'built' if c else 'NOT built: no cc'})")
+    print(f"CPU, {threads} thread(s), min / median ms (C kernels {'built' if c else 'NOT built: no cc'}, "
+          f"{'on their pool' if cpu.pool_threads() else 'on OpenMP threads'}; load {os.getloadavg()[0]:.1f})")
     print(f"  {'case':55s} {'torch reference':>19} {'C (kernels.cpu)':>19} {'speed-up':>9}")
     for name, ref, native in cases:
         lo, med = cpu_ms(ref)
@@ -212,6 +217,32 @@ def cpu_references(threads: int) -> None:
             c_lo, c_med = cpu_ms(native)
             line += f" {c_lo:8.3f} / {c_med:8.3f} {lo / c_lo:8.1f}x"
         print(line)
+
+
+Case = tuple[str, Callable[[], object], Callable[[], object] | None]
+
+
+def linear_cases(hidden: int, built: bool) -> list[Case]:
+    """SmolLM2's projections at decode and prefill sizes: torch's GEMM (MKL / oneDNN) on the plain weight vs
+    the packed kernel on the weight packed once (what the engine does at load), fp32 and, where the CPU has
+    AVX-512 BF16, bf16."""
+    from kernels.cpu import packed
+
+    shapes = {"qkv": (960, hidden), "gate_up": (3072, hidden), "down": (hidden, 1536),
+              "lm_head": (49152, hidden)}
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        ok = built and packed.supported(dtype)
+        for rows in (1, 8, 32, 64, 512):
+            for name, (n, k) in shapes.items():
+                if name == "lm_head" and rows not in (1, 64):
+                    continue
+                w, x = torch.randn(n, k).to(dtype), torch.randn(rows, k).to(dtype)
+                pw = packed.pack(w) if ok else None
+                cases.append((f"linear {name} {rows} x {k} -> {n} {str(dtype)[6:]}",
+                              partial(torch.nn.functional.linear, x, w),
+                              partial(packed.linear, x, pw) if ok else None))
+    return cases
 
 
 def _paged_cpu(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -243,9 +274,11 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="time the torch references and the C kernels on this CPU instead")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --cpu")
+    parser.add_argument("--no-pool", action="store_true",
+                        help="--cpu: the C kernels on OpenMP threads, not on their pool (kernels/cpu/pool.c)")
     args = parser.parse_args()
     if args.cpu:
-        cpu_references(args.threads)
+        cpu_references(args.threads, pool=not args.no_pool)
         return 0
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device; none is visible, so nothing was measured.")

@@ -80,6 +80,7 @@ class EngineArgs:
     otlp_traces_endpoint: str | None = None
     responses_store_max_entries: int = 4096
     responses_store_max_bytes: int = 256 * 1024 * 1024
+    profile_steps: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -196,6 +197,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--responses-store-max-bytes", type=parse_bytes, default=256 * 1024 * 1024,
                    help="bytes of stored /v1/responses per rank (conversation text included); the oldest "
                         "go first")
+    g.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="log where the time of a step goes (scheduling, input preparation, attention, "
+                        "linear, sampling, IPC; the front ends' detokenization and streaming) every N steps; "
+                        "0 = off")
 
     add_tls_arguments(parser)
     _limits.add_limit_arguments(parser)
@@ -281,6 +286,8 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}")
     if args.kv_events_config is not None:
         from engine.kv_events.config import offset_endpoint_port, parse_kv_events_config
 

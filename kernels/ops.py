@@ -3,9 +3,9 @@
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
-when they build (fp32: decode attention, RMSNorm, neox rotary, linear of up to 32 rows) and the references
-for the rest. The Triton modules are imported on first use, so a CPU-only process never pays for importing
-triton.
+when they build (fp32: decode attention, RMSNorm, neox rotary, SiLU-and-mul; fp32 and bf16: linear layers
+whose weights ``pack_linear_weights`` packed at load) and the references for the rest. The Triton modules
+are imported on first use, so a CPU-only process never pays for importing triton.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu as _cpu
+from kernels.cpu import packed as _packed
 from kernels.metadata import AttentionMetadata
 from kernels.reference import attention as _ref_attn
 from kernels.reference import elementwise as _ref_elem
@@ -26,7 +27,8 @@ from kernels.reference import rotary as _ref_rotary
 from kernels.rope_cache import build_rope_cache
 
 __all__ = [
-    "MODE", "backend_for", "build_rope_cache", "linear", "rms_norm", "silu_and_mul", "rotary_embedding",
+    "MODE", "backend_for", "build_rope_cache", "linear", "pack_linear_weights", "PackedWeight", "rms_norm",
+    "silu_and_mul", "rotary_embedding",
     "write_kv_cache", "paged_attention", "topk_softmax", "grouped_topk", "fused_experts", "fused_moe",
     "write_mla_cache", "mla_decode", "mla_prefill",
 ]
@@ -72,15 +74,49 @@ def _cpu_c(*tensors: torch.Tensor) -> bool:
     return MODE == "auto" and _cpu.elementwise_ok(*tensors)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T (+ bias): the BLAS, except up to 32 fp32 CPU rows (decode steps of a few
-    dozen sequences), which ``kernels.cpu`` streams through the weights once."""
-    if (x.dim() == 2 and 0 < x.shape[0] <= _cpu.MAX_SKINNY_ROWS and weight.is_contiguous()
-            and weight.dtype == torch.float32 and _cpu_c(x)):
-        out = _cpu.linear_few_rows(x, weight)
-        if out is not None:
-            return out if bias is None else out.add_(bias)
+PackedWeight = _packed.PackedWeight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias). A weight packed at load (``pack_linear_weights``) runs the packed
+    CPU kernel at any T; a plain one torch's GEMM (the BLAS on the CPU)."""
+    if isinstance(weight, PackedWeight):
+        if x.dim() != 2:
+            return _packed.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+        return _packed.linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """Pack, once after loading, the weights of ``model``'s linear layers for the CPU's packed GEMM; returns
+    how many were packed (0 where it does not apply: not the CPU, LBD_KERNELS=torch, no AVX-512 kernel for
+    the dtype, or the kernels did not build).
+
+    A layer takes part when its class says ``packable_weight = True`` (its forward calls ``ops.linear`` with
+    ``self.weight``): the Parameter is replaced by a ``PackedWeight`` of the same shape, so the memory is not
+    doubled. A module with ``packs_tied_head = True`` (its LM head is its embedding, on one device) gets a
+    packed copy of the embedding in ``lm_head_packed`` for its logits (the embedding stays for the lookup).
+    """
+    if MODE != "auto":
+        return 0
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (getattr(module, "packable_weight", False) and isinstance(w, torch.nn.Parameter) and w.dim() == 2
+                and not w.is_cuda and _packed.supported(w.dtype)):
+            packed = _packed.pack(w.detach().contiguous())
+            del module._parameters["weight"]
+            module.weight = packed
+            count += 1
+        if getattr(module, "packs_tied_head", False) and module.lm_head_packed is None:
+            head = module.lm_head.weight
+            if not head.is_cuda and _packed.supported(head.dtype):
+                module.lm_head_packed = _packed.pack(head.detach().contiguous())
+                count += 1
+    if count:
+        logger.info("packed %d linear weights for the CPU's packed GEMM", count)
+    return count
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -95,7 +131,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return (_tri(x) or _ref_elem).silu_and_mul(x)
+    impl = _tri(x)
+    if impl is None and x.shape[-1] % 2 == 0 and _cpu_c(x):
+        return _cpu.silu_and_mul(x)
+    return (impl or _ref_elem).silu_and_mul(x)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
@@ -110,8 +149,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store key/value [T, Hkv, d] at ``slot_mapping`` in caches [NB, BS, Hkv, d]; fp8 caches hold x/scale."""
-    impl = _tri(key) or _ref_attn
-    impl.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    impl = _tri(key)
+    if (impl is None and MODE == "auto" and value_cache.is_contiguous()
+            and _cpu.write_ok(key, value, key_cache)):
+        return _cpu.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    (impl or _ref_attn).write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

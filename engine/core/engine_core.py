@@ -19,6 +19,7 @@ from engine.core.metrics_recorder import MetricsRecorder
 from engine.core.request import Request
 from engine.core.sched_output import SampledToken, SchedulerOutput
 from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
 from engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -123,6 +124,9 @@ class EngineCore:
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
+        self.profiler: NullProfiler = NO_PROFILE
+        if args.profile_steps:
+            self.start_profiling(args.profile_steps)
         self._log_capacity()
         self.recorder: MetricsRecorder | None = None
         if metrics is not None:
@@ -131,6 +135,24 @@ class EngineCore:
             self.recorder.flush()
 
     # ---- start-up -------------------------------------------------------------------------------------
+    def start_profiling(self, every: int) -> StepProfiler:
+        """Time every step's phases and the forward's kernels (engine/core/step_profile.py)."""
+        sync = None
+        if getattr(self.runner, "device", "cpu").startswith("cuda"):
+            import torch
+
+            sync = torch.cuda.synchronize
+        prof = StepProfiler(every, sync=sync)
+        self._op_timer = OpTimer(prof)
+        self._op_timer.install()
+        self.profiler = self.runner.profiler = prof
+        return prof
+
+    def stop_profiling(self) -> None:
+        if self.profiler.enabled:
+            self._op_timer.uninstall()
+            self.profiler = self.runner.profiler = NO_PROFILE
+
     def _check_capacity(self) -> None:
         cfg = self.config
         need = -(-cfg.max_model_len // cfg.block_size)
@@ -222,22 +244,41 @@ class EngineCore:
         """Schedule a batch and run it; return each touched request's new tokens (and finish).
 
         With a pipelined runner, a batch is only submitted while fewer than ``max_in_flight`` are queued;
-        the oldest one's results are collected when the queue is full or nothing more can be scheduled."""
+        the oldest one's results are collected when the queue is full or nothing more can be scheduled.
+        Under ``--profile-steps`` an executor's step (TP/PP workers) counts as ``forward``."""
+        prof = self.profiler
+        own_step = prof.enabled and not prof.in_step  # stepped directly (tests), not by the core's loop
+        if own_step:
+            prof.begin()
         batches, depth = self._batches, self._depth
         if len(batches) < depth:
             # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
             out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
+            prof.lap("schedule")
             if out.seqs:
                 batches.append((out, self._submit(out)))
                 if len(batches) < depth:
-                    return []  # fill the pipeline first
+                    if own_step:
+                        prof.end()  # filling the pipeline: no batch finished, not counted as a step
+                    return []
         if not batches:
+            if own_step:
+                prof.end()  # nothing scheduled: not counted as a step
             return []
         out, handle = batches.popleft()
         sampled = self.runner.collect(handle) if depth > 1 else handle
+        # a runner that marks its own phases (ModelRunner) left ~0 s to this lap; the TP/PP executor did not
+        # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
+        prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
         if self.kv_events is not None:
             self.kv_events.flush()
+        prof.lap("update")
+        if prof.enabled:
+            tokens = out.num_tokens
+            prof.shape(len(out.seqs), tokens, tokens == len(out.seqs))
+            if own_step:
+                prof.end()
         if self.recorder is not None:
             self.recorder.step(out.scheduled_tokens)
         return outputs

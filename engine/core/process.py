@@ -164,13 +164,19 @@ class CoreServer:
         core, state = self.core, self.state
         next_stats = 0.0
         while not state.stop_now:
+            prof = core.profiler
             if core.has_work():
+                prof.begin()
                 self.drain()
+                prof.lap("ipc_in")
             else:
                 if state.draining_since is not None:
                     break  # SIGTERM and nothing left to finish
+                prof.idle()
                 if self.sock.poll(IDLE_POLL_MS):
+                    prof.begin()
                     self.drain()
+                    prof.lap("ipc_in")
             if state.draining_since is not None and \
                     time.monotonic() - state.draining_since > self.shutdown_timeout:
                 logger.warning("shutdown timeout: exiting with %d requests unfinished",
@@ -179,6 +185,8 @@ class CoreServer:
             now = time.monotonic()
             if core.has_work():
                 self.send_outputs(core.step(), now)
+                prof.lap("ipc_out")
+            prof.end()
             if now >= next_stats:
                 core.flush_metrics()
                 self.send_stats(now)
@@ -219,6 +227,10 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
 
     metrics = CoreMetrics(args.model_name, args.rank)
     core = EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
+    if core.runner.device == "cpu":
+        from engine.core.runner import pin_core_thread
+
+        pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
     ctx = zmq.Context(io_threads=1)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

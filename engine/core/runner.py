@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from engine.core import kv_alloc
 from engine.core.host_batch import HostBatch
 from engine.core.sampler import Sampler, SampleRow
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.core.step_profile import NO_PROFILE, NullProfiler
 from engine.distributed.context import ParallelContext
 from engine.distributed.placement import rank_threads
 from engine.loader import load_weights, read_kv_scales
 from engine.models import build_model
 from engine.models.config import load_hf_config
 from engine.models.parallel import kv_heads_per_rank
+from kernels import ops
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,60 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def cpu_threads(args: EngineArgs) -> int:
     """This process's compute threads (see engine.distributed.placement; a worker gets OMP_NUM_THREADS)."""
     return rank_threads(args.data_parallel_size_local, args.data_parallel_size)
+
+
+def cpu_has_bf16() -> bool:
+    """AVX-512 BF16 or AMX-BF16: bf16 dot products in hardware (oneDNN and the packed GEMM use them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line for line in lines if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def warn_emulated_bf16(dtype: torch.dtype) -> None:
+    """``--dtype bfloat16`` on a CPU without bf16 instructions still runs (torch emulates bf16 math, and the
+    result is the same) but is slower than float32: say so once rather than refuse a valid dtype."""
+    if dtype == torch.bfloat16 and not cpu_has_bf16():
+        logger.warning("--dtype bfloat16: this CPU has no AVX-512 BF16 or AMX, so bf16 math is emulated "
+                       "(same results, usually slower than --dtype float32)")
+
+
+def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
+    """How the core's compute threads share this process's CPUs.
+
+    Where the packed kernels take the model's dtype (AVX-512), the C kernels run on their own pool (the core's
+    thread plus a helper pinned to each other CPU; ``pin_core_thread`` pins the core's), which never waits for
+    a thread that was descheduled, and torch's own ops run on the core's thread alone (kernels/cpu/pool.c:
+    with two OpenMP threads a loaded 2-core host made a decode step 4-5x slower than with one). Elsewhere
+    torch's OpenMP threads run everything, pinned one per CPU. Either way only when the threads are exactly as
+    many as the CPUs this process may use (the usual single-rank case; DP ranks sharing CPUs stay unpinned on
+    torch's threads). LBD_CPU_POOL=0 keeps torch's threads, LBD_CPU_BIND=0 leaves them unpinned.
+    """
+    from kernels import cpu as cpu_kernels
+    from kernels.cpu import packed
+
+    cpus = sorted(os.sched_getaffinity(0))
+    exact = len(cpus) == threads
+    if exact and os.environ.get("LBD_CPU_POOL", "1") != "0" and packed.supported(dtype) \
+            and cpu_kernels.start_pool(cpus):
+        torch.set_num_threads(1)
+        logger.info("CPU kernels on a pool of %d threads pinned to CPUs %s; torch ops on 1 thread", threads,
+                    cpus)
+        return
+    torch.set_num_threads(threads)
+    if exact and os.environ.get("LBD_CPU_BIND", "1") != "0" and cpu_kernels.bind_threads(cpus):
+        logger.info("torch's %d OpenMP threads pinned to CPUs %s", threads, cpus)
+
+
+def pin_core_thread() -> None:
+    """The core process's main thread onto the one CPU of its affinity that the kernels' pool left to it (a
+    thread, not the process: pid 0 in sched_setaffinity is the caller). No-op without the pool."""
+    from kernels import cpu as cpu_kernels
+
+    if cpu_kernels.pool_threads() > 1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
 @contextlib.contextmanager
@@ -117,6 +174,8 @@ def device_batch(host: HostBatch, block_size: int, dev: torch.device) -> StepBat
 
 
 class ModelRunner:
+    profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
+
     def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None, *,
                  allocate: bool = True) -> None:
         self._t0 = time.monotonic()
@@ -128,7 +187,8 @@ class ModelRunner:
         self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         if self.torch_device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args))
+            warn_emulated_bf16(self.torch_dtype)
+            setup_cpu_threads(cpu_threads(args), self.torch_dtype)
         hf_config = load_hf_config(model_path)
         self.max_model_len = args.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
@@ -164,6 +224,7 @@ class ModelRunner:
             model = build_model(hf_config, self.max_model_len, self.parallel)
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
+        ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)
         return model.eval()
 
     def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
@@ -271,16 +332,21 @@ class ModelRunner:
         seqs = out.seqs
         if not seqs:
             return []
+        prof = self.profiler
         batch = self.prepare(seqs)
         sampling = [s for s in seqs if s.sample]
+        prof.lap("prepare")
         with torch.inference_mode():
             hidden = self._forward(batch, self.kv_caches)
+            prof.lap("forward")
             if not sampling:
                 return []
             logits = self._logits(hidden, batch)
+            prof.lap("lm_head")
             rows = [SampleRow(s.request.request_id, s.request.sampling, s.request.prompt_token_ids,
                               s.request.output_token_ids) for s in sampling]
             ids, logprobs = self.sampler(logits, rows)
+            prof.lap("sample")
         return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
 
     def _forward(self, batch: StepBatch, kv_caches: list) -> torch.Tensor | None:

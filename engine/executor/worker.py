@@ -92,6 +92,10 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
                                  timeout_s=cfg["timeout_s"], timed=cfg["timed"])
     runner = StageRunner(args, cfg["model_path"], ParallelContext(layout, ns.pp_rank, ns.tp_rank,
                                                                    cfg["partition"], groups))
+    if device.type == "cpu":
+        from engine.core.runner import pin_core_thread
+
+        pin_core_thread()  # the kernels' pool (if it started) left this worker's first CPU to this thread
     ch.send(M.BLOCKS, [runner.measure_num_blocks(), runner.facts()])
     kind, num_blocks = ch.recv()
     assert kind == M.KV, kind

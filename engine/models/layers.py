@@ -16,7 +16,10 @@ def _empty(*shape: int) -> nn.Parameter:
 
 class Linear(nn.Module):
     """y = x W^T (+ b). ``shard_sizes`` lists the output rows of each checkpoint tensor fused into W (the
-    loader copies q/k/v or gate/up into their row ranges), so a fused projection is one matmul."""
+    loader copies q/k/v or gate/up into their row ranges), so a fused projection is one matmul. After loading,
+    ``ops.pack_linear_weights`` may replace W by a packed copy for the CPU kernel (``packable_weight``)."""
+
+    packable_weight = True
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False) -> None:
         super().__init__()

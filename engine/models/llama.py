@@ -148,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = par.lm_head(cfg.vocab_size, cfg.hidden_size, ctx)
             if cfg.tie_word_embeddings:
                 self.checkpoint_aliases["model.embed_tokens.weight"] = ["lm_head.weight"]
+        # the logits may read a packed copy of the embedding (ops.pack_linear_weights): only where the head
+        # is the one-device embedding itself (a separate head is a Linear and packs by itself)
+        self.packs_tied_head = ctx.tp_size == 1 and self.lm_head is self.model.embed_tokens
         self.max_positions = max_positions
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
@@ -177,9 +180,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
+    lm_head_packed: ops.PackedWeight | None = None  # the tied embedding packed for the logits (CPU, TP = 1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, D] (only the rows that sample) -> logits [N, V]; with TP, on TP rank 0 only (None on
         the others)."""
         if self.parallel.tp_size > 1:
             return par.vocab_logits(hidden, self.lm_head)
-        return ops.linear(hidden, self.lm_head.weight)
+        head = self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
+        return ops.linear(hidden, head)

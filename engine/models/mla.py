@@ -79,6 +79,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden_size, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        self.kv_b_proj.packable_weight = False  # read as a matrix (the absorbed W_UK, W_UV views): plain
         self.o_proj = Linear(heads * mla.v_head_dim, hidden_size, bias=bias)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:

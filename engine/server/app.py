@@ -80,7 +80,7 @@ class Frontend:
                  index: int = 0) -> None:
         self.args = args
         self.model_path = str(model_path)
-        self.client = CoreClient(address, core_pid)
+        self.client = CoreClient(address, core_pid, args.profile_steps)
         self.index = index
         self.state: FrontendState | None = None
         self.offload: Offload | None = None

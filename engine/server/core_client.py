@@ -11,11 +11,13 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 
 import psutil
 import zmq
 import zmq.asyncio
 
+from engine.core.step_profile import FrontendProfiler
 from engine.protocol import (
     ABORT,
     ADD,
@@ -50,7 +52,7 @@ class CoreError(Exception):
 
 
 class CoreClient:
-    def __init__(self, address: str, core_pid: int | None) -> None:
+    def __init__(self, address: str, core_pid: int | None, profile_steps: int = 0) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"fe-{os.getpid()}-{secrets.token_hex(4)}".encode())
@@ -66,6 +68,9 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        # --profile-steps: this front end's ipc / detokenize / stream costs (engine/core/step_profile.py)
+        self.profiler = FrontendProfiler(profile_steps, f"frontend pid={os.getpid()}") \
+            if profile_steps else None
         # Loop time of the core's last message: while it has work it sends something at least every 100 ms
         # (outputs or stats), so a long silence with requests in flight means a wedged core (see /health).
         self.last_heard = 0.0
@@ -150,21 +155,30 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         while True:
             kind, payload = await self._sock.recv_multipart(copy=True)
+            t0 = time.perf_counter()
             self.last_heard = loop.time()
             self.pending_since = None
             try:
-                self._dispatch(kind, decode(payload))
+                tokens = self._dispatch(kind, decode(payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)
                 logger.exception("bad %r message from the core", kind)
+                continue
+            if self.profiler is not None and kind == OUTPUTS:
+                self.profiler.add("ipc", time.perf_counter() - t0)
+                self.profiler.message(tokens)
 
-    def _dispatch(self, kind: bytes, msg: object) -> None:
+    def _dispatch(self, kind: bytes, msg: object) -> int:
+        """Route one message; returns the number of tokens it carried."""
         if kind == OUTPUTS:
             outs = outputs_from_dict(msg)
             self.stats = outs.stats
+            tokens = 0
             for out in outs.outputs:
+                tokens += len(out.new_token_ids)
                 queue = self._routes.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            return tokens
         elif kind == STATS:
             self.stats = SchedulerStats(**msg)
         elif kind == ERROR:
@@ -180,6 +194,7 @@ class CoreClient:
                 done.set_result(bool(msg.get("ok")))
         elif kind == READY and self._info is not None and not self._info.done():
             self._info.set_result(CoreInfo(**msg))
+        return 0
 
     async def _watch(self) -> None:
         if self._core_pid is None:

@@ -148,6 +148,7 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         pending = len(self.seqs)
+        prof = self.state.client.profiler
         while pending:
             item = await self._queue.get()
             if isinstance(item, CoreError):
@@ -155,7 +156,12 @@ class Generation:
             seq = self._by_id.get(item.request_id)
             if seq is None or seq.finished:
                 continue  # outputs already in flight when a stop string ended the sequence
-            delta = seq.consume(item)
+            if prof is None:
+                delta = seq.consume(item)
+            else:
+                t0 = time.perf_counter()
+                delta = seq.consume(item)
+                prof.add("detokenize", time.perf_counter() - t0)
             self._record(seq, delta)
             if delta.finished:
                 pending -= 1

@@ -99,12 +99,14 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
     usage_each = gen.common.continuous_usage
     usage_key = gen.common.include_usage or usage_each
     framing: EventFraming = fmt if isinstance(fmt, EventFraming) else EventFraming()
+    prof = gen.state.client.profiler
     try:
         try:
             for event in framing.lead_in():
                 await resp.write(framing.encode(event))
             delta = first
             while delta is not None:
+                t0 = time.perf_counter()
                 chunks = []
                 if delta.seq.index not in started:
                     started.add(delta.seq.index)
@@ -115,6 +117,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
                         if usage_key:
                             chunk["usage"] = gen.usage() if usage_each else None
                         await resp.write(framing.encode(chunk))
+                if prof is not None:
+                    prof.add("stream", time.perf_counter() - t0)
                 delta = await anext(rest, None)
             if gen.common.include_usage:
                 await resp.write(framing.encode(fmt.usage_chunk()))

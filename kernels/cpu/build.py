@@ -22,15 +22,29 @@ import tempfile
 from pathlib import Path
 
 logger = logging.getLogger("kernels.cpu")
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.c", "elementwise.c", "skinny_gemm.c")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("pool.c", "paged_decode.c", "elementwise.c", "packed_gemm.c")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("pool.h", "vexp.h")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_paged_decode_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                             _I64, _I64, _F32, _I64, _I64]),
+    "lbd_paged_decode_bf16": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                             _I64, _I64, _F32, _I64, _I64]),
+    "lbd_write_kv": (None, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]),
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
-    "lbd_skinny_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]),
+    "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
+    "lbd_bind_threads": (ctypes.c_int, [_PTR, ctypes.c_int]),
+    "lbd_pool_start": (ctypes.c_int, [_PTR, ctypes.c_int]),
+    "lbd_pool_threads": (ctypes.c_int, []),
+    "lbd_packed_gemm_support": (ctypes.c_int, []),
+    "lbd_packed_size": (_I64, [_I64, _I64, ctypes.c_int]),
+    "lbd_pack_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "lbd_pack_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "lbd_packed_gemm_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]),
+    "lbd_packed_gemm_bf16": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -53,7 +67,7 @@ def _cpu_key() -> bytes:
 
 
 def _build(cc: str) -> Path:
-    sources = b"".join(p.read_bytes() for p in _SOURCES)
+    sources = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
     digest = hashlib.sha256(sources + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
     target = _cache_dir() / f"lbd-cpu-{digest}.so"
     if target.is_file():

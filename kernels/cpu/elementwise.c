@@ -1,29 +1,46 @@
-/* The small per-token ops of a decoder layer for the CPU, fp32: RMSNorm (with the residual add fused) and
- * neox rotary embedding. (SiLU-and-mul stays in torch: its vectorised exp beat a C loop over libm's expf.)
+/* The small per-token ops of a decoder layer for the CPU, fp32: RMSNorm (with the residual add fused), neox
+ * rotary embedding and SiLU-and-mul. SiLU needs a vector exp (vexp.h: a loop over libm's scalar expf lost to
+ * torch's vectorised one); it is here so a prefill's [T, 2I] activations are split over the kernels' threads
+ * like every other op, instead of running on torch's one thread beside the pool.
  *
  * Each is a handful of torch ops in the reference, and at decode batch sizes a torch op costs more in
  * dispatch and thread wake-ups than in arithmetic (measured: ~40 ms of a 280 ms decode step of 64
- * sequences). Here each is one pass over its rows; rows are split over torch's OpenMP threads only when
- * there are enough of them to pay for the wake-up.
+ * sequences). Here each is one pass over its rows; rows are split over the kernels' threads (pool.h) only
+ * when there are enough of them to pay for the wake-up.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#define PARALLEL_MIN_ELEMENTS 65536
+#include "pool.h"
+#include "vexp.h"
 
-/* out = x_sum * weight / rms(x_sum), x_sum = x + residual (stored to new_residual) when residual != NULL.
- * Sums in fp32 like transformers' LlamaRMSNorm. Rows are ``stride`` floats apart in x (the others are dense). */
-void lbd_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *new_residual,
-                      const float *weight, float *out, int64_t T, int64_t D, float eps) {
-#pragma omp parallel for if (T * D >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *xr = x + t * x_stride;
-        float *o = out + t * D;
+#define CHUNK_ELEMENTS 32768 /* rows per chunk of the kernels' threads: about this many elements */
+
+/* Rows [0, T) in chunks of about CHUNK_ELEMENTS elements: one chunk (no threads) for a decode step. */
+static void for_row_chunks(lbd_task_fn fn, void *job, int64_t T, int64_t elements_per_row, int64_t *rows) {
+    *rows = CHUNK_ELEMENTS / (elements_per_row > 0 ? elements_per_row : 1);
+    if (*rows < 1) *rows = 1;
+    lbd_parallel_for(fn, job, (T + *rows - 1) / *rows);
+}
+
+struct norm_job {
+    const float *x, *residual, *weight;
+    float *new_residual, *out;
+    int64_t x_stride, T, D, rows;
+    float eps;
+};
+
+static void norm_rows(void *arg, int64_t chunk) {
+    const struct norm_job *j = arg;
+    const int64_t D = j->D, t1 = (chunk + 1) * j->rows < j->T ? (chunk + 1) * j->rows : j->T;
+    for (int64_t t = chunk * j->rows; t < t1; ++t) {
+        const float *xr = j->x + t * j->x_stride;
+        float *o = j->out + t * D;
         const float *src = xr;
-        if (residual != NULL) {
-            float *nr = new_residual + t * D;
-            const float *rr = residual + t * D;
+        if (j->residual != NULL) {
+            float *nr = j->new_residual + t * D;
+            const float *rr = j->residual + t * D;
 #pragma omp simd
             for (int64_t i = 0; i < D; ++i) nr[i] = xr[i] + rr[i];
             src = nr;
@@ -31,10 +48,18 @@ void lbd_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, f
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < D; ++i) ss += src[i] * src[i];
-        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        const float inv = 1.0f / sqrtf(ss / (float)D + j->eps);
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) o[i] = weight[i] * (src[i] * inv);
+        for (int64_t i = 0; i < D; ++i) o[i] = j->weight[i] * (src[i] * inv);
     }
+}
+
+/* out = x_sum * weight / rms(x_sum), x_sum = x + residual (stored to new_residual) when residual != NULL.
+ * Sums in fp32 like transformers' LlamaRMSNorm. Rows are ``stride`` floats apart in x (the others are dense). */
+void lbd_rms_norm_f32(const float *x, int64_t x_stride, const float *residual, float *new_residual,
+                      const float *weight, float *out, int64_t T, int64_t D, float eps) {
+    struct norm_job j = {x, residual, weight, new_residual, out, x_stride, T, D, 0, eps};
+    for_row_chunks(norm_rows, &j, T, D, &j.rows);
 }
 
 static void rotate_heads(float *x, int64_t heads, int64_t head_dim, int64_t half, const float *cos,
@@ -50,16 +75,63 @@ static void rotate_heads(float *x, int64_t heads, int64_t head_dim, int64_t half
     }
 }
 
+struct rotary_job {
+    const int64_t *positions;
+    float *q, *k;
+    const float *cos_sin;
+    int64_t q_stride, k_stride, T, Hq, Hk, head_dim, rot_dim, rows;
+};
+
+static void rotary_rows(void *arg, int64_t chunk) {
+    const struct rotary_job *j = arg;
+    const int64_t half = j->rot_dim / 2, t1 = (chunk + 1) * j->rows < j->T ? (chunk + 1) * j->rows : j->T;
+    for (int64_t t = chunk * j->rows; t < t1; ++t) {
+        const float *cos = j->cos_sin + j->positions[t] * j->rot_dim, *sin = cos + half;
+        rotate_heads(j->q + t * j->q_stride, j->Hq, j->head_dim, half, cos, sin);
+        rotate_heads(j->k + t * j->k_stride, j->Hk, j->head_dim, half, cos, sin);
+    }
+}
+
 /* Neox rotary in place on q [T, Hq*d] and k [T, Hk*d] (rows q_stride / k_stride floats apart): the first
  * rot_dim dims of each head turn by cos_sin[positions[t]] = [cos(rot_dim/2) | sin(rot_dim/2)]. */
 void lbd_rotary_neox_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
                          const float *cos_sin, int64_t T, int64_t Hq, int64_t Hk, int64_t head_dim,
                          int64_t rot_dim) {
-    const int64_t half = rot_dim / 2;
-#pragma omp parallel for if (T * (Hq + Hk) * head_dim >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *cos = cos_sin + positions[t] * rot_dim, *sin = cos + half;
-        rotate_heads(q + t * q_stride, Hq, head_dim, half, cos, sin);
-        rotate_heads(k + t * k_stride, Hk, head_dim, half, cos, sin);
+    struct rotary_job j = {positions, q, k, cos_sin, q_stride, k_stride, T, Hq, Hk, head_dim, rot_dim, 0};
+    for_row_chunks(rotary_rows, &j, T, (Hq + Hk) * head_dim, &j.rows);
+}
+
+struct silu_job {
+    const float *x;
+    float *out;
+    int64_t x_stride, T, I, rows;
+};
+
+static void silu_rows(void *arg, int64_t chunk) {
+    const struct silu_job *j = arg;
+    const int64_t I = j->I, t1 = (chunk + 1) * j->rows < j->T ? (chunk + 1) * j->rows : j->T;
+    for (int64_t t = chunk * j->rows; t < t1; ++t) {
+        const float *g = j->x + t * j->x_stride, *u = g + I;
+        float *o = j->out + t * I;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+        for (; i + 16 <= I; i += 16) {
+            /* sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below (no overflow) */
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 e = exp_nonpositive(_mm512_or_ps(gv, sign));
+            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] with rows x_stride floats apart. */
+void lbd_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t I) {
+    struct silu_job j = {x, out, x_stride, T, I, 0};
+    for_row_chunks(silu_rows, &j, T, 2 * I, &j.rows);
 }

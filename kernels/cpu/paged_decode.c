@@ -5,16 +5,21 @@
  * each sequence walks its block table and reads every K and V row once, in two passes: the scores of all
  * query heads (a head reads its kv head's part of the row: GQA without copies), a softmax per head
  * (max-subtracted, the same math as SDPA), then the probability-weighted sum of V rows.
- * Layouts: q/out [B, H, D] with row strides in floats, caches [num_blocks, BS, Hkv, D] contiguous,
+ * Layouts: q/out [B, H, D] with row strides in elements, caches [num_blocks, BS, Hkv, D] contiguous,
  * block_tables [B, bt_stride] int32, seq_lens [B] int32 (0 = padding: the output rows are zero).
+ * bf16 (lbd_paged_decode_bf16): a sequence's K and V rows are widened to fp32 in the thread's L2 buffer, once
+ * each, and the fp32 passes run on them: the memory reads halve, the math stays fp32 like SDPA's.
  */
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 /* One 64-byte vector per step and a single horizontal sum per dot: left to itself, gcc reduces the
  * vectorised dot through 16 dependent scalar adds, which made this pass 5x slower than its memory reads. */
@@ -67,26 +72,7 @@ static void scores(const float *qb, const float *kc, const int32_t *bt, int64_t 
     }
 }
 
-#if defined(__AVX512F__)
-/* exp(x) for x <= 0 (softmax inputs after the max is subtracted): x = n ln2 + r, |r| <= ln2/2, and
- * exp(r) by Cephes' degree-7 polynomial (~1 ulp). libm's expf is scalar here (glibc's vector variants are
- * declared only under -ffast-math) and took a quarter of the kernel's time. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));  /* below this exp is 0 in fp32 anyway */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
+#include "vexp.h"
 
 static void softmax_rows(float *s, int64_t H, int64_t L) {
     for (int64_t h = 0; h < H; ++h) {
@@ -182,35 +168,150 @@ static void weighted_values(const float *p, const float *vc, const int32_t *bt, 
     }
 }
 
-/* All B sequences, spread over the OpenMP threads, each thread with one score buffer. Built with -fopenmp,
- * this library needs libgomp.so.1, which resolves to the one torch already loaded: the same thread pool and
- * thread count (torch.set_num_threads) as torch's own ops, so no second set of threads spins against them.
- * Sequences are handed out one at a time (dynamic), since their lengths differ. */
+struct decode_job {
+    const void *q, *kc, *vc;
+    const int32_t *block_tables, *seq_lens;
+    void *out;
+    int64_t q_row_stride, bt_stride, out_row_stride, H, Hkv, D, BS, max_len;
+    float scale;
+    _Atomic int failed;
+};
+
+/* The score buffer of the thread running a sequence: grown as needed, kept for the thread's life. */
+static float *scratch(int64_t floats) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local int64_t cap = 0;
+    if (floats > cap) {
+        float *grown = realloc(buf, (size_t)floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
+}
+
+static void decode_one(void *arg, int64_t b) {
+    struct decode_job *j = arg;
+    const int64_t L = j->seq_lens[b], G = j->H / j->Hkv, row = j->Hkv * j->D;
+    float *o = (float *)j->out + b * j->out_row_stride;
+    float *s = L > 0 ? scratch(j->H * L) : NULL;
+    if (L <= 0 || s == NULL) {
+        if (L > 0) atomic_store(&j->failed, 1);
+        memset(o, 0, (size_t)(j->H * j->D) * sizeof(float));
+        return;
+    }
+    const int32_t *bt = j->block_tables + b * j->bt_stride;
+    scores((const float *)j->q + b * j->q_row_stride, j->kc, bt, L, j->H, G, j->D, j->BS, row, j->scale, s);
+    softmax_rows(s, j->H, L);
+    weighted_values(s, j->vc, bt, L, j->H, G, j->D, j->BS, row, o);
+}
+
+static void widen(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+#endif
+    for (; i < n; ++i) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+static void narrow(const float *src, uint16_t *dst, int64_t n) { /* round to nearest even, like torch */
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = (src[i] != src[i]) ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* A whole sequence's blocks of one cache, widened into dense fp32 rows [L, row]. */
+static void widen_blocks(const uint16_t *cache, const int32_t *bt, int64_t L, int64_t BS, int64_t row,
+                         float *dst) {
+    for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        widen(cache + (int64_t)bt[blk] * BS * row, dst + t0 * row, n * row);
+    }
+}
+
+static void decode_one_bf16(void *arg, int64_t b) {
+    struct decode_job *j = arg;
+    const int64_t L = j->seq_lens[b], H = j->H, D = j->D, G = H / j->Hkv, row = j->Hkv * D;
+    uint16_t *o = (uint16_t *)j->out + b * j->out_row_stride;
+    float *s = L > 0 ? scratch(H * L + 2 * L * row + 2 * H * D) : NULL;
+    if (L <= 0 || s == NULL) {
+        if (L > 0) atomic_store(&j->failed, 1);
+        memset(o, 0, (size_t)(H * D) * sizeof(uint16_t));
+        return;
+    }
+    float *k = s + H * L, *v = k + L * row, *q = v + L * row, *out = q + H * D;
+    const int32_t *bt = j->block_tables + b * j->bt_stride;
+    const int32_t dense = 0; /* the widened rows are one block of L tokens */
+    widen((const uint16_t *)j->q + b * j->q_row_stride, q, H * D);
+    widen_blocks(j->kc, bt, L, j->BS, row, k);
+    scores(q, k, &dense, L, H, G, D, L, row, j->scale, s);
+    softmax_rows(s, H, L);
+    widen_blocks(j->vc, bt, L, j->BS, row, v);
+    weighted_values(s, v, &dense, L, H, G, D, L, row, out);
+    narrow(out, o, H * D);
+}
+
+static int run_decode(lbd_task_fn fn, const void *q, int64_t q_row_stride, const void *kc, const void *vc,
+                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                      int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                      int64_t B, int64_t max_len) {
+    struct decode_job j = {q, kc, vc, block_tables, seq_lens, out, q_row_stride, bt_stride, out_row_stride,
+                           H, Hkv, D, BS, max_len, scale, 0};
+    lbd_parallel_for(fn, &j, B);
+    return atomic_load(&j.failed) ? -1 : 0;
+}
+
+/* All B sequences, one chunk each (their lengths differ, so they are claimed one at a time) over the
+ * kernels' threads (pool.h). Returns -1 when a score buffer could not be allocated (those rows are zero). */
 int lbd_paged_decode_f32(const float *q, int64_t q_row_stride, const float *kc, const float *vc,
                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, float *out,
                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
                          int64_t B, int64_t max_len) {
-    const int64_t G = H / Hkv, row = Hkv * D;
-    int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *s = malloc((size_t)(H * (max_len > 0 ? max_len : 1)) * sizeof(float));
-        failed = s == NULL;
-        /* every thread meets the loop (a worksharing construct must be), one without a buffer skips its share */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b) {
-            const int64_t L = seq_lens[b];
-            float *o = out + b * out_row_stride;
-            if (L <= 0 || s == NULL) {
-                memset(o, 0, (size_t)(H * D) * sizeof(float));
-                continue;
-            }
-            const int32_t *bt = block_tables + b * bt_stride;
-            scores(q + b * q_row_stride, kc, bt, L, H, G, D, BS, row, scale, s);
-            softmax_rows(s, H, L);
-            weighted_values(s, vc, bt, L, H, G, D, BS, row, o);
-        }
-        free(s);
+    return run_decode(decode_one, q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out, out_row_stride,
+                      H, Hkv, D, BS, scale, B, max_len);
+}
+
+int lbd_paged_decode_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *kc, const uint16_t *vc,
+                          const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, uint16_t *out,
+                          int64_t out_row_stride, int64_t H, int64_t Hkv, int64_t D, int64_t BS, float scale,
+                          int64_t B, int64_t max_len) {
+    return run_decode(decode_one_bf16, q, q_row_stride, kc, vc, block_tables, bt_stride, seq_lens, out,
+                      out_row_stride, H, Hkv, D, BS, scale, B, max_len);
+}
+
+struct write_job {
+    const char *key, *value;
+    char *kc, *vc;
+    const int64_t *slots;
+    int64_t key_stride, value_stride, row_bytes, T;
+};
+
+#define WRITE_ROWS 64 /* tokens per chunk of the pool */
+
+static void write_rows(void *arg, int64_t chunk) {
+    const struct write_job *j = arg;
+    const int64_t t1 = (chunk + 1) * WRITE_ROWS < j->T ? (chunk + 1) * WRITE_ROWS : j->T;
+    for (int64_t t = chunk * WRITE_ROWS; t < t1; ++t) {
+        const int64_t s = j->slots[t];
+        if (s < 0) continue; /* padding */
+        memcpy(j->kc + s * j->row_bytes, j->key + t * j->key_stride, (size_t)j->row_bytes);
+        memcpy(j->vc + s * j->row_bytes, j->value + t * j->value_stride, (size_t)j->row_bytes);
     }
-    return failed ? -1 : 0;
+}
+
+/* Store token t's key and value rows (row_bytes each; rows key_stride / value_stride bytes apart) at slot
+ * slots[t] of the caches, viewed as [slots, row_bytes] (slot -1 = skip): the reference's pair of index_copy_
+ * in one pass, without the check of the slots' minimum it needs per layer. Any dtype the caches share with
+ * the rows. */
+void lbd_write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride, void *kc,
+                  void *vc, const int64_t *slots, int64_t T, int64_t row_bytes) {
+    struct write_job j = {key, value, kc, vc, slots, key_stride, value_stride, row_bytes, T};
+    lbd_parallel_for(write_rows, &j, (T + WRITE_ROWS - 1) / WRITE_ROWS);
 }

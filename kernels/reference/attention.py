@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 import torch.nn.functional as F
 
@@ -145,12 +147,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def attend_prefills(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, query_lens: list[int], seq_lens: list[int], scale: float,
-                    out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Fill ``out`` for the batch's prefill rows (after its ``num_decodes`` decodes) and zero the padding."""
+                    out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                    skip: Container[int] = ()) -> None:
+    """Fill ``out`` for the batch's prefill rows (after its ``num_decodes`` decodes), except those of the
+    sequences in ``skip`` (another kernel's), and zero the padding."""
     start = meta.num_decodes
     for i in range(meta.num_decodes, len(seq_lens)):
         n = query_lens[i]
-        if n:
+        if n and i not in skip:
             out[start:start + n] = _prefill_one(query[start:start + n], key_cache, value_cache,
                                                 meta.block_tables[i], seq_lens[i], scale, k_scale, v_scale)
         start += n

@@ -95,6 +95,8 @@ def test_help_lists_every_flag_with_its_default() -> None:
 def test_bad_flags_and_missing_model_exit_2(tmp_path: Path) -> None:
     out = run_engine("--api-server-count", "0")
     assert out.returncode == 2 and "--api-server-count" in out.stderr
+    out = run_engine("--profile-steps", "-1")
+    assert out.returncode == 2 and "--profile-steps" in out.stderr
     out = run_engine("--port", "http")
     assert out.returncode == 2 and "--port" in out.stderr
     out = run_engine("--chat-template", str(tmp_path / "missing.jinja"))

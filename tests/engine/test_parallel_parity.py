@@ -23,6 +23,7 @@ from support import make_tiny_llama
 from test_parity import Run, assert_all_close, engine_args, greedy, run_engine
 
 from engine.core.engine_core import EngineCore
+from engine.core.step_profile import parse_line
 from engine.executor.mp import WorkerFailure
 from engine.protocol import EngineCoreRequest, SamplingParams
 
@@ -104,6 +105,24 @@ def test_parallel_tokens_equal_tp1(layout: str, cores: Callable[[str], EngineCor
     ours, ref = _scenario(core, core.runner.vocab_size), references[model]
     assert_all_close(ours[:-2], ref[:-2])
     assert [r.tokens for r in ours[-2:]] == [r.tokens for r in ref[-2:]]  # seeded sampling with penalties
+
+
+def test_profile_steps_count_the_executors_step_as_forward(cores: Callable[[str], EngineCore]) -> None:
+    """--profile-steps on a TP rank: the workers run prepare .. sample, so the core sees their whole step
+    (broadcast, compute, reply) as ``forward``, the largest phase, not as the scheduler's update."""
+    core = cores("tp2")
+    lines: list[str] = []
+    prof = core.start_profiling(2)
+    prof.sink = lines.append
+    try:
+        run_engine(core, [[5, 6, 7, 8], [9, 10]], [greedy(6), greedy(6)], prefix="prof")
+    finally:
+        core.stop_profiling()
+    rows = [parse_line(x) for x in lines]
+    assert rows and all(r["label"] == "core" for r in rows)
+    for r in rows:
+        phases = {k: float(r[k]) for k in ("schedule", "forward", "update") if k in r}
+        assert max(phases, key=phases.__getitem__) == "forward", r
 
 
 def test_a_dead_worker_fails_the_rank(cores: Callable[[str], EngineCore]) -> None:

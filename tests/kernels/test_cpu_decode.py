@@ -28,6 +28,38 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int, head_dim: int, blo
     assert out[n:].abs().max() == 0  # padding rows are zero
 
 
+@pytest.mark.parametrize("lens", [
+    [(1, 40), (30, 30), (9, 600), (7, 50)],  # short, long (SDPA), short: two runs of rows in C
+    [(1, 9), (125, 125), (125, 125), (16, 512)],  # every prefill short: one run, in place
+], ids=["short-long-short", "all-short"])
+def test_prefill_chunks_in_c_and_in_sdpa_match_dense(lens: list[tuple[int, int]]) -> None:
+    """Prefill chunks of up to PREFILL_IN_C_MAX_LEN tokens run as one decode per query token, longer ones
+    through SDPA, in the same batch."""
+    assert max(s for _, s in lens) in (600, 512) and cpu.PREFILL_IN_C_MAX_LEN == 512
+    case = make_case(lens, heads=9, kv_heads=3, head_dim=64, block_size=16, pad_tokens=2)
+    out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    n = sum(q for q, _ in lens)
+    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-5, rtol=1e-5)
+    assert out[n:].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype: torch.dtype) -> None:
+    """Key/value views into a fused qkv row, padding slots (-1) skipped, 70 tokens (two pool chunks)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(70, (9 + 6) * 64, generator=g).to(dtype)
+    key, value = qkv[:, 9 * 64:12 * 64].view(70, 3, 64), qkv[:, 12 * 64:].view(70, 3, 64)
+    slots = torch.randperm(20 * 16, generator=g)[:70]
+    slots[[3, 69]] = -1
+    caches = [torch.randn(20, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    assert cpu.write_ok(key, value, caches[0])
+    cpu.write_kv_cache(key, value, caches[0], caches[1], slots)
+    ref.write_kv_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    assert not cpu.write_ok(key, value, caches[0].to(torch.float8_e4m3fn))  # fp8 scales: the reference's
+
+
 def test_strided_query_and_padding_sequence() -> None:
     """A query that is a view into a fused qkv row (as in the model), and a seq_len-0 filler row."""
     case = make_case([(1, 33), (1, 70), (1, 2)], heads=9, kv_heads=3, head_dim=64, block_size=16)
@@ -72,3 +104,19 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
     assert "no C compiler" in out.stderr
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 80)])
+def test_bf16_cache_matches_dense(heads: int, kv_heads: int, head_dim: int) -> None:
+    """bf16 query and caches: fp32 math on the stored values, one rounding of the output to bf16."""
+    lens = [(1, 1), (1, 45), (1, 300), (5, 20)]
+    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                     dtype=torch.bfloat16, pad_tokens=2)
+    assert cpu.supports(case.query, case.key_cache)
+    out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
+    assert out.dtype == torch.bfloat16
+    want = dense_attention(case)  # fp64 over the same bf16 values
+    n = sum(q for q, _ in lens)
+    torch.testing.assert_close(out[:3].double(), want[:3], atol=1e-2, rtol=2 ** -7)  # the C decodes
+    torch.testing.assert_close(out[:n].double(), want, atol=3e-2, rtol=3e-2)  # + the torch prefill in bf16
+    assert out[n:].abs().max() == 0

@@ -1,4 +1,4 @@
-"""The C RMSNorm, rotary and few-row linear (kernels.cpu) against torch, and their dispatch."""
+"""The C RMSNorm, rotary and SiLU-and-mul (kernels.cpu) against torch, and their dispatch."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def test_rotary_matches_reference(head_dim: int, rot_dim: int) -> None:
     assert torch.equal(qkv[:, 10 * head_dim :], v_before)  # v, beside k in the same rows, untouched
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 3072 goes parallel
+def test_silu_and_mul_matches_reference(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    fused = torch.randn(rows, 3072 + 64, generator=g) * 6
+    fused[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])  # saturated and signed-zero gates
+    x = fused[:, :3072]  # rows of a wider buffer
+    torch.testing.assert_close(cpu.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+    odd = torch.randn(3, 2 * 17, generator=g)  # the scalar tail past the 16-float vectors
+    torch.testing.assert_close(cpu.silu_and_mul(odd), ref_elem.silu_and_mul(odd), atol=1e-6, rtol=1e-5)
+    if ops.MODE == "auto":
+        torch.testing.assert_close(ops.silu_and_mul(x), ref_elem.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+
+
 def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
     x = torch.randn(4, 32)
     assert cpu.elementwise_ok(x)
@@ -52,25 +65,6 @@ def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
     assert out.dtype == torch.float16
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])  # 13: a partial second group of 8
-@pytest.mark.parametrize("n", [577, 960, 4096])  # an odd N has a last row of W on its own
-def test_linear_few_rows_matches_blas(rows: int, n: int) -> None:
-    g = torch.Generator().manual_seed(rows * n)
-    wide = torch.randn(rows, 640, generator=g)
-    x = wide[:, :576]  # rows of a wider buffer
-    weight, bias = torch.randn(n, 576, generator=g), torch.randn(n, generator=g)
-    out = cpu.linear_few_rows(x, weight)
-    if out is None:
-        pytest.skip("this CPU has no AVX-512: the BLAS serves every linear")
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(ops.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
-                               atol=1e-4, rtol=1e-5)
-
-
-def test_linear_leaves_other_shapes_to_the_blas() -> None:
-    weight = torch.randn(64, 40)  # K not a multiple of 16
-    x = torch.randn(3, 40)
-    assert cpu.linear_few_rows(x, weight) is None
-    assert torch.equal(ops.linear(x, weight), torch.nn.functional.linear(x, weight))
-    many, weight2 = torch.randn(cpu.MAX_SKINNY_ROWS + 1, 64), torch.randn(32, 64)
-    assert torch.equal(ops.linear(many, weight2), torch.nn.functional.linear(many, weight2))
+def test_linear_of_a_plain_weight_is_torchs() -> None:
+    x, weight, bias = torch.randn(3, 40), torch.randn(64, 40), torch.randn(64)
+    assert torch.equal(ops.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
