@@ -23,13 +23,14 @@ from engine.args import add_engine_arguments, engine_args_from_namespace, valida
 from engine.distributed.check import ParallelConfigError, check_model, model_facts
 from engine.distributed.layout import parse_partition
 from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
+from supervisor.moe import GroupFlagError, GroupSpec, plan_group
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
 # Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
 RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
-                            "data_parallel_start_rank"})
-FAILURE_POLICIES = ("restart", "exit")
+                            "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port"})
+FAILURE_POLICIES = ("restart-group", "restart-rank", "restart", "exit")
 DP_BACKENDS = ("mp", "ray")
 RAY_PACK_STRATEGIES = ("strict", "fill", "span")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
@@ -85,7 +86,7 @@ class SupervisorConfig:
     probe_failure_threshold: int
     startup_timeout_s: float
     ready_policy: str  # "all", "any" or a positive integer as text
-    on_rank_failure: str
+    on_rank_failure: str  # restart-rank | restart-group | exit (resolved from the model when not given)
     admin_token: str | None
     shutdown_timeout_s: float
     drain_timeout_s: float
@@ -98,6 +99,8 @@ class SupervisorConfig:
     ranks_per_node: int = 0  # ray: --data-parallel-size-local, the ranks each Ray node takes
     device: str = "auto"
     devices_per_rank: int = 1  # tensor x pipeline parallel size
+    group: GroupSpec | None = None  # the MoE group of the ranks (None: independent dense ranks)
+    log_level: str = "info"
 
     @property
     def ready_needed(self) -> int:
@@ -159,8 +162,12 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a rank not ready this long after its start is restarted")
     g.add_argument("--ready-policy", type=_ready_policy, default="all",
                    help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
-    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
-                   help="restart: restart the failed rank alone, with backoff; exit: stop the node, exit 1")
+    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default=None,
+                   help="restart-rank (dense models' default): restart the failed rank alone, with backoff, "
+                        "the others keep serving; restart-group (MoE groups' default): the group stops "
+                        "serving, only the failed member restarts, the survivors keep their processes and "
+                        "re-join a new process group; restart: the model's default; exit: stop the node, "
+                        "exit 1 (vLLM's behaviour)")
     g.add_argument("--admin-token", default=None,
                    help=f"bearer token of the drain/restart endpoints (or ${ADMIN_TOKEN_ENV}); "
                         "without one they answer 404")
@@ -415,10 +422,12 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_model(ns)
+        group, on_failure = plan_group(ns, n, local, start)
         if not ray:
             _check_ports(ns, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray)
-    except SupervisorArgError as e:
+        passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
+        specs = rank_specs(ns, passthrough, n, local, start, env, not ray)
+    except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(
         dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
@@ -426,10 +435,11 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,
-        on_rank_failure=ns.on_rank_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
+        on_rank_failure=on_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
         shutdown_timeout_s=ns.shutdown_timeout,
         drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
         backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
         ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
-        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size)
+        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size, group=group,
+        log_level=ns.log_level)

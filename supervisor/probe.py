@@ -11,6 +11,10 @@ import orjson
 
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
+# Not a failure: a member of an MoE group answering 503 with this header is alive and waiting for its group
+# to form (the header's value: forming | reforming).
+GROUP_WAIT = "group_wait"
+GROUP_STATE_HEADER = "X-lbd-dp-state"
 
 
 @dataclass(slots=True)
@@ -39,8 +43,9 @@ class Prober:
         start = time.perf_counter()
         try:
             async with self._client().get(base_url + "/health") as resp:
-                await resp.read()
+                body = await resp.read()
                 status = resp.status
+                group_state = resp.headers.get(GROUP_STATE_HEADER)
         except TimeoutError:
             return ProbeResult(False, time.perf_counter() - start, None, TIMEOUT,
                                f"no answer within {self.timeout.total:g} s")
@@ -49,6 +54,8 @@ class Prober:
         latency = time.perf_counter() - start
         if status == 200:
             return ProbeResult(True, latency, status)
+        if status == 503 and group_state:
+            return ProbeResult(False, latency, status, GROUP_WAIT, _group_wait_detail(group_state, body))
         reason = CORE_DEAD if status == 503 else BAD_STATUS
         return ProbeResult(False, latency, status, reason, f"/health answered {status}")
 
@@ -82,6 +89,14 @@ def _metric_sum(text: str, name: str) -> float:
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _group_wait_detail(state: str, body: bytes) -> str:
+    try:
+        message = str(orjson.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+        message = ""
+    return f"waiting for its DP group ({state})" + (f": {message}" if message else "")
 
 
 def _short(e: BaseException) -> str:
