@@ -2,7 +2,8 @@
 
 A response's status and headers reach the client only when the upstream's first body bytes do, so an upstream
 that dies or answers 503 before that can still be retried on another endpoint ("before any byte reached the
-client"). After that no retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or
+client"); when no other endpoint can take it, the retry waits (within --retry-budget-s) for one to serve
+again. After that no retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or
 a cut connection for a sized body). A client that goes away cancels the handler (``lbd.router.server``
 cancels the task of a connection that closes): its slot is released in ``finally`` and the upstream
 connection is closed, which makes the engine abort the request and free its KV blocks.
@@ -49,6 +50,8 @@ _HOP = frozenset(
 _HOP_REQ = frozenset(h.encode() for h in _HOP | {"x-request-id"})
 _HOP_REQ_UNPINNED = _HOP_REQ | {PIN_HEADER.lower().encode()}
 _RESP_DROP = frozenset(h.encode() for h in _HOP | {"date", "server", "x-request-id"})
+_WAIT_POLL_S = 0.05  # a retry waiting for an endpoint to serve again looks this often
+_WAIT_GRACE_S = 1.0  # ... and gives up this soon when no endpoint is out (so none is coming back)
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
 _JSON = b"Content-Type: application/json\r\n"
 
@@ -126,7 +129,9 @@ class Proxy:
                     return self._refuse(
                         out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
-                break
+                decision = await self._wait_for_endpoint(facts, exclude, t0)
+                if decision is None:
+                    break
             failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0)
             if failure is None:
                 return
@@ -143,6 +148,31 @@ class Proxy:
             )
         assert failure is not None
         self._failure_response(out, failure, rid_header)
+
+    async def _wait_for_endpoint(self, facts: RequestFacts, exclude: list[str], t0: float) -> Decision | None:
+        """A retryable failure and no other endpoint can take the request now (e.g. an MoE group re-forming
+        after a member died: every member is out until the group serves again): wait, within
+        --retry-budget-s, for one to serve. An endpoint that failed this request counts again once it has
+        been out and back (ejected or unroutable, then re-admitted). None: the budget ran out."""
+        began = self.loop.time()
+        deadline = t0 + self.cfg.retry_budget_s
+        while self.loop.time() < deadline:
+            await asyncio.sleep(_WAIT_POLL_S)
+            snaps = self.state.snapshots()
+            out = False
+            for snap in snaps:
+                if not snap.healthy or snap.draining:
+                    out = True
+                    if snap.key in exclude:
+                        exclude.remove(snap.key)
+            decision = route(self.state.policy, facts, snaps, exclude, self.cfg.pin_fallback)
+            if not isinstance(decision, Refusal):
+                return decision
+            # every endpoint is in and has failed this request: nothing to wait for (after a moment for
+            # the supervisors' word that one of them is out)
+            if decision.status != 503 or (not out and self.loop.time() - began > _WAIT_GRACE_S):
+                return None
+        return None
 
     def _refuse(
         self, out: Response, status: int, message: str, etype: str, headers: bytes, param: str | None = None
