@@ -43,11 +43,12 @@ from support import (  # noqa: E402
     metric_value,
 )
 
-MODELS = {"Mixtral": make_tiny_mixtral, "Qwen3-MoE": make_tiny_qwen3_moe, "DeepSeek-V2": make_tiny_deepseek_v2}
+MODELS = {"Mixtral": make_tiny_mixtral, "Qwen3-MoE": make_tiny_qwen3_moe,
+          "DeepSeek-V2": make_tiny_deepseek_v2}
 CONFIGS = {"1 rank": (1, []), "DP=2": (2, []), "DP=2 + EP": (2, ["--enable-expert-parallel"])}
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Hello world, how are you"]
 _MLA_LINE = re.compile(r"MLA KV cache: (\d+) bytes per token .*would take (\d+)")
-# DeepSeek-V2-Lite's attention (its config.json): 27 layers, 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128
+# DeepSeek-V2-Lite's attention, from its config.json
 LITE = {"layers": 27, "heads": 16, "kv_lora_rank": 512, "rope": 64, "nope": 128, "v": 128}
 
 
@@ -151,7 +152,8 @@ def main() -> None:
         t, d = r["tok_s"], r["dummy"]
         print(f"| {name} | {t['1 rank']:.0f} | {t['DP=2']:.0f} | {t['DP=2 + EP']:.0f} | "
               f"{t['DP=2 + EP'] / t['DP=2']:.2f}x | {t['DP=2 + EP'] / t['1 rank']:.2f}x | "
-              f"{d['DP=2'][0]:.0%} / {d['DP=2 + EP'][0]:.0%} | {d['DP=2'][1]:.0%} / {d['DP=2 + EP'][1]:.0%} |")
+              f"{d['DP=2'][0]:.0%} / {d['DP=2 + EP'][0]:.0%} | "
+              f"{d['DP=2'][1]:.0%} / {d['DP=2 + EP'][1]:.0%} |")
     mla = results.get("DeepSeek-V2", {}).get("mla")
     print("\n| MLA KV cache | bytes per token | plain MHA would take | ratio |\n|---|---|---|---|")
     if mla:
