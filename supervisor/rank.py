@@ -335,7 +335,9 @@ class RankWorker:
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 interval = self.cfg.probe_interval_s
-                tick += min(interval, STARTUP_PROBE_INTERVAL_S) if starting else interval
+                # starting, or waiting for its group to re-form: probe often, to see it serve at once
+                fast = starting or self.group_wait is not None
+                tick += min(interval, STARTUP_PROBE_INTERVAL_S) if fast else interval
                 tick = max(tick, loop.time())  # after a stall, do not fire a burst to catch up
                 await asyncio.sleep(tick - loop.time())
         finally:
