@@ -410,7 +410,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
                      "lists them)")
-    validate(engine_args_from_namespace(ns), parser)
+    # the rendezvous flags are the supervisor's to check (supervisor.moe: a port alone is fine here, the
+    # address defaults); each rank validates the pair it is given
+    validate(engine_args_from_namespace(argparse.Namespace(
+        **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
     ray = ns.data_parallel_backend == "ray"
     try:
         if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
