@@ -186,6 +186,9 @@ def test_killed_or_stopped_member_is_replaced_behind_the_router(tiny_mixtral: Pa
               f"failure (cold start {stopped['cold_start_s']:.1f} s); requests {stopped['outcomes']}")
         # the bound plus the poll of our own test loop and a loaded machine's slack
         assert stopped["detected_s"] < node.detection_bound_s + 5.0
+        retries = metric_value(httpx.get(url + "/metrics").text, "lbd_router_retries_total")
+        print(f"requests the router retried: {retries:.0f}")
+        assert retries >= 1  # requests cut before their first byte went again, and succeeded (above)
         metrics = node.get("/metrics").text
         assert metric_value(metrics, "lbd_supervisor_group_member_failures_total", rank="0") == 1.0
         assert metric_value(metrics, "lbd_supervisor_group_member_failures_total", rank="1") == 1.0
