@@ -6,10 +6,11 @@ identity that sent the request, so N front ends share one core and each gets onl
 
 Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` ({"ids", "reason"}; see abort_from_payload),
 ``hello`` (empty).
-Core -> front end kinds:  ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
+Core -> front end kinds: ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
 it with ``outputs_from_dict(decode(payload))``), ``ready`` (CoreInfo, answer to ``hello``), ``error``
 ({"request_id", "message", "status"}), ``stats`` (SchedulerStats, sent at most every 100 ms when idle so
-gauges stay fresh).
+gauges stay fresh), ``dp`` (a rank of an MoE DP group only: its group status, engine.dp.rank.DPStatus as a
+dict plus wave counters, sent after ``ready`` and on every change).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import msgpack
 
 ADD, ABORT, HELLO = b"add", b"abort", b"hello"
-OUTPUTS, READY, ERROR, STATS = b"outputs", b"ready", b"error", b"stats"
+OUTPUTS, READY, ERROR, STATS, DP = b"outputs", b"ready", b"error", b"stats", b"dp"
 
 
 @dataclass(slots=True)

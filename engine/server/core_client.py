@@ -19,6 +19,7 @@ import zmq.asyncio
 from engine.protocol import (
     ABORT,
     ADD,
+    DP,
     ERROR,
     HELLO,
     OUTPUTS,
@@ -63,6 +64,11 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        self.dp: dict | None = None  # the core's DP-group status (engine.dp.rank.DPStatus); None: no group
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._core_pid
 
     @property
     def alive(self) -> bool:
@@ -122,6 +128,8 @@ class CoreClient:
                     queue.put_nowait(out)
         elif kind == STATS:
             self.stats = SchedulerStats(**msg)
+        elif kind == DP:
+            self.dp = msg
         elif kind == ERROR:
             queue = self._routes.get(msg.get("request_id") or "")
             if queue is not None:
