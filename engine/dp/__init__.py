@@ -34,3 +34,12 @@ def is_moe(architectures: Any) -> bool:
 def needs_group(args: EngineArgs, architectures: Any) -> bool:
     """Whether this rank joins a DP group: an MoE model served by more than one DP rank."""
     return args.data_parallel_size > 1 and is_moe(architectures)
+
+
+def endpoints(args: EngineArgs) -> tuple[str, int, str]:
+    """(store host, store port, coordinator ZMQ address) of a rank's group."""
+    host, port = args.data_parallel_address, args.data_parallel_rpc_port
+    if host is None or port is None:
+        raise ValueError("an MoE DP group needs --data-parallel-address and --data-parallel-rpc-port")
+    zmq_host = f"[{host}]" if ":" in host else host
+    return host, port + STORE_PORT_OFFSET, f"tcp://{zmq_host}:{port + ZMQ_PORT_OFFSET}"

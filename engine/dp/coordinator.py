@@ -261,7 +261,8 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
     await runner.setup()
     await web.TCPSite(runner, http_host, http_port).start()
     logger.info("coordinator of %d ranks: store :%d, ZMQ tcp://%s:%d, HTTP http://%s:%d (pid %d)", size,
-                rpc_port + STORE_PORT_OFFSET, ip, rpc_port + ZMQ_PORT_OFFSET, http_host, http_port, os.getpid())
+                rpc_port + STORE_PORT_OFFSET, ip, rpc_port + ZMQ_PORT_OFFSET, http_host, http_port,
+                os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,6 +42,10 @@ class ExpertPlan:
     expert_parallel: bool
     backend: str = "allgather_reducescatter"
 
+    @classmethod
+    def from_args(cls, args: Any) -> ExpertPlan:
+        return cls(args.rank, args.data_parallel_size, args.enable_expert_parallel, args.all2all_backend)
+
     def shard(self, num_experts: int) -> ExpertShard:
         if self.expert_parallel:
             return ExpertShard.even(num_experts, self.rank, self.size)
@@ -90,7 +94,7 @@ class ExpertDispatcher:
         for r, s in enumerate(starts):
             owner[s:] = r
         self._owner = owner.to(device)  # global expert -> member owning it (expert parallel)
-        self._all_to_all = plan.expert_parallel and plan.backend == "alltoall"
+        self.uses_all_to_all = plan.expert_parallel and plan.backend == "alltoall"
 
     def bind(self, layer: int) -> Callable[..., torch.Tensor]:
         def dispatch(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor,
@@ -105,10 +109,10 @@ class ExpertDispatcher:
             raise GroupLost("the DP group is not formed")
         if layer == self.first_layer:
             self.passes += 1
-            if not self._all_to_all:  # every layer of a pass has the same token count: exchange it once
+            if not self.uses_all_to_all:  # every layer of a pass has the same token count: exchange it once
                 counts = group.all_gather(torch.tensor([x.shape[0]], dtype=torch.long, device=x.device))
                 self._tmax = int(max(int(c) for c in counts))
-        if self._all_to_all:
+        if self.uses_all_to_all:
             return self._dispatch_all_to_all(group, experts, x, weights, ids)
         return self._gather_scatter(group, experts, x, weights, ids)
 

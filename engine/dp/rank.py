@@ -33,7 +33,7 @@ from engine.args import EngineArgs
 from engine.core.engine_core import EngineCore
 from engine.core.process import IDLE_POLL_MS, CoreServer, _State
 from engine.core.runner import ModelRunner
-from engine.dp import STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
+from engine.dp import endpoints
 from engine.dp import messages as M
 from engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, dummy_pass, routed_experts
 from engine.dp.group import DPGroup, GroupLost, store_client
@@ -77,8 +77,7 @@ class Member:
                  blocks: list, ctx: zmq.Context) -> None:
         self.args, self.runner, self.dispatcher, self.blocks = args, runner, dispatcher, blocks
         self.rank, self.size = args.rank, args.data_parallel_size
-        self.host = args.data_parallel_address
-        self.port = args.data_parallel_rpc_port
+        self.store_host, self.store_port, coordinator = endpoints(args)
         self.wave = Wave(args.dp_idle_check_steps)
         self.group: DPGroup | None = None
         self.status = DPStatus(expert_parallel=args.enable_expert_parallel,
@@ -86,7 +85,7 @@ class Member:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}-{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{self.host}:{self.port + ZMQ_PORT_OFFSET}")
+        self.sock.connect(coordinator)
         self.last_join = 0.0
         self.metrics = DPMetrics(args.model_name, self.rank)
         self.metrics.ready.set(0)
@@ -110,7 +109,7 @@ class Member:
         """Create generation ``generation``'s process group; the failure reason, or None."""
         timeout = self.args.distributed_timeout_s
         try:
-            store = store_client(self.host, self.port + STORE_PORT_OFFSET, timeout)
+            store = store_client(self.store_host, self.store_port, timeout)
             self.group = DPGroup(store, self.rank, self.size, generation, self.runner.torch_device, timeout)
         except (GroupLost, RuntimeError) as e:
             return str(e)
@@ -157,7 +156,7 @@ class Member:
 def build_member(args: EngineArgs, model_path: str, metrics: Any,
                  ctx: zmq.Context) -> tuple[EngineCore, Member]:
     """The rank's core, with this member's experts (CUDA graphs off: a pass runs collectives)."""
-    plan = ExpertPlan(args.rank, args.data_parallel_size, args.enable_expert_parallel, args.all2all_backend)
+    plan = ExpertPlan.from_args(args)
     shard = plan.shard(routed_experts(load_hf_config(model_path)))
     runner = ModelRunner(dataclasses.replace(args, enforce_eager=True), model_path,
                          model_options={"expert_shard": shard})
