@@ -149,7 +149,12 @@ class MoeGroup:
                 m.joined.labels(rank=rank).set(1 if member.get("joined") else 0)
                 m.waiting.labels(rank=rank).set(float(member.get("waiting") or 0))
                 m.running.labels(rank=rank).set(float(member.get("running") or 0))
+        self._settle(ready, status)
+
+    def _settle(self, ready: bool, status: dict[str, Any] | None) -> None:
+        """A recovery ends the first time the group is seen ready again (after a poll or on /status)."""
         if ready and self.recovering:
+            m = self.metrics
             now = time.monotonic()
             first = min(self.recovering.values(), key=lambda r: r.at)
             took = now - first.at
@@ -170,6 +175,7 @@ class MoeGroup:
         """The group's /status entry; ``ranks``: this node's rank entries, made unroutable while the group
         is not ready."""
         ready, reason = self.readiness()
+        self._settle(ready, self.coordinator.fresh_status())
         for r in ranks:
             if r.get("rank") in self.members:
                 r["routable"] = bool(r.get("routable")) and ready

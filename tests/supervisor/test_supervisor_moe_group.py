@@ -2,7 +2,8 @@
 the coordinator beside rank 0, pinned requests while the other rank idles, idle CPU, and healing: a SIGKILLed
 or SIGSTOPped member is replaced while the survivor keeps its process, behind a real `lbd route`.
 
-Cost (2 shared cores): the first test ~25 CPU-s (one group start); the healing test (slow) ~45 CPU-s.
+Cost (2 shared cores): the first test ~20 CPU-s (one group start, a coordinator restart); the healing test
+(slow) ~35 CPU-s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from supervisor_harness import SupervisorNode
-from support import free_port, metric_value, spawn, stop, tree_usage, wait_http
+from support import free_port, free_port_run, metric_value, spawn, stop, tree_usage, wait_http
 
 PROMPT = "The capital of France is"
 
@@ -71,6 +72,14 @@ def test_moe_group_serves_pinned_requests_and_idles(tiny_mixtral: Path, tmp_path
         assert metric_value(metrics, "lbd_supervisor_group_ready") == 1.0
         assert metric_value(metrics, "lbd_supervisor_group_member_joined", rank="1") == 1.0
         assert metric_value(metrics, "lbd_supervisor_group_generation") >= 1
+        # the coordinator dies: the supervisor starts it again and the ranks re-form around it, unrestarted
+        group = _group(node)
+        os.kill(group["coordinator"]["pid"], signal.SIGKILL)
+        node.wait_for(lambda: _group(node)["coordinator"]["restarts"] == 1
+                      and _group(node)["coordinator"]["pid"] not in (None, group["coordinator"]["pid"])
+                      and node.get("/readyz").status_code == 200, 120, "the group around a new coordinator")
+        assert [r["pid"] for r in node.status()["ranks"]] == pids
+        assert _complete(node.rank_url(1), model, rank=1).status_code == 200
     finally:
         node.close()
     assert not node.marked_processes()
@@ -199,3 +208,40 @@ def test_killed_or_stopped_member_is_replaced_behind_the_router(tiny_mixtral: Pa
     for p in leftovers:
         p.send_signal(signal.SIGKILL)
     assert not leftovers
+
+
+@pytest.mark.slow
+def test_group_across_two_supervisors_heals_through_the_remote_coordinator(tiny_mixtral: Path,
+                                                                            tmp_path: Path) -> None:
+    """Two `lbd supervise` nodes of one group (rank 0 with the coordinator, rank 1 alone), as on two
+    machines: the second node reads and tells the coordinator at --data-parallel-address over HTTP."""
+    rpc = free_port_run(4)
+    group_flags = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                   "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
+                   "--restart-backoff-initial-s", "0"]
+    head = SupervisorNode(tiny_mixtral, 1, *group_flags, "--node-rank", "0", log=tmp_path / "head.log")
+    other = SupervisorNode(tiny_mixtral, 1, *group_flags, "--node-rank", "1", log=tmp_path / "other.log")
+    try:
+        for node in (head, other):
+            node.wait_for(lambda n=node: n.get("/readyz").status_code == 200, 300, "the group")
+        remote = _group(other)
+        assert not remote["coordinator"]["local"] and remote["coordinator"]["pid"] is None
+        assert [(m["rank"], m["local"], m["joined"]) for m in remote["members"]] == [(0, False, True),
+                                                                                     (1, True, True)]
+        rank1 = other.status()["ranks"][0]
+        assert rank1["rank"] == 1
+        ok = _complete(rank1["url"], str(tiny_mixtral), rank=1)
+        assert ok.status_code == 200, ok.text
+        head_pid = head.status()["ranks"][0]["pid"]
+        generation = _group(head)["generation"]
+        other.signal_rank(1, signal.SIGKILL)
+        for node in (head, other):
+            node.wait_for(lambda n=node: (_group(n)["generation"] or 0) > generation
+                          and n.get("/readyz").status_code == 200, 300, "the group healed")
+        assert head.status()["ranks"][0]["pid"] == head_pid
+        assert _group(other)["last_recovery"]["rank"] == 1
+        assert _complete(other.status()["ranks"][0]["url"], str(tiny_mixtral), rank=1).status_code == 200
+    finally:
+        other.close()
+        head.close()
+    assert not head.marked_processes() and not other.marked_processes()
