@@ -250,6 +250,7 @@ class MemberServer(CoreServer):
         elif kind == M.WAVE_START and m.ready and gen == m.status.generation:
             if m.wave.start(msg.get("wave")):
                 m.metrics.waves.inc()
+                self._send_status()
 
     def _lose(self, reason: str, tell: bool) -> None:
         m = self.member
@@ -298,6 +299,7 @@ class MemberServer(CoreServer):
         if not m.wave.active and m.wave.start():
             m.metrics.waves.inc()
             m.send(M.WAVE_START, generation=m.status.generation, wave=m.wave.id)
+            self._send_status()
         try:
             before = m.dispatcher.passes
             outputs = core.step() if core.has_work() else []
