@@ -162,8 +162,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="layers per pipeline stage, e.g. 10,10,12 (default: an even split, the remainder "
                         "to the stages before the last)")
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                   help="how a rank's TP x PP workers run: mp = processes on this node, gloo on the CPU, "
-                        "NCCL on CUDA (ray: not implemented yet, refused)")
+                   help="how a rank's TP x PP workers run (gloo on the CPU, NCCL on CUDA): mp = processes "
+                        "on this node; ray = one Ray actor per worker in a placement group of TP x PP "
+                        "GPU (or CPU) bundles, so a rank may span nodes (RAY_ADDRESS, else the cluster "
+                        "of `ray start` on this node, else a local one the rank starts and stops)")
     g.add_argument("--distributed-timeout-s", type=float, default=600.0,
                    help="a collective or rendezvous of a rank's workers that waits longer fails the rank "
                         "(vLLM's NCCL default)")
@@ -259,9 +261,9 @@ def parallel_flags_problem(args: EngineArgs) -> str | None:
         return ("--all2all-backend alltoall moves tokens to their experts' owners, which needs "
                 "--enable-expert-parallel (tensor-parallel experts always all-gather): add the flag or drop "
                 "--all2all-backend")
-    if args.distributed_executor_backend == "ray":
-        return ("--distributed-executor-backend ray is not implemented yet: use mp (the default), which runs "
-                "a rank's TP x PP workers as processes on this node")
+    if args.distributed_executor_backend == "ray" and args.device == "sim":
+        return ("--distributed-executor-backend ray places real devices: drop it with --device sim (or run "
+                "--device cpu)")
     if not args.distributed_timeout_s > 0:
         return f"--distributed-timeout-s must be > 0, got {args.distributed_timeout_s}"
     pp = args.pipeline_parallel_size

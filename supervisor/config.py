@@ -101,6 +101,7 @@ class SupervisorConfig:
     devices_per_rank: int = 1  # tensor x pipeline parallel size
     group: GroupSpec | None = None  # the MoE group of the ranks (None: independent dense ranks)
     log_level: str = "info"
+    executor_backend: str = "mp"  # ray: the rank's workers are Ray actors (engine.executor.ray_executor)
 
     @property
     def ready_needed(self) -> int:
@@ -326,7 +327,7 @@ def _check_ports(ns: argparse.Namespace, local: int) -> None:
 def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> list[str | None]:
     per_rank = ns.tensor_parallel_size * ns.pipeline_parallel_size
     ids = visible_cuda_devices(env, ns.device)
-    if ids is None:
+    if ids is None or ns.distributed_executor_backend == "ray":  # Ray gives the workers their devices
         return [None] * local
     need = local * per_rank
     if len(ids) < need:
@@ -349,9 +350,9 @@ def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
         raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this one "
                                  "command: drop --node-rank and --data-parallel-start-rank")
     if ns.ray_dp_pack_strategy == "span":
-        raise SupervisorArgError("--ray-dp-pack-strategy span runs one rank across nodes, which needs "
-                                 "--distributed-executor-backend ray (not implemented yet): use strict or "
-                                 "fill")
+        raise SupervisorArgError("--ray-dp-pack-strategy span (one rank's bundles over several nodes) is not "
+                                 "implemented: use strict or fill; a rank that must span nodes runs without "
+                                 "--data-parallel-backend ray, with --distributed-executor-backend ray")
     if ns.data_parallel_rank is not None:
         raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it")
     return n, per_node
@@ -445,4 +446,4 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
         ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
         devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size, group=group,
-        log_level=ns.log_level)
+        log_level=ns.log_level, executor_backend=ns.distributed_executor_backend)

@@ -17,6 +17,11 @@ nodes with less room, ``fill`` puts that many on this node and as many as fit on
 Ray's ``node:<ip>`` resource to pin the planned node; a group that cannot be placed for ``REPLACE_AFTER_S``
 (its node is gone) is created again without the pin, wherever it fits.
 
+With ``--distributed-executor-backend ray`` the rank hands its placement over: no device leases, the host
+actor takes no CPU of its own (on the CPU), and the engine gets the cluster's address and its group's name
+(``LBD_RAY_PLACEMENT_GROUP``), so the engine's Ray executor starts one worker actor in each of the group's
+TP x PP device bundles (``engine.executor.ray_executor``).
+
 Only imported when that backend is chosen: nothing else in the supervisor or the router imports ray.
 """
 
@@ -41,6 +46,9 @@ PLACEMENT_TIMEOUT_S = 120.0  # at start: every group placed within this, or exit
 REPLACE_AFTER_S = 60.0  # later: a group unplaceable this long (its node died) is re-created unpinned
 ACTOR_CALL_TIMEOUT_S = 60.0  # starting an engine process inside a placed actor
 FORWARDED_ENV_PREFIXES = ("LBD_", "HF_", "TRITON_", "OMP_", "PYTHON")  # driver -> every rank's engine
+# --distributed-executor-backend ray: the rank's placement group, by name, for the engine's own Ray workers
+# (engine.executor.ray_plan.PLACEMENT_GROUP_ENV; the supervisor does not import the engine's executor)
+RAY_PLACEMENT_GROUP_ENV = "LBD_RAY_PLACEMENT_GROUP"
 
 
 class PlacementError(Exception):
@@ -138,6 +146,11 @@ class RayRank:
     def __init__(self, actor: Any, leases: list[Any], pid: int) -> None:
         self.actor, self.leases, self.pid = actor, leases, pid
 
+    def workers(self) -> list[dict[str, object]]:
+        """The rank's TP/PP worker processes for /status: none listed here (they run on the rank's Ray node,
+        or as Ray actors with --distributed-executor-backend ray, not in this machine's process tree)."""
+        return []
+
     async def wait(self) -> int:
         from ray.exceptions import RayActorError
 
@@ -182,6 +195,7 @@ class RayPlacement:
         self.nodes: dict[int, RayNode] = {}  # rank -> the node it was planned on
         self.pinned: dict[int, bool] = {}
         self._lock = asyncio.Lock()
+        self._tag = f"{socket.gethostname()}-{os.getpid()}"
 
     # ---- start-up (synchronous, before the event loop: failures exit 2) ----------------------------------
     def setup(self) -> None:
@@ -239,7 +253,11 @@ class RayPlacement:
         from ray.util.placement_group import placement_group
 
         self.pinned[rank] = node is not None
-        return placement_group(self._bundles(node), strategy="STRICT_PACK", name=f"lbd-dp-rank-{rank}")
+        return placement_group(self._bundles(node), strategy="STRICT_PACK", name=self._group_name(rank))
+
+    def _group_name(self, rank: int) -> str:
+        """Unique per supervisor, so deployments sharing a cluster never look up each other's groups."""
+        return f"lbd-dp-rank-{rank}-{self._tag}"
 
     @staticmethod
     def _wait_ready(pg: Any, timeout: float) -> bool:
@@ -267,9 +285,13 @@ class RayPlacement:
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
         leases: list[Any] = []
+        ray_workers = self.cfg.executor_backend == "ray"
+        if ray_workers:  # the engine's Ray executor puts its workers into this group's device bundles
+            spec.env = {**spec.env, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+                        RAY_PLACEMENT_GROUP_ENV: self._group_name(spec.rank)}
         try:
             cuda = None
-            if self.device_key == "GPU":
+            if self.device_key == "GPU" and not ray_workers:
                 leases = [ray.remote(DeviceLease).options(num_gpus=1, num_cpus=0,
                                                           scheduling_strategy=in_bundle(i)).remote()
                           for i in range(world)]
@@ -277,7 +299,8 @@ class RayPlacement:
                                              ACTOR_CALL_TIMEOUT_S)
                 cuda = ",".join(i for group in ids for i in group)
             host_bundle = world if self.device_key == "GPU" else 0
-            actor = ray.remote(RankHost).options(num_cpus=1, max_restarts=0,
+            host_cpus = 0 if ray_workers and self.device_key == "CPU" else 1  # bundle 0's CPU: worker 0's
+            actor = ray.remote(RankHost).options(num_cpus=host_cpus, max_restarts=0,
                                                  scheduling_strategy=in_bundle(host_bundle)).remote()
             started = await asyncio.wait_for(actor.start.remote(spec, self._ranks_on(spec.rank), cuda),
                                              ACTOR_CALL_TIMEOUT_S)

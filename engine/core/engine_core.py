@@ -58,7 +58,8 @@ class PipelinedRunner(Runner, Protocol):
 
 def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
     """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    if parallel or args.distributed_executor_backend == "ray":
         from engine.executor import make_executor
 
         return make_executor(args, model_path, **executor_options)

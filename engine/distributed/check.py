@@ -151,7 +151,7 @@ def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) 
         check_model(tp, pp, parse_partition(args.pp_layer_partition), facts, args.kv_cache_dtype)
     if facts is not None:
         check_dp_group(args, facts)
-    if tp * pp == 1:
+    if tp * pp == 1 or args.distributed_executor_backend == "ray":  # Ray finds the devices, on any node
         return None
     cuda = visible_cuda_devices(env, args.device)
     cpus = rank_threads(args.data_parallel_size_local, args.data_parallel_size, env)

@@ -9,8 +9,15 @@ samples and sends tokens back. Workers stay in the core's process group and die 
 a worker that dies takes the rank down (``mp.Watchdog``), a collective that waits longer than
 ``--distributed-timeout-s`` raises. With TP x PP = 1 none of this runs: the model runner stays in the core.
 
+``--distributed-executor-backend ray`` (``ray_executor``): the same workers and wire protocol, placed by Ray:
+a placement group of TP x PP bundles (the rank's own under ``--data-parallel-backend ray``), one actor per
+bundle that starts the worker process on its node, the broadcast over TCP, so a rank may span nodes. It
+runs the model in a Ray-placed worker even with TP x PP = 1 (as vLLM's Ray executor does).
+
 Modules: ``messages`` (wire format, no torch), ``plan`` (which CPUs, devices and layers each worker gets, no
-torch), ``mp`` (the core side), ``worker`` (a worker's process and loop), ``stage`` (a worker's model runner).
+torch), ``mp`` (the core side), ``worker`` (a worker's process and loop), ``stage`` (a worker's model runner),
+``ray_plan`` (what follows from where Ray put the workers, pure), ``ray_worker`` (the actor),
+``ray_executor`` (the core side on Ray).
 """
 
 from __future__ import annotations
@@ -23,12 +30,19 @@ if TYPE_CHECKING:
     from engine.executor.mp import MultiprocExecutor
 
 
-def make_executor(args: EngineArgs, model_path: str,
-                  on_failure: Callable[[str], None] | None = None) -> MultiprocExecutor:
-    """The executor of ``--distributed-executor-backend`` (``mp``; the flag check refuses the others)."""
+def executor_class(args: EngineArgs) -> type[MultiprocExecutor]:
+    """The executor of ``--distributed-executor-backend``: ``mp`` or ``ray``."""
+    if args.distributed_executor_backend == "ray":
+        from engine.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     if args.distributed_executor_backend != "mp":
-        raise ValueError(f"--distributed-executor-backend {args.distributed_executor_backend} is not "
-                         "implemented yet: use mp")
+        raise ValueError(f"--distributed-executor-backend {args.distributed_executor_backend}: use mp or ray")
     from engine.executor.mp import MultiprocExecutor
 
-    return MultiprocExecutor(args, model_path, on_failure=on_failure)
+    return MultiprocExecutor
+
+
+def make_executor(args: EngineArgs, model_path: str,
+                  on_failure: Callable[[str], None] | None = None) -> MultiprocExecutor:
+    return executor_class(args)(args, model_path, on_failure=on_failure)

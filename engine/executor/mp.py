@@ -73,6 +73,7 @@ class MultiprocExecutor:
         self._known: set[str] = set()  # requests the sampler holds state for
         self._next_seq = 0
         self._watchdog: Watchdog | None = None
+        self._closed = False
         self._ctx = zmq.Context(io_threads=1)
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -86,19 +87,19 @@ class MultiprocExecutor:
     def _start(self, model_path: str) -> None:
         from engine.distributed.groups import host_store
 
-        base = f"ipc://@lbd-exec-{os.getpid()}-{secrets.token_hex(4)}"
-        for sock, suffix in ((self._pub, "bcast"), (self._pull, "reply")):
+        bcast, reply, store_host = self._endpoints()
+        for sock, address in ((self._pub, bcast), (self._pull, reply)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            sock.bind(f"{base}-{suffix}")
+            sock.bind(address)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.store = host_store("127.0.0.1", self.timeout_s)
+        self.store = host_store(store_host, self.timeout_s)
         world = self.layout.world_size
-        for plan in self.plans:
-            self.procs.append(self._spawn(plan, f"{base}-bcast", f"{base}-reply"))
+        self._launch(self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                     self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
         self._wait_subscribed(world)
-        self._broadcast(M.CONFIG, worker_config(self.args, model_path, ("127.0.0.1", self.store.port)))
+        self._broadcast(M.CONFIG, self._worker_config(model_path, (store_host, self.store.port)))
         reports = self._gather(M.BLOCKS, world)
         self.num_blocks = min(blocks for blocks, _ in reports.values())
         facts = reports[self._sampler_rank][1]
@@ -107,11 +108,54 @@ class MultiprocExecutor:
             setattr(self, key, facts[key])
         self._broadcast(M.KV, self.num_blocks)
         pids = self._gather(M.READY, world)
-        self._watchdog = Watchdog(self.procs, self.plans, self._fail)
-        self._watchdog.start()
+        self._watch()
         logger.info("%d workers ready (TP %d x PP %d, pids %s); %d KV blocks for the rank",
                     world, self.layout.tp_size, self.layout.pp_size, [pids[r] for r in range(world)],
                     self.num_blocks)
+
+    # ---- where the workers run (the Ray executor overrides these) -----------------------------------------
+    def _endpoints(self) -> tuple[str, str, str]:
+        """(broadcast address, reply address, rendezvous host): abstract ipc sockets and loopback here."""
+        base = f"ipc://@lbd-exec-{os.getpid()}-{secrets.token_hex(4)}"
+        return f"{base}-bcast", f"{base}-reply", "127.0.0.1"
+
+    def _worker_config(self, model_path: str, store: tuple[str, int]) -> dict[str, object]:
+        return worker_config(self.args, model_path, store)
+
+    def _launch(self, bcast: str, reply: str) -> None:
+        for plan in self.plans:
+            self.procs.append(self._spawn(plan, bcast, reply))
+
+    def _watch(self) -> None:
+        self._watchdog = Watchdog(self.procs, self.plans, self._fail)
+        self._watchdog.start()
+
+    def _dead_worker(self) -> str | None:
+        """Why a worker is gone (without waiting), or None."""
+        for proc, plan in zip(self.procs, self.plans, strict=False):
+            if proc.poll() is not None:
+                return (f"worker {plan.world_rank} (pid {proc.pid}, TP rank {plan.tp_rank}, PP rank "
+                        f"{plan.pp_rank}) exited with code {proc.returncode}")
+        return None
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    def _stop_workers(self, grace_s: float) -> None:
+        """After the shutdown broadcast: wait up to ``grace_s`` for every worker, then kill what is left."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def _stop_watch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     @property
     def _sampler_rank(self) -> int:
@@ -194,10 +238,9 @@ class MultiprocExecutor:
 
     def _check_alive(self, what: str) -> None:
         self._raise_if_failed()
-        for proc, plan in zip(self.procs, self.plans, strict=False):
-            if proc.poll() is not None:
-                raise WorkerFailure(f"worker {plan.world_rank} (pid {proc.pid}, TP rank {plan.tp_rank}, PP "
-                                    f"rank {plan.pp_rank}) exited with code {proc.returncode} {what}")
+        dead = self._dead_worker()
+        if dead is not None:
+            raise WorkerFailure(f"{dead} {what}")
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -207,9 +250,7 @@ class MultiprocExecutor:
         """From the watchdog thread: a worker is gone."""
         self.failure = reason
         logger.error("%s: stopping the rank's other workers", reason)
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        self._kill_workers()
         if self.on_failure is not None:
             self.on_failure(reason)
 
@@ -217,18 +258,15 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
-        """Stop the workers (shutdown message, then SIGKILL after a grace period) and free the sockets."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        """Stop the workers (shutdown message, then SIGKILL after a grace period) and free the sockets (once;
+        a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watch()
         with contextlib.suppress(zmq.ZMQError):
             self._broadcast(M.SHUTDOWN, None)
-        deadline = time.monotonic() + _STOP_GRACE_S
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        self._stop_workers(_STOP_GRACE_S)
         self._pub.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()

@@ -3,6 +3,9 @@
     python -m engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus 0-1 \\
         --broadcast ipc://@... --results ipc://@... --parent-pid CORE
 
+(the Ray executor starts the same command from a Ray actor, with tcp:// addresses and ``--parent-pid`` the
+actor's process: ``engine.executor.ray_worker``).
+
 The command line is the contract with operators and the supervisor: ``-m engine.executor.worker`` and
 ``--rank/--tp-rank/--pp-rank`` identify a worker in ``ps`` and in the supervisor's ``/status``. The worker
 sets PR_SET_PDEATHSIG (SIGKILL) first, so it never outlives its core, and ignores SIGTERM/SIGINT: a rank is
@@ -32,6 +35,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(flag, type=int, required=True)
     for flag in ("--cpus", "--broadcast", "--results"):
         p.add_argument(flag, required=True)
+    p.add_argument("--device-index", type=int, default=None,
+                   help="its CUDA device in CUDA_VISIBLE_DEVICES (default: its index in the rank, "
+                        "PP rank x TP + TP rank; the Ray executor passes its node's own order)")
     return p.parse_args(argv)
 
 
@@ -79,7 +85,8 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     layout = ParallelLayout(tp_size=cfg["tp"], pp_size=cfg["pp"])
     device = resolve_device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(layout.local_index(ns.pp_rank, ns.tp_rank))
+        index = ns.device_index
+        torch.cuda.set_device(layout.local_index(ns.pp_rank, ns.tp_rank) if index is None else index)
     host, port = cfg["store"]
     groups = init_process_groups(layout, ns.pp_rank, ns.tp_rank, address=host, port=port, device=device,
                                  timeout_s=cfg["timeout_s"], timed=cfg["timed"])

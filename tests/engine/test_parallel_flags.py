@@ -70,8 +70,8 @@ CASES = [
      ["--tensor-parallel-size 2", "MixtralForCausalLM does not support", "pass 1 for both"]),
     ("cuda-devices", "tiny", ["--device", "cuda", "--tensor-parallel-size", "2"],
      ["--tensor-parallel-size 2", "needs 2 CUDA devices", "1 are visible"]),
-    ("ray-executor", "tiny", ["--distributed-executor-backend", "ray"],
-     ["--distributed-executor-backend ray is not implemented yet", "use mp"]),
+    ("ray-executor-sim", "tiny", ["--device", "sim", "--distributed-executor-backend", "ray"],
+     ["--distributed-executor-backend ray places real devices", "--device cpu"]),
     ("expert-parallel", "tiny", ["--enable-expert-parallel"], ["--enable-expert-parallel", "dense"]),
     ("timeout", "tiny", ["--distributed-timeout-s", "0"], ["--distributed-timeout-s must be > 0"]),
     ("sim-device", "tiny", ["--device", "sim", "--pipeline-parallel-size", "2"],
@@ -200,9 +200,19 @@ def _walk_partition(model: Path) -> None:
 
 
 def _walk_executor_backend(model: Path) -> None:
-    assert _serve().distributed_executor_backend == "mp"  # processes on this node (the executor)
-    _exit_2(lambda: _supervise("--distributed-executor-backend", "ray"),
-             _one_rank("--distributed-executor-backend", "ray"))
+    from engine.executor import executor_class
+
+    assert executor_class(_serve()).__name__ == "MultiprocExecutor"  # processes on this node
+    ray_rank = _serve("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2")
+    assert executor_class(ray_rank).__name__ == "RayExecutor"  # Ray actors in a placement group
+    tp2 = ["--model", str(model), "--distributed-executor-backend", "ray", "--tensor-parallel-size", "2"]
+    cfg = _supervise(*tp2)
+    assert "--distributed-executor-backend=ray" in cfg.ranks[0].argv  # every rank runs its workers so
+    assert cfg.executor_backend == "ray"  # and Ray-placed ranks hand their placement group over to them
+    cuda = _supervise(*tp2, "--device", "cuda", "--data-parallel-size", "2",
+                      env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert [r.devices for r in cuda.ranks] == [None, None]  # Ray gives the workers their GPUs, on any node
+    _exit_2(_one_rank("--distributed-executor-backend", "ray", "--device", "sim"))
 
 
 def _walk_timeout(model: Path) -> None:

@@ -41,7 +41,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "mqa": make_tiny_llama(base / "mqa", layers=4, heads=4, kv_heads=1, tie=True, seed=1)}
 
 
-def _core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = None) -> EngineCore:
+def _core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = None, **kw: object) -> EngineCore:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(path)
@@ -50,7 +50,7 @@ def _core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = None) ->
     per_block = 2 * cfg.num_hidden_layers * 16 * rank_kv_heads * head_dim * 4
     return EngineCore(engine_args(path, kv_cache_memory_bytes=BLOCKS * per_block, max_model_len=256,
                                   max_num_batched_tokens=32, tensor_parallel_size=tp,
-                                  pipeline_parallel_size=pp, pp_layer_partition=partition), str(path))
+                                  pipeline_parallel_size=pp, pp_layer_partition=partition, **kw), str(path))
 
 
 @pytest.fixture(scope="module")
