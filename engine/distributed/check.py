@@ -179,6 +179,10 @@ def check_dp_group(args: EngineArgs, facts: ModelFacts) -> None:
             f"{facts.name} is an MoE model: its {args.data_parallel_size} DP ranks share the expert layers, "
             f"so rank {args.data_parallel_rank} needs the group's --data-parallel-address and "
             "--data-parallel-rpc-port (the coordinator: python -m engine.dp.coordinator)")
+    if grouped and args.distributed_executor_backend == "ray":
+        raise ParallelConfigError(
+            f"--distributed-executor-backend ray: a rank of {facts.name}'s DP group runs its model in the "
+            "core process (one member per rank, TP x PP = 1): use mp (the default)")
     width = facts.moe_intermediate_size
     n = args.data_parallel_size
     if grouped and not args.enable_expert_parallel and width and width % n:

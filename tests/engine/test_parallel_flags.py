@@ -96,6 +96,8 @@ SERVE_ONLY = [
      ["expert width 128", "--data-parallel-size 3", "--enable-expert-parallel"]),
     ("idle-check-steps", "tiny", ["--dp-idle-check-steps", "0"],
      ["--dp-idle-check-steps must be a positive"]),
+    ("dp-group-ray-executor", "mixtral", [*DP_RANK0, *GROUP_AT, "--distributed-executor-backend", "ray"],
+     ["--distributed-executor-backend ray", "use mp"]),
     ("dp-group-sim", "mixtral", ["--device", "sim", *DP_RANK0, *GROUP_AT], ["--device sim", "--device cpu"]),
 ]
 
