@@ -163,7 +163,7 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a rank not ready this long after its start is restarted")
     g.add_argument("--ready-policy", type=_ready_policy, default="all",
                    help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
-    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default=None,
+    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
                    help="restart-rank (dense models' default): restart the failed rank alone, with backoff, "
                         "the others keep serving; restart-group (MoE groups' default): the group stops "
                         "serving, only the failed member restarts, the survivors keep their processes and "
