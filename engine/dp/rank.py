@@ -222,16 +222,21 @@ class MemberServer(CoreServer):
 
     # ---- the coordinator ------------------------------------------------------------------------------
     def drain_coordinator(self) -> None:
-        sock = self.member.sock
+        """Handle every queued coordinator message; a ``form`` that a later ``abort`` of the same generation
+        already cancelled is skipped (forming it would wait for a member that is gone)."""
+        sock, batch = self.member.sock, []
         while True:
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             try:
-                msg = M.unpack(data)
+                batch.append(M.unpack(data))
             except Exception as e:
                 logger.warning("dropping a bad coordinator message: %s", e)
+        aborted = {m.get("generation") for m in batch if m["kind"] == M.ABORT}
+        for msg in batch:
+            if msg["kind"] == M.FORM and msg.get("generation") in aborted:
                 continue
             self.on_coordinator(msg)
 
