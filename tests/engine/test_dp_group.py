@@ -3,7 +3,8 @@ test, driven over the engine's own ZMQ protocol. Greedy tokens of tiny Mixtral, 
 served by the group equal one rank serving alone (test_parity's near-tie rule), with expert parallelism
 (both token movers) and with tensor-parallel experts; requests land on either rank, first with the other
 rank idle (it runs zero-token dummy passes), then on both. Waves end, idle ranks block (CPU measured), and
-the coordinator's state machine is checked without processes.
+the coordinator's state machine is checked without processes; a rank whose group has not formed answers 503
+with X-lbd-dp-state over HTTP.
 
 Cost on the shared 2-core machine: about 10 CPU-s per group test (three processes import torch and load a
 model), 75 CPU-s for the file; two of the tensor-parallel-expert cases are marked slow (about 50 CPU-s left).
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from dp_support import CoreConn, Group
-from support import stop, tree_usage
+from support import free_port, spawn, stop, tree_usage, wait_http
 from test_parity import assert_all_close, engine_args, greedy, random_prompts, run_engine
 
 from engine.core.engine_core import EngineCore
@@ -216,3 +218,30 @@ def test_wave_numbers_and_stale_starts() -> None:
     assert not w.start(0) and w.start(1)  # a stale start; then the next wave
     w.reset()
     assert (w.active, w.id) == (False, 0)
+
+
+def test_rank_answers_503_while_its_group_forms(tiny_mixtral: Path, tmp_path: Path) -> None:
+    """A rank whose peer never comes: alive (its /status answers) but not ready: /health and completions get
+    503 with X-lbd-dp-state: forming and the reason; the coordinator says who is missing."""
+    group = Group(2, tmp_path)
+    with group.coordinator():
+        port = free_port()
+        proc = spawn([sys.executable, "-m", "engine", "--model", str(tiny_mixtral), "--host", "127.0.0.1",
+                      "--port", str(port), "--kv-cache-memory-bytes", "16MiB", *group.flags(0)],
+                     log=tmp_path / "rank0.log")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + "/health", timeout=120, proc=proc, ok=(503,))
+            health = httpx.get(url + "/health")
+            assert health.headers["X-lbd-dp-state"] == "forming"
+            assert "data-parallel group is forming" in health.json()["error"]["message"]
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["X-lbd-dp-state"] == "forming"
+            status = httpx.get(url + "/status").json()
+            assert (status["rank"], status["ready"], status["dp"]["state"]) == (0, False, "forming")
+            coord = httpx.get(group.http + "/status").json()
+            assert coord["state"] == "forming"
+            assert coord["reason"] == "waiting for ranks [1] to join generation 1"
+            assert [m["pid"] for m in coord["members"]] == [status["core_pid"], None]
+        finally:
+            stop(proc)
