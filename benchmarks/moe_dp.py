@@ -45,7 +45,9 @@ from support import (  # noqa: E402
 
 MODELS = {"Mixtral": make_tiny_mixtral, "Qwen3-MoE": make_tiny_qwen3_moe,
           "DeepSeek-V2": make_tiny_deepseek_v2}
-CONFIGS = {"1 rank": (1, []), "DP=2": (2, []), "DP=2 + EP": (2, ["--enable-expert-parallel"])}
+# the single rank logs at info: its MLA line (bytes per token against MHA) is read from its log
+CONFIGS = {"1 rank": (1, ["--log-level", "info"]), "DP=2": (2, []),
+           "DP=2 + EP": (2, ["--enable-expert-parallel"])}
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Hello world, how are you"]
 _MLA_LINE = re.compile(r"MLA KV cache: (\d+) bytes per token .*would take (\d+)")
 # DeepSeek-V2-Lite's attention, from its config.json
