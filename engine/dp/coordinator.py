@@ -8,8 +8,9 @@ hangs). All of it is one asyncio loop that sleeps in epoll between messages: an 
 Generations: generation g forms when all N ranks have sent ``join`` (the coordinator then sends ``form g``)
 and is ready once each answered ``joined g``. A failed member (the supervisor's POST, a rank's ``lost``,
 or a ``join`` from a member of g, i.e. a restarted or fallen-out rank) aborts g: every rank is told, and
-g+1 forms when all N have joined again. ``Coordinator`` is the state machine (no I/O; it returns the
-messages to send), ``serve`` wires it to the sockets.
+g+1 forms when all N have joined again. A restarted coordinator tells ranks that report a group it does not
+know to leave it, and numbers its first generation after theirs. ``Coordinator`` is the state machine (no
+I/O; it returns the messages to send), ``serve`` wires it to the sockets.
 """
 
 from __future__ import annotations
@@ -71,8 +72,15 @@ class Coordinator:
             m.ident = m.ident or ident
             m.waiting, m.running = int(msg.get("waiting", 0)), int(msg.get("running", 0))
             m.last_report, m.wave_active = now, bool(msg.get("wave_active"))
+            if msg.get("ready") and not (m.joined and gen == self.generation):
+                # a group this coordinator did not form (it was restarted) or already aborted: leave it
+                why = "the coordinator does not know that generation (it restarted): re-join"
+                return [(ident, M.pack(M.ABORT, generation=gen, reason=why))]
             return []
         if kind == M.JOIN:
+            last = msg.get("last_generation")
+            if not self.form_sent and isinstance(last, int) and last >= self.generation:
+                self.generation = last + 1  # a restarted coordinator numbers on after the ranks' last one
             return self._join(m, ident, msg.get("pid"))
         if kind == M.JOINED and gen == self.generation and self.form_sent and m.pending:
             m.joined = True

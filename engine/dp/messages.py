@@ -4,12 +4,13 @@ rank -> coordinator (every message carries ``rank``):
   ``join``        {pid, last_generation}: wants into the next generation (re-sent each second until formed)
   ``joined``      {generation}: its process group of that generation is up
   ``lost``        {generation, reason}: a collective of that generation failed here
-  ``report``      {generation, waiting, running, wave_active}: about every 100 ms
+  ``report``      {generation, ready, waiting, running, wave_active}: about every 100 ms
   ``wave_start``  {generation, wave}: a request arrived while the group was paused
   ``wave_end``    {generation, wave}: the idle all-reduce ended the wave (every rank sends it)
 coordinator -> rank:
   ``form``        {generation, size}: every rank has joined; create the process group now
-  ``abort``       {generation, reason}: that generation is over; fail requests, leave, join the next
+  ``abort``       {generation, reason}: that generation is over; fail requests, leave, join the next (also
+                  the answer to a report of a generation this coordinator does not know: it restarted)
   ``wave_start``  {generation, wave}: run (dummy) passes until the wave ends
 """
 

@@ -145,8 +145,8 @@ class Member:
         return int(self.group.all_reduce(flag).item()) == 0
 
     def report(self, waiting: int, running: int) -> None:
-        self.send(M.REPORT, generation=self.status.generation, waiting=waiting, running=running,
-                  wave_active=self.wave.active)
+        self.send(M.REPORT, generation=self.status.generation, ready=self.ready, waiting=waiting,
+                  running=running, wave_active=self.wave.active)
 
     def close(self) -> None:
         self.leave("shutting down")

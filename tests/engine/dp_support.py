@@ -29,16 +29,20 @@ class Group:
         return ["--data-parallel-size", str(self.size), "--data-parallel-rank", str(rank),
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port)]
 
+    def start_coordinator(self) -> object:
+        argv = [sys.executable, "-m", "engine.dp.coordinator", "--data-parallel-size", str(self.size),
+                "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port)]
+        self.coord = spawn(argv, log=self.tmp / "coordinator.log")
+        wait_http(self.http + "/status", timeout=60, proc=self.coord)
+        return self.coord
+
     @contextlib.contextmanager
     def coordinator(self) -> Iterator[object]:
-        proc = spawn([sys.executable, "-m", "engine.dp.coordinator", "--data-parallel-size", str(self.size),
-                      "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port)],
-                     log=self.tmp / "coordinator.log")
+        """The coordinator for the block (``start_coordinator`` replaces it; the last one is stopped)."""
         try:
-            wait_http(self.http + "/status", timeout=60, proc=proc)
-            yield proc
+            yield self.start_coordinator()
         finally:
-            stop(proc)
+            stop(self.coord)
 
     def start_core(self, model: Path, rank: int, *flags: str) -> tuple[object, str]:
         """A bare core process of ``rank`` (no HTTP front end): (process, its ZMQ address)."""

@@ -2,9 +2,10 @@
 test, driven over the engine's own ZMQ protocol. Greedy tokens of tiny Mixtral, Qwen3-MoE and DeepSeek-V2
 served by the group equal one rank serving alone (test_parity's near-tie rule), with expert parallelism
 (both token movers) and with tensor-parallel experts; requests land on either rank, first with the other
-rank idle (it runs zero-token dummy passes), then on both. Waves end, idle ranks block (CPU measured), and
-the coordinator's state machine is checked without processes; a rank whose group has not formed answers 503
-with X-lbd-dp-state over HTTP.
+rank idle (it runs zero-token dummy passes), then on both. Waves end, idle ranks block (CPU measured), a
+restarted coordinator gets a new generation from the same rank processes, and the coordinator's state
+machine is checked without processes; a rank whose group has not formed answers 503 with X-lbd-dp-state
+over HTTP.
 
 Cost on the shared 2-core machine: about 10 CPU-s per group test (three processes import torch and load a
 model), 75 CPU-s for the file; two of the tensor-parallel-expert cases are marked slow (about 50 CPU-s left).
@@ -89,6 +90,16 @@ def test_group_tokens_equal_one_rank(kind: str, flags: list[str], request: pytes
                 time.sleep(5)
                 used = (tree_usage(*pids)[0] - before) / (time.monotonic() - t0)
                 assert used < 0.05 * 2, f"two idle ranks used {used:.1%} of a core"
+                # a restarted coordinator: the ranks leave the group it does not know and form generation 2
+                group.coord.kill()
+                group.coord.wait(10)
+                group.start_coordinator()
+                for c in conns:
+                    c.wait_dp(lambda d: d["state"] == "ready" and d["generation"] == 2, timeout=60)
+                assert [p.poll() for p, _ in procs] == [None, None]
+                conns[1].add("d0", alone[0], greedy(lens[0]))
+                conns[1].wait_done(["d0"])
+                assert_all_close([conns[1].runs["d0"]], want[:1])
         finally:
             for c in conns:
                 c.close()
@@ -208,6 +219,16 @@ def test_coordinator_forms_aborts_and_re_forms() -> None:
     c.on_message(b"a", {"kind": M.REPORT, "rank": 0, "waiting": 2, "running": 1}, 1.0)
     member = c.status(1.5)["members"][0]
     assert (member["waiting"], member["running"], member["last_report_age_s"]) == (2, 1, 0.5)
+
+
+def test_a_restarted_coordinator_sends_ranks_out_of_its_predecessors_group() -> None:
+    c = Coordinator(2)
+    report = {"kind": M.REPORT, "rank": 1, "generation": 5, "ready": True, "waiting": 0, "running": 0}
+    assert _kinds(c.on_message(b"b", report, 0.0)) == [(b"b", M.ABORT, 5)]
+    assert c.on_message(b"b", {**report, "ready": False}, 0.0) == []  # once it left, nothing more
+    c.on_message(b"a", {"kind": M.JOIN, "rank": 0, "pid": 1, "last_generation": 5}, 0.0)
+    out = c.on_message(b"b", {"kind": M.JOIN, "rank": 1, "pid": 2, "last_generation": 5}, 0.0)
+    assert _kinds(out) == [(b"a", M.FORM, 6), (b"b", M.FORM, 6)]  # numbered after the ranks' last one
 
 
 def test_wave_numbers_and_stale_starts() -> None:
