@@ -10,6 +10,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from engine.edge import limits as _limits
+from engine.edge.limits import parse_bytes
+from engine.edge.tls import add_tls_arguments, check_tls
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -38,8 +42,23 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     api_server_count: int = 1
-    max_request_body_bytes: int = 32 * 1024 * 1024
     shutdown_timeout: float = 30.0
+    api_key: list[str] | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    health_stall_timeout_s: float = 60.0
+    # connection limits (engine.edge.limits)
+    max_request_line_bytes: int = _limits.DEFAULTS.max_request_line_bytes
+    max_header_bytes: int = _limits.DEFAULTS.max_header_bytes
+    max_headers: int = _limits.DEFAULTS.max_headers
+    max_head_bytes: int = _limits.DEFAULTS.max_head_bytes
+    max_request_body_bytes: int = _limits.DEFAULTS.max_request_body_bytes
+    header_read_timeout_s: float = _limits.DEFAULTS.header_read_timeout_s
+    body_read_timeout_s: float = _limits.DEFAULTS.body_read_timeout_s
+    keep_alive_timeout_s: float = _limits.DEFAULTS.keep_alive_timeout_s
+    max_connections: int = _limits.DEFAULTS.max_connections
     data_parallel_rank: int | None = None
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
@@ -71,16 +90,6 @@ class EngineArgs:
     @property
     def model_names(self) -> list[str]:
         return list(self.served_model_name) if self.served_model_name else [self.model_name]
-
-
-def parse_bytes(text: str) -> int:
-    """Parse 4GiB, 512MiB, 1e9 or a plain integer (shared by every CLI that takes a byte size)."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -132,13 +141,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="front-end processes sharing the port (SO_REUSEPORT) and one core")
-    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 * 1024 * 1024,
-                   help="larger request bodies get 413")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require Authorization: Bearer <one of these keys> on every path but /health, /ping, "
+                        "/load, /version and /metrics (also $VLLM_API_KEY, and $LBD_API_KEYS one per line)")
+    g.add_argument("--health-stall-timeout-s", type=float, default=60.0,
+                   help="/health answers 503 when requests are in flight and the core has sent nothing for "
+                        "this long (a wedged step, a hung collective); 0 turns the check off")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+
+    add_tls_arguments(parser)
+    _limits.add_limit_arguments(parser)
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--data-parallel-rank", type=int, default=None, help="this server's DP rank")
@@ -225,6 +241,13 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
+        parser.error("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
+                     "once a second")
+    problem = _limits.check_limits(_limits.limits_from(args)) or check_tls(
+        args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if problem:
+        parser.error(problem)
     problem = parallel_flags_problem(args)
     if problem:
         parser.error(problem)

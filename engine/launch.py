@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
-from engine.procutil import set_pdeathsig, terminate_tree
+from engine.procutil import set_pdeathsig, set_process_name, terminate_tree
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -37,6 +37,7 @@ logger = logging.getLogger("engine.launch")
 _HELLO_TIMEOUT_S = 3600.0  # the core may convert or load a large model first; its death is noticed at once
 _CORE_STOP_TIMEOUT_S = 10.0
 _RUNTIME_PREFIX = "lbd-engine-"
+CORE_PROCESS_NAME = "lbd-core"  # what ps shows for the core (engine.procutil.set_process_name)
 
 
 def configure_logging(rank: int, level: str, role: str) -> None:
@@ -92,6 +93,7 @@ def _pid_alive(pid: int) -> bool:
 def _core_entry(args: EngineArgs, model_path: str, address: str, parent_pid: int) -> None:
     set_pdeathsig(signal.SIGKILL, parent_pid)
     os.setpgrp()
+    set_process_name(CORE_PROCESS_NAME)
     configure_logging(args.rank, args.log_level, "EngineCore")
     from engine.core.process import run_core
 

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -162,7 +163,8 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
     ``get_slice``, so no worker materialises a whole tensor it does not hold), tensors of ``Absent`` modules
     (``is_absent``: another pipeline stage's) are skipped, and ``model.checkpoint_aliases`` maps a checkpoint
     tensor to more parameters it fills (a tied LM head on another stage than the embedding). A model may
-    map tensors itself (``checkpoint_slots(name)``: MoE experts, renames), which takes whole tensors."""
+    map tensors itself (``checkpoint_slots(name)``: MoE experts, renames), which takes whole tensors. KV-cache
+    scales are not parameters: ``read_kv_scales`` reads them."""
     import torch
 
     params = dict(model.named_parameters())
@@ -173,7 +175,7 @@ def load_weights(model: torch.nn.Module, folder: Path | str) -> None:
     loaded: set[str] = set()
     with torch.no_grad():
         for name, handle in iter_checkpoint(Path(folder)):
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or kv_scale_of(name) is not None:
                 continue
             slots = slots_of(name) if slots_of is not None else None
             if slots is not None:
@@ -205,6 +207,39 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, object]]:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f
+
+
+# Calibrated fp8 KV-cache scales, under vLLM's names: per attention layer ``k_scale`` / ``v_scale`` (on the
+# attention module or on k_proj / v_proj, as quantizers write them), the older single ``kv_scale``, or
+# compressed-tensors' ``k_proj.output_scale`` / ``v_proj.output_scale``.
+_KV_SCALE = re.compile(r"layers\.(\d+)\.(?:self_attn|attn|attention)\.(?:(?:[kv]_proj|attn)\.)?"
+                       r"(k_scale|v_scale|kv_scale)$")
+_OUTPUT_SCALE = re.compile(r"layers\.(\d+)\.(?:self_attn|attn|attention)\.([kv])_proj\.output_scale$")
+
+
+def kv_scale_of(name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") when ``name`` is a checkpoint's KV-cache scale, else None."""
+    m = _KV_SCALE.search(name)
+    if m:
+        return int(m.group(1)), m.group(2).removesuffix("_scale")
+    m = _OUTPUT_SCALE.search(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def read_kv_scales(folder: Path | str, num_layers: int) -> list[tuple[float, float]] | None:
+    """Per layer (k_scale, v_scale) from the checkpoint, or None when it has none (stored = x / scale; a
+    tensor of several scales, e.g. per head, gives its largest: nothing then saturates). Layers the checkpoint
+    leaves out get 1.0, vLLM's default."""
+    found: dict[int, dict[str, float]] = {}
+    for name, handle in iter_checkpoint(Path(folder)):
+        which = kv_scale_of(name)
+        if which is not None and which[0] < num_layers:
+            value = float(handle.get_tensor(name).float().abs().max())
+            for part in ("k", "v") if which[1] == "kv" else (which[1],):
+                found.setdefault(which[0], {})[part] = value
+    if not found:
+        return None
+    return [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(num_layers)]
 
 
 def _copy_into(model: torch.nn.Module, param: torch.Tensor, target: str, rows: tuple[int, int] | None,

@@ -13,6 +13,7 @@ import signal
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
@@ -32,6 +33,17 @@ def set_pdeathsig(sig: int = signal.SIGKILL, expected_parent: int | None = None)
         return
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)
+
+
+def set_process_name(name: str) -> None:
+    """The name ps, top and psutil's ``name()`` show (Linux comm, 15 bytes): every spawned child of ours is
+    ``python -c ...`` on its command line, so the core is ``lbd-core`` and the tokenizer worker
+    ``lbd-tokenize``, for operators and for tests that signal one of them (no-op off Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def terminate_tree(pid: int, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:

@@ -53,6 +53,7 @@ class Tokenizer:
         self._special = set(self.hf.added_tokens_decoder)
         self._byte_level = isinstance(self.rust.decoder, decoders.ByteLevel)
         self._piece_cache: dict[int, tuple[str, list[int]]] = {}
+        self.max_chars_per_token = _max_chars_per_token(self.rust)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.rust.encode(text, add_special_tokens=add_special_tokens).ids
@@ -91,6 +92,15 @@ class Tokenizer:
         if len(self._piece_cache) < 1 << 20:
             self._piece_cache[token_id] = result
         return result
+
+
+def _max_chars_per_token(rust: Any) -> int:
+    """How many characters of text one token stands for, at most: a text longer than max_model_len times this
+    cannot fit the context whatever it says, and is refused before it is tokenized. Normalizers can shrink a
+    text (composing accents, folding width), hence the margin when there is one."""
+    size = rust.get_vocab_size(with_added_tokens=True)
+    longest = max((len(rust.decode([i], skip_special_tokens=False)) for i in range(size)), default=1)
+    return max(1, longest) * (4 if rust.normalizer is not None else 1)
 
 
 def read_template(value: str) -> str:

@@ -23,6 +23,8 @@ from engine.args import add_engine_arguments, engine_args_from_namespace, valida
 from engine.distributed.check import ParallelConfigError, check_model, model_facts
 from engine.distributed.layout import parse_partition
 from engine.distributed.placement import RANK_CPUS_ENV, format_cpus, split_cpus, visible_cuda_devices
+from engine.edge.auth import API_KEYS_ENV, engine_secrets
+from engine.edge.limits import Limits, limits_from
 from supervisor.moe import GroupFlagError, GroupSpec, plan_group
 
 PROG = "lbd supervise"
@@ -30,6 +32,8 @@ ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
 # Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
 RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
                             "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port"})
+# Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
+ENV_ONLY = frozenset({"api_key"})
 FAILURE_POLICIES = ("restart-group", "restart-rank", "restart", "exit")
 DP_BACKENDS = ("mp", "ray")
 RAY_PACK_STRATEGIES = ("strict", "fill", "span")
@@ -61,15 +65,16 @@ class RankSpec:
     cpus: str | None  # LBD_RANK_CPUS of this rank (CPU ranks), None on CUDA
     probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
     bind_host: str | None  # the engine's --host (None: all interfaces)
+    scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
 
     @property
     def probe_url(self) -> str:
-        return f"http://{_url_host(self.probe_host)}:{self.port}"
+        return f"{self.scheme}://{_url_host(self.probe_host)}:{self.port}"
 
     def url(self, wildcard_host: str) -> str:
         """The rank's base URL for others: its bind address, or ``wildcard_host`` when it binds them all."""
         host = wildcard_host if self.bind_host in WILDCARD_HOSTS else _url_host(self.bind_host or "")
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -101,6 +106,14 @@ class SupervisorConfig:
     devices_per_rank: int = 1  # tensor x pipeline parallel size
     group: GroupSpec | None = None  # the MoE group of the ranks (None: independent dense ranks)
     log_level: str = "info"
+    probe_generate_every: int = 0  # every Nth probe is a 1-token generation (0: never)
+    model_name: str = ""  # what a generation probe asks for
+    api_keys: list[str] = field(default_factory=list)  # the ranks' keys (a generation probe sends the first)
+    limits: Limits = field(default_factory=Limits)  # of the health port (the ranks get the same flags)
+    ssl_certfile: str | None = None  # the health port and the ranks serve TLS with it
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
+    ssl_cert_reqs: int = 0
     executor_backend: str = "mp"  # ray: the rank's workers are Ray actors (engine.executor.ray_executor)
 
     @property
@@ -159,6 +172,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a probe not answered within this counts as a failure")
     g.add_argument("--dp-supervisor-probe-failure-threshold", type=_positive_int, default=3,
                    help="consecutive failed probes (timeouts, connection errors) that make a rank unhealthy")
+    g.add_argument("--dp-supervisor-probe-generate", type=int, default=0, metavar="N",
+                   help="every Nth probe of a ready rank is a 1-token completion instead of /health, so a "
+                        "core that no longer makes progress shows even with no traffic (0: never; a queue "
+                        "longer than the probe timeout then reads as a hang)")
     g.add_argument("--dp-supervisor-startup-timeout-s", type=_positive_float, default=1800.0,
                    help="a rank not ready this long after its start is restarted")
     g.add_argument("--ready-policy", type=_ready_policy, default="all",
@@ -214,7 +231,7 @@ def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests:
     """Rebuild the engine flags the user changed from their defaults, in parser order."""
     out: list[str] = []
     for action in parser._actions:
-        if action.dest not in dests or action.dest in RANK_OVERRIDES or not action.option_strings:
+        if action.dest not in dests or action.dest in RANK_OVERRIDES | ENV_ONLY or not action.option_strings:
             continue
         value = getattr(ns, action.dest)
         if value == action.default:
@@ -384,6 +401,7 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
     (its devices nor its CPUs)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
+    keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
     on_cuda = visible_cuda_devices(env, ns.device) is not None
     cpus = _cpu_slices(local, on_cuda) if local_devices else [None] * local
     specs = []
@@ -393,13 +411,15 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
                 # ranks on one node share its CPUs: the engine sizes its thread pool by the local count
                 "--data-parallel-size-local", str(local)]
         child_env = {"PYTHONUNBUFFERED": "1"}
+        if keys:
+            child_env[API_KEYS_ENV] = "\n".join(keys)
         if slices[i] is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = slices[i]
         if cpus[i] is not None:
             child_env[RANK_CPUS_ENV] = cpus[i]
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=cpus[i], probe_host=probe_host_for(ns.host),
-                              bind_host=ns.host))
+                              bind_host=ns.host, scheme="https" if ns.ssl_certfile else "http"))
     return specs
 
 
@@ -411,10 +431,13 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
     if extra:
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
                      "lists them)")
+    engine_args = engine_args_from_namespace(ns)
     # the rendezvous flags are the supervisor's to check (supervisor.moe: a port alone is fine here, the
     # address defaults); each rank validates the pair it is given
     validate(engine_args_from_namespace(argparse.Namespace(
         **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
+    if ns.dp_supervisor_probe_generate < 0:
+        parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
     ray = ns.data_parallel_backend == "ray"
     try:
         if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
@@ -445,5 +468,9 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
         backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
         ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
-        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size, group=group,
-        log_level=ns.log_level, executor_backend=ns.distributed_executor_backend)
+        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size,
+        probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
+        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
+        ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend, group=group,
+        log_level=ns.log_level)

@@ -5,8 +5,9 @@ Every answer is built from the state the probe loops last recorded; no handler e
 GET /health   liveness. 200 while the supervisor runs and has not given up; 503 once a rank failed under
               ``--on-rank-failure exit``. Body: one line of text (the reason).
 GET /readyz   readiness. 200 when the ready ranks meet ``--ready-policy`` (all | any | k), 503 otherwise
-              and at once after SIGTERM/SIGINT. Body: one line, e.g.
-              ``1/2 ranks ready (policy all needs 2): rank 1 unhealthy``. The ranks of an MoE model form one
+              and at once after SIGTERM/SIGINT. Body: one line that says why, e.g.
+              ``1/2 ranks ready (policy all needs 2): rank 1 restarting (attempt 4 in 3.2 s): exited with
+              code 1: ValueError: model.safetensors: invalid header``. The ranks of an MoE model form one
               group (supervisor/group.py): 200 when it serves, e.g. ``MoE group (MixtralForCausalLM with 8
               experts, 2 ranks, expert parallel): generation 2 reforming: waiting for ranks [1] ...``.
 GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256``) and people::
@@ -19,7 +20,7 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
       "pid": 4242,                   # the supervisor's pid
       "node_rank": 0, "data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_start_rank": 0,
       "ready_policy": "all", "ready_ranks": 2, "on_rank_failure": "restart",
-      "probe": {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3},
+      "probe": {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3, "generate_every": 0},
       "uptime_s": 73.2,
       "rolling_restart": null,       # or {"state": running|done|failed|cancelled, "started_at",
                                      #     "finished_at", "current_rank", "done_ranks": [0, ...], "error"}
@@ -27,8 +28,8 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
         {
           "rank": 0,                 # global DP rank (what X-data-parallel-rank names)
           "local_rank": 0,
-          "url": "http://10.0.0.5:8000",  # the engine's base URL; with a wildcard --host, the host part is
-                                          # the host this /status request was sent to
+          "url": "http://10.0.0.5:8000",  # the engine's base URL (https:// with --ssl-certfile); with a
+                                          # wildcard --host, the host part is the one this request used
           "port": 8000,
           "pid": 4243,               # the rank's launcher pid (null while it is down)
           "state": "ready",          # starting | ready | unhealthy | restarting | draining | stopped | failed
@@ -49,6 +50,10 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
                                      # process tree when it became ready; [] while it is down
             {"pid": 4250, "rank": 0, "tp_rank": 0, "pp_rank": 0, "cpus": "0-3"}
           ],
+          "attempts": 0,             # consecutive failed starts (a crash loop); 0 once ready
+          "backoff_s": null,         # the restart delay last applied (doubles per failure up to the cap)
+          "stderr_tail": [],         # last stderr lines of the failed (or starting) process, secrets masked
+          "command": ["python", "-m", "engine", "..."],  # its command line, secret values masked
           "group_wait": null,        # an MoE member alive but waiting for its group: why (not routable)
           "group": 0                 # only for MoE members: the index of its entry in "groups"
         }
@@ -93,13 +98,17 @@ Errors are OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` wit
 
 from __future__ import annotations
 
-import hmac
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
+from engine.edge.aio_guard import GuardedAppRunner
+from engine.edge.auth import KeyRing
+from engine.edge.limits import Limits, raise_open_files_limit
+from engine.edge.tls import server_context
 from supervisor.config import WILDCARD_HOSTS
 from supervisor.node import Supervisor
 from supervisor.rank import Command
@@ -137,15 +146,19 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 class AppServer:
     """An aiohttp app served on a socket bound beforehand (the port is ours from validation on); no access
-    log, no signal handlers (the owner handles SIGTERM). Subclasses set ``self.app``."""
+    log, no signal handlers (the owner handles SIGTERM). Subclasses set ``self.app``, and may set ``limits``
+    (engine.edge.limits, enforced by engine.edge.aio_guard) and ``tls`` (a server SSL context)."""
 
     app: web.Application
+    limits: Limits = Limits()
+    tls: ssl.SSLContext | None = None
     _runner: web.AppRunner | None = None
 
     async def start(self, sock: socket.socket) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        raise_open_files_limit(self.limits.max_connections)
+        self._runner = GuardedAppRunner(self.app, self.limits, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, ssl_context=self.tls).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -155,6 +168,10 @@ class AppServer:
 class HealthServer(AppServer):
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
+        cfg = sup.cfg
+        self.limits = cfg.limits
+        self.tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+        self._admin = KeyRing.from_secrets([cfg.admin_token]) if cfg.admin_token else KeyRing()
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz),
@@ -191,12 +208,11 @@ class HealthServer(AppServer):
 
     # ---- admin --------------------------------------------------------------------------------------------
     def _denied(self, request: web.Request) -> web.Response | None:
-        token = self.sup.cfg.admin_token
-        if not token:
+        if not self._admin:
             return error_response(404, f"{request.path}: admin endpoints are off; start lbd supervise with "
                                        "--admin-token (or LBD_ADMIN_TOKEN) to enable them")
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        # compared as bytes in constant time: a header that is not UTF-8 is a wrong token, not a 500
+        if self._admin.check_header(request.headers.get("Authorization")) is None:
             return error_response(401, "missing or wrong bearer token: send Authorization: Bearer <token>")
         return None
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 
+from engine.edge.tls import client_context
 from supervisor.config import SupervisorConfig
 from supervisor.group import MoeGroup
 from supervisor.metrics import SupervisorMetrics
@@ -27,7 +28,8 @@ class Supervisor:
     def __init__(self, cfg: SupervisorConfig, start_rank: StartRank = RankProcess.start) -> None:
         self.cfg = cfg
         self.metrics = SupervisorMetrics()
-        self.prober = Prober(cfg.probe_timeout_s)
+        tls = client_context(cfg.ssl_ca_certs) if cfg.ssl_certfile else None
+        self.prober = Prober(cfg.probe_timeout_s, tls)
         self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
         # the ranks of an MoE model form one group (None: independent dense ranks)
@@ -60,8 +62,7 @@ class Supervisor:
         head = f"{ready}/{total} ranks ready (policy {self.cfg.ready_policy}"
         if ready >= need:
             return True, head + ")"
-        waiting = ", ".join(f"rank {w.spec.rank} {w.state.value}" for w in self.workers
-                            if w.state is not RankState.READY)
+        waiting = "; ".join(w.why_not_ready() for w in self.workers if w.state is not RankState.READY)
         return False, f"{head} needs {need}): {waiting}"
 
     def liveness(self) -> tuple[bool, str]:
@@ -81,7 +82,8 @@ class Supervisor:
             "ready_policy": cfg.ready_policy, "ready_ranks": self.ready_count(),
             "on_rank_failure": cfg.on_rank_failure,
             "probe": {"interval_s": cfg.probe_interval_s, "timeout_s": cfg.probe_timeout_s,
-                      "failure_threshold": cfg.probe_failure_threshold},
+                      "failure_threshold": cfg.probe_failure_threshold,
+                      "generate_every": cfg.probe_generate_every},
             "uptime_s": time.monotonic() - self._started_mono,
             "rolling_restart": self.rolling,
             "ranks": ranks,

@@ -1,8 +1,12 @@
-"""HTTP probes of a rank: its `/health`, and its in-flight request count for draining."""
+"""HTTP probes of a rank: its `/health`, a 1-token generation, and its in-flight request count for draining.
+
+Ranks that serve TLS are probed over https and their certificates verified (``--ssl-ca-certs``, else the
+system's trust store)."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -15,6 +19,7 @@ TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_50
 # to form (the header's value: forming | reforming).
 GROUP_WAIT = "group_wait"
 GROUP_STATE_HEADER = "X-lbd-dp-state"
+GENERATE_TIMEOUT, GENERATE_FAILED = "generate_timeout", "generate_failed"
 
 
 @dataclass(slots=True)
@@ -29,35 +34,60 @@ class ProbeResult:
 class Prober:
     """One client session for every probe; a fresh connection per probe so a restarted rank is seen as new."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(force_close=True, limit=0)
+            connector = aiohttp.TCPConnector(force_close=True, limit=0, ssl=self._ssl or True)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
         return self._session
 
-    async def health(self, base_url: str) -> ProbeResult:
+    async def _call(self, method: str, url: str, timeout_reason: str, timeout_what: str,
+                    **kw: object) -> tuple[int, bytes, float, str | None] | ProbeResult:
+        """(status, body, latency, the X-lbd-dp-state header), or the failed ProbeResult of a timeout or a
+        connection error."""
         start = time.perf_counter()
         try:
-            async with self._client().get(base_url + "/health") as resp:
+            async with self._client().request(method, url, **kw) as resp:
                 body = await resp.read()
-                status = resp.status
-                group_state = resp.headers.get(GROUP_STATE_HEADER)
+                return resp.status, body, time.perf_counter() - start, resp.headers.get(GROUP_STATE_HEADER)
         except TimeoutError:
-            return ProbeResult(False, time.perf_counter() - start, None, TIMEOUT,
-                               f"no answer within {self.timeout.total:g} s")
+            return ProbeResult(False, time.perf_counter() - start, None, timeout_reason,
+                               f"{timeout_what} within {self.timeout.total:g} s")
         except aiohttp.ClientError as e:
             return ProbeResult(False, time.perf_counter() - start, None, CONNECTION, _short(e))
-        latency = time.perf_counter() - start
+
+    async def health(self, base_url: str) -> ProbeResult:
+        got = await self._call("GET", base_url + "/health", TIMEOUT, "no answer")
+        if isinstance(got, ProbeResult):
+            return got
+        status, body, latency, group_state = got
         if status == 200:
             return ProbeResult(True, latency, status)
         if status == 503 and group_state:
             return ProbeResult(False, latency, status, GROUP_WAIT, _group_wait_detail(group_state, body))
-        reason = CORE_DEAD if status == 503 else BAD_STATUS
-        return ProbeResult(False, latency, status, reason, f"/health answered {status}")
+        why = _error_message(body)
+        return ProbeResult(False, latency, status, CORE_DEAD if status == 503 else BAD_STATUS,
+                           f"/health answered {status}" + (f": {why}" if why else ""))
+
+    async def generate(self, base_url: str, model: str, api_key: str | None) -> ProbeResult:
+        """A 1-token completion: proves the core still steps, where /health can only show a stall once it
+        has work. A 503 (admission control, draining) is an answer, so it passes; the /health probes catch a
+        dead core."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        got = await self._call("POST", base_url + "/v1/completions", GENERATE_TIMEOUT,
+                               "1-token generation not done", json=body, headers=headers)
+        if isinstance(got, ProbeResult):
+            return got
+        status, text, latency, _ = got
+        if status in (200, 503):
+            return ProbeResult(True, latency, status)
+        return ProbeResult(False, latency, status, GENERATE_FAILED,
+                           f"1-token generation answered {status}: {_error_message(text) or status}")
 
     async def in_flight(self, base_url: str) -> int | None:
         """Requests the rank is still working on: `/load`, else running + waiting from `/metrics`."""
@@ -92,13 +122,18 @@ def _metric_sum(text: str, name: str) -> float:
 
 
 def _group_wait_detail(state: str, body: bytes) -> str:
-    try:
-        message = str(orjson.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
-        message = ""
+    message = _error_message(body)
     return f"waiting for its DP group ({state})" + (f": {message}" if message else "")
 
 
-def _short(e: BaseException) -> str:
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else the body's first line (shortened)."""
+    try:
+        return _short(str(orjson.loads(body)["error"]["message"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return _short(body.decode("utf-8", "replace").strip().split("\n", 1)[0])
+
+
+def _short(e: BaseException | str) -> str:
     text = str(e) or type(e).__name__
     return text if len(text) <= 200 else text[:197] + "..."

@@ -12,13 +12,16 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
+from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO
 
 import psutil
 
+from engine.edge.redact import redact_text
 from supervisor.config import RankSpec
 
 log = logging.getLogger("lbd.supervisor")
@@ -26,6 +29,10 @@ log = logging.getLogger("lbd.supervisor")
 _PR_SET_PDEATHSIG = 1
 WORKER_MODULE = "engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
+TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
+_TAIL_LINE_CHARS = 500
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
+_ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -50,8 +57,19 @@ class RankProcess:
         self.spec = spec
         self.proc = proc
         self.pid: int = proc.pid
+        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)  # redacted, for /status
         self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank)),
-                        asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank))]
+                        asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank,
+                                                   self.stderr_tail))]
+
+    def error_line(self) -> str | None:
+        """The line that says why: a traceback's last line (the exception), else the last line that mentions
+        an error, else the last line."""
+        for pattern in (_EXCEPTION_LINE, _ERROR_LINE):
+            for line in reversed(self.stderr_tail):
+                if pattern.search(line):
+                    return line
+        return self.stderr_tail[-1] if self.stderr_tail else None
 
     @classmethod
     async def start(cls, spec: RankSpec) -> RankProcess:
@@ -153,8 +171,10 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int) -> None:
-    """Copy the child's output line by line, each line prefixed with its rank."""
+async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
+                 tail: deque[str] | None = None) -> None:
+    """Copy the child's output line by line, each line prefixed with its rank; keep the last lines (secrets
+    masked) in ``tail``."""
     if stream is None:
         return
     prefix = f"[rank {rank}] ".encode()
@@ -167,6 +187,8 @@ async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int) 
             line = await stream.readexactly(e.consumed) + b"\n"
         if not line:
             return
+        if tail is not None and line.strip():
+            tail.append(redact_text(line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]))
         try:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()

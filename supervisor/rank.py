@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.edge.redact import redact_argv
 from supervisor.config import RankSpec, SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
 from supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
@@ -32,7 +33,9 @@ DRAIN_SETTLE_S = 1.0  # least time in `draining`, so routers polling /status see
 
 
 class RankHandle(Protocol):
-    """A started rank, wherever it runs: a local process (RankProcess) or one Ray placed (ray_rank)."""
+    """A started rank, wherever it runs: a local process (RankProcess) or one Ray placed (ray_rank). A handle
+    may also keep ``stderr_tail`` (last lines, redacted) and ``error_line()`` for /status; a local process
+    does."""
 
     pid: int
 
@@ -111,6 +114,7 @@ class RankWorker:
         self.pid: int | None = None
         self.workers: list[dict[str, object]] = []  # TP/PP worker processes, read when the rank got ready
         self.consecutive_failures = 0
+        self.generate_failures = 0  # consecutive failed generation probes (--dp-supervisor-probe-generate)
         self.last_probe_latency_s: float | None = None
         self.last_probe_at: float | None = None
         self.last_probe_error: str | None = None
@@ -118,10 +122,14 @@ class RankWorker:
         self.last_failure_at: float | None = None
         self.last_exit_code: int | None = None
         self.next_start_at: float | None = None
+        self.attempts = 0  # consecutive starts that failed before the rank was ready (a crash loop)
+        self.backoff_s: float | None = None  # the restart delay last applied
+        self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
         self.operation: str | None = None  # admin command being carried out
         self.group_wait: str | None = None  # an MoE member alive but waiting for its group (last probe)
         # called once a failed member's process is gone (REPLACE_MEMBER): the group is told
         self.after_stop: Callable[[RankWorker, str], None] | None = None
+        self._probes = 0  # probes of the current process since it became ready
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
         self._ever_ready = False
@@ -166,6 +174,8 @@ class RankWorker:
     def status(self, url_host: str) -> dict[str, object]:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
+        live = getattr(self._proc, "stderr_tail", None)
+        tail = list(live) if live is not None and self.state is not RankState.READY else self.stderr_tail
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
             "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
@@ -181,15 +191,28 @@ class RankWorker:
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
             "operation": self.operation, "group_wait": self.group_wait,
             "devices": self.spec.devices, "cpus": self.spec.cpus,
-            "workers": self.workers,
+            "workers": self.workers, "attempts": self.attempts, "backoff_s": self.backoff_s,
+            "stderr_tail": tail, "command": redact_argv(self.spec.argv),
         }
+
+    def why_not_ready(self) -> str:
+        """One clause for /readyz: the state, a crash loop's attempt and delay, the last failure."""
+        text = f"rank {self.spec.rank} {self.state.value}"
+        if self.state is RankState.RESTARTING and self.next_start_at is not None:
+            text += f" (attempt {self.attempts + 1} in {max(0.0, self.next_start_at - time.time()):.1f} s)"
+        if self.last_failure and self.state is not RankState.READY:
+            text += f": {self.last_failure}"
+        return text
 
     # ---- the lifecycle ------------------------------------------------------------------------------------
     async def run(self) -> None:
         while not self._stopping:
             kind, detail = await self._run_once()
             if kind == "failure":
-                healthy_for = 0.0 if self._ready_mono is None else time.monotonic() - self._ready_mono
+                was_ready = self._ready_mono is not None
+                healthy_for = time.monotonic() - self._ready_mono if self._ready_mono is not None else 0.0
+                self.attempts = 0 if was_ready else self.attempts + 1
+                proc = self._proc
                 self._record_failure(detail)
                 # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
                 usage_error = self.last_exit_code == 2 and not self._ever_ready
@@ -197,9 +220,11 @@ class RankWorker:
                 if action is FailureAction.EXIT:
                     self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
                     await self._stop_process(FAILED_STOP_GRACE_S)
+                    self._note_cause(proc, was_ready)
                     return
                 member = action is FailureAction.REPLACE_MEMBER
                 await self._stop_process(0.0 if member else FAILED_STOP_GRACE_S)
+                self._note_cause(proc, was_ready)
                 if member and self.after_stop is not None:
                     self.after_stop(self, detail)
                 await self._backoff(healthy_for)
@@ -210,7 +235,7 @@ class RankWorker:
         """Start one incarnation and wait for its end: ("failure", why) or ("planned", command)."""
         self.generation += 1
         gen = self.generation
-        self.consecutive_failures = 0
+        self.consecutive_failures = self.generate_failures = 0
         self._ready_mono = None
         self.group_wait = None
         self._set_state(RankState.STARTING)
@@ -280,6 +305,7 @@ class RankWorker:
     async def _backoff(self, healthy_for: float) -> None:
         """Wait out the restart delay (reset if the rank had been ready long); an admin restart ends it."""
         delay = self.backoff.next_delay(healthy_for)
+        self.backoff_s = delay
         self._set_state(RankState.RESTARTING)
         self.next_start_at = time.time() + delay
         log.info("rank %d: restarting in %.1f s", self.spec.rank, delay)
@@ -345,11 +371,21 @@ class RankWorker:
                 task.cancel()
 
     async def _probe_once(self, gen: int) -> None:
-        result = await self.prober.health(self.spec.probe_url)
+        every = self.cfg.probe_generate_every
+        if self.state is RankState.READY:
+            self._probes += 1
+        generate = bool(every) and self.state is RankState.READY and self._probes % every == 0
+        if generate:
+            key = self.cfg.api_keys[0] if self.cfg.api_keys else None
+            result = await self.prober.generate(self.spec.probe_url, self.cfg.model_name, key)
+        else:
+            result = await self.prober.health(self.spec.probe_url)
         if gen == self.generation:
-            self._on_probe(gen, result)
+            self._on_probe(gen, result, generate)
 
-    def _on_probe(self, gen: int, res: ProbeResult) -> None:
+    def _on_probe(self, gen: int, res: ProbeResult, generate: bool = False) -> None:
+        """Generation probes count their failures apart: the /health probes between them answering does not
+        excuse a core that no longer generates."""
         self.metrics.probe_duration.observe(res.latency_s)
         self.last_probe_latency_s = res.latency_s
         self.last_probe_at = time.time()
@@ -360,10 +396,15 @@ class RankWorker:
             return
         self.group_wait = None
         if res.ok:
-            self.consecutive_failures = 0
+            if generate:
+                self.generate_failures = 0
+            else:
+                self.consecutive_failures = 0
             if self.state is RankState.STARTING:
                 self._ready_mono = time.monotonic()
                 self._ever_ready = True
+                self.attempts = 0
+                self._probes = 0
                 # A rank answers /health only once all its workers are up, and a worker never changes
                 # without the rank restarting: one read per incarnation is enough.
                 self.workers = self._proc.workers() if self._proc is not None else []
@@ -373,10 +414,14 @@ class RankWorker:
             return
         if self.state not in (RankState.READY, RankState.DRAINING):
             return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
-        self.consecutive_failures += 1
+        if generate:
+            self.generate_failures += 1
+        else:
+            self.consecutive_failures += 1
+        failures = self.generate_failures if generate else self.consecutive_failures
         self.metrics.probe_failures.labels(rank=str(self.spec.rank), reason=res.reason or "unknown").inc()
-        if res.reason == CORE_DEAD or self.consecutive_failures >= self.cfg.probe_failure_threshold:
-            why = f"{res.detail} ({self.consecutive_failures} consecutive failed probes)"
+        if res.reason == CORE_DEAD or failures >= self.cfg.probe_failure_threshold:
+            why = f"{res.detail} ({failures} consecutive failed {'generation ' if generate else ''}probes)"
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
             self._events.put_nowait(_Event(gen, "unhealthy", why))
@@ -387,6 +432,16 @@ class RankWorker:
             self.state = state
             self.state_since = time.time()
         self.metrics.rank_ready.labels(rank=str(self.spec.rank)).set(1 if state is RankState.READY else 0)
+
+    def _note_cause(self, proc: RankProcess | None, was_ready: bool) -> None:
+        """Once the failed process is gone and its output drained: keep its last stderr lines, and for a
+        start-up failure add the line that says why (a crash loop then explains itself in /status)."""
+        if proc is None or not hasattr(proc, "stderr_tail"):
+            return
+        self.stderr_tail = list(proc.stderr_tail)
+        cause = proc.error_line()
+        if cause and not was_ready and self.last_failure and cause not in self.last_failure:
+            self.last_failure = f"{self.last_failure}: {cause}"
 
     def _record_failure(self, why: str) -> None:
         self.last_failure = why

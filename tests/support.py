@@ -309,3 +309,56 @@ def tree_usage(*pids: int) -> tuple[float, int]:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so `finally` blocks stop the servers a script started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def make_certs(folder: Path, *hosts: str) -> tuple[Path, Path, Path]:
+    """A test CA and a server certificate for ``hosts`` (default 127.0.0.1, localhost), made here with
+    trustme: (ca.pem, cert.pem, key.pem)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert(*(hosts or ("127.0.0.1", "localhost")))
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_path, cert_path, key_path = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    cert.cert_chain_pems[0].write_to_path(str(cert_path))
+    for extra in cert.cert_chain_pems[1:]:
+        with open(cert_path, "ab") as f:
+            f.write(extra.bytes())
+    cert.private_key_pem.write_to_path(str(key_path))
+    return ca_path, cert_path, key_path
+
+
+class RouterServer:
+    """A real `lbd route` process on a free loopback port (synchronous helpers, for e2e tests)."""
+
+    def __init__(self, *args: str, log: Path | None = None, env: dict[str, str] | None = None,
+                 scheme: str = "http", verify: object = True) -> None:
+        self.port = free_port()
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.log = log
+        self.verify = verify
+        argv = [sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = spawn(argv, env=env, log=log)
+
+    def wait_ready(self, timeout: float = 60.0, path: str = "/readyz") -> RouterServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited {self.proc.returncode}: {self.log_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + path, timeout=2.0, verify=self.verify).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"router not ready: {self.log_text()[-3000:]}")
+
+    def status(self, **kw) -> dict:
+        return httpx.get(self.url + "/router/status", timeout=5.0, verify=self.verify, **kw).json()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def close(self) -> int | None:
+        return stop(self.proc)

@@ -1,8 +1,9 @@
-"""Sizing and allocating the paged KV cache, and the fp8 scale calibration."""
+"""Sizing and allocating the paged KV cache."""
 
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +12,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
 CPU_RAM_FRACTION = 0.5  # never take more than this share of the RAM that is free at start
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_HEADROOM = 4.0  # calibrated amax lands at FP8_MAX / FP8_HEADROOM: room for larger values later
 ZERO_PAGES_BYTES = 64 << 20  # larger CPU buffers come from fresh mmap (zero pages) in glibc
 
 
@@ -65,20 +64,18 @@ def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list:
     (key, value) pair of views, or for a one-tensor spec one [blocks, block_size, Hkv * d] view.
 
     Attention multiplies zero weights with the unused slots of a sequence's last block, so those must hold
-    finite numbers: the buffer starts zeroed. On CPU a large buffer is fresh zero pages from mmap, so it is
-    left untouched and costs RAM only as blocks get used (a multi-GiB budget is then free until needed).
+    finite numbers: the buffer starts zeroed. On CPU a large buffer is an anonymous mmap of its own (zero
+    pages), so it costs RAM only as blocks get used (a multi-GiB budget is then free until needed). Not
+    ``torch.empty``: malloc serves a large request from freed heap memory when it has some (garbage, and in
+    fp8 some bytes are NaN), which the fp8 calibration prefill used to hide by writing the first blocks.
     """
     shape = (spec.num_layers, spec.num_tensors, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     nbytes = spec.bytes_per_block * num_blocks
     if device.type == "cpu" and nbytes >= ZERO_PAGES_BYTES:
-        buf = torch.empty(shape, dtype=spec.dtype, device=device)
+        pages = mmap.mmap(-1, nbytes)  # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled, committed on first touch
+        buf = torch.frombuffer(pages, dtype=torch.uint8).view(spec.dtype).view(shape)  # keeps `pages` alive
     else:
         buf = torch.zeros(shape, dtype=spec.dtype, device=device)
     if spec.num_tensors == 1:
         return [buf[i, 0].view(num_blocks, spec.block_size, -1) for i in range(spec.num_layers)]
     return [(buf[i, 0], buf[i, 1]) for i in range(spec.num_layers)]
-
-
-def fp8_scale(amax: float) -> float:
-    """Scale so that ``amax`` is stored at FP8_MAX / FP8_HEADROOM (stored value = x / scale)."""
-    return max(amax, 1e-6) * FP8_HEADROOM / FP8_MAX

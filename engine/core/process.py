@@ -133,13 +133,16 @@ class CoreServer:
             peer.last_sent, peer.last_stats = now, stats
 
     def send_stats(self, now: float) -> None:
-        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by)."""
+        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by). While the
+        core has work every front end hears from it at least every 100 ms: its /health reads a long silence
+        with requests in flight as a wedged core (--health-stall-timeout-s)."""
         stats = None
+        busy = self.core.has_work()
         for ident, peer in self.state.peers.items():
             if now - peer.last_sent < STATS_INTERVAL_S:
                 continue
             stats = stats or self.core.stats()
-            if stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
+            if not busy and stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
                 continue
             self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
             peer.last_sent, peer.last_stats = now, stats

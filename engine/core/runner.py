@@ -2,7 +2,7 @@
 
 It is single-device shaped. A tensor/pipeline-parallel worker (``engine/executor/stage.py``) builds one with a
 ``ParallelContext`` (its shard of the model, its share of the KV cache) and overrides only ``_forward`` and
-``_logits``; batch preparation (``device_batch``), KV sizing and allocation, fp8 calibration and CUDA graphs
+``_logits``; batch preparation (``device_batch``), KV sizing and allocation, fp8 scales and CUDA graphs
 are the same code. KV sizing is in two steps (``measure_num_blocks``, ``allocate_kv``) so a rank's workers
 can agree on one block count (the smallest any of them can hold) before allocating.
 """
@@ -28,7 +28,7 @@ from engine.core.sampler import Sampler, SampleRow
 from engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.distributed.context import ParallelContext
 from engine.distributed.placement import rank_threads
-from engine.loader import load_weights
+from engine.loader import load_weights, read_kv_scales
 from engine.models import build_model
 from engine.models.config import load_hf_config
 from engine.models.parallel import kv_heads_per_rank
@@ -37,7 +37,6 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CALIBRATION_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -204,11 +203,11 @@ class ModelRunner:
         return int(blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` blocks, calibrate fp8 scales, capture CUDA graphs."""
+        """Allocate ``num_blocks`` blocks, set fp8 scales, capture CUDA graphs."""
         self.num_blocks = num_blocks
         self.kv_caches = kv_alloc.allocate(self.kv_spec, num_blocks, self.torch_device)
         if self.kv_spec.dtype == torch.float8_e4m3fn:
-            self._calibrate_fp8()
+            self._set_kv_scales()
         if self.torch_device.type == "cuda" and not self.args.enforce_eager:
             self.graphs = self._capture_graphs()
         logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
@@ -254,23 +253,16 @@ class ModelRunner:
             if hidden is not None:
                 self._logits(hidden, batch)
 
-    def _calibrate_fp8(self) -> None:
-        """Per-layer K/V scales from one fixed pseudo-random prompt (deterministic across starts); the stored
-        values of that prompt's amax land at FP8_MAX / FP8_HEADROOM, and larger ones saturate."""
-        layers = self.model.attention_layers
-        for attn in layers:
-            attn.calibrating, attn.k_amax, attn.v_amax = True, 0.0, 0.0
-        tokens = min(CALIBRATION_TOKENS, self.max_model_len, self.num_blocks * self.block_size)
-        try:
-            self._dummy_prefill(self.kv_caches, tokens)
-        finally:
-            for attn in layers:
-                attn.calibrating = False
-        for attn in layers:
-            attn.k_scale, attn.v_scale = kv_alloc.fp8_scale(attn.k_amax), kv_alloc.fp8_scale(attn.v_amax)
-        logger.info("fp8 KV cache: calibrated per-layer scales, k %.4g..%.4g, v %.4g..%.4g",
-                    min(a.k_scale for a in layers), max(a.k_scale for a in layers),
-                    min(a.v_scale for a in layers), max(a.v_scale for a in layers))
+    def _set_kv_scales(self) -> None:
+        """fp8 KV cache: the checkpoint's calibrated per-layer scales, else 1.0 (vLLM's default)."""
+        layers = self.model.attention_layers  # this pipeline stage's
+        start, end = self.parallel.layer_range(self.model.cfg.num_layers)
+        found = read_kv_scales(self.model_path, self.model.cfg.num_layers)
+        scales = found[start:end] if found else [(1.0, 1.0)] * len(layers)
+        for attn, (k, v) in zip(layers, scales, strict=True):
+            attn.k_scale, attn.v_scale = k, v
+        logger.info("fp8 KV cache: %s", "per-layer scales from the checkpoint" if found else
+                    "the checkpoint has no k_scale/v_scale: scales 1.0")
 
     # ------------------------------------------------------------------------------------------- a step
 

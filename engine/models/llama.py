@@ -46,9 +46,6 @@ class Attention(nn.Module):
         # fp8 KV cache: stored value = x / scale. Plain floats so the kernels get no tensor to sync on.
         self.k_scale = 1.0
         self.v_scale = 1.0
-        self.calibrating = False
-        self.k_amax = 0.0
-        self.v_amax = 0.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -61,9 +58,6 @@ class Attention(nn.Module):
         q, k = ops.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.calibrating:
-            self.k_amax = max(self.k_amax, float(k.abs().max()))
-            self.v_amax = max(self.v_amax, float(v.abs().max()))
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q.view(t, self.num_heads, self.head_dim), key_cache, value_cache, meta,

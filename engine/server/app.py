@@ -10,8 +10,13 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.args import EngineArgs
+from engine.edge.aio_guard import GuardedAppRunner
+from engine.edge.auth import PUBLIC_PATHS, KeyRing, engine_keys
+from engine.edge.limits import limits_from, raise_open_files_limit
+from engine.edge.tls import server_context
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError, error_response
+from engine.server.offload import Offload
 from engine.server.request_io import STATE
 from engine.server.routes import add_routes
 from engine.server.state import FrontendState
@@ -39,8 +44,24 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500))
 
 
-def build_app(state: FrontendState) -> web.Application:
-    app = web.Application(client_max_size=state.args.max_request_body_bytes, middlewares=[_errors])
+def _auth(keys: KeyRing):
+    """--api-key: every path but the probes' and scrapers' (engine.edge.auth.PUBLIC_PATHS) needs a key."""
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path not in PUBLIC_PATHS and \
+                keys.check_header(request.headers.get("Authorization")) is None:
+            resp = error_response(APIError("missing or wrong API key: send Authorization: Bearer <key>", 401))
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+
+    return check_key
+
+
+def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Application:
+    middlewares = [_errors] + ([_auth(keys)] if keys else [])
+    app = web.Application(client_max_size=state.args.max_request_body_bytes, middlewares=middlewares)
     app[STATE] = state
     pid = str(state.pid)
 
@@ -65,6 +86,8 @@ class Frontend:
         self.client = CoreClient(address, core_pid)
         self.index = index
         self.state: FrontendState | None = None
+        self.offload: Offload | None = None
+        self.keys = engine_keys(args.api_key, dict(os.environ))
         self._runner: web.AppRunner | None = None
 
     async def connect(self, hello_timeout: float) -> None:
@@ -74,19 +97,27 @@ class Frontend:
         self.client.start()
         tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
                                             self.args.chat_template)
+        self.offload = Offload(tokenizer)
+        await self.offload.warm()
         info = await self.client.hello(hello_timeout)
         self.state = FrontendState(self.args, info, tokenizer, self.client,
-                                   EngineMetrics(self.args.model_name, self.args.rank), self.index)
+                                   EngineMetrics(self.args.model_name, self.args.rank), self.offload,
+                                   self.index)
 
     async def listen(self) -> None:
         assert self.state is not None, "connect() first"
-        self._runner = web.AppRunner(build_app(self.state), handler_cancellation=True,
-                                     shutdown_timeout=self.args.shutdown_timeout, access_log=None)
+        args = self.args
+        limits = limits_from(args)
+        raise_open_files_limit(limits.max_connections)
+        self._runner = GuardedAppRunner(build_app(self.state, self.keys), limits, handler_cancellation=True,
+                                        shutdown_timeout=args.shutdown_timeout, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.args.host, self.args.port, reuse_port=True, backlog=2048)
+        tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        site = web.TCPSite(self._runner, args.host, args.port, reuse_port=True, backlog=2048, ssl_context=tls)
         await site.start()
-        logger.info("front end %d (pid %d) listening on %s:%d", self.index, os.getpid(),
-                    self.args.host or "*", self.args.port)
+        logger.info("front end %d (pid %d) listening on %s://%s:%d%s", self.index, os.getpid(),
+                    "https" if tls else "http", args.host or "*", args.port,
+                    f", {len(self.keys)} API key(s) required" if self.keys else "")
 
     async def drain(self) -> None:
         """Close the listener, answer 503 to new requests, let in-flight ones finish (--shutdown-timeout)."""
@@ -100,4 +131,6 @@ class Frontend:
             self._runner = None
 
     async def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         await self.client.close()

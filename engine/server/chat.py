@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -12,31 +11,28 @@ from engine.server.generate import Delta, Generation, PromptInput, Sequence
 from engine.server.logprobs import chat_entries
 from engine.server.openai_protocol import ChatRequest, parse_chat, plan_tokens
 from engine.server.request_io import checked_state, read_json
+from engine.server.state import FrontendState
 from engine.server.streaming import respond
 from engine.tokenizer import ChatTemplateError
-
-_LONG_PROMPT_CHARS = 16_384  # tokenize longer prompts off the event loop
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
     req = parse_chat(await read_json(request), state.limits)
     model = state.check_model(req.common.model)
-    ids = await _prompt_ids(state.tokenizer, req)
+    ids = await _prompt_ids(state, req)
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ChatFormatter(gen, model))
 
 
-async def _prompt_ids(tok: Any, req: ChatRequest) -> list[int]:
+async def _prompt_ids(state: FrontendState, req: ChatRequest) -> list[int]:
     try:
-        text = tok.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
-                               req.template_kwargs)
+        text = state.tokenizer.render_chat(req.messages, req.add_generation_prompt,
+                                           req.continue_final_message, req.tools, req.template_kwargs)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
-    if len(text) > _LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(tok.encode, text, False)
-    return tok.encode(text, False)
+    return await state.offload.encode(text, False)
 
 
 class ChatFormatter:

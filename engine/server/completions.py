@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -12,9 +11,6 @@ from engine.server.logprobs import CompletionLogprobs
 from engine.server.openai_protocol import CompletionRequest, parse_completion, plan_tokens
 from engine.server.request_io import checked_state, read_json
 from engine.server.streaming import respond
-from engine.tokenizer import Tokenizer
-
-_LONG_PROMPT_CHARS = 16_384
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -24,20 +20,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = state.tokenizer
     inputs: list[PromptInput] = []
     texts: list[str] = []
+    limits = state.limits
     for prompt in req.prompts:
-        ids = await _ids(tok, prompt, req.add_special_tokens)
-        inputs.append(PromptInput(ids, plan_tokens(ids, req.common.max_tokens, state.limits, "prompt")))
+        ids = prompt if isinstance(prompt, list) else \
+            await state.offload.encode(prompt, req.add_special_tokens)
+        inputs.append(PromptInput(ids, plan_tokens(ids, req.common.max_tokens, limits, "prompt")))
         texts.append(prompt if isinstance(prompt, str) else tok.decode(prompt) if req.echo else "")
     gen = Generation(state, "cmpl", inputs, req.common)
     return await respond(request, gen, CompletionFormatter(gen, model, req, texts))
-
-
-async def _ids(tok: Tokenizer, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt
-    if len(prompt) > _LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(tok.encode, prompt, add_special_tokens)
-    return tok.encode(prompt, add_special_tokens)
 
 
 class CompletionFormatter:

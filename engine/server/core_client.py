@@ -64,6 +64,13 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
+        # Loop time of the core's last message: while it has work it sends something at least every 100 ms
+        # (outputs or stats), so a long silence with requests in flight means a wedged core (see /health).
+        self.last_heard = 0.0
+        # Loop time of the first message sent since the core last spoke (None: it answered since). A live
+        # core answers anything within a second (an idle one still sends stats every second), so this
+        # growing old is a stall too, also once the requests that were waiting have been given up.
+        self.pending_since: float | None = None
         self.dp: dict | None = None  # the core's DP-group status (engine.dp.rank.DPStatus); None: no group
 
     @property
@@ -75,7 +82,9 @@ class CoreClient:
         return self.dead_reason is None
 
     def start(self) -> None:
-        self._info = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._info = loop.create_future()
+        self.last_heard = loop.time()
         self._tasks = [asyncio.create_task(self._read(), name="core-reader"),
                        asyncio.create_task(self._watch(), name="core-watcher")]
 
@@ -103,16 +112,36 @@ class CoreClient:
     async def add(self, req: EngineCoreRequest) -> None:
         if not self.alive:
             raise CoreError(self.dead_reason or "engine core died", 503)
+        self._sent()
         await self._sock.send_multipart([ADD, encode(req)])
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Stop requests in the core; reason "stop" counts them as finished by a stop string."""
         if request_ids and self.alive:
+            self._sent()
             await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
 
+    def _sent(self) -> None:
+        if self.pending_since is None:
+            self.pending_since = asyncio.get_running_loop().time()
+
+    def silence(self, now: float) -> float:
+        """How long the core has been expected to speak and has not (0 when nothing is expected)."""
+        if self._routes:
+            return now - self.last_heard
+        return now - self.pending_since if self.pending_since is not None else 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Core requests this front end waits on."""
+        return len(self._routes)
+
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             kind, payload = await self._sock.recv_multipart(copy=True)
+            self.last_heard = loop.time()
+            self.pending_since = None
             try:
                 self._dispatch(kind, decode(payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)

@@ -7,6 +7,7 @@ from typing import Any
 from engine.server.errors import APIError, bad_request
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class Fields:
@@ -45,9 +46,10 @@ class Fields:
 
     def int(self, name: str, default: int | None = None, lo: int | None = None,
             hi: int | None = None) -> int | None:
+        """An integer in [lo, hi]; without bounds still a signed 64-bit one (what the core can carry)."""
         value = self._typed(name, int, default)
         if value is not None:
-            self._range(name, value, lo, hi)
+            self._range(name, value, _INT64_MIN if lo is None else lo, _INT64_MAX if hi is None else hi)
         return value
 
     def float(self, name: str, default: float | None = None, lo: float | None = None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine.protocol import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.fields import Fields, is_int_list
@@ -20,6 +22,7 @@ class Limits:
     max_model_len: int
     max_logprobs: int
     vocab_size: int
+    max_prompt_chars: int = 1 << 62  # max_model_len x the tokenizer's most characters per token
 
 
 @dataclass(slots=True)
@@ -58,7 +61,7 @@ class CompletionRequest:
 
 
 def _sampling(f: Fields) -> SamplingParams:
-    top_k = f.int("top_k", 0, lo=-1)
+    top_k = f.int("top_k", 0, lo=-1, hi=(1 << 31) - 1)
     return SamplingParams(
         temperature=f.float("temperature", 1.0, lo=0.0),
         top_p=f.float("top_p", 1.0, lo=1e-9, hi=1.0),
@@ -164,7 +167,10 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     tools = f.raw("tools")
     if tools is not None and not isinstance(tools, list):
         raise bad_request("'tools' must be a list", "tools")
-    return ChatRequest(common=common, messages=[parse_message(m, i) for i, m in enumerate(messages)],
+    parsed = [parse_message(m, i) for i, m in enumerate(messages)]
+    chars = sum(len(m["content"]) for m in parsed) + (len(orjson.dumps(tools)) if tools else 0)
+    check_prompt_chars(chars, limits, "messages")
+    return ChatRequest(common=common, messages=parsed,
                        add_generation_prompt=f.bool("add_generation_prompt", True),
                        continue_final_message=f.bool("continue_final_message", False),
                        tools=tools, template_kwargs=dict(kwargs or {}))
@@ -193,14 +199,33 @@ def _prompts(value: Any, limits: Limits) -> list[str | list[int]]:
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids, or a list of "
                           "token-id lists", "prompt")
     for i, p in enumerate(prompts):
-        if isinstance(p, list):
+        if isinstance(p, str):
+            check_prompt_chars(len(p), limits, "prompt")
+        else:
             if not p:
                 raise bad_request(f"prompt[{i}] is an empty token list", "prompt")
+            if len(p) >= limits.max_model_len:
+                raise _context_error(len(p), limits, "prompt")
             bad = [t for t in p if not 0 <= t < limits.vocab_size]
             if bad:
                 raise bad_request(f"prompt[{i}] holds token ids outside the vocabulary (size "
                                   f"{limits.vocab_size}): {bad[:8]}", "prompt")
     return prompts
+
+
+def _context_error(n: int, limits: Limits, what: str) -> APIError:
+    return APIError(f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+                    f"request has {n} input tokens. Please reduce the length of the input {what}.", 400,
+                    "prompt" if what == "prompt" else "messages")
+
+
+def check_prompt_chars(chars: int, limits: Limits, what: str) -> None:
+    """Refuse, before tokenizing, a text too long to fit the context whatever its tokens: tokenizing it
+    would cost seconds of CPU for a certain 400."""
+    if chars > limits.max_prompt_chars:
+        raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+                       f"{what} has {chars} characters, more than {limits.max_model_len} tokens can hold. "
+                       f"Please reduce the length of the {what}.", 400, what)
 
 
 def plan_tokens(ids: list[int], max_tokens: int | None, limits: Limits, what: str) -> int:
@@ -210,9 +235,7 @@ def plan_tokens(ids: list[int], max_tokens: int | None, limits: Limits, what: st
         raise bad_request(f"the {what} is empty: at least one token is needed", "prompt" if what == "prompt"
                           else "messages")
     if n >= limits.max_model_len:
-        raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
-                       f"request has {n} input tokens. Please reduce the length of the input {what}.", 400,
-                       "prompt" if what == "prompt" else "messages")
+        raise _context_error(n, limits, what)
     if max_tokens is None:
         return limits.max_model_len - n
     if n + max_tokens > limits.max_model_len:

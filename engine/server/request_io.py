@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
+from engine.edge.rank_header import RANK_HEADER, RankHeaderError, parse_rank
 from engine.server.errors import APIError, bad_request
 from engine.server.state import FrontendState
 
 STATE = web.AppKey("state", FrontendState)
-RANK_HEADER = "X-data-parallel-rank"
 
 
 def state_of(request: web.Request) -> FrontendState:
@@ -27,26 +30,35 @@ def checked_state(request: web.Request) -> FrontendState:
 
 
 def check_rank(request: web.Request, state: FrontendState) -> None:
-    value = request.headers.get(RANK_HEADER)
-    if value is None:
-        return
+    """The one rule of engine.edge.rank_header; a rank other than ours is a 400 too."""
     try:
-        rank = int(value)
-    except ValueError:
-        return  # vLLM ignores a header that is not an integer
-    if rank != state.args.rank:
+        rank = parse_rank(request.headers.getall(RANK_HEADER, ()))
+    except RankHeaderError as e:
+        raise APIError(str(e), 400, RANK_HEADER) from None
+    if rank is not None and rank != state.args.rank:
         raise APIError(f"{RANK_HEADER} {rank} does not match this server's data parallel rank "
                        f"{state.args.rank}", 400, RANK_HEADER)
 
 
 async def read_json(request: web.Request) -> Any:
-    limit = request.app[STATE].args.max_request_body_bytes
+    """The body as JSON, within --max-request-body-bytes and --body-read-timeout-s. A body aiohttp cannot
+    decode (a bad or unknown Content-Encoding) is the client's error: 400, never 500."""
+    args = request.app[STATE].args
+    limit = args.max_request_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
     try:
-        body = await request.read()
+        async with asyncio.timeout(args.body_read_timeout_s):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise _too_large(None, limit) from e
+    except TimeoutError:
+        raise APIError(f"request body not received within {args.body_read_timeout_s:g} s "
+                       "(--body-read-timeout-s)", 408, close=True) from None
+    except (HttpProcessingError, RequestPayloadError) as e:  # e.g. a body its Content-Encoding cannot decode
+        why = getattr(e, "message", None) or str(e) or type(e).__name__
+        # where the body's bytes end is unknown now: answer, then close the connection
+        raise APIError(f"cannot read the request body: {why}", 400, close=True) from None
     if not body:
         raise bad_request("request body is empty: send a JSON object")
     try:

@@ -11,10 +11,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine import metrics
 from engine.server.errors import APIError, bad_request
 from engine.server.fields import Fields
-from engine.server.openai_protocol import parse_message
+from engine.server.openai_protocol import check_prompt_chars, parse_message
 from engine.server.request_io import read_json, state_of
 from engine.server.streaming import json_response
 from engine.tokenizer import ChatTemplateError
+
+MAX_DETOKENIZE_CONTEXTS = 4  # /detokenize takes up to this many contexts' worth of ids
 
 try:
     _VERSION = version("lbd")
@@ -31,8 +33,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = state_of(request)
-    state.check_available()
+    state_of(request).check_healthy()
     return web.Response(status=200)
 
 
@@ -68,18 +69,20 @@ async def tokenize(request: web.Request) -> web.Response:
         messages = f.raw("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty list", "messages")
+        parsed = [parse_message(m, i) for i, m in enumerate(messages)]
+        check_prompt_chars(sum(len(m["content"]) for m in parsed), state.limits, "messages")
         try:
-            text = tok.render_chat([parse_message(m, i) for i, m in enumerate(messages)],
-                                   f.bool("add_generation_prompt", True),
+            text = tok.render_chat(parsed, f.bool("add_generation_prompt", True),
                                    f.bool("continue_final_message", False))
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from e
-        ids = tok.encode(text, f.bool("add_special_tokens", False))
+        ids = await state.offload.encode(text, f.bool("add_special_tokens", False))
     else:
         prompt = f.required("prompt")
         if not isinstance(prompt, str):
             raise bad_request("'prompt' must be a string", "prompt")
-        ids = tok.encode(prompt, f.bool("add_special_tokens", True))
+        check_prompt_chars(len(prompt), state.limits, "prompt")
+        ids = await state.offload.encode(prompt, f.bool("add_special_tokens", True))
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
                             "token_strs": None}
     if f.bool("return_token_strs", False):
@@ -91,13 +94,17 @@ async def detokenize(request: web.Request) -> web.Response:
     state = state_of(request)
     f = Fields(await read_json(request))
     state.check_model(f.str("model"))
-    f.required("tokens")
+    raw = f.required("tokens")
+    most = MAX_DETOKENIZE_CONTEXTS * state.info.max_model_len
+    if isinstance(raw, list) and len(raw) > most:
+        raise APIError(f"at most {most} tokens per request ({MAX_DETOKENIZE_CONTEXTS} x max_model_len), got "
+                       f"{len(raw)}", 400, "tokens")
     ids = f.int_list("tokens", lo=0)
     limit = max(state.info.vocab_size, state.tokenizer.vocab_size)
     bad = [t for t in ids if t >= limit]
     if bad:
         raise APIError(f"token ids outside the vocabulary (size {limit}): {bad[:8]}", 400, "tokens")
-    return json_response({"prompt": state.tokenizer.decode(ids)})
+    return json_response({"prompt": await state.offload.decode(ids)})
 
 
 def add_routes(app: web.Application) -> None:

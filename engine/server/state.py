@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from engine.metrics import EngineMetrics
 from engine.protocol import CoreInfo
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError
+from engine.server.offload import Offload
 from engine.server.openai_protocol import Limits
 from engine.tokenizer import Tokenizer
 
@@ -22,6 +24,7 @@ class FrontendState:
     tokenizer: Tokenizer
     client: CoreClient
     metrics: EngineMetrics
+    offload: Offload
     index: int = 0  # which front end of this rank (0 runs in the launcher)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
@@ -31,7 +34,8 @@ class FrontendState:
     @property
     def limits(self) -> Limits:
         return Limits(max_model_len=self.info.max_model_len, max_logprobs=self.args.max_logprobs,
-                      vocab_size=self.info.vocab_size)
+                      vocab_size=self.info.vocab_size,
+                      max_prompt_chars=self.info.max_model_len * self.tokenizer.max_chars_per_token)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -61,3 +65,16 @@ class FrontendState:
             verb = "forming" if dp.get("state") == "forming" else "re-forming"
             raise APIError(f"data-parallel group is {verb}: {dp.get('reason') or 'waiting for every rank'}",
                            503)
+
+    def check_healthy(self) -> None:
+        """/health: available, and the core not stalled. A core with work sends outputs or stats at least
+        every 100 ms, so requests in flight and no word from it for --health-stall-timeout-s is a stuck step,
+        a hung collective or a stopped process; the supervisor then restarts the rank."""
+        self.check_available()
+        limit = self.args.health_stall_timeout_s
+        if limit > 0:
+            silent = self.client.silence(asyncio.get_running_loop().time())
+            if silent > limit:
+                raise APIError(f"The engine core made no progress for {silent:.1f} s with "
+                               f"{self.client.in_flight} requests in flight (--health-stall-timeout-s "
+                               f"{limit:g}).", 503)

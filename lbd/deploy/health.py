@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from engine.edge.tls import server_context
 from lbd.deploy.group import Group, rendezvous, span
 from lbd.deploy.member import REGISTERED, Membership, url_host
 from lbd.deploy.plan import Plan
@@ -45,8 +47,9 @@ def with_host(url: str, host: str) -> str:
 class LocalSupervisor:
     """The node's `lbd supervise` child, seen through its /status (polled) and its other endpoints."""
 
-    def __init__(self, port: int, interval_s: float) -> None:
-        self.base = f"http://127.0.0.1:{port}"
+    def __init__(self, port: int, interval_s: float, tls: ssl.SSLContext | None = None) -> None:
+        self.base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        self.tls = tls  # verifies the supervisor's certificate (a TLS deployment)
         self.interval_s = interval_s
         self.status: dict[str, Any] | None = None
         self.at = 0.0
@@ -55,7 +58,8 @@ class LocalSupervisor:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0),
+                                                  connector=aiohttp.TCPConnector(ssl=self.tls or True))
         return self._session
 
     async def poll(self) -> None:
@@ -94,6 +98,8 @@ class NodeHealth(AppServer):
     def __init__(self, plan: Plan, local: LocalSupervisor | None, group: Group | None,
                  membership: Membership | None, router_alive: Callable[[], bool | None]) -> None:
         self.plan = plan
+        self.limits = plan.limits
+        self.tls = server_context(plan.ssl_certfile, plan.ssl_keyfile)
         self.local = local
         self.group = group
         self.membership = membership

@@ -20,11 +20,14 @@ import socket
 import sys
 from typing import Any
 
+from engine.edge.auth import API_KEYS_ENV
+from engine.edge.tls import client_context
 from lbd.deploy.group import Group
 from lbd.deploy.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.deploy.member import CONNECTING, Membership
 from lbd.deploy.plan import CLUSTER_TOKEN_ENV, Plan
 from lbd.deploy.registry import Registry
+from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from supervisor.process import child_setup
 
 log = logging.getLogger("lbd.serve")
@@ -39,16 +42,28 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def key_env(plan: Plan, child: str) -> dict[str, str]:
+    """The API keys for a child's environment. The supervisor hands them to its ranks; the router asks its
+    clients for the same keys and sends the first to the ranks (it does not forward the client's own)."""
+    if not plan.api_keys:
+        return {}
+    keys = "\n".join(plan.api_keys)
+    if child == "supervisor":
+        return {API_KEYS_ENV: keys}
+    return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0]}
+
+
 class Child:
     """`python -m lbd <command>` tied to our life; its output goes to ours (each child prefixes its lines)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name, self.argv = name, [sys.executable, "-m", "lbd", *argv]
+        self.env = env or {}  # on top of ours: secrets go by environment, never on a command line
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
         # only this process talks to the head: the token stays out of the children's environments
-        env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
+        env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV} | self.env
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,
             preexec_fn=child_setup(os.getpid()))
@@ -121,7 +136,8 @@ class DeploymentNode:
         self.stop_event = asyncio.Event()
         sup_port = free_loopback_port()
         if plan.dp_size_local:
-            self.local = LocalSupervisor(sup_port, min(0.25, plan.probe_interval_s))
+            self.local = LocalSupervisor(sup_port, min(0.25, plan.probe_interval_s),
+                                         client_context(plan.ssl_ca_certs) if plan.ssl_certfile else None)
         if plan.registry:
             head_ranks = range(plan.dp_start_rank, plan.dp_start_rank + plan.dp_size_local)
             lease = plan.probe_interval_s * plan.probe_failure_threshold + plan.probe_timeout_s
@@ -136,6 +152,7 @@ class DeploymentNode:
         if self.group is not None and self.rpc_sock is not None:
             self.registry = Registry(self.group, plan.address, plan.rpc_port, plan.probe_interval_s,
                                      plan.cluster_token, self._group_status)
+            self.registry.limits = plan.limits
             await self.registry.start(self.rpc_sock)
             self._tasks.append(asyncio.create_task(self._watch_group()))
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -154,7 +171,8 @@ class DeploymentNode:
             if plan.dp_size_local and not self.stop_event.is_set():
                 self.supervisor = Child("supervisor", ["supervise", *plan.supervise_argv,
                                                        "--supervisor-host", "127.0.0.1",
-                                                       "--data-parallel-supervisor-port", str(sup_port)])
+                                                       "--data-parallel-supervisor-port", str(sup_port)],
+                                        key_env(plan, "supervisor"))
                 await self.supervisor.start()
                 assert self.local is not None
                 poll = asyncio.create_task(self.local.poll())
@@ -203,9 +221,11 @@ class DeploymentNode:
 
     async def _keep_router(self) -> None:
         assert self.plan.route_argv is not None
-        upstream = f"supervisor://{_loopback_of(self.plan.health_host)}:{self.plan.health_port}"
+        scheme = "supervisor+https" if self.plan.ssl_certfile else "supervisor"
+        upstream = f"{scheme}://{_loopback_of(self.plan.health_host)}:{self.plan.health_port}"
         while True:
-            self.router = Child("router", ["route", *self.plan.route_argv, "--upstreams", upstream])
+            self.router = Child("router", ["route", *self.plan.route_argv, "--upstreams", upstream],
+                                key_env(self.plan, "router"))
             await self.router.start()
             assert self.router.proc is not None
             code = await self.router.proc.wait()

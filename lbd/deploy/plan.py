@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.args import engine_args_from_namespace, validate
+from engine.edge.auth import engine_secrets
+from engine.edge.limits import DEFAULTS as LIMIT_DEFAULTS
+from engine.edge.limits import Limits, limits_from
 from supervisor.config import (
     OneLineParser,
     SupervisorArgError,
@@ -62,6 +65,13 @@ class Plan:
     router_host: str = "0.0.0.0"
     router_port: int = 8000
     router_workers: int = 1
+    # --api-key values, $VLLM_API_KEY and $LBD_API_KEYS: handed to the supervisor (its ranks) and the router
+    # (its clients' keys, and the one it authenticates to the ranks with) in their environments
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    limits: Limits = field(default_factory=Limits)  # of the node's health port, as of every server of ours
+    ssl_certfile: str | None = None  # TLS on every port of the node (one-node deployments only)
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # how the node's parts verify each other (else the system's store)
 
     @property
     def view_is_group(self) -> bool:
@@ -229,6 +239,30 @@ def _ready_needed(policy: str, view: int) -> int:
     return int(policy)
 
 
+def _check_tls(ns: argparse.Namespace, role: str, remote: bool) -> None:
+    """TLS covers one node's deployment: its API port (the router), its health port, its supervisor and
+    ranks, all on this machine, so each part verifies the others over loopback against --ssl-ca-certs.
+    Groups that span nodes (their registration and cross-node links), Ray-placed ranks and client
+    certificates are refused rather than half-applied."""
+    given = [flag for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
+                                      ("--ssl-ca-certs", ns.ssl_ca_certs)) if value is not None]
+    if not given:
+        return
+    where = ("a group that spans nodes" if remote or role != "head" else
+             "--data-parallel-backend ray" if ns.data_parallel_backend == "ray" else None)
+    if where is not None:
+        raise SupervisorArgError(f"{given[0]}: TLS is not implemented for {where} yet: serve TLS with lbd "
+                                 "supervise --ssl-certfile ... per node and lbd route --ssl-certfile ... in "
+                                 "front (README, TLS), or drop it")
+    if ns.ssl_cert_reqs:
+        raise SupervisorArgError("--ssl-cert-reqs: client certificates are not implemented for an lbd serve "
+                                 "--data-parallel-size N deployment (its router would need one towards the "
+                                 "ranks): drop it, or run lbd supervise + lbd route")
+    if ns.ssl_certfile is None:
+        raise SupervisorArgError(f"{given[0]} needs --ssl-certfile (and --ssl-keyfile): the deployment "
+                                 "serves TLS with that certificate on every port")
+
+
 def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: dict[str, str]) -> Plan:
     role = _role(ns)
     n, local, start = _topology(ns, role)
@@ -248,6 +282,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     registry, member = remote and head_of_group, remote and not head_of_group
     moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
     _check_unused(ns, role, remote, moe_group)
+    _check_tls(ns, role, remote)
     if remote and address is None:
         who = ("the head must tell remote nodes where to register" if head_of_group
                else "this node registers its ranks with the head")
@@ -276,7 +311,9 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
         + (_group_argv(ns, address, rpc_port) if moe_group else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
-        router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count)
+        router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
+        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
+        ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)
     return plan
 
@@ -337,8 +374,11 @@ def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
             "--health-check-timeout-s", str(ns.dp_supervisor_probe_timeout_s),
             "--health-failure-threshold", str(ns.dp_supervisor_probe_failure_threshold),
             "--supervisor-poll-interval-s", str(min(0.5, interval)),
-            "--max-request-body-bytes", str(ns.max_request_body_bytes),
-            "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level]
+            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level]
+    for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
+                        ("--ssl-ca-certs", ns.ssl_ca_certs)):
+        if value is not None:
+            argv.append(f"{flag}={value}")
     if ns.route_policy:
         argv += ["--policy", ns.route_policy]
     if ns.max_num_queued_reqs is not None:
@@ -346,6 +386,18 @@ def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
     if ns.max_num_queued_tokens is not None:
         argv += ["--max-num-queued-tokens", str(ns.max_num_queued_tokens)]
     return argv
+
+
+def _limit_flags(ns: argparse.Namespace) -> list[str]:
+    """The connection limits the user changed (the API port is the router's: they apply there too, and the
+    body limit always, as the ranks get the same)."""
+    limits = limits_from(ns)
+    out = []
+    for name in type(limits).__dataclass_fields__:
+        value = getattr(limits, name)
+        if name == "max_request_body_bytes" or value != getattr(LIMIT_DEFAULTS, name):
+            out.append(f"--{name.replace('_', '-')}={value}")
+    return out
 
 
 def _validate_children(parser: OneLineParser, ns: argparse.Namespace, plan: Plan,

@@ -17,6 +17,10 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
+from engine.edge.auth import PUBLIC_PATHS
+from engine.edge.limits import raise_open_files_limit
+from engine.edge.tls import server_context
+from lbd.router.auth import Gate
 from lbd.router.config import RouterConfig
 from lbd.router.messages import Request, Response
 from lbd.router.monitor import Monitor
@@ -41,7 +45,9 @@ class RouterApp:
     async def start(self, sock: socket.socket | None = None) -> None:
         cfg = self.cfg
         self.state = RouterState(cfg, self.shared)
-        self.proxy = Proxy(self.state)
+        self.gate = Gate(cfg.api_keys, cfg.api_key_file, cfg.rate_limit_rps, cfg.rate_limit_tps,
+                         cfg.rate_limit_burst_s, cfg.workers)
+        self.proxy = Proxy(self.state, self.gate)
         self.monitor = Monitor(self.state)
         # GET (and HEAD) only; other methods on these paths are proxied or 404
         self.own: dict[str, Callable[[Request, Response], Awaitable[None]]] = {
@@ -51,7 +57,9 @@ class RouterApp:
             "/metrics": self.metrics,
             "/router/status": self.status,
         }
-        self.server = HttpServer(self.dispatch, cfg.max_request_body_bytes)
+        raise_open_files_limit(cfg.limits.max_connections)
+        tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
+        self.server = HttpServer(self.dispatch, cfg.limits, tls)
         await self.server.start(cfg.host, cfg.port, sock=sock)
         self.monitor.start()
 
@@ -67,13 +75,23 @@ class RouterApp:
         """The handler's coroutine for ``request`` (returned, not awaited here: one coroutine level less on
         every proxied request)."""
         path = request.path
+        key = None
+        if self.gate.enabled and path not in PUBLIC_PATHS and request.method != "OPTIONS":
+            key = self.gate.identify(request.headers.get_raw("authorization"))
+            if key is None:
+                return self.unauthorized(request, out)
         if request.method in ("GET", "HEAD"):
             own = self.own.get(path)
             if own is not None:
                 return own(request, out)
         if path.startswith(FORWARDED_PREFIX) or path in FORWARDED:
-            return self.proxy.handle(request, out)
+            return self.proxy.handle(request, out, key)
         return self.not_found(request, out)
+
+    async def unauthorized(self, request: Request, out: Response) -> None:
+        self.state.metrics.request("none", "401", None)
+        send_error(out, 401, "missing or wrong API key: send Authorization: Bearer <key>",
+                   "AuthenticationError", headers=b"WWW-Authenticate: Bearer\r\n")
 
     async def not_found(self, request: Request, out: Response) -> None:
         send_error(out, 404, f"no route for {request.method} {request.path}", "NotFoundError")
@@ -119,10 +137,12 @@ async def serve(cfg: RouterConfig, shared: SharedCounters) -> None:
     gc.set_threshold(20_000, 50, 100)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if cfg.upstreams_file is not None:
-        loop.add_signal_handler(signal.SIGHUP, app.monitor.reload_file)
-    else:
-        loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    def reload() -> None:
+        if cfg.upstreams_file is not None:
+            app.monitor.reload_file()
+        app.gate.reload()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     log.info("listening on %s:%d, policy %s", cfg.host, cfg.port, cfg.policy)
     try:
         await stop.wait()

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import policies
+from engine.edge.auth import key_lines, read_key_file
+from engine.edge.limits import Limits, add_limit_arguments, check_limits, limits_from
+from engine.edge.tls import add_tls_arguments, check_tls
+from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV, add_auth_arguments
+from lbd.router.outlier import add_outlier_arguments
 
 PROG = "lbd route"
 
@@ -35,15 +41,18 @@ class Upstream:
 
 
 def parse_upstream(text: str) -> Upstream:
-    """``http://host:port``, ``https://...``, ``supervisor://host:port`` (IPv6 literals in brackets) or
-    ``supervisor+dns://name:port``: every address the name resolves to, re-resolved periodically (a
-    Kubernetes headless Service of supervisors)."""
+    """``http://host:port``, ``https://...``, ``supervisor://host:port``, ``supervisor+https://host:port`` (a
+    supervisor whose health port speaks TLS; IPv6 literals in brackets) or ``supervisor+dns://name:port``:
+    every address the name resolves to, re-resolved periodically (a Kubernetes headless Service of
+    supervisors)."""
     raw = text.strip()
     if "://" not in raw:
         raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
     parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https", "supervisor", "supervisor+dns"):
-        raise ValueError(f"{raw!r}: scheme must be http, https, supervisor or supervisor+dns")
+    if parts.scheme not in ("http", "https", "supervisor", "supervisor+https", "supervisor+dns"):
+        raise ValueError(
+            f"{raw!r}: scheme must be http, https, supervisor, supervisor+https or supervisor+dns"
+        )
     try:
         host, port = parts.hostname, parts.port
     except ValueError as e:
@@ -56,8 +65,9 @@ def parse_upstream(text: str) -> Upstream:
         netloc_host = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
     except ValueError:
         netloc_host = host
-    if parts.scheme == "supervisor":
-        return Upstream("supervisor", f"http://{netloc_host}:{port or 9256}")
+    if parts.scheme in ("supervisor", "supervisor+https"):
+        scheme = "https" if parts.scheme == "supervisor+https" else "http"
+        return Upstream("supervisor", f"{scheme}://{netloc_host}:{port or 9256}")
     if parts.scheme == "supervisor+dns":
         return Upstream("supervisor-dns", f"http://{netloc_host}:{port or 9256}")
     default = 443 if parts.scheme == "https" else 80
@@ -105,15 +115,26 @@ class RouterConfig:
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
     max_num_queued_tokens: int | None = None
     shutdown_timeout_s: float = 5.0
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
+    limits: Limits = field(default_factory=Limits)
+    max_streams_per_endpoint: int = 1024
+    # authentication and rate limits (lbd.router.auth)
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: Path | None = None
+    forward_authorization: bool = False
+    upstream_api_key: str | None = None
+    rate_limit_rps: float = 0.0
+    rate_limit_tps: float = 0.0
+    rate_limit_burst_s: float = 1.0
+    # passive outlier detection (lbd.router.outlier)
+    outlier_first_byte_timeout_s: float = 30.0
+    outlier_ejection_s: float = 30.0
+    outlier_max_ejection_percent: float = 50.0
+    outlier_consecutive_5xx: int = 5
+    # TLS
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
 
 def make_parser() -> OneLineParser:
@@ -151,18 +172,22 @@ def make_parser() -> OneLineParser:
         help="router processes sharing the port (SO_REUSEPORT) and their load counters",
     )
     g.add_argument(
-        "--max-request-body-bytes",
-        type=_bytes,
-        default=32 * 1024 * 1024,
-        help="larger request bodies get 413",
-    )
-    g.add_argument(
         "--debug-headers",
         action="store_true",
         help="add x-lbd-endpoint and x-lbd-route-reason to every response",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    g.add_argument(
+        "--max-streams-per-endpoint",
+        type=int,
+        default=1024,
+        help="requests in flight to one endpoint (all workers); a full endpoint is skipped, and when every "
+        "one is full the answer is 503 with Retry-After",
+    )
+    add_limit_arguments(p)
+    add_tls_arguments(p)
+    add_auth_arguments(p)
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds open requests get to finish after SIGTERM (the port closes at once)")
     g.add_argument("--min-ready-endpoints", type=int, default=1,
@@ -218,6 +243,7 @@ def make_parser() -> OneLineParser:
         default=3,
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
     )
+    add_outlier_arguments(g)
     g = p.add_argument_group("timeouts and retries")
     g.add_argument("--connect-timeout-s", type=float, default=5.0,
                    help="TCP connect to an upstream")
@@ -259,6 +285,22 @@ def parse_args(argv: list[str]) -> RouterConfig:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     _check_numbers(p, ns)
+    limits = limits_from(ns)
+    problem = check_limits(limits) or check_tls(
+        ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs, ns.ssl_cert_reqs
+    )
+    if problem:
+        p.error(problem)
+    ns.api_key = [*ns.api_key, *key_lines(os.environ.get(ROUTER_KEYS_ENV, ""))]
+    if (ns.rate_limit_rps or ns.rate_limit_tps) and not (ns.api_key or ns.api_key_file):
+        p.error("--rate-limit-rps/--rate-limit-tps are per API key: give --api-key or --api-key-file too")
+    if ns.api_key_file is not None:
+        try:
+            read_key_file(ns.api_key_file)
+        except OSError as e:
+            p.error(f"--api-key-file {ns.api_key_file}: {e.strerror or e}")
+        except ValueError as e:
+            p.error(f"--api-key-file: {e}")
     stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
     return RouterConfig(
         upstreams=upstreams,
@@ -285,6 +327,23 @@ def parse_args(argv: list[str]) -> RouterConfig:
         session_header=ns.session_header,
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
+        limits=limits,
+        max_streams_per_endpoint=ns.max_streams_per_endpoint,
+        api_keys=list(ns.api_key),
+        api_key_file=ns.api_key_file,
+        forward_authorization=ns.forward_authorization,
+        upstream_api_key=ns.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None,
+        rate_limit_rps=ns.rate_limit_rps,
+        rate_limit_tps=ns.rate_limit_tps,
+        rate_limit_burst_s=ns.rate_limit_burst_s,
+        outlier_first_byte_timeout_s=ns.outlier_first_byte_timeout_s,
+        outlier_ejection_s=ns.outlier_ejection_s,
+        outlier_max_ejection_percent=ns.outlier_max_ejection_percent,
+        outlier_consecutive_5xx=ns.outlier_consecutive_5xx,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs,
         dns_refresh_interval_s=ns.dns_refresh_interval_s,
         min_ready_endpoints=ns.min_ready_endpoints,
         max_num_queued_reqs=ns.max_num_queued_reqs,
@@ -305,6 +364,10 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--connect-timeout-s": ns.connect_timeout_s,
         "--response-timeout-s": ns.response_timeout_s,
         "--stream-idle-timeout-s": ns.stream_idle_timeout_s,
+        "--max-streams-per-endpoint": ns.max_streams_per_endpoint,
+        "--rate-limit-burst-s": ns.rate_limit_burst_s,
+        "--outlier-ejection-s": ns.outlier_ejection_s,
+        "--outlier-consecutive-5xx": ns.outlier_consecutive_5xx,
         "--max-request-body-bytes": ns.max_request_body_bytes,
         "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
         "--min-ready-endpoints": ns.min_ready_endpoints,
@@ -323,11 +386,16 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
     for flag, value in {
         "--max-retries": ns.max_retries,
         "--retry-budget-s": ns.retry_budget_s,
+        "--rate-limit-rps": ns.rate_limit_rps,
+        "--rate-limit-tps": ns.rate_limit_tps,
+        "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
         "--shutdown-timeout": ns.shutdown_timeout,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port {ns.port} is out of range: use 0..65535")
+    if not 0 <= ns.outlier_max_ejection_percent <= 100:
+        p.error(f"--outlier-max-ejection-percent must be in 0..100, got {ns.outlier_max_ejection_percent}")
     if ns.workers > 64:
         p.error(f"--workers {ns.workers} is more than 64")

@@ -33,6 +33,14 @@ class Endpoint:
     routable: bool = True  # the supervisor's word (ready); static endpoints: always
     draining: bool = False
     pid: int | None = None
+    # passive outlier detection (lbd.router.outlier)
+    ejected_by: str = ""  # "health" (probes, scrapes, failed requests) or "outlier" (no first byte)
+    waiting: dict[Any, float] = field(default_factory=dict)  # attempts without a first byte -> dispatched at
+    progress_at: float = 0.0  # loop time of the last first byte or telemetry that showed tokens moving
+    outlier_ejections: int = 0
+    readmit_at: float = 0.0  # an outlier ejection ends then, with one trial request (half-open)
+    half_open: bool = False
+    trial: Any = None  # the half-open trial attempt in flight
     # telemetry
     sample: Sample | None = None
     sample_at: float = -math.inf  # loop time the sampled scrape began
@@ -47,15 +55,18 @@ class Endpoint:
     def key(self) -> str:
         return self.url
 
-    def record_failure(self, source: str, error: str, threshold: int, now: float) -> bool:
+    def record_failure(
+        self, source: str, error: str, threshold: int, now: float, may_eject: bool = True
+    ) -> bool:
         """Count a connect error, timeout or 5xx seen by ``source`` (probe, scrape, request); True when this
         one ejects the endpoint. Sources count apart: /metrics answering does not excuse a failing /health."""
         n = self.failures_by[source] = self.failures_by.get(source, 0) + 1
         self.failures = max(self.failures, n)
         self.last_error = f"{source}: {error}"
-        if self.healthy and n >= threshold:
+        if self.healthy and n >= threshold and may_eject:
             self.healthy = False
             self.ejected_at = now
+            self.ejected_by = "health"
             return True
         return False
 
@@ -67,11 +78,14 @@ class Endpoint:
     def readmit(self) -> None:
         self.healthy, self.failures, self.last_error = True, 0, ""
         self.failures_by.clear()
+        self.ejected_by, self.half_open, self.trial = "", False, None
 
     def take_sample(self, sample: Sample, began_at: float, base_dispatched: int, base_finished: int) -> bool:
         """Keep a scrape; True when it taught us the endpoint's rank."""
         prev = self.sample
         if prev is not None:
+            if sample.generation_tokens > prev.generation_tokens or sample.prompt_tokens > prev.prompt_tokens:
+                self.progress_at = began_at
             dq = sample.prefix_queries - prev.prefix_queries
             if dq > 0:
                 rate = max(0.0, min(1.0, (sample.prefix_hits - prev.prefix_hits) / dq))
@@ -129,4 +143,6 @@ class Endpoint:
             return "draining"
         if not self.routable:
             return "not_ready"
+        if self.half_open:
+            return "half_open"
         return "ready" if self.healthy else "ejected"

@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
+from engine.edge.rank_header import RANK_HEADER as PIN_HEADER
+from engine.edge.rank_header import RankHeaderError, parse_rank
 from policies import CHARS_PER_TOKEN, RequestFacts, chunk_hashes
-
-PIN_HEADER = "X-data-parallel-rank"
 
 
 class BadRequest(Exception):
@@ -53,13 +53,11 @@ def _prompt_bytes(body: dict[str, Any]) -> tuple[bytes, int]:
 
 
 def pinned_rank(headers: Any) -> int | None:
-    value = headers.get(PIN_HEADER)
-    if value is None:
-        return None
+    """The rank pin, by the engine's own rule (engine.edge.rank_header)."""
     try:
-        return int(value.strip())
-    except ValueError:
-        raise BadRequest(f"{PIN_HEADER} must be an integer rank, got {value!r}", PIN_HEADER) from None
+        return parse_rank(headers.get_all(PIN_HEADER))
+    except RankHeaderError as e:
+        raise BadRequest(str(e), PIN_HEADER) from None
 
 
 def parse_facts(body: bytes, headers: Any, session_header: str) -> RequestFacts:

@@ -52,6 +52,25 @@ class Headers:
         except ValueError:
             return default
 
+    def get_raw(self, name: str) -> bytes | None:
+        """The first value of ``name`` as the client's bytes (no decoding)."""
+        want = _LOWER_NAMES.get(name)
+        if want is None:
+            want = _LOWER_NAMES[name] = name.lower().encode("latin-1")
+        try:
+            return self.raw[self.names.index(want)][1]
+        except ValueError:
+            return None
+
+    def get_all(self, name: str) -> list[str]:
+        """Every value of ``name``, in order (a repeated header is one value per line)."""
+        want = _LOWER_NAMES.get(name)
+        if want is None:
+            want = _LOWER_NAMES[name] = name.lower().encode("latin-1")
+        if want not in self.names:
+            return []
+        return [v.decode("latin-1") for (_, v), n in zip(self.raw, self.names, strict=True) if n == want]
+
     def __contains__(self, name: str) -> bool:
         return self.get(name) is not None
 

@@ -112,6 +112,9 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "lbd_router_upstream_errors", "Upstream failures by kind.", ["endpoint", "kind"], **kw
         )
+        self.rate_limited = Counter(
+            "lbd_router_rate_limited", "Requests answered 429 by a key's rate limit.", ["key"], **kw
+        )
         self.disconnects = Counter(
             "lbd_router_client_disconnects", "Clients gone before their response ended.", ["endpoint"], **kw
         )

@@ -18,6 +18,7 @@ import orjson
 from lbd.router.config import Upstream, read_upstreams_file
 from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
+from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import parse_metrics
 from lbd.router.upstream import UpstreamError, UpstreamPool
@@ -34,6 +35,8 @@ class Monitor:
         self.tasks: dict[str, list[asyncio.Task[None]]] = {}
         self.source_tasks: list[asyncio.Task[None]] = []
         self.file_urls: set[str] = set()
+        key = self.cfg.upstream_api_key
+        self._auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
         state.on_added.append(self._start_endpoint)
         state.on_removed.append(self._stop_endpoint)
 
@@ -43,6 +46,7 @@ class Monitor:
             self._start_source(up, "static")
         if self.cfg.upstreams_file is not None:
             self.reload_file()
+        self.source_tasks.append(asyncio.ensure_future(self._outlier_loop()))
 
     def _start_source(self, up: Upstream, source: str) -> None:
         if up.kind == "supervisor":
@@ -120,16 +124,18 @@ class Monitor:
             pool.close()
 
     # ---- telemetry ------------------------------------------------------------------------------------
-    async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body)."""
+    async def _get(self, url: str, timeout: float, engine: bool = True) -> tuple[int, bytes]:
+        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body). Engines get the
+        --upstream-api-key (their /v1/models needs it)."""
         scheme, _, rest = url.partition("://")
         host, slash, path = rest.partition("/")
         base = f"{scheme}://{host}"
         pool = self.pools.get(base)
         if pool is None:
-            pool = self.pools[base] = UpstreamPool(base, timeout)
+            pool = self.pools[base] = UpstreamPool(base, timeout, self.state.tls)
+        headers = self._auth if engine else b""
         async with asyncio.timeout(timeout):
-            resp = await pool.request("GET", slash + path, b"", b"", timeout)
+            resp = await pool.request("GET", slash + path, headers, b"", timeout)
             try:
                 return resp.status, await resp.read()
             finally:
@@ -177,6 +183,8 @@ class Monitor:
                 continue
             ok, error = await self.probe(ep)
             if not ep.healthy:
+                if ep.ejected_by == "outlier":
+                    continue  # its front end answers probes: only its half-open trial request re-admits it
                 # half-open: one good probe, at least an interval after the ejection, re-admits
                 if ok and loop.time() - ep.ejected_at >= self.cfg.health_interval_s * 0.5:
                     self.state.readmit(ep, "health probe answered 200")
@@ -212,6 +220,12 @@ class Monitor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    async def _outlier_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            self.state.outliers.check(loop.time())
+
     # ---- supervisors --------------------------------------------------------------------------------
     async def _follow_supervisor(self, up: Upstream) -> None:
         task = asyncio.current_task()
@@ -220,7 +234,9 @@ class Monitor:
         warned = False
         while True:
             try:
-                status, body = await self._get(up.status_url, max(1.0, self.cfg.health_timeout_s))
+                status, body = await self._get(
+                    up.status_url, max(1.0, self.cfg.health_timeout_s), engine=False
+                )
                 if status != 200:
                     raise ValueError(f"/status answered {status}")
                 self.apply_status(up.url, orjson.loads(body))

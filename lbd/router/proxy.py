@@ -3,10 +3,12 @@
 A response's status and headers reach the client only when the upstream's first body bytes do, so an upstream
 that dies or answers 503 before that can still be retried on another endpoint ("before any byte reached the
 client"); when no other endpoint can take it, the retry waits (within --retry-budget-s) for one to serve
-again. After that no retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or
-a cut connection for a sized body). A client that goes away cancels the handler (``lbd.router.server``
-cancels the task of a connection that closes): its slot is released in ``finally`` and the upstream
-connection is closed, which makes the engine abort the request and free its KV blocks.
+again. Any other 5xx is the engine's answer to this request and goes back to the client as it is: a request
+that makes every engine fail (a deterministic 500) is not replayed on every rank. Once a byte went out, no
+retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or a cut connection for a
+sized body). A client that goes away cancels the handler (``lbd.router.server`` cancels the task of a
+connection that closes): its slot is released in ``finally`` and the upstream connection is closed, which
+makes the engine abort the request and free its KV blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass
 
 import orjson
 
+from engine.edge.auth import ApiKey
 from lbd.router import admission
+from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import PIN_HEADER, BadRequest, parse_facts, pinned_rank
 from lbd.router.messages import Request, Response, serialize_headers
@@ -77,10 +81,19 @@ class Failure:
 
 
 class Proxy:
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, gate: Gate | None = None) -> None:
         self.state = state
         self.cfg = state.cfg
+        self.gate = gate
         self.loop = asyncio.get_running_loop()
+        # Credentials: the router's own key for the engines replaces the client's; without one the client's
+        # Authorization is passed on only with --forward-authorization.
+        cfg = self.cfg
+        key = cfg.upstream_api_key
+        self._auth = b"Authorization: Bearer %s\r\n" % key.encode("latin-1") if key else b""
+        drop_auth = frozenset({b"authorization"}) if key or not cfg.forward_authorization else frozenset()
+        self._drop = _HOP_REQ | drop_auth
+        self._drop_unpinned = _HOP_REQ_UNPINNED | drop_auth
         # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
         # request costs more than the rest of the id handling together).
         self._rid_prefix = os.urandom(8).hex().encode()
@@ -88,7 +101,8 @@ class Proxy:
         self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
 
     # ---- entry --------------------------------------------------------------------------------------
-    async def handle(self, request: Request, out: Response) -> None:
+    async def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> None:
+        """Proxy one request; ``key``: the caller's API key (checked by the app), for its rate limits."""
         t0 = self.loop.time()
         rid = request.headers.get("X-Request-Id")
         if rid:
@@ -113,19 +127,44 @@ class Proxy:
                 facts = RequestFacts(pinned_rank=pinned_rank(request.headers))
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        if key is not None and self.gate is not None and self.gate.limits_on:
+            tokens = facts.prompt_tokens + (requested_tokens(body) if self.gate.counts_tokens else 0)
+            wait = self.gate.admit(key, tokens, t0)
+            if wait > 0.0:
+                self.state.metrics.rate_limited.labels(key.name).inc()
+                after = retry_after(wait)
+                return self._refuse(
+                    out, 429, f"rate limit of API key {key.name} exceeded: retry in {after} s",
+                    "RateLimitError", rid_header + b"Retry-After: %d\r\n" % after,
+                )
         if self._admission and request.method == "POST" and admission.admits(request.path):
             refused = admission.refusal(self.state)
             if refused is not None:
                 self.state.metrics.decision(self.cfg.policy, refused[0])
                 return self._refuse(out, 503, refused[1], "ServiceUnavailableError", rid_header)
         headers = self._forward_headers(request, rid_header)
-        exclude: list[str] = []
+        snaps = self.state.snapshots()
+        cap = self.cfg.max_streams_per_endpoint
+        exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
+        full = len(exclude)
         failure: Failure | None = None
         for attempt in range(self.cfg.max_retries + 1):
-            decision = route(self.state.policy, facts, self.state.snapshots(), exclude, self.cfg.pin_fallback)
+            trial = self.state.outliers.trial_for(facts) if attempt == 0 else None
+            if trial is not None:
+                decision: Decision | Refusal = Decision(
+                    trial.snapshot(self.state.shared, self.loop.time()), "half_open_trial"
+                )
+            else:
+                decision = route(self.state.policy, facts, snaps, exclude, self.cfg.pin_fallback)
             if isinstance(decision, Refusal):
                 if failure is None:
                     self.state.metrics.decision(self.cfg.policy, decision.reason)
+                    if full and decision.reason in ("retries_exhausted", "pin_failing"):
+                        return self._refuse(
+                            out, 503, f"every endpoint that can take this request has {cap} requests in "
+                            "flight (--max-streams-per-endpoint)", "ServiceUnavailableError",
+                            rid_header + b"Retry-After: 1\r\n",
+                        )
                     return self._refuse(
                         out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
@@ -140,6 +179,7 @@ class Proxy:
                 break
             self.state.metrics.retries.labels(failure.kind).inc()
             exclude.append(decision.endpoint.key)
+            snaps = self.state.snapshots()
             log.info(
                 "request %s: %s on %s; retrying elsewhere",
                 rid_header[14:-2].decode("latin-1"),
@@ -189,14 +229,15 @@ class Proxy:
         etype = {502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
         send_error(out, f.status, f.message, etype.get(f.status, "InternalServerError"), None, headers)
 
-    def _forward_headers(
-        self, request: Request, rid_header: bytes, drop: frozenset[bytes] = _HOP_REQ
-    ) -> bytes:
-        """The client's raw headers minus hop-by-hop ones, serialized once (Host and Content-Length are added
-        by the pool); the request id is set to ours."""
+    def _forward_headers(self, request: Request, rid_header: bytes, unpinned: bool = False) -> bytes:
+        """The client's raw headers minus hop-by-hop ones (and its credentials, see __init__), serialized
+        once (Host and Content-Length are added by the pool); the request id is set to ours."""
         h = request.headers
+        drop = self._drop_unpinned if unpinned else self._drop
         parts = [b"%s: %s\r\n" % kv for kv, name in zip(h.raw, h.names, strict=True) if name not in drop]
         parts.append(rid_header)
+        if self._auth:
+            parts.append(self._auth)
         return b"".join(parts)
 
     # ---- one try on one endpoint --------------------------------------------------------------------
@@ -217,14 +258,18 @@ class Proxy:
         pool = state.pools.get(d.endpoint.key)
         if ep is None or pool is None:  # removed between the snapshot and now
             return Failure(503, f"endpoint {d.endpoint.key} left", "upstream_gone", True)
-        a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), self.loop.time())
+        now = self.loop.time()
+        a = _Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), now, asyncio.current_task())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
         state.metrics.decision(self.cfg.policy, d.reason)
+        ep.waiting[a] = now
+        if d.reason == "half_open_trial":
+            ep.trial = a
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
-            headers = self._forward_headers(request, rid_header, _HOP_REQ_UNPINNED)
+            headers = self._forward_headers(request, rid_header, unpinned=True)
         try:
             try:
                 upstream = await pool.request(
@@ -246,11 +291,15 @@ class Proxy:
                 state.metrics.upstream_errors.labels(ep.url, kind).inc()
                 status = "502"
                 return Failure(502, f"upstream {ep.url} failed: {e}", kind, True)
-            if upstream.status >= 500:
-                failure = await self._upstream_5xx(ep, upstream)
-                status = str(failure.status)
+            if upstream.status == 503:
+                failure = await self._overloaded(ep, upstream)
+                status = "503"
                 return failure
-            ep.record_success("request")
+            if upstream.status >= 500:
+                state.fail(ep, "request", f"answered {upstream.status}")
+                state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
+            else:
+                ep.record_success("request")
             failure = await self._relay(out, a, upstream, rid_header)
             status = str(failure.status if failure is not None else out.status)
             return failure
@@ -258,6 +307,12 @@ class Proxy:
             state.metrics.disconnects.labels(ep.url).inc()
             return None
         except asyncio.CancelledError:
+            if a.abandoned and not a.started:  # the outlier check ejected the endpoint: try another
+                a.task.uncancel()  # type: ignore[union-attr]
+                status = "abandoned"
+                return Failure(
+                    504, f"upstream {ep.url} sent no first byte and was ejected", "outlier", True
+                )
             state.metrics.disconnects.labels(ep.url).inc()
             raise
         finally:
@@ -265,27 +320,21 @@ class Proxy:
                 upstream.close()  # gives a fully read connection back to the pool, closes any other
             if not a.started:
                 state.shared.start(ep.slot, a.charge)
+            state.outliers.ended(ep, a)
             state.shared.finish(ep.slot)
             state.metrics.request(ep.url, status, self.loop.time() - t0)
 
-    async def _upstream_5xx(self, ep: Endpoint, upstream: UpstreamResponse) -> Failure:
+    async def _overloaded(self, ep: Endpoint, upstream: UpstreamResponse) -> Failure:
+        """A 503: admission control (queue limits), a draining rank or a dead core; back-pressure, not a
+        health signal, and retryable (the request never started there)."""
         try:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
                 data = await upstream.read()
         except (TimeoutError, UpstreamError):
             data = b""
-        if upstream.status == 503:
-            # admission control (queue limits) or a draining rank: back-pressure, not a health signal
-            self.state.metrics.upstream_errors.labels(ep.url, "503").inc()
-            kind = "overloaded"
-        else:
-            self.state.fail(ep, "request", f"answered {upstream.status}")
-            self.state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
-            kind = "upstream_5xx"
+        self.state.metrics.upstream_errors.labels(ep.url, "503").inc()
         ctype = upstream.content_type or "application/json"
-        return Failure(
-            upstream.status, f"upstream {ep.url} answered {upstream.status}", kind, True, data or None, ctype
-        )
+        return Failure(503, f"upstream {ep.url} answered 503", "overloaded", True, data or None, ctype)
 
     def _response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
         """The upstream's raw headers minus hop-by-hop ones, plus ours, serialized."""
@@ -321,6 +370,7 @@ class Proxy:
                 gone,
             )
         a.started = True
+        self.state.outliers.answered(a.ep, a, self.loop.time())
         self.state.shared.start(a.ep.slot, a.charge)
         if not small and "text/event-stream" in upstream.content_type:
             # only a stream's first event is a time to first token (a whole answer includes its decode)
@@ -424,13 +474,21 @@ class _Watchdog:
             self._handle = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Attempt:
     ep: Endpoint
     decision: Decision
     charge: int
     dispatched_at: float
+    task: asyncio.Task[None] | None
     started: bool = False
+    abandoned: bool = False
+
+    def abandon(self) -> None:
+        """Cancel the wait for a first byte (the outlier check ejected the endpoint); it is retried."""
+        if not self.abandoned and not self.started and self.task is not None:
+            self.abandoned = True
+            self.task.cancel()
 
 
 class _ClientGone(Exception):

@@ -7,9 +7,11 @@ import logging
 import math
 from collections.abc import Iterable
 
+from engine.edge.tls import client_context
 from lbd.router.config import RouterConfig
 from lbd.router.endpoints import Endpoint
 from lbd.router.metrics import RouterMetrics
+from lbd.router.outlier import Outliers, ejection_cap
 from lbd.router.shared import SharedCounters
 from lbd.router.upstream import UpstreamPool
 from policies import EndpointSnapshot, Policy, make_policy
@@ -21,6 +23,8 @@ class RouterState:
     def __init__(self, cfg: RouterConfig, shared: SharedCounters) -> None:
         self.cfg = cfg
         self.shared = shared
+        # verifies https:// upstreams against --ssl-ca-certs (else the system's trust store)
+        self.tls = client_context(cfg.ssl_ca_certs)
         self.loop = asyncio.get_running_loop()
         self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[str, UpstreamPool] = {}
@@ -32,6 +36,7 @@ class RouterState:
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
         )
         self.metrics = RouterMetrics(self.live_rows)
+        self.outliers = Outliers(self)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
 
@@ -45,9 +50,9 @@ class RouterState:
         slot = self.shared.slot(url)
         if slot < 0:
             raise RuntimeError(f"shared counter table is full; cannot add {url}")
-        ep = Endpoint(url=url, source=source, slot=slot, rank=rank)
+        ep = Endpoint(url=url, source=source, slot=slot, rank=rank, progress_at=self.loop.time())
         self.endpoints[url] = ep
-        self.pools[url] = UpstreamPool(url, self.cfg.connect_timeout_s)
+        self.pools[url] = UpstreamPool(url, self.cfg.connect_timeout_s, self.tls)
         self.reorder()
         log.info("endpoint added: %s (rank %s, from %s)", url, rank, source)
         for cb in self.on_added:
@@ -60,6 +65,7 @@ class RouterState:
             return
         self.reorder()
         self.policy.forget(url)
+        self.outliers.forget(ep)
         pool = self.pools.pop(url, None)
         if pool is not None:
             pool.close()
@@ -77,17 +83,28 @@ class RouterState:
         return [ep.snapshot(self.shared, now) for ep in self.order]
 
     def fail(self, ep: Endpoint, source: str, error: str) -> None:
-        """A connect error, timeout or 5xx from ``ep`` seen by ``source`` (probe, scrape or request)."""
-        if ep.record_failure(source, error, self.cfg.health_failure_threshold, self.loop.time()):
+        """A connect error, timeout or 5xx from ``ep`` seen by ``source`` (probe, scrape or request). Failed
+        requests count against --outlier-consecutive-5xx and may not eject more than
+        --outlier-max-ejection-percent of the endpoints: one client's bad requests cannot empty the fleet."""
+        passive = source == "request"
+        threshold = self.cfg.outlier_consecutive_5xx if passive else self.cfg.health_failure_threshold
+        allowed = not passive or self.may_eject(ep)
+        if ep.record_failure(source, error, threshold, self.loop.time(), allowed):
             self.metrics.ejections.labels(ep.url).inc()
             log.warning(
                 "endpoint ejected: %s (rank %s) after %d failures: %s", ep.url, ep.rank, ep.failures, error
             )
 
+    def may_eject(self, ep: Endpoint) -> bool:
+        """Whether a passive signal may eject ``ep`` now (--outlier-max-ejection-percent)."""
+        ejected = sum(1 for e in self.endpoints.values() if not e.healthy and e is not ep)
+        return ejected + 1 <= ejection_cap(len(self.endpoints), self.cfg.outlier_max_ejection_percent)
+
     def readmit(self, ep: Endpoint, why: str) -> None:
         if not ep.healthy:
             self.metrics.readmissions.labels(ep.url).inc()
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
+        self.outliers.forget(ep)
         ep.readmit()
 
     def ready_count(self) -> int:

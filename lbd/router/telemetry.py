@@ -15,6 +15,8 @@ _WANTED = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:cache_config_info",
+    "vllm:prompt_tokens_total",  # progress: a rank whose counters move is not wedged (lbd.router.outlier)
+    "vllm:generation_tokens_total",
     # vLLM < 0.10 names, so older engines work too
     "vllm:gpu_prefix_cache_queries_total",
     "vllm:gpu_prefix_cache_hits_total",
@@ -38,6 +40,8 @@ class Sample:
     prefix_hits: float = 0.0
     block_size: int = 0
     num_blocks: int = 0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
     ranks: set[int] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
 
@@ -106,6 +110,10 @@ def _apply(s: Sample, name: str, value: float, labels: dict[str, str]) -> None:
         s.prefix_queries += value
     elif name == "vllm:prefix_cache_hits_total":
         s.prefix_hits += value
+    elif name == "vllm:prompt_tokens_total":
+        s.prompt_tokens += value
+    elif name == "vllm:generation_tokens_total":
+        s.generation_tokens += value
     elif name == "vllm:cache_config_info":
         s.block_size = int(labels.get("block_size", "0") or 0)
         s.num_blocks = int(labels.get("num_gpu_blocks", "0") or 0)

@@ -271,12 +271,15 @@ class Response:
 class UpstreamPool:
     """Idle keep-alive connections to one endpoint (``http://host:port`` or https)."""
 
-    def __init__(self, base_url: str, connect_timeout: float) -> None:
+    def __init__(
+        self, base_url: str, connect_timeout: float, tls: ssl_mod.SSLContext | None = None
+    ) -> None:
+        """``tls``: the verifying context for an https:// endpoint (default: the system's trust store)."""
         parts = urlsplit(base_url)
         self.loop = asyncio.get_running_loop()
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl_mod.create_default_context() if parts.scheme == "https" else None
+        self.ssl = (tls or ssl_mod.create_default_context()) if parts.scheme == "https" else None
         self.host_header = parts.netloc.encode("latin-1")
         self.connect_timeout = connect_timeout
         self.idle: list[_Conn] = []

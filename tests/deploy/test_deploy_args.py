@@ -117,6 +117,13 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--data-parallel-size", "2", "--api-server-count", "65"], ["--workers 65 is more than 64"]),
         (["--headless"], ["registers its ranks"]),  # --headless alone is a deployment (of one rank)
         (["--data-parallel-size", "2", "--block-size", "3"], ["--block-size must be a power of two"]),
+        ([*GROUP, *ADDR, "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
+         ["--ssl-certfile: TLS is not implemented for a group that spans nodes", "lbd route --ssl-certfile"]),
+        (["--data-parallel-size", "2", "--data-parallel-backend", "ray", "--ssl-certfile", "c.pem"],
+         ["not implemented for --data-parallel-backend ray"]),
+        (["--data-parallel-size", "2", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"],
+         ["--ssl-cert-reqs: client certificates are not implemented"]),
+        (["--data-parallel-size", "2", "--ssl-ca-certs", "ca.pem"], ["--ssl-ca-certs needs --ssl-certfile"]),
     ],
 )
 def test_refused_combinations(
@@ -184,6 +191,29 @@ def test_internal_head_plan() -> None:
     assert route[route.index("--max-num-queued-reqs") + 1] == "4"
     assert route[route.index("--max-num-queued-tokens") + 1] == "1000"
     assert route[route.index("--min-ready-endpoints") + 1] == "1"
+
+
+def test_keys_and_limits_reach_both_children() -> None:
+    """--api-key (and $VLLM_API_KEY) go to the supervisor and the router by environment, never on their
+    command lines; the connection limits the user set apply on the router's port too."""
+    plan = parse([*_ports(), "--data-parallel-size", "2", "--api-key", "k-one", "k-two", "--max-headers",
+                  "50", "--header-read-timeout-s", "3"], {"VLLM_API_KEY": "k-env"})
+    assert plan is not None and plan.api_keys == ["k-one", "k-two", "k-env"]
+    assert "k-one" not in repr(plan)
+    route = plan.route_argv
+    assert route is not None
+    for argv in (plan.supervise_argv, route):
+        assert not any("k-one" in a or "k-env" in a or a == "--api-key" for a in argv), argv
+    assert "--max-headers=50" in route and "--header-read-timeout-s=3.0" in route
+    assert not any(a.startswith("--max-connections") for a in route)  # defaults stay defaults
+    assert plan.limits.max_headers == 50  # the node's own health port too
+    from lbd.deploy.node import key_env
+
+    assert key_env(plan, "supervisor") == {"LBD_API_KEYS": "k-one\nk-two\nk-env"}
+    assert key_env(plan, "router") == {"LBD_ROUTER_API_KEYS": "k-one\nk-two\nk-env",
+                                       "LBD_UPSTREAM_API_KEY": "k-one"}
+    open_plan = parse([*_ports(), "--data-parallel-size", "2"], {})
+    assert open_plan is not None and key_env(open_plan, "router") == {}
 
 
 def test_multi_node_plans() -> None:

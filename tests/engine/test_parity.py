@@ -193,8 +193,8 @@ def test_fp8_kv_cache_stays_close_to_auto(tiny_llama: Path, vocab: int) -> None:
     params = [greedy(24)] * len(prompts)
     auto = run_engine(EngineCore(engine_args(tiny_llama), str(tiny_llama)), prompts, params)
     fp8_core = EngineCore(engine_args(tiny_llama, kv_cache_dtype="fp8"), str(tiny_llama))
-    scales = [a.k_scale for a in fp8_core.runner.model.attention_layers]
-    assert all(s != 1.0 for s in scales)  # calibrated
+    layers = fp8_core.runner.model.attention_layers
+    assert all(a.k_scale == a.v_scale == 1.0 for a in layers)  # no scales in the checkpoint: vLLM's 1.0
     fp8 = run_engine(fp8_core, prompts, params)
     # fp8 keys/values (3 mantissa bits) perturb logprobs by a few hundredths of a nat per step, and this
     # random model's distributions are flat: tokens agree until a close call, where fp8's pick must be one of
@@ -208,7 +208,53 @@ def test_fp8_kv_cache_stays_close_to_auto(tiny_llama: Path, vocab: int) -> None:
             top = a.top[n]
             close = f.tokens[n] in top and top[a.tokens[n]] - top[f.tokens[n]] < 0.25
             assert close, (n, a.tokens, f.tokens, top)
-    assert agree >= 0.5 * sum(len(a.tokens) for a in auto)
+    # (scales of 1.0 store this small model's K/V in fp8's coarse low range, so close calls come sooner
+    # than with calibrated scales; each one is still a near-tie, as checked above)
+    assert agree >= 0.3 * sum(len(a.tokens) for a in auto)
+
+
+def test_fp8_kv_scales_come_from_the_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's names: k_scale/v_scale per attention layer (on the module or on k_proj/v_proj), or kv_scale."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.loader import read_kv_scales
+
+    ckpt = tmp_path / "scaled"
+    shutil.copytree(tiny_llama, ckpt)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_scale": torch.tensor([0.25]),
+               "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}, str(ckpt / "kv_scales.safetensors"))
+    assert read_kv_scales(ckpt, 2) == [(0.5, 0.25), (2.0, 2.0)]
+    assert read_kv_scales(tiny_llama, 2) is None
+    core = EngineCore(engine_args(ckpt, kv_cache_dtype="fp8"), str(ckpt))
+    assert [(a.k_scale, a.v_scale) for a in core.runner.model.attention_layers] == [(0.5, 0.25), (2.0, 2.0)]
+    prompts = random_prompts(2, (10, 30), 384, seed=9)
+    outs = run_engine(core, prompts, [greedy(8)] * 2)  # the weights loaded around the extra tensors
+    assert all(len(o.tokens) == 8 for o in outs)
+
+
+def test_fp8_kv_scales_of_each_pipeline_stage_are_its_own_layers(tiny_llama: Path, tmp_path: Path) -> None:
+    """A PP stage holds layers start..end: it takes those layers' checkpoint scales, not layers 0.."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine.core.runner import ModelRunner
+    from engine.distributed.context import ParallelContext
+    from engine.distributed.layout import ParallelLayout
+
+    ckpt = tmp_path / "scaled"
+    shutil.copytree(tiny_llama, ckpt)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}, str(ckpt / "kv_scales.safetensors"))
+    args = engine_args(ckpt, kv_cache_dtype="fp8", pipeline_parallel_size=2)
+    stages = [ModelRunner(args, str(ckpt), ParallelContext(ParallelLayout(pp_size=2), pp_rank=stage))
+              for stage in (0, 1)]
+    assert [[(a.k_scale, a.v_scale) for a in r.model.attention_layers] for r in stages] == \
+        [[(0.5, 1.0)], [(2.0, 2.0)]]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

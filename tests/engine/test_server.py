@@ -307,9 +307,8 @@ def test_rank_header(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     r = http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": str(RANK - 1)})
     assert "data parallel rank" in assert_error(r, 400)["message"]
-    for value in (str(RANK), "abc"):
-        r = http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": value})
-        assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json=body, headers={"X-data-parallel-rank": str(RANK)})
+    assert r.status_code == 200, r.text
 
 
 # ---- metrics, prefix cache, disconnects ----------------------------------------------------------

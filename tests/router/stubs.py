@@ -24,6 +24,7 @@ class StubUpstream:
     metrics_status: int = 200
     hang_health: bool = False
     answer_status: int | None = None  # force every completion to answer this status
+    poison_status: int = 500  # a completion whose body holds b"poison" gets this status (a bad request)
     chunks: int = 3
     chunk_delay: float = 0.0
     header_delay: float = 0.0
@@ -110,6 +111,12 @@ class StubUpstream:
                     }
                 },
                 status=400,
+            )
+        if b"poison" in body:
+            return web.json_response(
+                {"error": {"message": "internal error", "type": "InternalServerError", "param": None,
+                           "code": self.poison_status}},
+                status=self.poison_status,
             )
         if self.answer_status is not None:
             return web.json_response(

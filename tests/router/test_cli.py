@@ -66,13 +66,17 @@ def test_help_lists_every_policy_and_defaults() -> None:
 
 
 def test_router_imports_nothing_heavy_and_starts_fast() -> None:
+    # of the engine package only engine.args and the stdlib-only engine.edge (shared limits, keys, TLS)
     code = (
-        "import sys, time; t = time.perf_counter(); import lbd.router.cli, lbd.router.app; "
-        "print(time.perf_counter() - t, any(m in sys.modules for m in ('torch', 'transformers', 'engine')))"
+        "import sys, time; t = time.process_time(); import lbd.router.cli, lbd.router.app; "
+        "heavy = any(m in sys.modules for m in ('torch', 'transformers', 'aiohttp')) or any("
+        "m.startswith('engine.') and not m.startswith('engine.edge') and m != 'engine.args' "
+        "for m in sys.modules); print(time.process_time() - t, heavy)"
     )
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     ).stdout.split()
     assert out[1] == "False"
-    assert float(out[0]) < 1.0 and time.monotonic() - t0 < 5.0
+    # CPU seconds of the imports (~0.15 here), not wall time: a machine shared with other tests stretches that
+    assert float(out[0]) < 1.0 and time.monotonic() - t0 < 30.0

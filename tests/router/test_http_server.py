@@ -225,6 +225,7 @@ async def test_stream_writes_wait_while_the_client_does_not_read() -> None:
     """lbd.router.server directly (in process, real sockets): 16 MiB written to a client that reads
     nothing for a while; ``write`` must wait (back-pressure) rather than buffer it all, and every byte
     arrives in order."""
+    from engine.edge.limits import Limits
     from lbd.router.server import HttpServer
 
     piece = bytes(range(256)) * 256  # 64 KiB
@@ -237,7 +238,7 @@ async def test_stream_writes_wait_while_the_client_does_not_read() -> None:
             seen_backed_up.append(out.backed_up)
         out.end()
 
-    server = HttpServer(handler, max_body=1 << 20)
+    server = HttpServer(handler, Limits(max_request_body_bytes=1 << 20))
     await server.start("127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]

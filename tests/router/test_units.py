@@ -6,6 +6,7 @@ import pytest
 
 from lbd.router.config import parse_upstream
 from lbd.router.facts import BadRequest, parse_facts
+from lbd.router.messages import Headers
 from lbd.router.shared import SharedCounters
 from lbd.router.telemetry import parse_metrics
 from policies import CHUNK_CHARS
@@ -42,8 +43,12 @@ def test_parse_engine_metrics() -> None:
     assert parse_metrics('vllm:gpu_cache_usage_perc{model_name="a \\"q\\""} 0.5\n').models == {'a "q"'}
 
 
+def _headers(values: dict[str, str]) -> Headers:
+    return Headers([(k.encode(), v.encode()) for k, v in values.items()])
+
+
 def test_request_facts_from_completions_chat_and_token_prompts() -> None:
-    h = {"X-Session-ID": "s1", "X-data-parallel-rank": " 2 "}
+    h = _headers({"X-Session-ID": "s1", "X-data-parallel-rank": " 2 "})
     f = parse_facts(b'{"model": "m", "prompt": "' + b"a" * 400 + b'"}', h, "X-Session-ID")
     assert f.model == "m" and f.pinned_rank == 2 and f.session_key == "s1" and f.prompt_tokens == 101
     assert len(f.prefix_hashes) == 400 // CHUNK_CHARS
@@ -53,19 +58,19 @@ def test_request_facts_from_completions_chat_and_token_prompts() -> None:
     ]
     import orjson
 
-    one = parse_facts(orjson.dumps({"model": "m", "messages": chat}), {}, "X-Session-ID")
+    one = parse_facts(orjson.dumps({"model": "m", "messages": chat}), _headers({}), "X-Session-ID")
     two = parse_facts(
         orjson.dumps({"model": "m", "messages": [*chat, {"role": "user", "content": "y" * 300}]}),
-        {},
+        _headers({}),
         "X-Session-ID",
     )
     assert one.prefix_hashes and two.prefix_hashes[: len(one.prefix_hashes)] == one.prefix_hashes
-    ids = parse_facts(orjson.dumps({"prompt": list(range(100)), "user": "u"}), {}, "X-Session-ID")
+    ids = parse_facts(orjson.dumps({"prompt": list(range(100)), "user": "u"}), _headers({}), "X-Session-ID")
     assert ids.prompt_tokens == 100 and len(ids.prefix_hashes) == 3 and ids.session_key == "u"
     with pytest.raises(BadRequest):
-        parse_facts(b"[1, 2]", {}, "X-Session-ID")
+        parse_facts(b"[1, 2]", _headers({}), "X-Session-ID")
     with pytest.raises(BadRequest) as e:
-        parse_facts(b"{}", {"X-data-parallel-rank": "x"}, "X-Session-ID")
+        parse_facts(b"{}", _headers({"X-data-parallel-rank": "x"}), "X-Session-ID")
     assert e.value.param == "X-data-parallel-rank"
 
 
@@ -106,3 +111,16 @@ def test_endpoint_snapshot_follows_every_change_after_it_was_cached() -> None:
     assert not ep.snapshot(c, now=10.0).healthy
     ep.models = frozenset({"x"})
     assert ep.snapshot(c, now=11.0).models == {"x"} and ep.snapshot(c, now=11.0).age_s == 1.5
+
+
+def test_client_keys_from_the_environment(monkeypatch) -> None:
+    """$LBD_ROUTER_API_KEYS (one per line, how lbd serve hands its --api-key over) adds to --api-key, and
+    counts as a key for the rate limits; $LBD_UPSTREAM_API_KEY is the key towards the engines."""
+    from lbd.router.config import parse_args
+
+    monkeypatch.setenv("LBD_ROUTER_API_KEYS", "env-one\n\n  env-two  \n")
+    monkeypatch.setenv("LBD_UPSTREAM_API_KEY", "to-engines")
+    cfg = parse_args(["--upstreams", "http://127.0.0.1:1", "--api-key", "flag-key", "--rate-limit-rps", "5"])
+    assert cfg.api_keys == ["flag-key", "env-one", "env-two"] and cfg.upstream_api_key == "to-engines"
+    monkeypatch.delenv("LBD_ROUTER_API_KEYS")
+    assert parse_args(["--upstreams", "http://127.0.0.1:1"]).api_keys == []

@@ -29,7 +29,7 @@ class SupervisorNode:
 
     def __init__(self, model: Path | str, ranks: int = 2, *extra: str, interval: float = 0.2,
                  timeout: float = 1.0, threshold: int = 2, log: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, scheme: str = "http", verify: object = True) -> None:
         self.ranks = ranks
         self.base_port = free_port_run(ranks + 1)
         self.sport = self.base_port + ranks
@@ -42,8 +42,9 @@ class SupervisorNode:
                      str(timeout), "--dp-supervisor-probe-failure-threshold", str(threshold),
                      "--model", str(model), *ENGINE_FLAGS, *extra]
         self.log = log
-        self.url = f"http://127.0.0.1:{self.sport}"
-        self.client = httpx.Client(base_url=self.url, timeout=5.0)
+        self.scheme = scheme
+        self.url = f"{scheme}://127.0.0.1:{self.sport}"
+        self.client = httpx.Client(base_url=self.url, timeout=5.0, verify=verify)
         self.seen: dict[int, psutil.Process] = {}  # every descendant ever seen, for the final sweep
         self.started = time.monotonic()
         # Inherited by every process of the node, so a sweep finds even orphans (see marked_processes).
@@ -71,7 +72,7 @@ class SupervisorNode:
         return next(r for r in self.status()["ranks"] if r["rank"] == rank)
 
     def rank_url(self, rank: int) -> str:
-        return f"http://127.0.0.1:{self.base_port + rank}"
+        return f"{self.scheme}://127.0.0.1:{self.base_port + rank}"
 
     def wait_for(self, pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:
         """Poll ``pred`` until true; returns the seconds it took. Fails early if the supervisor exits."""

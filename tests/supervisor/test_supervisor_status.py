@@ -23,7 +23,7 @@ def _supervisor(*extra: str) -> Supervisor:
 def test_readiness_follows_the_policy(policy: str, ready_with_one: bool) -> None:
     sup = _supervisor("--ready-policy", policy)
     ok, reason = sup.readiness()
-    assert not ok and "rank 0 starting, rank 1 starting" in reason
+    assert not ok and "rank 0 starting; rank 1 starting" in reason
     sup.workers[0].state = RankState.READY
     sup.workers[1].state = RankState.DRAINING
     ok, reason = sup.readiness()
@@ -44,7 +44,8 @@ def test_status_lists_every_rank_with_its_url() -> None:
     assert first["url"] == f"http://127.0.0.1:{first['port']}" and first["state"] == "starting"
     assert first["routable"] is False and first["restarts"] == 0 and first["pid"] is None
     assert status["ready"] is False and status["ready_ranks"] == 0
-    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3}
+    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3,
+                               "generate_every": 0}
 
 
 @pytest.mark.parametrize(("bind", "host_header", "expected"), [
