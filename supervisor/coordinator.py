@@ -132,11 +132,15 @@ class Coordinator:
                     self.status, self.status_at, self.error = orjson.loads(body), time.monotonic(), None
             except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as e:
                 self.error = f"{self.url}/status: {type(e).__name__}: {e}".rstrip(": ")
+                self.status_at = None  # what it said last is kept for /status, never trusted for readiness
             self.on_poll()
             await asyncio.sleep(POLL_S)
 
     def fresh_status(self) -> dict[str, Any] | None:
+        """The coordinator's word, if its last poll answered (recently) and the process we run is alive."""
         if self.status is None or self.status_at is None or time.monotonic() - self.status_at > STALE_S:
+            return None
+        if self.alive() is False:  # it died since that answer: the group breaks
             return None
         return self.status
 

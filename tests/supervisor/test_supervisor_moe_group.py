@@ -78,9 +78,6 @@ def test_moe_group_serves_pinned_requests_and_idles(tiny_mixtral: Path, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="engine side: the ranks do not re-form around a restarted coordinator yet (their "
-                          "gloo group is intact, the new coordinator never starts their waves); see "
-                          "/work/wt/dp-contract.md, request 2", strict=False)
 def test_a_dead_coordinator_is_restarted_and_the_group_serves_again(tiny_mixtral: Path,
                                                                     tmp_path: Path) -> None:
     node = SupervisorNode(tiny_mixtral, 2, "--enable-expert-parallel", log=tmp_path / "node.log")
