@@ -1,10 +1,12 @@
 """Expert-parallel token movers side by side: all-gather + reduce-scatter vs all-to-all (engine.dp).
 
-Two processes form a gloo group (the CPU path) and time one MoE layer call of each mover, interleaved
-(A B A B ...), for a few tokens-per-rank sizes; prints the median microseconds per layer call and the ratio.
-The layer: E experts of width I over hidden D, top-k routing with random logits; the same inputs for both.
+Two processes form a gloo group (the CPU path) and time one forward pass through ``--layers`` MoE layers with
+each mover, interleaved (A B A B ...), for a few tokens-per-rank sizes; prints the median microseconds per
+layer and the ratio. all-gather + reduce-scatter exchanges token counts once per pass (2 collectives a layer +
+1), all-to-all per layer (3 a layer). A layer: E experts of width I over hidden D, top-k routing with random
+logits; the same inputs for both.
 
-    python benchmarks/ep_dispatch.py [--tokens 1,4,16,64,256] [--hidden 512] [--experts 8] [--reps 40]
+    python benchmarks/ep_dispatch.py [--tokens 1,4,16,64,256] [--layers 4] [--hidden 512] [--reps 30]
 
 Numbers from a shared 2-core machine are noisy: quote medians, and say the machine was shared.
 """
@@ -55,9 +57,10 @@ def _member(rank: int, port: int, ns: argparse.Namespace, out: mp.Queue) -> None
                 for backend, (disp, experts) in movers.items():
                     group.all_reduce(torch.zeros(1))  # start together
                     t0 = time.perf_counter()
-                    disp(experts, x, weights, ids, 0)
+                    for layer in range(ns.layers):
+                        disp(experts, x, weights, ids, layer)
                     if rep >= 3:
-                        results[backend][t].append(time.perf_counter() - t0)
+                        results[backend][t].append((time.perf_counter() - t0) / ns.layers)
     out.put((rank, results))
 
 
@@ -68,7 +71,8 @@ def main() -> int:
     p.add_argument("--inter", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--layers", type=int, default=4, help="MoE layers per forward pass")
+    p.add_argument("--reps", type=int, default=30)
     ns = p.parse_args()
     ns.tokens = [int(t) for t in ns.tokens.split(",")]
     from engine.dp.group import host_store
@@ -83,7 +87,7 @@ def main() -> int:
     for proc in procs:
         proc.join()
     print(f"EP=2 over gloo (CPU), D={ns.hidden} I={ns.inter} E={ns.experts} top-{ns.top_k}, "
-          f"median of {ns.reps} interleaved calls, rank 0's view (us per layer call)")
+          f"{ns.layers} layers a pass, median of {ns.reps} interleaved passes, rank 0's view (us per layer)")
     print(f"{'tokens/rank':>11} {'allgather+RS':>13} {'all-to-all':>11} {'a2a / agrs':>11}")
     for t in ns.tokens:
         ag = statistics.median(results[0]["allgather_reducescatter"][t]) * 1e6
