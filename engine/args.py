@@ -71,7 +71,7 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     distributed_timeout_s: float = 600.0
     enable_expert_parallel: bool = False
-    all2all_backend: str = "allgather_reducescatter"
+    all2all_backend: str = "auto"
     dp_idle_check_steps: int = 32
     log_level: str = "info"
     disable_log_requests: bool = False
@@ -188,10 +188,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each DP rank owns a contiguous slice of the experts and tokens travel "
                         "to their experts' owners (default: every rank holds 1/N of every expert)")
-    g.add_argument("--all2all-backend", default="allgather_reducescatter",
-                   choices=["allgather_reducescatter", "alltoall"],
-                   help="with --enable-expert-parallel, how tokens reach their experts: gather every "
-                        "rank's tokens and reduce-scatter the results, or all-to-all only to the owners")
+    g.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "allgather_reducescatter", "alltoall"],
+                   help="with --enable-expert-parallel, how tokens reach their experts: all-to-all only to "
+                        "the owners, or gather every rank's tokens and reduce-scatter the results; auto = "
+                        "alltoall with --enable-expert-parallel (measured faster), else allgather")
     g.add_argument("--dp-idle-check-steps", type=int, default=32,
                    help="MoE DP groups: every N steps of a wave, an all-reduce decides whether every rank "
                         "is idle and the wave ends")

@@ -51,7 +51,7 @@ class DPStatus:
     generation: int = 0  # the generation this rank is in (ready) or last was in
     reason: str | None = "waiting for the coordinator to form generation 1"
     expert_parallel: bool = False
-    all2all_backend: str = "allgather_reducescatter"
+    all2all_backend: str = "alltoall"
 
 
 class DPMetrics:

@@ -39,12 +39,12 @@ def _prompts(path: Path, n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(("kind", "flags"), [
     ("mixtral", ["--enable-expert-parallel"]),
-    ("qwen3_moe", ["--enable-expert-parallel", "--all2all-backend", "alltoall"]),
+    ("qwen3_moe", ["--enable-expert-parallel", "--all2all-backend", "allgather_reducescatter"]),
     ("deepseek_v2", ["--enable-expert-parallel"]),
     ("mixtral", []),
     pytest.param("qwen3_moe", [], marks=pytest.mark.slow),
     pytest.param("deepseek_v2_grouped", [], marks=pytest.mark.slow),
-], ids=["mixtral-ep", "qwen3_moe-ep-alltoall", "deepseek_v2-ep", "mixtral-tp", "qwen3_moe-tp",
+], ids=["mixtral-ep", "qwen3_moe-ep-allgather", "deepseek_v2-ep", "mixtral-tp", "qwen3_moe-tp",
         "deepseek_v2_grouped-tp"])
 def test_group_tokens_equal_one_rank(kind: str, flags: list[str], request: pytest.FixtureRequest,
                                      tmp_path: Path) -> None:

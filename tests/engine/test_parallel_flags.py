@@ -261,10 +261,13 @@ def _walk_all2all_backend(model: Path) -> None:
     from engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
 
     _exit_2(_one_rank("--all2all-backend", "alltoall"))  # without --enable-expert-parallel
-    plan = ExpertPlan.from_args(_moe_rank("--enable-expert-parallel", "--all2all-backend", "alltoall"))
-    assert ExpertDispatcher(plan, plan.shard(8), torch.device("cpu")).uses_all_to_all
-    plan = ExpertPlan.from_args(_moe_rank("--enable-expert-parallel"))
-    assert not ExpertDispatcher(plan, plan.shard(8), torch.device("cpu")).uses_all_to_all
+    def all_to_all(*argv: str) -> bool:
+        plan = ExpertPlan.from_args(_moe_rank(*argv))
+        return ExpertDispatcher(plan, plan.shard(8), torch.device("cpu")).uses_all_to_all
+
+    assert all_to_all("--enable-expert-parallel")  # auto: all-to-all with expert parallelism
+    assert not all_to_all("--enable-expert-parallel", "--all2all-backend", "allgather_reducescatter")
+    assert not all_to_all()  # tensor-parallel experts always gather
 
 
 def _walk_idle_check_steps(model: Path) -> None:
