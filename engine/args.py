@@ -75,6 +75,8 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     distributed_timeout_s: float = 600.0
     enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"
+    dp_idle_check_steps: int = 32
     log_level: str = "info"
     disable_log_requests: bool = False
     otlp_traces_endpoint: str | None = None
@@ -211,11 +213,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--data-parallel-size-local", type=int, default=None, help="DP ranks on this node")
     g.add_argument("--data-parallel-start-rank", type=int, default=None, help="first DP rank on this node")
     g.add_argument("--data-parallel-address", default=None,
-                   help="the head of a multi-node lbd serve deployment (refused by one rank and by lbd "
-                        "supervise, which do not use it)")
+                   help="lbd serve --data-parallel-size N: the head of a multi-node deployment; one rank of "
+                        "an MoE model: where its DP group meets (the coordinator's TCPStore at rpc-port+1, "
+                        "its ZMQ at rpc-port+2); refused for dense models (independent ranks)")
     g.add_argument("--data-parallel-rpc-port", type=int, default=None,
-                   help="the head's registration port of a multi-node lbd serve deployment (refused by one "
-                        "rank and by lbd supervise)")
+                   help="lbd serve --data-parallel-size N: the head's registration port; one rank of an MoE "
+                        "model: the DP group's base port P (store P+1, coordinator P+2)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices (worker processes) per rank for tensor parallelism (Megatron sharding: "
                         "heads, MLP and vocabulary split, one all-reduce per attention and MLP block)")
@@ -234,7 +237,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="a collective or rendezvous of a rank's workers that waits longer fails the rank "
                         "(vLLM's NCCL default)")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="shard MoE experts across DP ranks (not implemented yet: refused)")
+                   help="MoE models: each DP rank owns a contiguous slice of the experts and tokens travel "
+                        "to their experts' owners (default: every rank holds 1/N of every expert)")
+    g.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "allgather_reducescatter", "alltoall"],
+                   help="with --enable-expert-parallel, how tokens reach their experts: all-to-all only to "
+                        "the owners, or gather every rank's tokens and reduce-scatter the results; auto = "
+                        "alltoall with --enable-expert-parallel (measured faster), else allgather")
+    g.add_argument("--dp-idle-check-steps", type=int, default=32,
+                   help="MoE DP groups: every N steps of a wave, an all-reduce decides whether every rank "
+                        "is idle and the wave ends")
     return parser
 
 
@@ -259,6 +271,7 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         "--data-parallel-size": args.data_parallel_size, "--max-logprobs": args.max_logprobs + 1,
         "--tensor-parallel-size": args.tensor_parallel_size,
         "--pipeline-parallel-size": args.pipeline_parallel_size,
+        "--dp-idle-check-steps": args.dp_idle_check_steps,
     }
     if args.otlp_traces_endpoint:
         problem = check_otlp_endpoint(args.otlp_traces_endpoint)
@@ -310,26 +323,37 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
         parser.error(problem)
 
 
-# Refused wherever these flags reach the engine's own checks: one engine rank (python -m engine) and lbd
-# supervise. ``lbd serve --data-parallel-size N`` (lbd.deploy) consumes the address and port itself.
-NOT_YET = {
-    "enable_expert_parallel": "--enable-expert-parallel is not implemented yet (expert parallelism comes "
-                              "with MoE support): drop the flag",
-    "data_parallel_address": "--data-parallel-address is where the nodes of an lbd serve "
-                             "--data-parallel-size N deployment register; one engine rank or one lbd "
-                             "supervise node does not use it: drop it",
-    "data_parallel_rpc_port": "--data-parallel-rpc-port is the registration port of an lbd serve "
-                              "--data-parallel-size N deployment; one engine rank or one lbd supervise node "
-                              "does not use it: drop it",
-}
+def dp_group_flags_problem(args: EngineArgs) -> str | None:
+    """The DP-group flags of one rank on their own (``lbd serve --data-parallel-size N`` consumes the address
+    and port itself before this; the model-dependent checks are in ``engine.distributed.check``)."""
+    address, port = args.data_parallel_address, args.data_parallel_rpc_port
+    if (address is None) != (port is None):
+        given, missing = (("--data-parallel-address", "--data-parallel-rpc-port") if port is None
+                          else ("--data-parallel-rpc-port", "--data-parallel-address"))
+        return f"{given} needs {missing} too: pass both (the MoE DP group's coordinator) or neither"
+    if address is None:
+        return None
+    if args.data_parallel_size == 1:
+        return ("--data-parallel-address / --data-parallel-rpc-port name an MoE DP group, but "
+                "--data-parallel-size is 1: drop them (or pass the group's size)")
+    if not 1 <= port <= 65532:
+        return f"--data-parallel-rpc-port {port} is out of range: use 1..65532 (the group uses P+1..P+3)"
+    if args.device == "sim":
+        return ("--device sim runs no expert layers, so it cannot join an MoE DP group: drop "
+                "--data-parallel-address / --data-parallel-rpc-port or pass --device cpu")
+    return None
 
 
 def parallel_flags_problem(args: EngineArgs) -> str | None:
     """What is wrong with the parallelism flags on their own (the model-dependent checks are in
     ``engine.distributed.check``), or None."""
-    for name, message in NOT_YET.items():
-        if getattr(args, name) not in (None, False):
-            return message
+    problem = dp_group_flags_problem(args)
+    if problem:
+        return problem
+    if args.all2all_backend == "alltoall" and not args.enable_expert_parallel:
+        return ("--all2all-backend alltoall moves tokens to their experts' owners, which needs "
+                "--enable-expert-parallel (tensor-parallel experts always all-gather): add the flag or drop "
+                "--all2all-backend")
     if args.distributed_executor_backend == "ray" and args.device == "sim":
         return ("--distributed-executor-backend ray places real devices: drop it with --device sim (or run "
                 "--device cpu)")

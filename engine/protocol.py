@@ -9,7 +9,8 @@ Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` ({"ids", "reaso
 Core -> front end kinds:  ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
 it with ``outputs_from_dict(decode(payload))``), ``ready`` (CoreInfo, answer to ``hello``), ``error``
 ({"request_id", "message", "status"}), ``stats`` (SchedulerStats, sent at most every 100 ms when idle so
-gauges stay fresh).
+gauges stay fresh), ``dp`` (a rank of an MoE DP group only: its group status, engine.dp.rank.DPStatus as a
+dict plus wave counters, sent after ``ready`` and on every change).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import msgpack
 
 ADD, ABORT, HELLO, RESET = b"add", b"abort", b"hello", b"reset_prefix_cache"
-OUTPUTS, READY, ERROR, STATS, RESET_DONE = b"outputs", b"ready", b"error", b"stats", b"reset_done"
+OUTPUTS, READY, ERROR, STATS, RESET_DONE, DP = b"outputs", b"ready", b"error", b"stats", b"reset_done", b"dp"
 
 
 @dataclass(slots=True)

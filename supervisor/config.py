@@ -34,15 +34,16 @@ from supervisor.engines import (
     rank_command,
     translate,
 )
+from supervisor.moe import GroupFlagError, GroupSpec, plan_group
 
 PROG = "lbd supervise"
 ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
 # Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
 RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
-                            "data_parallel_start_rank"})
+                            "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port"})
 # Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
 ENV_ONLY = frozenset({"api_key"})
-FAILURE_POLICIES = ("restart", "exit")
+FAILURE_POLICIES = ("restart-group", "restart-rank", "restart", "exit")
 DP_BACKENDS = ("mp", "ray")
 RAY_PACK_STRATEGIES = ("strict", "fill", "span")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
@@ -100,7 +101,7 @@ class SupervisorConfig:
     probe_failure_threshold: int
     startup_timeout_s: float
     ready_policy: str  # "all", "any" or a positive integer as text
-    on_rank_failure: str
+    on_rank_failure: str  # restart-rank | restart-group | exit (resolved from the model when not given)
     admin_token: str | None
     shutdown_timeout_s: float
     drain_timeout_s: float
@@ -113,6 +114,8 @@ class SupervisorConfig:
     ranks_per_node: int = 0  # ray: --data-parallel-size-local, the ranks each Ray node takes
     device: str = "auto"
     devices_per_rank: int = 1  # tensor x pipeline parallel size
+    group: GroupSpec | None = None  # the MoE group of the ranks (None: independent dense ranks)
+    log_level: str = "info"
     probe_generate_every: int = 0  # every Nth probe is a 1-token generation (0: never)
     model_name: str = ""  # what a generation probe asks for
     api_keys: list[str] = field(default_factory=list)  # the ranks' keys (a generation probe sends the first)
@@ -188,7 +191,11 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ready-policy", type=_ready_policy, default="all",
                    help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
     g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
-                   help="restart: restart the failed rank alone, with backoff; exit: stop the node, exit 1")
+                   help="restart-rank (dense models' default): restart the failed rank alone, with backoff, "
+                        "the others keep serving; restart-group (MoE groups' default): the group stops "
+                        "serving, only the failed member restarts, the survivors keep their processes and "
+                        "re-join a new process group; restart: the model's default; exit: stop the node, "
+                        "exit 1 (vLLM's behaviour)")
     g.add_argument("--admin-token", default=None,
                    help=f"bearer token of the drain/restart endpoints (or ${ADMIN_TOKEN_ENV}); "
                         "without one they answer 404")
@@ -473,7 +480,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
                      "lists them)")
     engine_args = engine_args_from_namespace(ns)
-    validate(engine_args, parser)
+    # the rendezvous flags are the supervisor's to check (supervisor.moe: a port alone is fine here, the
+    # address defaults); each rank validates the pair it is given
+    validate(engine_args_from_namespace(argparse.Namespace(
+        **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
     if ns.dp_supervisor_probe_generate < 0:
         parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
     ray = ns.data_parallel_backend == "ray"
@@ -487,6 +497,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_model(ns)
+        group, on_failure = plan_group(ns, n, local, start)
         if not ray:
             _check_ports(ns, local)
         elif ns.rank_engine != "lbd" or ns.rank_command is not None:
@@ -496,9 +507,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         if problem:
             raise SupervisorArgError(problem)
         _check_kv_events(ns, start, local)
-        specs = rank_specs(ns, engine_flags(parser, ns, engine_dests), n, local, start, env, not ray,
+        passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
+        specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
                            changed_engine_options(parser, ns, engine_dests))
-    except SupervisorArgError as e:
+    except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(
         dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
@@ -506,7 +518,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,
-        on_rank_failure=ns.on_rank_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
+        on_rank_failure=on_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
         shutdown_timeout_s=ns.shutdown_timeout,
         drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
         backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
@@ -516,4 +528,5 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
-        ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend)
+        ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend, group=group,
+        log_level=ns.log_level)

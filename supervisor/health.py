@@ -7,7 +7,9 @@ GET /health   liveness. 200 while the supervisor runs and has not given up; 503 
 GET /readyz   readiness. 200 when the ready ranks meet ``--ready-policy`` (all | any | k), 503 otherwise
               and at once after SIGTERM/SIGINT. Body: one line that says why, e.g.
               ``1/2 ranks ready (policy all needs 2): rank 1 restarting (attempt 4 in 3.2 s): exited with
-              code 1: ValueError: model.safetensors: invalid header``.
+              code 1: ValueError: model.safetensors: invalid header``. The ranks of an MoE model form one
+              group (supervisor/group.py): 200 when it serves, e.g. ``MoE group (MixtralForCausalLM with 8
+              experts, 2 ranks, expert parallel): generation 2 reforming: waiting for ranks [1] ...``.
 GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256``) and people::
 
     {
@@ -55,7 +57,30 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
           "attempts": 0,             # consecutive failed starts (a crash loop); 0 once ready
           "backoff_s": null,         # the restart delay last applied (doubles per failure up to the cap)
           "stderr_tail": [],         # last stderr lines of the failed (or starting) process, secrets masked
-          "command": ["python", "-m", "engine", "..."]  # its command line, secret values masked
+          "command": ["python", "-m", "engine", "..."],  # its command line, secret values masked
+          "group_wait": null,        # an MoE member alive but waiting for its group: why (not routable)
+          "group": 0                 # only for MoE members: the index of its entry in "groups"
+        }
+      ],
+      "groups": [                    # [] for dense models (independent ranks); one MoE group otherwise
+        {
+          "group": 0, "kind": "moe", "model": "MixtralForCausalLM", "num_experts": 8, "size": 2,
+          "local_ranks": [0, 1], "expert_parallel": true, "on_rank_failure": "restart-group",
+          "ready": true, "reason": "MoE group (...): generation 2 ready",
+          "generation": 2, "state": "ready",          # the coordinator's: forming | ready | reforming
+          "wave": {"active": false, "id": 3, "count": 9}, "generation_aborts": 1,
+          "rendezvous": {"address": "127.0.0.1", "rpc_port": 29550, "store_port": 29551,
+                         "coordinator_port": 29552, "coordinator_http_port": 29553},
+          "coordinator": {"url": "http://127.0.0.1:29553", "local": true, "pid": 4240, "alive": true,
+                          "restarts": 0, "last_exit_code": null, "status_age_s": 0.04, "error": null},
+          "members": [               # every member of the group, this node's and the others'
+            {"rank": 0, "local": true, "state": "ready", "pid": 4243, "group_wait": null,
+             "core_pid": 4247, "joined": true, "waiting": 0, "running": 3,    # as the coordinator heard
+             "last_report_age_s": 0.05, "wave_active": true}
+          ],
+          "recovering": [],          # failed members not yet back: {"rank", "why", "failed_at", "for_s"}
+          "recoveries": 1,
+          "last_recovery": {"rank": 1, "why": "killed by SIGKILL", "ready_after_s": 14.2, ...}
         }
       ]
     }
@@ -63,7 +88,11 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
 GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_rank_state{rank,state},
               lbd_supervisor_rank_restarts_total{rank}, lbd_supervisor_probe_duration_seconds{rank},
               lbd_supervisor_probe_failures_total{rank,reason}, lbd_supervisor_ready,
-              lbd_supervisor_ready_ranks, lbd_supervisor_ranks, lbd_supervisor_phase{phase}.
+              lbd_supervisor_ready_ranks, lbd_supervisor_ranks, lbd_supervisor_phase{phase}; with an MoE
+              group lbd_supervisor_group_ready, _generation, _wave_active, _member_joined{rank},
+              _requests_waiting{rank}, _requests_running{rank}, _member_failures_total{rank},
+              lbd_supervisor_group_recovery_seconds, lbd_supervisor_coordinator_up,
+              lbd_supervisor_coordinator_restarts.
 
 Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401 on a missing or wrong
 ``Authorization: Bearer <token>``); each answers 202 with JSON at once and works in the background:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from engine.edge.tls import client_context
 from supervisor.config import SupervisorConfig
+from supervisor.group import MoeGroup
 from supervisor.metrics import SupervisorMetrics
 from supervisor.probe import Prober
 from supervisor.process import RankProcess
@@ -41,6 +42,9 @@ class Supervisor:
         self.prober = Prober(cfg.probe_timeout_s, tls)
         self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
+        # the ranks of an MoE model form one group (None: independent dense ranks)
+        self.group = (MoeGroup(cfg.group, self.workers, self.metrics.registry, cfg.on_rank_failure,
+                               cfg.log_level, self._coordinator_fatal) if cfg.group is not None else None)
         self.phase = RUNNING
         self.exit_code = 0
         self.failure: str | None = None
@@ -55,11 +59,15 @@ class Supervisor:
         return next((w for w in self.workers if w.spec.rank == rank), None)
 
     def ready_count(self) -> int:
-        return sum(w.state is RankState.READY for w in self.workers)
+        if self.group is not None and not self.group.routable():
+            return 0
+        return sum(w.state is RankState.READY and w.group_wait is None for w in self.workers)
 
     def readiness(self) -> tuple[bool, str]:
         if self.phase != RUNNING:
             return False, f"supervisor is {self.phase}" + (f": {self.failure}" if self.failure else "")
+        if self.group is not None:
+            return self.group.readiness()
         ready, need, total = self.ready_count(), self.cfg.ready_needed, len(self.workers)
         head = f"{ready}/{total} ranks ready (policy {self.cfg.ready_policy}"
         if ready >= need:
@@ -76,6 +84,7 @@ class Supervisor:
         ready, reason = self.readiness()
         live, _ = self.liveness()
         cfg = self.cfg
+        ranks = [w.status(url_host) for w in self.workers]
         return {
             "ready": ready, "live": live, "reason": reason, "phase": self.phase, "pid": os.getpid(),
             "node_rank": cfg.node_rank, "data_parallel_size": cfg.dp_size,
@@ -87,7 +96,8 @@ class Supervisor:
                       "generate_every": cfg.probe_generate_every},
             "uptime_s": time.monotonic() - self._started_mono,
             "rolling_restart": self.rolling,
-            "ranks": [w.status(url_host) for w in self.workers],
+            "ranks": ranks,
+            "groups": [self.group.status(ranks)] if self.group is not None else [],
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -103,12 +113,16 @@ class Supervisor:
         log.info("health port %s:%d; starting %d ranks %d..%d %s", self.cfg.supervisor_host,
                  self.cfg.supervisor_port, len(self.workers), self.cfg.dp_start_rank,
                  self.cfg.dp_start_rank + len(self.workers) - 1, where)
-        for w in self.workers:
-            w.start()
         try:
+            if self.group is not None:  # its coordinator first: it hosts the group's store
+                await self.group.start()
+            for w in self.workers:
+                w.start()
             await self._stop.wait()
             await self._shutdown()
         finally:
+            if self.group is not None:  # after the ranks: they drain with their group intact
+                await self.group.stop()
             await server.stop()
             await self.prober.close()
         log.info("exit %d", self.exit_code)
@@ -137,7 +151,17 @@ class Supervisor:
         if self.cfg.on_rank_failure == "exit":
             self._give_up(worker, why, 1)
             return FailureAction.EXIT
+        if self.group is not None:
+            self.group.member_failed(worker, why)
+            return FailureAction.REPLACE_MEMBER
         return FailureAction.RESTART_RANK
+
+    def _coordinator_fatal(self, why: str) -> None:
+        if self.phase == RUNNING:
+            self.phase, self.failure, self.exit_code = FAILED, why, 2
+            log.error("%s: shutting the node down", why)
+            assert self._stop is not None
+            self._stop.set()
 
     def _give_up(self, worker: RankWorker, why: str, code: int) -> None:
         """Shut the node down with ``code``: 1 under --on-rank-failure exit (as vLLM does), 2 for an engine

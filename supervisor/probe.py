@@ -18,6 +18,10 @@ _IN_FLIGHT = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
               ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
+# Not a failure: a member of an MoE group answering 503 with this header is alive and waiting for its group
+# to form (the header's value: forming | reforming).
+GROUP_WAIT = "group_wait"
+GROUP_STATE_HEADER = "X-lbd-dp-state"
 GENERATE_TIMEOUT, GENERATE_FAILED = "generate_timeout", "generate_failed"
 
 
@@ -45,13 +49,14 @@ class Prober:
         return self._session
 
     async def _call(self, method: str, url: str, timeout_reason: str, timeout_what: str,
-                    **kw: object) -> tuple[int, bytes, float] | ProbeResult:
-        """(status, body, latency), or the failed ProbeResult of a timeout or a connection error."""
+                    **kw: object) -> tuple[int, bytes, float, str | None] | ProbeResult:
+        """(status, body, latency, the X-lbd-dp-state header), or the failed ProbeResult of a timeout or a
+        connection error."""
         start = time.perf_counter()
         try:
             async with self._client().request(method, url, **kw) as resp:
                 body = await resp.read()
-                return resp.status, body, time.perf_counter() - start
+                return resp.status, body, time.perf_counter() - start, resp.headers.get(GROUP_STATE_HEADER)
         except TimeoutError:
             return ProbeResult(False, time.perf_counter() - start, None, timeout_reason,
                                f"{timeout_what} within {self.timeout.total:g} s")
@@ -62,9 +67,11 @@ class Prober:
         got = await self._call("GET", base_url + "/health", TIMEOUT, "no answer")
         if isinstance(got, ProbeResult):
             return got
-        status, body, latency = got
+        status, body, latency, group_state = got
         if status == 200:
             return ProbeResult(True, latency, status)
+        if status == 503 and group_state:
+            return ProbeResult(False, latency, status, GROUP_WAIT, _group_wait_detail(group_state, body))
         why = _error_message(body)
         return ProbeResult(False, latency, status, CORE_DEAD if status == 503 else BAD_STATUS,
                            f"/health answered {status}" + (f": {why}" if why else ""))
@@ -79,7 +86,7 @@ class Prober:
                                "1-token generation not done", json=body, headers=headers)
         if isinstance(got, ProbeResult):
             return got
-        status, text, latency = got
+        status, text, latency, _ = got
         if status in (200, 503):
             return ProbeResult(True, latency, status)
         return ProbeResult(False, latency, status, GENERATE_FAILED,
@@ -128,6 +135,11 @@ def _metric_sum(text: str, name: str) -> float:
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _group_wait_detail(state: str, body: bytes) -> str:
+    message = _error_message(body)
+    return f"waiting for its DP group ({state})" + (f": {message}" if message else "")
 
 
 def _error_message(body: bytes) -> str:

@@ -21,7 +21,7 @@ from typing import Protocol
 from engine.edge.redact import redact_argv
 from supervisor.config import RankSpec, SupervisorConfig
 from supervisor.metrics import SupervisorMetrics
-from supervisor.probe import CORE_DEAD, Prober, ProbeResult
+from supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
 from supervisor.process import RankProcess
 
 log = logging.getLogger("lbd.supervisor")
@@ -62,8 +62,9 @@ class FailureAction(enum.StrEnum):
 
     RESTART_RANK = "restart"  # this rank alone, after its backoff; the others keep serving
     EXIT = "exit"  # the node shuts down and exits non-zero (vLLM's behaviour)
-    # Seam for coupled MoE expert-parallel groups: a RESTART_GROUP action would have the node stop every
-    # worker and start them again in step (their torch.distributed group cannot lose one member alone).
+    # A member of an MoE group: SIGKILLed at once (its peers wait on it), the group told (``after_stop``),
+    # then started again after its backoff while the survivors re-join a new process group (supervisor.group).
+    REPLACE_MEMBER = "replace_member"
 
 
 class Command(enum.StrEnum):
@@ -126,6 +127,9 @@ class RankWorker:
         self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
         self.operation: str | None = None  # admin command being carried out
         self.kv_event_sources: dict | None = None  # the ready process's /kv_event_sources
+        self.group_wait: str | None = None  # an MoE member alive but waiting for its group (last probe)
+        # called once a failed member's process is gone (REPLACE_MEMBER): the group is told
+        self.after_stop: Callable[[RankWorker, str], None] | None = None
         self._probes = 0  # probes of the current process since it became ready
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
@@ -180,7 +184,8 @@ class RankWorker:
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
             "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
-            "state": self.state.value, "routable": self.state is RankState.READY,
+            "state": self.state.value,
+            "routable": self.state is RankState.READY and self.group_wait is None,
             "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
             "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
             "last_probe_at": self.last_probe_at, "last_probe_error": self.last_probe_error,
@@ -189,7 +194,8 @@ class RankWorker:
             "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
             "last_exit_code": self.last_exit_code,
             "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
-            "operation": self.operation, "devices": self.spec.devices, "cpus": self.spec.cpus,
+            "operation": self.operation, "group_wait": self.group_wait,
+            "devices": self.spec.devices, "cpus": self.spec.cpus,
             "engine": self.spec.engine, "workers": self.workers, "attempts": self.attempts,
             "backoff_s": self.backoff_s, "stderr_tail": tail, "command": redact_argv(self.spec.argv),
             "kv_event_sources": self.kv_event_sources,
@@ -216,13 +222,17 @@ class RankWorker:
                 self._record_failure(detail)
                 # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
                 usage_error = self.last_exit_code == 2 and not self._ever_ready
-                if self._on_failure(self, detail, usage_error) is FailureAction.EXIT:
+                action = self._on_failure(self, detail, usage_error)
+                if action is FailureAction.EXIT:
                     self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
                     await self._stop_process(FAILED_STOP_GRACE_S)
                     self._note_cause(proc, was_ready)
                     return
-                await self._stop_process(FAILED_STOP_GRACE_S)
+                member = action is FailureAction.REPLACE_MEMBER
+                await self._stop_process(0.0 if member else FAILED_STOP_GRACE_S)
                 self._note_cause(proc, was_ready)
+                if member and self.after_stop is not None:
+                    self.after_stop(self, detail)
                 await self._backoff(healthy_for)
             self.restarts += 1
             self.metrics.rank_restarts.labels(rank=str(self.spec.rank)).inc()
@@ -234,6 +244,7 @@ class RankWorker:
         self.consecutive_failures = self.generate_failures = 0
         self._ready_mono = None
         self.kv_event_sources = None
+        self.group_wait = None
         self._set_state(RankState.STARTING)
         try:
             proc = await self._spawn()
@@ -357,7 +368,9 @@ class RankWorker:
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 interval = self.cfg.probe_interval_s
-                tick += min(interval, STARTUP_PROBE_INTERVAL_S) if starting else interval
+                # starting, or waiting for its group to re-form: probe often, to see it serve at once
+                fast = starting or self.group_wait is not None
+                tick += min(interval, STARTUP_PROBE_INTERVAL_S) if fast else interval
                 tick = max(tick, loop.time())  # after a stall, do not fire a burst to catch up
                 await asyncio.sleep(tick - loop.time())
         finally:
@@ -384,6 +397,11 @@ class RankWorker:
         self.last_probe_latency_s = res.latency_s
         self.last_probe_at = time.time()
         self.last_probe_error = res.detail
+        if res.reason == GROUP_WAIT:  # alive, its group is (re-)forming: no failure, not serving
+            self.consecutive_failures = 0
+            self.group_wait = res.detail
+            return
+        self.group_wait = None
         if res.ok:
             if generate:
                 self.generate_failures = 0

@@ -226,12 +226,18 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     from engine.metrics import CoreMetrics
 
     metrics = CoreMetrics(args.model_name, args.rank)
-    core = EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
-    if core.runner.device == "cpu":
+    member = None
+    in_group = _in_dp_group(args, model_path)  # an MoE model's DP rank: the group's loop (engine/dp)
+    core = None if in_group else EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
+    if core is not None and core.runner.device == "cpu":
         from engine.core.runner import pin_core_thread
 
         pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
     ctx = zmq.Context(io_threads=1)
+    if in_group:
+        from engine.dp.rank import build_member
+
+        core, member = build_member(args, model_path, metrics, ctx)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
@@ -240,18 +246,36 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     state = _State()
     _install_signals(state)  # only now: a signal during the model load just ends the process
     logger.info("core ready on %s (pid %d)", input_address, os.getpid())
-    server = CoreServer(core, sock, args.shutdown_timeout, state)
+    if member is None:
+        server = CoreServer(core, sock, args.shutdown_timeout, state)
+    else:
+        from engine.dp.rank import MemberServer
+
+        server = MemberServer(core, sock, member, args.shutdown_timeout, state)
     try:
         server.run()
     except Exception:
         logger.exception("core loop failed")
         raise
     finally:
+        if member is not None:
+            member.close()
         core.close()
         sock.close(linger=0)
         ctx.term()
         _remove_ipc_file(input_address)
         logger.info("core exited")
+
+
+def _in_dp_group(args: EngineArgs, model_path: str) -> bool:
+    from pathlib import Path
+
+    from engine.distributed.check import ModelFacts
+    from engine.dp import needs_group
+
+    if args.data_parallel_size == 1 or args.device == "sim":
+        return False
+    return needs_group(args, ModelFacts.from_config(Path(model_path) / "config.json").architectures)
 
 
 def _worker_failed(reason: str) -> None:

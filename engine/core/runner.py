@@ -177,8 +177,9 @@ class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
 
     def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None, *,
-                 allocate: bool = True) -> None:
+                 allocate: bool = True, model_options: dict | None = None) -> None:
         self._t0 = time.monotonic()
+        self.model_options = model_options or {}  # for build_model, e.g. a DP member's expert_shard
         self.args = args
         self.model_path = model_path
         self.parallel = parallel or ParallelContext.single()
@@ -221,7 +222,7 @@ class ModelRunner:
 
     def _load_model(self, hf_config: object) -> torch.nn.Module:
         with torch.device(self.torch_device), _default_dtype(self.torch_dtype):
-            model = build_model(hf_config, self.max_model_len, self.parallel)
+            model = build_model(hf_config, self.max_model_len, self.parallel, **self.model_options)
         load_weights(model, self.model_path)
         model.init_rope(self.torch_device)
         ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)

@@ -31,6 +31,7 @@ class ModelFacts:
     num_kv_heads: int
     num_layers: int
     intermediate_size: int | None
+    moe_intermediate_size: int | None = None  # per routed expert (MoE models)
 
     @property
     def name(self) -> str:
@@ -46,8 +47,11 @@ class ModelFacts:
         archs = tuple(raw.get("architectures") or ())
         text = raw.get("text_config") or raw  # multimodal wrappers keep the decoder's numbers inside
         heads = int(text.get("num_attention_heads") or 1)
+        moe_width = text.get("moe_intermediate_size")
+        if moe_width is None and "MixtralForCausalLM" in archs:
+            moe_width = text.get("intermediate_size")  # Mixtral's experts are intermediate_size wide
         return cls(archs, heads, int(text.get("num_key_value_heads") or heads),
-                   int(text.get("num_hidden_layers") or 1), text.get("intermediate_size"))
+                   int(text.get("num_hidden_layers") or 1), text.get("intermediate_size"), moe_width)
 
 
 def model_facts(model: str | None) -> ModelFacts | None:
@@ -145,8 +149,43 @@ def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if facts is not None and args.device != "sim":
         check_model(tp, pp, parse_partition(args.pp_layer_partition), facts, args.kv_cache_dtype)
+    if facts is not None:
+        check_dp_group(args, facts)
     if tp * pp == 1 or args.distributed_executor_backend == "ray":  # Ray finds the devices, on any node
         return None
     cuda = visible_cuda_devices(env, args.device)
     cpus = rank_threads(args.data_parallel_size_local, args.data_parallel_size, env)
     return check_devices(tp, pp, cuda, env.get("CUDA_VISIBLE_DEVICES", "<unset>"), cpus)
+
+
+def check_dp_group(args: EngineArgs, facts: ModelFacts) -> None:
+    """The MoE DP-group flags against the model: a dense model has no group (and no experts to spread); an
+    MoE model served by N > 1 ranks needs the group's address; tensor-parallel experts must split evenly."""
+    from engine.dp import is_moe
+
+    moe = is_moe(facts.architectures)
+    grouped = args.data_parallel_address is not None
+    if not moe:
+        if args.enable_expert_parallel:
+            raise ParallelConfigError(
+                f"--enable-expert-parallel: {facts.name} is a dense model (no experts): drop the flag")
+        if grouped:
+            raise ParallelConfigError(
+                f"--data-parallel-address / --data-parallel-rpc-port: {facts.name} is a dense model, whose "
+                "DP ranks are independent (no group, no coordinator): drop both flags")
+        return
+    if args.data_parallel_size > 1 and not grouped and args.data_parallel_rank is not None:
+        raise ParallelConfigError(
+            f"{facts.name} is an MoE model: its {args.data_parallel_size} DP ranks share the expert layers, "
+            f"so rank {args.data_parallel_rank} needs the group's --data-parallel-address and "
+            "--data-parallel-rpc-port (the coordinator: python -m engine.dp.coordinator)")
+    if grouped and args.distributed_executor_backend == "ray":
+        raise ParallelConfigError(
+            f"--distributed-executor-backend ray: a rank of {facts.name}'s DP group runs its model in the "
+            "core process (one member per rank, TP x PP = 1): use mp (the default)")
+    width = facts.moe_intermediate_size
+    n = args.data_parallel_size
+    if grouped and not args.enable_expert_parallel and width and width % n:
+        raise ParallelConfigError(
+            f"tensor-parallel experts: {facts.name}'s expert width {width} does not split into "
+            f"--data-parallel-size {n} slices: pass --enable-expert-parallel (any expert count works)")

@@ -27,6 +27,9 @@ ARCHITECTURES: dict[str, tuple[str, str, bool | None]] = {
 # these in agreement with the classes): ``supports_parallel = True`` (TP/PP) ...
 PARALLEL_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
                                                     "Qwen2ForCausalLM"})
+# ... MoE models (subclasses of engine.models.moe.MoECausalLM: their DP ranks form a group, engine.dp) ...
+MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                                               "DeepseekV2ForCausalLM"})
 # ... and ``supports_fp8_kv_cache = False`` (an MLA latent cache)
 NO_FP8_KV_CACHE: frozenset[str] = frozenset({"DeepseekV2ForCausalLM"})
 

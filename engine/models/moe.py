@@ -173,13 +173,16 @@ class SparseMoE(nn.Module):
                                     shard or ExpertShard(moe.routing.num_experts))
         self.shared_experts = (MLP(cfg, moe.shared_intermediate_size) if moe.shared_intermediate_size
                                else None)
+        # Set by a DP group (engine.dp.expert_parallel.attach): (experts, x, weights, ids) -> the summed
+        # routed output of this rank's tokens, computed by the members that hold their experts.
+        self.dispatch: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        # Expert parallelism: dispatch (x, weights, ids) to the experts' owners here and combine (sum) their
-        # partial outputs after; with tensor-parallel expert slices, all-reduce ``out`` before the shared
-        # experts (whole on every rank) are added.
-        out = self.experts(x, weights, ids)
+        if self.dispatch is None:
+            out = self.experts(x, weights, ids)
+        else:  # expert parallel / TP-sharded experts across DP ranks: dispatch, compute, combine
+            out = self.dispatch(self.experts, x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

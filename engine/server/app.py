@@ -25,6 +25,7 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 PID_HEADER = "x-lbd-frontend-pid"
+DP_STATE_HEADER = "X-lbd-dp-state"
 
 
 @web.middleware
@@ -67,6 +68,9 @@ def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Applicat
 
     async def tag(request: web.Request, response: web.StreamResponse) -> None:
         response.headers[PID_HEADER] = pid  # shows which front end served it (--api-server-count > 1)
+        dp_state = state.dp_state
+        if dp_state is not None and dp_state != "ready":  # alive, waiting for its MoE DP group
+            response.headers[DP_STATE_HEADER] = dp_state
 
     app.on_response_prepare.append(tag)
     add_routes(app)

@@ -21,6 +21,7 @@ from engine.core.step_profile import FrontendProfiler
 from engine.protocol import (
     ABORT,
     ADD,
+    DP,
     ERROR,
     HELLO,
     OUTPUTS,
@@ -78,6 +79,11 @@ class CoreClient:
         # core answers anything within a second (an idle one still sends stats every second), so this
         # growing old is a stall too, also once the requests that were waiting have been given up.
         self.pending_since: float | None = None
+        self.dp: dict | None = None  # the core's DP-group status (engine.dp.rank.DPStatus); None: no group
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._core_pid
 
     @property
     def alive(self) -> bool:
@@ -181,6 +187,8 @@ class CoreClient:
             return tokens
         elif kind == STATS:
             self.stats = SchedulerStats(**msg)
+        elif kind == DP:
+            self.dp = msg
         elif kind == ERROR:
             queue = self._routes.get(msg.get("request_id") or "")
             if queue is not None:

@@ -37,6 +37,15 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def status(request: web.Request) -> web.Response:
+    """This rank at a glance; ``dp`` is its MoE DP group's status (null for an independent rank)."""
+    state = state_of(request)
+    client = state.client
+    ready = client.alive and not state.draining and state.dp_state in (None, "ready")
+    return json_response({"rank": state.args.rank, "pid": state.pid, "core_pid": client.core_pid,
+                          "ready": ready, "dp": client.dp})
+
+
 async def version_info(request: web.Request) -> web.Response:
     return json_response({"version": _VERSION})
 
@@ -115,6 +124,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_post("/ping", health)
+    app.router.add_get("/status", status)
     app.router.add_get("/version", version_info)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics_text)

@@ -56,11 +56,22 @@ class FrontendState:
             raise APIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
         return model
 
+    @property
+    def dp_state(self) -> str | None:
+        """forming | ready | reforming for a rank of an MoE DP group; None for an independent rank."""
+        dp = self.client.dp
+        return dp.get("state") if dp else None
+
     def check_available(self) -> None:
         if self.draining:
             raise APIError("The server is shutting down.", 503)
         if not self.client.alive:
             raise APIError(f"The engine core is not running: {self.client.dead_reason}", 503)
+        dp = self.client.dp
+        if dp and dp.get("state") != "ready":
+            verb = "forming" if dp.get("state") == "forming" else "re-forming"
+            raise APIError(f"data-parallel group is {verb}: {dp.get('reason') or 'waiting for every rank'}",
+                           503)
 
     def check_healthy(self) -> None:
         """/health: available, and the core not stalled. A core with work sends outputs or stats at least

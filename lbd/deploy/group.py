@@ -10,8 +10,9 @@ its range over (or the same node, same health port, registers again after a rest
 
 Rendezvous for the DP group's collective layers (MoE across DP ranks): the registration service owns
 ``--data-parallel-rpc-port`` P on the head's ``--data-parallel-address`` A; P+1 is the torch.distributed
-TCPStore of the group and P+2 the DP coordinator's port beside rank 0. The head advertises them in every
-registration reply and in GET /v1/group (``rendezvous``), so ranks never derive them on their own.
+TCPStore of the group, P+2 the DP coordinator's port beside rank 0 and P+3 its HTTP port (the coordinator
+binds all three; every node's supervisor passes A and P to its ranks). The head advertises them in every
+registration reply and in GET /v1/group (``rendezvous``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-STORE_OFFSET, COORDINATOR_OFFSET = 1, 2
+STORE_OFFSET, COORDINATOR_OFFSET, COORDINATOR_HTTP_OFFSET = 1, 2, 3
 MAX_REJECTIONS_KEPT = 10
 
 
 def rendezvous(address: str | None, rpc_port: int) -> dict[str, object]:
     """Where the group's collective layers meet (see the module docstring)."""
     return {"address": address, "registry_port": rpc_port, "store_port": rpc_port + STORE_OFFSET,
-            "coordinator_port": rpc_port + COORDINATOR_OFFSET}
+            "coordinator_port": rpc_port + COORDINATOR_OFFSET,
+            "coordinator_http_port": rpc_port + COORDINATOR_HTTP_OFFSET}
 
 
 def span(ranks: list[int]) -> str:

@@ -144,12 +144,14 @@ class NodeHealth(AppServer):
         if self.router_alive() is False:
             return False, "the router is not running (restarting)"
         ranks = self.view_ranks()
-        ready = sum(r.get("state") == "ready" for r in ranks)
+        ready = sum(map(_serving, ranks))
         need, total = self.plan.ready_needed, self.plan.view_size
         head = f"{ready}/{total} ranks ready (policy {self.plan.ready_policy}"
         if ready >= need:
             return True, head + ")"
-        return False, f"{head} needs {need}): {_not_ready(ranks)}"
+        groups = (self.local.status or {}).get("groups") or [] if self.local is not None else []
+        why = "; ".join(str(g.get("reason")) for g in groups if not g.get("ready")) or _not_ready(ranks)
+        return False, f"{head} needs {need}): {why}"
 
     def liveness(self) -> tuple[bool, str]:
         if self.phase == FAILED:
@@ -186,7 +188,7 @@ class NodeHealth(AppServer):
                 "data_parallel_size": self.plan.dp_size,
                 "data_parallel_size_local": self.plan.dp_size_local,
                 "data_parallel_start_rank": self.plan.dp_start_rank, "ready_policy": self.plan.ready_policy,
-                "ready_ranks": sum(r.get("state") == "ready" for r in ranks),
+                "ready_ranks": sum(map(_serving, ranks)),
                 "uptime_s": time.monotonic() - self.started, "ranks": ranks, "deployment": self.deployment()}
 
     # ---- endpoints ----------------------------------------------------------------------------------------
@@ -250,6 +252,11 @@ class NodeHealth(AppServer):
             return error_response(404, "this node runs no ranks (--data-parallel-size-local 0)")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         return await self.local.forward("POST", request.path, headers)
+
+
+def _serving(rank: dict[str, Any]) -> bool:
+    """Ready and routable (a member of an MoE group that is re-forming is ready but not routable)."""
+    return rank.get("state") == "ready" and bool(rank.get("routable", True))
 
 
 def _not_ready(ranks: list[dict[str, Any]]) -> str:

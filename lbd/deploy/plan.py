@@ -26,6 +26,7 @@ from supervisor.config import (
     parse_args,
     port_in_use,
 )
+from supervisor.moe import model_moe
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
@@ -210,12 +211,13 @@ def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
     return n, local, start
 
 
-def _check_unused(ns: argparse.Namespace, role: str, remote: bool) -> None:
-    """Flags this node would not use are refused rather than ignored."""
+def _check_unused(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) -> None:
+    """Flags this node would not use are refused rather than ignored (an MoE group on one node meets at
+    --data-parallel-address:--data-parallel-rpc-port too)."""
     unused = []
     for flag, value in (("--data-parallel-advertise-address", ns.data_parallel_advertise_address),
-                        ("--data-parallel-address", ns.data_parallel_address),
-                        ("--data-parallel-rpc-port", ns.data_parallel_rpc_port)):
+                        ("--data-parallel-address", None if moe_group else ns.data_parallel_address),
+                        ("--data-parallel-rpc-port", None if moe_group else ns.data_parallel_rpc_port)):
         if value is not None and not remote and ns.data_parallel_backend == "mp":
             unused.append((flag, "it applies to groups spanning nodes"))
     if ns.rank_port is not None and ns.data_parallel_backend == "ray":
@@ -278,7 +280,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     remote = ns.data_parallel_backend == "mp" and (local < n or role == "headless"
                                                    or (role == "head" and address is not None))
     registry, member = remote and head_of_group, remote and not head_of_group
-    _check_unused(ns, role, remote)
+    moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
+    _check_unused(ns, role, remote, moe_group)
     _check_tls(ns, role, remote)
     if remote and address is None:
         who = ("the head must tell remote nodes where to register" if head_of_group
@@ -305,7 +308,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
         cluster_token=env.get(CLUSTER_TOKEN_ENV) or None,
-        supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host),
+        supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
+        + (_group_argv(ns, address, rpc_port) if moe_group else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
@@ -349,6 +353,17 @@ def _supervise_argv(parser: OneLineParser, ns: argparse.Namespace, passed: set[s
     if rank_host is not None:
         argv += ["--host", rank_host]
     return [a for a in argv if not a.startswith("--node-rank")]  # the start rank is explicit
+
+
+def _group_argv(ns: argparse.Namespace, address: str | None, rpc_port: int) -> list[str]:
+    """Where an MoE group meets (lbd.deploy.group.rendezvous: the store on P+1, the coordinator on P+2 and
+    its HTTP on P+3, beside the head's registration on P); on one node without the flags the supervisor picks
+    loopback and free ports."""
+    if address is not None:
+        return ["--data-parallel-address", address, "--data-parallel-rpc-port", str(rpc_port)]
+    if ns.data_parallel_rpc_port is not None:
+        return ["--data-parallel-rpc-port", str(rpc_port)]
+    return []
 
 
 def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:

@@ -2,7 +2,8 @@
 
 A response's status and headers reach the client only when the upstream's first body bytes do, so an upstream
 that dies or answers 503 before that can still be retried on another endpoint ("before any byte reached the
-client"). Any other 5xx is the engine's answer to this request and goes back to the client as it is: a request
+client"); when no other endpoint can take it, the retry waits (within --retry-budget-s) for one to serve
+again. Any other 5xx is the engine's answer to this request and goes back to the client as it is: a request
 that makes every engine fail (a deterministic 500) is not replayed on every rank. Once a byte went out, no
 retry: a failure mid-stream ends the stream with a clear error (an SSE error event, or a cut connection for a
 sized body). A client that goes away cancels the handler (``lbd.router.server`` cancels the task of a
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lbd.router")
 
+_WAIT_POLL_S = 0.05  # a retry waiting for an endpoint to serve again looks this often
+_WAIT_GRACE_S = 1.0  # ... and gives up this soon when no endpoint is out (so none is coming back)
 _SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
 _JSON = b"Content-Type: application/json\r\n"
 
@@ -178,7 +181,9 @@ class Proxy:
                     return self._refuse(
                         out, decision.status, decision.message, decision.type, rid_header, decision.param
                     )
-                break
+                decision = await self._wait_for_endpoint(facts, exclude, t0)
+                if decision is None:
+                    break
             if trace is not None:
                 trace.decided(self.cfg.policy, decision)
             failure = await self._attempt(request, out, decision, facts, body, headers, rid_header, t0, trace)
@@ -200,6 +205,31 @@ class Proxy:
             )
         assert failure is not None
         self._failure_response(out, failure, rid_header)
+
+    async def _wait_for_endpoint(self, facts: RequestFacts, exclude: list[str], t0: float) -> Decision | None:
+        """A retryable failure and no other endpoint can take the request now (e.g. an MoE group re-forming
+        after a member died: every member is out until the group serves again): wait, within
+        --retry-budget-s, for one to serve. An endpoint that failed this request counts again once it has
+        been out and back (ejected or unroutable, then re-admitted). None: the budget ran out."""
+        began = self.loop.time()
+        deadline = t0 + self.cfg.retry_budget_s
+        while self.loop.time() < deadline:
+            await asyncio.sleep(_WAIT_POLL_S)
+            snaps = self.state.snapshots()
+            out = False
+            for snap in snaps:
+                if not snap.healthy or snap.draining:
+                    out = True
+                    if snap.key in exclude:
+                        exclude.remove(snap.key)
+            decision = route(self.state.policy, facts, snaps, exclude, self.cfg.pin_fallback)
+            if not isinstance(decision, Refusal):
+                return decision
+            # every endpoint is in and has failed this request: nothing to wait for (after a moment for
+            # the supervisors' word that one of them is out)
+            if decision.status != 503 or (not out and self.loop.time() - began > _WAIT_GRACE_S):
+                return None
+        return None
 
     def _refuse(
         self, out: Response, status: int, message: str, etype: str, headers: bytes, param: str | None = None

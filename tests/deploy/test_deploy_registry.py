@@ -107,6 +107,7 @@ async def test_token_join_overlap_lease_and_takeover(registry: tuple[Registry, s
         "registry_port": 29550,
         "store_port": 29551,
         "coordinator_port": 29552,
+        "coordinator_http_port": 29553,
     }
     async with httpx.AsyncClient(timeout=5.0, headers=AUTH) as c:
         group = (await c.get(base + "/v1/group")).json()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from support import free_port_run
 
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser
@@ -45,6 +46,9 @@ def models(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             "mixtral": _config_only(base / "mixtral", "MixtralForCausalLM", 4, 2, 64, 128)}
 
 
+DP_RANK0 = ["--data-parallel-size", "2", "--data-parallel-rank", "0"]
+GROUP_AT = ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", "13345"]
+
 # (case, model, flags, needles) -- checked by both commands
 CASES = [
     ("tp-vs-heads", "tiny", ["--tensor-parallel-size", "3"],
@@ -68,10 +72,7 @@ CASES = [
      ["--tensor-parallel-size 2", "needs 2 CUDA devices", "1 are visible"]),
     ("ray-executor-sim", "tiny", ["--device", "sim", "--distributed-executor-backend", "ray"],
      ["--distributed-executor-backend ray places real devices", "--device cpu"]),
-    ("expert-parallel", "tiny", ["--enable-expert-parallel"],
-     ["--enable-expert-parallel is not implemented"]),
-    ("dp-address", "tiny", ["--data-parallel-address", "10.0.0.1"], ["--data-parallel-address is where"]),
-    ("dp-rpc-port", "tiny", ["--data-parallel-rpc-port", "13345"], ["--data-parallel-rpc-port is the"]),
+    ("expert-parallel", "tiny", ["--enable-expert-parallel"], ["--enable-expert-parallel", "dense"]),
     ("timeout", "tiny", ["--distributed-timeout-s", "0"], ["--distributed-timeout-s must be > 0"]),
     ("sim-device", "tiny", ["--device", "sim", "--pipeline-parallel-size", "2"],
      ["--device sim simulates one device"]),
@@ -81,6 +82,23 @@ SERVE_ONLY = [
      ["--data-parallel-size 2 without --data-parallel-rank", "lbd supervise"]),
     ("start-rank", "tiny", ["--data-parallel-start-rank", "0"],
      ["--data-parallel-start-rank", "lbd supervise"]),
+    # one rank of an MoE DP group (engine.dp)
+    ("dp-address-alone", "tiny", ["--data-parallel-address", "10.0.0.1"],
+     ["--data-parallel-address needs --data-parallel-rpc-port"]),
+    ("dp-rpc-port-alone", "tiny", ["--data-parallel-rpc-port", "13345"],
+     ["--data-parallel-rpc-port needs --data-parallel-address"]),
+    ("dp-group-dense", "tiny", [*DP_RANK0, *GROUP_AT], ["LlamaForCausalLM is a dense model", "independent"]),
+    ("dp-group-size-1", "mixtral", GROUP_AT, ["--data-parallel-size is 1"]),
+    ("moe-rank-without-group", "mixtral", DP_RANK0, ["MoE model", "--data-parallel-address"]),
+    ("alltoall-without-ep", "mixtral", ["--all2all-backend", "alltoall"],
+     ["needs --enable-expert-parallel"]),
+    ("tp-experts-width", "mixtral", ["--data-parallel-size", "3", "--data-parallel-rank", "0", *GROUP_AT],
+     ["expert width 128", "--data-parallel-size 3", "--enable-expert-parallel"]),
+    ("idle-check-steps", "tiny", ["--dp-idle-check-steps", "0"],
+     ["--dp-idle-check-steps must be a positive"]),
+    ("dp-group-ray-executor", "mixtral", [*DP_RANK0, *GROUP_AT, "--distributed-executor-backend", "ray"],
+     ["--distributed-executor-backend ray", "use mp"]),
+    ("dp-group-sim", "mixtral", ["--device", "sim", *DP_RANK0, *GROUP_AT], ["--device sim", "--device cpu"]),
 ]
 
 
@@ -204,22 +222,61 @@ def _walk_timeout(model: Path) -> None:
     assert config["timeout_s"] == 7.0  # every collective and the rendezvous of the group
 
 
+def _moe_rank(*argv: str) -> EngineArgs:
+    return _serve("--data-parallel-size", "2", "--data-parallel-rank", "1", "--data-parallel-address",
+                  "127.0.0.1", "--data-parallel-rpc-port", "29900", *argv)
+
+
 def _walk_expert_parallel(model: Path) -> None:
-    _exit_2(lambda: _supervise("--enable-expert-parallel"), _one_rank("--enable-expert-parallel"),
-             lambda: _deploy("--data-parallel-size", "2", "--enable-expert-parallel"))
+    from engine.dp.expert_parallel import ExpertPlan
+
+    _exit_2(lambda: _supervise("--enable-expert-parallel"),
+             lambda: _deploy("--data-parallel-size", "2", "--enable-expert-parallel"))  # a dense model
+    # an MoE rank: a slice of the experts (rank 1 of 2: experts 4..7 of 8), else a slice of every expert
+    ep, tp = ExpertPlan.from_args(_moe_rank("--enable-expert-parallel")), ExpertPlan.from_args(_moe_rank())
+    assert (ep.shard(8).start, ep.shard(8).stop, ep.shard(8).tp_size) == (4, 8, 1)
+    assert (tp.shard(8).num_local, tp.shard(8).tp_rank, tp.shard(8).tp_size) == (8, 1, 2)
 
 
 def _walk_address(model: Path) -> None:
+    from engine.dp import endpoints
+
     plan = _deploy(*HEADLESS)
     assert plan.address == "127.0.0.1" and plan.member  # this node registers its ranks there
     _exit_2(lambda: _supervise("--data-parallel-address", "10.0.0.1"),
              _one_rank("--data-parallel-address", "10.0.0.1"))
+    assert endpoints(_moe_rank()) == ("127.0.0.1", 29901, "tcp://127.0.0.1:29902")  # the MoE group
 
 
 def _walk_rpc_port(model: Path) -> None:
+    from engine.dp import endpoints
+
     assert _deploy(*HEADLESS, "--data-parallel-rpc-port", "29999").rpc_port == 29999
     _exit_2(lambda: _supervise("--data-parallel-rpc-port", "29999"),
              _one_rank("--data-parallel-rpc-port", "29999"))
+    assert endpoints(_moe_rank())[1:] == (29901, "tcp://127.0.0.1:29902")
+
+
+def _walk_all2all_backend(model: Path) -> None:
+    from engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
+
+    _exit_2(_one_rank("--all2all-backend", "alltoall"))  # without --enable-expert-parallel
+    def all_to_all(*argv: str) -> bool:
+        plan = ExpertPlan.from_args(_moe_rank(*argv))
+        return ExpertDispatcher(plan, plan.shard(8), torch.device("cpu")).uses_all_to_all
+
+    assert all_to_all("--enable-expert-parallel")  # auto: all-to-all with expert parallelism
+    assert not all_to_all("--enable-expert-parallel", "--all2all-backend", "allgather_reducescatter")
+    assert not all_to_all()  # tensor-parallel experts always gather
+
+
+def _walk_idle_check_steps(model: Path) -> None:
+    from engine.dp.wave import Wave
+
+    _exit_2(_one_rank("--dp-idle-check-steps", "0"))
+    wave = Wave(_moe_rank("--dp-idle-check-steps", "3").dp_idle_check_steps)
+    wave.start()
+    assert [wave.stepped(dummy=False) for _ in range(6)] == [False, False, True] * 2  # all-reduce each 3rd
 
 
 def _walk_dp_rank(model: Path) -> None:
@@ -313,6 +370,8 @@ WALK: dict[str, Callable[[Path], None]] = {
     "--enable-expert-parallel": _walk_expert_parallel,
     "--data-parallel-address": _walk_address,
     "--data-parallel-rpc-port": _walk_rpc_port,
+    "--all2all-backend": _walk_all2all_backend,
+    "--dp-idle-check-steps": _walk_idle_check_steps,
     "--data-parallel-rank": _walk_dp_rank,
     "--data-parallel-size": _walk_dp_size,
     "--data-parallel-size-local": _walk_dp_size_local,

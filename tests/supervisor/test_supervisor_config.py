@@ -55,7 +55,7 @@ def test_defaults_pass_nothing_extra() -> None:
     assert spec.argv[3:] == ["--device=cpu", "--host=127.0.0.1", "--port", str(spec.port),
                              "--data-parallel-rank", "0", "--data-parallel-size", "1",
                              "--data-parallel-size-local", "1"]
-    assert cfg.ready_needed == 1 and cfg.on_rank_failure == "restart"
+    assert cfg.ready_needed == 1 and cfg.on_rank_failure == "restart-rank"
     assert (cfg.probe_interval_s, cfg.probe_timeout_s, cfg.probe_failure_threshold) == (5.0, 5.0, 3)
     assert cfg.hang_detection_bound_s == 20.0
 
