@@ -78,8 +78,8 @@ def _cuda_overlay() -> list[dict[str, Any]]:
 def _resources() -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml" or path.parent.name == "cuda":
-            continue
+        if path.name == "kustomization.yaml" or path.parent.name in ("cuda", "monitoring"):
+            continue  # monitoring: Prometheus Operator CRDs, no schema in kubernetes-validate (see below)
         for d in _docs(path):
             where = f"{path.relative_to(ROOT)}:{d['kind']}/{d['metadata']['name']}"
             if d["kind"] == "LeaderWorkerSet":  # a CRD: its pod templates are plain pod specs
@@ -98,6 +98,18 @@ RESOURCES = _resources()
 def test_every_manifest_is_found() -> None:
     kinds = sorted({r["kind"] for _, r in RESOURCES})
     assert kinds == ["Deployment", "Pod", "PodDisruptionBudget", "Service", "StatefulSet"], kinds
+
+
+def test_monitoring_manifests_are_prometheus_operator_resources() -> None:
+    """PodMonitor/ServiceMonitor are CRDs kubernetes-validate has no schema for: their required shape is
+    checked here, their ports and selectors against the real manifests in tests/test_dashboards.py."""
+    docs = [d for path in sorted((K8S / "monitoring").glob("*monitor.yaml")) for d in _docs(path)]
+    assert sorted(d["kind"] for d in docs) == ["PodMonitor", "ServiceMonitor"]
+    for d in docs:
+        assert d["apiVersion"] == "monitoring.coreos.com/v1", d
+        key = "podMetricsEndpoints" if d["kind"] == "PodMonitor" else "endpoints"
+        assert d["spec"]["selector"]["matchLabels"] and d["spec"][key], d
+        assert all(e.get("port") and e.get("path", "/metrics") == "/metrics" for e in d["spec"][key]), d
 
 
 @pytest.mark.parametrize(("where", "resource"), RESOURCES, ids=[w for w, _ in RESOURCES])
