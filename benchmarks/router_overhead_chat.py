@@ -16,8 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,43 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+from http_load import ANSWER, Load, _http, _stub_metrics, _wrk_us, run_wrk  # noqa: E402,F401
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from router_overhead import _median, free_port, stop, wait_port  # noqa: E402
 
 from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
-ANSWER = json.dumps(
-    {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "created": 0,
-        "model": "stub-model",
-        "choices": [{"index": 0, "text": " hello", "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-    }
-).encode()
 
 
 # ---- stub upstream (raw uvloop protocol) -------------------------------------------------------------
-def _stub_metrics(rank: int) -> bytes:
-    lab = f'engine="{rank}",model_name="stub-model"'
-    return (
-        f"vllm:num_requests_running{{{lab}}} 0.0\nvllm:num_requests_waiting{{{lab}}} 0.0\n"
-        f"vllm:kv_cache_usage_perc{{{lab}}} 0.0\n"
-    ).encode()
 
 
-def _http(status: bytes, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (
-        b"HTTP/1.1 "
-        + status
-        + b"\r\nContent-Type: "
-        + ctype
-        + b"\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
 
 
 class _StubProtocol(asyncio.Protocol):
@@ -120,51 +93,10 @@ def run_stub(port: int, rank: int, chat_fixture: str | None = None) -> None:
 
 
 # ---- load generators --------------------------------------------------------------------------------
-@dataclass
-class Load:
-    requests: int
-    seconds: float
-    p50_us: float
-    p99_us: float
-    errors: int
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
 
 
-def _wrk_us(text: str, pct: str) -> float:
-    m = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
-    if not m:
-        return float("nan")
-    return float(m.group(1)) * {"us": 1.0, "ms": 1e3, "s": 1e6}[m.group(2)]
 
 
-def run_wrk(url: str, conc: int, seconds: float, script: Path) -> Load:
-    threads = 1 if conc == 1 else 2
-    out = subprocess.run(
-        [
-            "wrk",
-            f"-t{threads}",
-            f"-c{conc}",
-            f"-d{seconds:g}s",
-            "--latency",
-            "-s",
-            str(script),
-            url + "/v1/completions",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=seconds + 30,
-    ).stdout
-    n = re.search(r"(\d+) requests in ([\d.]+)(s|ms|m)", out)
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    sock_err = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    err = int(errors.group(1)) if errors else 0
-    if sock_err:
-        err += sum(int(x) for x in sock_err.groups())
-    secs = float(n.group(2)) * {"s": 1.0, "ms": 1e-3, "m": 60.0}[n.group(3)] if n else seconds
-    return Load(int(n.group(1)) if n else 0, secs, _wrk_us(out, "50"), _wrk_us(out, "99"), err)
 
 
 class _Client(asyncio.Protocol):
@@ -289,24 +221,8 @@ def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> 
 
 
 # ---- process helpers --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_port(port: int, path: str, timeout: float = 30.0) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1.0).status_code < 500:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
 
 
 def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -319,18 +235,6 @@ def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
     )
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 # ---- routers ------------------------------------------------------------------------------------------
@@ -391,9 +295,6 @@ class Row:
     errors: int
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def measure_all(

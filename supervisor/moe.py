@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -33,19 +32,12 @@ class MoeFacts:
 
 def config_json(model: str | None) -> dict[str, Any] | None:
     """config.json of ``--model`` (an HF folder, or a GGUF's converted copy in the cache), or None."""
-    from engine.loader import ModelNotFoundError, converted_path, default_gguf
+    from engine.distributed.check import config_path
 
     try:
-        path = Path(model).expanduser() if model is not None else default_gguf()
-        if path.is_dir() and (path / "config.json").is_file():
-            config = path / "config.json"
-        else:
-            gguf = path if path.is_file() else next(iter(sorted(path.glob("*.gguf"))), None)
-            if gguf is None:
-                return None
-            config = converted_path(gguf) / "config.json"
-        raw = json.loads(config.read_text()) if config.is_file() else None
-    except (ModelNotFoundError, OSError, ValueError):
+        config = config_path(model)
+        raw = json.loads(config.read_text()) if config is not None else None
+    except (OSError, ValueError):
         return None
     return raw if isinstance(raw, dict) else None
 

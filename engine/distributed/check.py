@@ -57,20 +57,27 @@ class ModelFacts:
 def model_facts(model: str | None) -> ModelFacts | None:
     """Facts of ``--model`` read without torch, or None when that would need a GGUF conversion first (or the
     model is missing: the engine reports that itself)."""
+    try:
+        config = config_path(model)
+        return ModelFacts.from_config(config) if config is not None else None
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def config_path(model: str | None) -> Path | None:
+    """config.json of ``--model`` (an HF folder, or a GGUF's converted copy in the cache), without torch;
+    None when there is none yet (a GGUF not converted) or the model is missing."""
     from engine.loader import ModelNotFoundError, converted_path, default_gguf
 
     try:
         path = Path(model).expanduser() if model is not None else default_gguf()
         if path.is_dir() and (path / "config.json").is_file():
-            config = path / "config.json"
-        else:
-            gguf = path if path.is_file() else next(iter(sorted(path.glob("*.gguf"))), None)
-            if gguf is None:
-                return None
-            config = converted_path(gguf) / "config.json"
-        return ModelFacts.from_config(config) if config.is_file() else None
-    except (ModelNotFoundError, OSError, KeyError, ValueError, TypeError):
+            return path / "config.json"
+        gguf = path if path.is_file() else next(iter(sorted(path.glob("*.gguf"))), None)
+        config = converted_path(gguf) / "config.json" if gguf is not None else None
+    except (ModelNotFoundError, OSError):
         return None
+    return config if config is not None and config.is_file() else None
 
 
 def _good_tp_sizes(facts: ModelFacts) -> list[int]:
