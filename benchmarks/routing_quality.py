@@ -8,7 +8,8 @@ per target: every router starts from cold caches and zeroed counters. Every flee
 (vLLM's format), so every target runs against the same engines; only lbd's routers read them.
 
 Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
-`/w2`, `/w4` (router workers) and `/approx` (`--kv-events off`: the text-prefix index), and vllm-router
+`/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index) and `/noevict`
+(`--evict-weight 0`: no charge for the hot prefixes a placement evicts), and vllm-router
 (cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
 Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID); many-tenant
@@ -84,7 +85,7 @@ class Workload:
 
 def workloads(args: argparse.Namespace) -> dict[str, Workload]:
     """Rates are simulated requests/s; the client sends them time-dilated (divided by the time scale)."""
-    n_mt, n_skew = (96, 96) if args.quick else (320, 300)
+    n_mt, n_skew = (96, 96) if args.quick else (args.mt_requests, 300)
     seed = args.seed
     mt = Workload(
         "shared-prefix multi-turn",
@@ -213,6 +214,8 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
                 extra += ["--workers", mod[1:]]
             elif mod == "approx":
                 extra += ["--kv-events", "off"]
+            elif mod == "noevict":
+                extra += ["--evict-weight", "0"]
             else:
                 raise ValueError(f"target {name}: unknown suffix /{mod}")
         return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", *extra)
@@ -225,7 +228,7 @@ def available_targets() -> list[str]:
     import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
-    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx"]
+    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx", f"{OURS}/noevict"]
     if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
     if peer_installed("sglang-router"):
@@ -405,6 +408,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sim-profile", default="h100-llama3-8b")
     p.add_argument("--time-scale", type=float, default=40.0, help="dilation of simulated time (see the doc)")
     p.add_argument("--mt-rate", type=float, default=800.0, help="multi-turn: simulated requests/s (Poisson)")
+    p.add_argument("--mt-requests", type=int, default=320, help="multi-turn: requests")
     p.add_argument("--skew-rate", type=float, default=250.0, help="skew: simulated requests/s (Poisson)")
     p.add_argument("--tenants", type=int, default=48, help="many-tenant: tenants (system prompts)")
     p.add_argument("--tenant-prompt-len", type=int, default=3000, help="many-tenant: system prompt tokens")

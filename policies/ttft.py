@@ -12,6 +12,10 @@ The choice minimises the estimate plus ``reuse_weight`` x this request's uncache
 again where another rank holds it delays everything queued behind it there, so between two near-equal
 estimates the one that reuses the cache wins (e.g. a request whose prefix another request is computing right
 now), while a rank whose queue outgrows the saving loses the request (a hot prefix spreads).
+Under KV pressure the choice also pays ``evict_weight`` x the hot prefix tokens the placement would push
+out of that endpoint's cache (``footprint``: other prefixes served there lately plus this prompt, past
+``kv_threshold`` of its KV blocks): evicting a tenant's prefix costs its next request that prefix again, so
+cold prefixes go where there is room and a busy holder spills to an endpoint with room first.
 Bounded stickiness: approximate endpoints whose queue score is past the least one by a gap are not
 considered, so a guessed prefix never outweighs a large load gap. Endpoints with an exact view are exempt:
 their estimate already holds the queue ahead and the true cost of a miss (a gap on running requests only
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
+from policies.footprint import Footprint, root_of
 from policies.prefix import CHUNK_CHARS, PrefixIndex
 
 CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
@@ -48,6 +53,8 @@ class PredictedTtft(Policy):
         learn_alpha: float = 0.1,
         reuse_weight: float = 1.0,
         exact_gap_free: bool = True,
+        evict_weight: float = 1.0,
+        footprint_window: int = 512,
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -61,6 +68,8 @@ class PredictedTtft(Policy):
         self.gap_abs, self.gap_rel, self.alpha = gap_abs, gap_rel, learn_alpha
         self.reuse_weight = reuse_weight
         self.exact_gap_free = exact_gap_free
+        self.evict_weight = evict_weight
+        self.footprint = Footprint(footprint_window)
         self.avg_prompt_tokens = 256.0
         self.index = PrefixIndex(index_capacity)
 
@@ -104,9 +113,23 @@ class PredictedTtft(Policy):
         )
         return total, uncached, matched
 
+    def evicted_tokens(self, facts: RequestFacts, ep: EndpointSnapshot, uncached: float, root: int) -> float:
+        """Hot prefix tokens of other prompts that computing ``uncached`` tokens on ``ep`` would evict."""
+        if uncached <= 0.0 or ep.num_blocks <= 0:
+            return 0.0
+        room = self.kv_threshold * ep.num_blocks * ep.block_size
+        over = self.footprint.hot_tokens(ep.key, exclude=root) + facts.prompt_tokens - room
+        return 0.0 if over <= 0.0 else (over if over < uncached else uncached)
+
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
         stale_s = self.stale_s
         costs = [self.cost(facts, e) for e in endpoints]
+        we = self.evict_weight
+        if we > 0.0 and (root := root_of(facts)) is not None:
+            evict = [we * self.evicted_tokens(facts, e, c[1], root)
+                     for e, c in zip(endpoints, costs, strict=True)]
+        else:
+            evict = [0.0] * len(endpoints)
         scores = [queue_score(e, stale_s) for e in endpoints]
         least = min(scores)
         bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
@@ -115,10 +138,11 @@ class PredictedTtft(Policy):
         # requests) and the true cost of a miss; the queue-score gap stays for approximate endpoints only.
         allowed = [i for i, s in enumerate(scores) if s <= bound or (exact and endpoints[i].key in exact)]
         w = self.reuse_weight
-        pick = allowed[self.rotate(ties([costs[i][0] + w * costs[i][1] for i in allowed], eps=1e-6))]
+        score = [c[0] + w * c[1] + x for c, x in zip(costs, evict, strict=True)]
+        pick = allowed[self.rotate(ties([score[i] for i in allowed], eps=1e-6))]
         ep = endpoints[pick]
         total, uncached, matched = costs[pick]
-        if len(allowed) < len(costs) and total + w * uncached > min(c[0] + w * c[1] for c in costs) + 1e-6:
+        if len(allowed) < len(costs) and score[pick] > min(score) + 1e-6:
             reason = "load_gap"
         elif ep.age_s > stale_s:
             reason = "stale_telemetry"
@@ -132,7 +156,8 @@ class PredictedTtft(Policy):
         def detail() -> str:
             return (
                 f"est {total / rate * 1000:.1f} ms ({total:.0f} tok at {rate:.0f} tok/s, "
-                f"{uncached:.0f} uncached, {matched} {'blocks' if exact else 'chunks'} cached)"
+                f"{uncached:.0f} uncached, {matched} {'blocks' if exact else 'chunks'} cached"
+                + (f", evicts ~{evict[pick] / we:.0f} hot tokens)" if evict[pick] else ")")
             )
 
         return Decision(ep, reason, detail, cost_tokens=total, predicted_s=total / rate)
@@ -143,6 +168,8 @@ class PredictedTtft(Policy):
     def on_dispatch(self, facts: RequestFacts, key: str) -> None:
         if facts.prompt_tokens:
             self.avg_prompt_tokens += 0.05 * (facts.prompt_tokens - self.avg_prompt_tokens)
+            if self.evict_weight > 0.0 and (root := root_of(facts)) is not None:
+                self.footprint.touch(key, root, facts.prompt_tokens)
         if facts.prefix_hashes:
             self.index.insert(key, facts.prefix_hashes)
 
@@ -155,3 +182,4 @@ class PredictedTtft(Policy):
 
     def forget(self, key: str) -> None:
         self.index.forget(key)
+        self.footprint.forget(key)

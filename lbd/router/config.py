@@ -112,6 +112,7 @@ class RouterConfig:
     prefill_tokens_per_s: float | None
     log_level: str
     kv_events: str = "auto"
+    evict_weight: float = 1.0
     tokenizer: Path | None = None
     dns_refresh_interval_s: float = 5.0
     min_ready_endpoints: int = 1
@@ -221,6 +222,13 @@ def make_parser() -> OneLineParser:
         type=float,
         default=None,
         help="predicted_ttft prefill rate; default: learned from observed times to first byte",
+    )
+    g.add_argument(
+        "--evict-weight",
+        type=float,
+        default=1.0,
+        help="predicted_ttft: weight of the hot prefix tokens a placement would evict from a full KV cache "
+        "(each evicted one is computed again by its next request); 0 turns the charge off",
     )
     g.add_argument(
         "--pin-fallback",
@@ -361,6 +369,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events,
+        evict_weight=ns.evict_weight,
         tokenizer=ns.tokenizer,
         limits=limits,
         max_streams_per_endpoint=ns.max_streams_per_endpoint,
@@ -425,6 +434,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--rate-limit-tps": ns.rate_limit_tps,
         "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
         "--shutdown-timeout": ns.shutdown_timeout,
+        "--evict-weight": ns.evict_weight,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")

@@ -35,6 +35,7 @@ class RouterState:
             stale_s=cfg.stale_after_s,
             seed=shared.worker,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+            evict_weight=cfg.evict_weight,
         )
         self.exact: ExactView | None = None  # set by the app when --kv-events is not off
         self.metrics = RouterMetrics(self.live_rows, self.kv_rows)

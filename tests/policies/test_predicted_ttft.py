@@ -8,6 +8,7 @@ from dataclasses import replace
 from test_policies import dispatch, eps, hot
 
 from policies import CHUNK_CHARS, EndpointSnapshot, RequestFacts, chunk_hashes, make_policy
+from policies.footprint import Footprint, root_of
 
 
 def test_cold_burst_spreads_evenly() -> None:
@@ -159,3 +160,65 @@ def test_reuse_breaks_near_ties_toward_the_cache() -> None:
     assert p.choose(facts, e).endpoint.key == "http://e0"
     greedy = make_policy("predicted_ttft", prefill_tokens_per_s=1000, reuse_weight=0.0)
     assert greedy.choose(facts, e).endpoint.key == "http://e1"
+
+
+# ---- KV pressure: the hot prefixes a placement would evict ------------------------------------------------
+def tenant(t: int, prompt: int, cached: dict[str, int]) -> RequestFacts:
+    """A request of tenant ``t``: its own block chain (so its own prefix name), exact cached lengths."""
+    chain = [t * 1_000_003 + i for i in range(prompt // 16)]
+    return RequestFacts(prompt_tokens=prompt, cached_tokens=cached, block_keys={16: chain})
+
+
+def test_footprint_counts_recent_prefixes_once_each() -> None:
+    fp = Footprint(window=4)
+    fp.touch("a", 1, 3000)
+    fp.touch("a", 1, 3200)  # the same prefix, a longer prompt: counted once at its longest
+    fp.touch("a", 2, 3000)
+    assert fp.hot_tokens("a") == 6200 and fp.hot_tokens("a", exclude=2) == 3200
+    for _ in range(3):
+        fp.touch("b", 9, 100)  # dispatches elsewhere age a's prefixes too
+    assert fp.hot_tokens("a") == 3000  # prefix 1 was last sent 4 dispatches ago: cold now
+    fp.forget("a")
+    assert fp.hot_tokens("a") == 0 and root_of(tenant(1, 3000, {})) != root_of(tenant(2, 3000, {}))
+    assert root_of(RequestFacts(prompt_tokens=64, block_keys={16: [1, 2, 3, 4]})) is None
+
+
+def test_cold_prefix_goes_where_it_evicts_nothing() -> None:
+    """Each endpoint's KV holds 10,240 tokens (8,192 under kv_threshold). e0 serves two 3,000-token tenants,
+    e1 one; e0 is a little less busy, so without the charge a new tenant goes there and pushes out one of
+    e0's hot prefixes; with it the new tenant goes to e1, where it fits."""
+    e = eps(2, num_blocks=640)
+    e[1] = replace(e[1], running=4)
+    names = ("http://e0", "http://e1")
+    for evict_weight, want in ((1.0, "http://e1"), (0.0, "http://e0")):
+        p = make_policy("predicted_ttft", prefill_tokens_per_s=1000, evict_weight=evict_weight)
+        for t, key in ((1, "http://e0"), (2, "http://e0"), (3, "http://e1")):
+            p.on_dispatch(tenant(t, 3000, {}), key)
+        d = p.choose(tenant(4, 3000, dict.fromkeys(names, 0)), e)
+        assert d.endpoint.key == want
+    assert "evicts" not in d.explain()
+    # unknown KV size (no cache_config telemetry) or a roomy cache: no charge, the old choice
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    for t in (1, 2):
+        p.on_dispatch(tenant(t, 3000, {}), "http://e0")
+    for blocks in (0, 4096):
+        e = eps(2, num_blocks=blocks)
+        e[1] = replace(e[1], running=4)
+        assert p.choose(tenant(4, 3000, dict.fromkeys(names, 0)), e).endpoint.key == "http://e0"
+
+
+def test_a_busy_holder_spills_to_room_first() -> None:
+    """Tenant 1's holder e0 is backlogged; e1's cache is full of two other hot tenants, e2's has room: the
+    spill goes to e2 although e1 is a little less busy."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    e = eps(3, num_blocks=640)
+    e[0] = replace(e[0], unstarted=8, unstarted_tokens=12_000, inflight=8)
+    e[2] = replace(e[2], running=4)
+    for t, key in ((1, "http://e0"), (2, "http://e1"), (3, "http://e1"), (5, "http://e2")):
+        p.on_dispatch(tenant(t, 3000, {}), key)
+    facts = tenant(1, 3200, {"http://e0": 2992, "http://e1": 0, "http://e2": 0})
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e2"
+    e[2] = replace(e[2], running=80)  # ...unless room is busier than what evicting costs
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e1" and "evicts ~" in d.explain()
