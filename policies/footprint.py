@@ -7,6 +7,7 @@ Where the hot prefixes fit in an endpoint's cache the charge is zero, so it only
 (then it partitions tenants over the ranks by room: cold prefixes go where room is, a busy holder spills to an
 endpoint with room before one without).
 
+Only a prefix sent at least twice counts as hot: a one-off prompt (nothing shares it) costs nothing to evict.
 A prefix is named by the key of an early block of the request's chain (``ROOT_BLOCKS`` in: past the chat
 template's header, inside the system prompt), with the longest prompt seen for it as its size. "Lately" is
 counted in dispatches, not seconds (policies read no clock): a prefix is hot on an endpoint while it was sent
@@ -31,7 +32,8 @@ def root_of(facts: RequestFacts) -> int | None:
 
 
 class Footprint:
-    """Per endpoint: hot prefix -> [tokens, last dispatch tick], oldest first, and their token sum."""
+    """Per endpoint: prefix -> [tokens, last dispatch tick, dispatches], oldest first, and the token sum of
+    those sent more than once."""
 
     __slots__ = ("window", "tick", "_roots", "_sums")
 
@@ -46,12 +48,12 @@ class Footprint:
         roots = self._roots.setdefault(key, {})
         entry = roots.pop(root, None)
         if entry is None:
-            entry = [tokens, 0]
-            self._sums[key] = self._sums.get(key, 0) + tokens
-        elif tokens > entry[0]:
-            self._sums[key] += tokens - entry[0]
-            entry[0] = tokens
+            entry = [tokens, 0, 0]
+        total = self._sums.get(key, 0) - (entry[0] if entry[2] > 1 else 0)
+        entry[0] = tokens if tokens > entry[0] else entry[0]
         entry[1] = self.tick
+        entry[2] += 1
+        self._sums[key] = total + (entry[0] if entry[2] > 1 else 0)
         roots[root] = entry  # re-inserted: newest last
 
     def _expire(self, key: str) -> dict[int, list[int]]:
@@ -64,7 +66,8 @@ class Footprint:
             if entry[1] > oldest:
                 break
             del roots[root]
-            self._sums[key] -= entry[0]
+            if entry[2] > 1:
+                self._sums[key] -= entry[0]
         return roots
 
     def hot_tokens(self, key: str, exclude: int | None = None) -> int:
@@ -73,7 +76,7 @@ class Footprint:
         total = self._sums.get(key, 0)
         if exclude is not None:
             own = roots.get(exclude)
-            if own is not None:
+            if own is not None and own[2] > 1:
                 total -= own[0]
         return total
 

@@ -169,18 +169,27 @@ def tenant(t: int, prompt: int, cached: dict[str, int]) -> RequestFacts:
     return RequestFacts(prompt_tokens=prompt, cached_tokens=cached, block_keys={16: chain})
 
 
-def test_footprint_counts_recent_prefixes_once_each() -> None:
-    fp = Footprint(window=4)
+def test_footprint_counts_recent_reused_prefixes_once_each() -> None:
+    fp = Footprint(window=6)
+    fp.touch("a", 7, 5000)  # sent once: a one-off prompt, nothing to lose by evicting it
     fp.touch("a", 1, 3000)
-    fp.touch("a", 1, 3200)  # the same prefix, a longer prompt: counted once at its longest
+    fp.touch("a", 1, 3200)  # the same prefix again, a longer prompt: counted once, at its longest
+    fp.touch("a", 2, 3000)
     fp.touch("a", 2, 3000)
     assert fp.hot_tokens("a") == 6200 and fp.hot_tokens("a", exclude=2) == 3200
-    for _ in range(3):
+    for _ in range(4):
         fp.touch("b", 9, 100)  # dispatches elsewhere age a's prefixes too
-    assert fp.hot_tokens("a") == 3000  # prefix 1 was last sent 4 dispatches ago: cold now
+    assert fp.hot_tokens("a") == 3000  # prefix 1 was last sent 6 dispatches ago: cold now
+    assert fp.hot_tokens("b") == 100
     fp.forget("a")
     assert fp.hot_tokens("a") == 0 and root_of(tenant(1, 3000, {})) != root_of(tenant(2, 3000, {}))
     assert root_of(RequestFacts(prompt_tokens=64, block_keys={16: [1, 2, 3, 4]})) is None
+
+
+def serve(p, t: int, key: str, prompt: int = 3000) -> None:
+    """Tenant ``t`` is hot on ``key``: two of its requests went there."""
+    for _ in range(2):
+        p.on_dispatch(tenant(t, prompt, {}), key)
 
 
 def test_cold_prefix_goes_where_it_evicts_nothing() -> None:
@@ -193,14 +202,14 @@ def test_cold_prefix_goes_where_it_evicts_nothing() -> None:
     for evict_weight, want in ((1.0, "http://e1"), (0.0, "http://e0")):
         p = make_policy("predicted_ttft", prefill_tokens_per_s=1000, evict_weight=evict_weight)
         for t, key in ((1, "http://e0"), (2, "http://e0"), (3, "http://e1")):
-            p.on_dispatch(tenant(t, 3000, {}), key)
+            serve(p, t, key)
         d = p.choose(tenant(4, 3000, dict.fromkeys(names, 0)), e)
         assert d.endpoint.key == want
     assert "evicts" not in d.explain()
     # unknown KV size (no cache_config telemetry) or a roomy cache: no charge, the old choice
     p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
     for t in (1, 2):
-        p.on_dispatch(tenant(t, 3000, {}), "http://e0")
+        serve(p, t, "http://e0")
     for blocks in (0, 4096):
         e = eps(2, num_blocks=blocks)
         e[1] = replace(e[1], running=4)
@@ -215,7 +224,7 @@ def test_a_busy_holder_spills_to_room_first() -> None:
     e[0] = replace(e[0], unstarted=8, unstarted_tokens=12_000, inflight=8)
     e[2] = replace(e[2], running=4)
     for t, key in ((1, "http://e0"), (2, "http://e1"), (3, "http://e1"), (5, "http://e2")):
-        p.on_dispatch(tenant(t, 3000, {}), key)
+        serve(p, t, key)
     facts = tenant(1, 3200, {"http://e0": 2992, "http://e1": 0, "http://e2": 0})
     d = p.choose(facts, e)
     assert d.endpoint.key == "http://e2"
