@@ -372,6 +372,7 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
                 short_ttft_p99_ms=percentile(shorts, 99) * 1e3 / scale,
                 itl_p99_ms=s.itl_ms["p99"] / scale,
                 output_tok_s=s.output_throughput * scale,
+                served_req_s=served_rate(result.records) * scale,
                 hit_rate=hits / queries if queries else math.nan,
                 oracle_hit_rate=o_rate,
                 oracle_length_matches=f"{o_match}/{o_n}",
@@ -386,6 +387,13 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
             )
         )
     return rows
+
+
+def served_rate(records: list[RequestRecord]) -> float:
+    """Completions per second between the first and the last answer: the offered rate while a target keeps
+    up (answers end as spread as requests arrive), its capacity once it saturates (a queue drains at it)."""
+    ends = sorted(r.end for r in records if r.ok)
+    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else math.nan
 
 
 def report(files: list[Path]) -> int:

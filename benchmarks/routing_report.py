@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OURS = "lbd:predicted_ttft"  # the default policy with KV events (auto)
+SATURATED = 0.8  # a target is saturated at a step where it serves less than this share of the offered rate
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class Row:
     ttft_p90_ms: float = math.nan
     step_rate: float = math.nan  # stepped workloads: the step's simulated request rate
     reasons: dict[str, int] = field(default_factory=dict)  # lbd: routing decisions by reason (whole run)
+    served_req_s: float = math.nan  # stepped: answers/s from the first to the last answer, simulated
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -81,6 +83,7 @@ def step_table(rows: list[Row]) -> str:
         "TTFT p50 ms",
         "TTFT p90 ms",
         "out tok/s",
+        "served req/s",
         "prefix hit",
         "hit/oracle",
         "req/rank max/min",
@@ -94,6 +97,7 @@ def step_table(rows: list[Row]) -> str:
             f"{r.ttft_p50_ms:,.1f}",
             f"{r.ttft_p90_ms:,.1f}",
             f"{r.output_tok_s:,.0f}",
+            f"{r.served_req_s:,.0f}" if math.isfinite(r.served_req_s) else "-",
             f"{100 * r.hit_rate:.1f}%",
             f"{100 * r.hit_vs_oracle:.0f}%" if r.oracle_hit_rate > 0 else "-",
             f"{r.max_per_rank}/{r.min_per_rank}",
@@ -115,6 +119,14 @@ def verdicts(rows: list[Row]) -> list[str]:
         peers = [r for r in mine if not r.target.startswith("lbd:")]
         stepped = any(math.isfinite(r.step_rate) for r in mine)
         if stepped:
+            rr = sorted((r for r in mine if r.target == "lbd:round_robin"), key=lambda r: r.step_rate)
+            sat = next((r for r in rr if r.served_req_s < SATURATED * r.step_rate), None)
+            where = f"at {sat.step_rate:g} req/s (serves {sat.served_req_s:,.0f})" if sat else "at no step"
+            line(
+                sat is not None,
+                f"{wl}: round robin saturates {where} (served < {SATURATED:g} x offered)"
+                + ("" if rr else "; round robin not in this run"),
+            )
             top = max(r.step_rate for r in mine)
             at_top = [r for r in mine if r.step_rate == top]
             peers_top = [r for r in at_top if not r.target.startswith("lbd:")]
