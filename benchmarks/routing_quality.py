@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from routing_report import OURS, Row, plot, step_table, table, verdicts  # noqa: E402
+from routing_report import BASELINE, OURS, SATURATED, Row, plot, step_table, table, verdicts  # noqa: E402
 
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
@@ -338,6 +338,8 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
             target_obj = Target(target, f"http://127.0.0.1:{port}", model)
             results.append((asyncio.run(run_target(cfg, wl.spec, target_obj, src)), rate))
             per_rank.append(scrape(fleet))
+            if target == BASELINE and served_rate(results[-1][0].records) * scale < SATURATED * rate:
+                break  # the baseline saturated: higher steps would only queue longer (see the doc)
         reasons = decision_counts(port) if target.startswith("lbd:") else {}
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
         own_cores = (tree_usage(*trees)[0] - cpu0) / (time.monotonic() - t0)  # ranks + router + this client

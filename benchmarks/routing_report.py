@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OURS = "lbd:predicted_ttft"  # the default policy with KV events (auto)
+BASELINE = "lbd:round_robin"  # stepped workloads: steps go up until this one saturates
 SATURATED = 0.8  # a target is saturated at a step where it serves less than this share of the offered rate
 
 
@@ -119,7 +120,7 @@ def verdicts(rows: list[Row]) -> list[str]:
         peers = [r for r in mine if not r.target.startswith("lbd:")]
         stepped = any(math.isfinite(r.step_rate) for r in mine)
         if stepped:
-            rr = sorted((r for r in mine if r.target == "lbd:round_robin"), key=lambda r: r.step_rate)
+            rr = sorted((r for r in mine if r.target == BASELINE), key=lambda r: r.step_rate)
             sat = next((r for r in rr if r.served_req_s < SATURATED * r.step_rate), None)
             where = f"at {sat.step_rate:g} req/s (serves {sat.served_req_s:,.0f})" if sat else "at no step"
             line(
