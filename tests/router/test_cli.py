@@ -29,6 +29,7 @@ LBD = [sys.executable, "-m", "lbd", "route"]
         (["--upstreams", "http://h:1", "--max-retries", "-1"], "--max-retries"),
         (["--upstreams", "http://h:1", "--bogus"], "--bogus"),
         (["--upstreams", "http://h:1", "--kv-events", "maybe"], "--kv-events"),
+        (["--upstreams", "http://h:1", "--evict-weight", "-1"], "--evict-weight"),
         (["--upstreams", "http://h:1", "--tokenizer", "/nonexistent"], "--tokenizer"),
     ],
 )
