@@ -252,7 +252,9 @@ def make_parser() -> OneLineParser:
     )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(
-        "--scrape-interval-ms", type=float, default=100.0, help="how often each rank's /metrics is read"
+        "--scrape-interval-ms", type=float, default=100.0,
+        help="how often each rank's /metrics is read, by the router as a whole: with --workers N each worker "
+        "reads it every N intervals (the engines' metrics cost them CPU; the workers share dispatch counts)",
     )
     g.add_argument("--scrape-timeout-ms", type=float, default=1000.0,
                    help="a scrape slower than this counts as failed")
@@ -341,7 +343,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
             p.error(f"--api-key-file {ns.api_key_file}: {e.strerror or e}")
         except ValueError as e:
             p.error(f"--api-key-file: {e}")
-    stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms)
+    per_worker = ns.scrape_interval_ms * max(1, ns.workers)
+    stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms,
+                                                                        3 * per_worker)
     return RouterConfig(
         upstreams=upstreams,
         upstreams_file=ns.upstreams_file,

@@ -147,8 +147,11 @@ class Monitor:
                 resp.close()
 
     async def _scrape_loop(self, ep: Endpoint) -> None:
+        """Scrape ``ep`` now, then every ``workers`` intervals: the workers take turns, so a rank serves the
+        configured scrape rate whatever the worker count (each worker's samples are older; the shared
+        dispatch counters carry what happened since)."""
         loop = asyncio.get_running_loop()
-        interval = self.cfg.scrape_interval_s
+        interval = self.cfg.scrape_interval_s * max(1, self.cfg.workers)
         while True:
             began = loop.time()
             if ep.healthy and ep.routable:

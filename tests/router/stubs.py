@@ -34,6 +34,7 @@ class StubUpstream:
     inflight: int = 0
     served: int = 0
     cancelled: int = 0
+    scrapes: int = 0
     seen_headers: list = field(default_factory=list)
     seen_bodies: list[bytes] = field(default_factory=list)
     runner: web.AppRunner | None = None
@@ -62,6 +63,7 @@ class StubUpstream:
             self.runner = None
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status)
         lab = f'engine="{self.rank}",model_name="{self.model}"'

@@ -355,6 +355,19 @@ async def test_upstreams_file_reloads_on_sighup(start_router, tmp_path) -> None:
             assert ranks == {1}
 
 
+async def test_workers_take_turns_scraping(start_router) -> None:
+    """An engine's /metrics costs it CPU: 4 workers read each rank as often as 1 worker would (one start-up
+    scrape each, then every 4th interval each)."""
+    async with stubs(1) as ups:
+        r = await start_router(
+            "--upstreams", ups[0].url, "--workers", "4", "--scrape-interval-ms", "100"
+        ).wait()
+        ups[0].scrapes = 0
+        await asyncio.sleep(3.0)
+        assert 15 <= ups[0].scrapes <= 40, ups[0].scrapes  # ~30 (10/s); 4 workers on their own: ~120
+        assert r.proc.poll() is None
+
+
 @pytest.mark.parametrize("workers", [2])
 async def test_workers_share_one_port_and_their_load_view(start_router, workers: int) -> None:
     async with stubs(3, header_delay=1.0) as ups:
