@@ -20,8 +20,8 @@ precise-prefix benchmark: 48 tenants each with a 3,000-token system prompt, seve
 3-turn sessions, Poisson arrivals stepping up; each rank's KV cache holds a fifth of all the tenants'
 prompts and the fleet 1.6x of them, so tenants partitioned over the ranks fit with room for the running
 requests, while a router that spreads every tenant everywhere thrashes). The steps go up past the one where
-round robin saturates (serves under 80% of the offered rate, answers counted from the first to the last);
-round robin stops stepping there (higher steps would only queue it longer). Long/short skew.
+round robin saturates (its median TTFT at least twice its first step's: the median request queues as long as
+it computes); round robin stops stepping there (higher steps would only queue it longer). Long/short skew.
 
 Per target: TTFT p50/p90/p99, ITL p99, output tok/s (latencies divided by the time scale: simulated H100
 time), prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from routing_report import BASELINE, OURS, SATURATED, Row, plot, step_table, table, verdicts  # noqa: E402
+from routing_report import BASELINE, OURS, Row, plot, saturated_step, step_table, table, verdicts  # noqa: E402
 
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
@@ -344,7 +344,8 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
             target_obj = Target(target, f"http://127.0.0.1:{port}", model)
             results.append((asyncio.run(run_target(cfg, wl.spec, target_obj, src)), rate))
             per_rank.append(scrape(fleet))
-            if target == BASELINE and served_rate(results[-1][0].records) * scale < SATURATED * rate:
+            p50s = [percentile([r.ttft for r in res.records if r.ok and r.ttft], 50) for res, _ in results]
+            if target == BASELINE and saturated_step(p50s) is not None:
                 break  # the baseline saturated: higher steps would only queue longer (see the doc)
         reasons = decision_counts(port) if target.startswith("lbd:") else {}
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
@@ -380,7 +381,6 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
                 short_ttft_p99_ms=percentile(shorts, 99) * 1e3 / scale,
                 itl_p99_ms=s.itl_ms["p99"] / scale,
                 output_tok_s=s.output_throughput * scale,
-                served_req_s=served_rate(result.records) * scale,
                 hit_rate=hits / queries if queries else math.nan,
                 oracle_hit_rate=o_rate,
                 oracle_length_matches=f"{o_match}/{o_n}",
@@ -397,17 +397,11 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
     return rows
 
 
-def served_rate(records: list[RequestRecord]) -> float:
-    """Completions per second between the first and the last answer: the offered rate while a target keeps
-    up (answers end as spread as requests arrive), its capacity once it saturates (a queue drains at it)."""
-    ends = sorted(r.end for r in records if r.ok)
-    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else math.nan
-
-
 def report(files: list[Path]) -> int:
     """Tables and verdicts of saved runs; each file stays its own side-by-side run."""
     for f in files:
-        rows = [Row(**d) for d in orjson.loads(f.read_bytes())]
+        known = {fl.name for fl in dataclasses.fields(Row)}  # runs saved by other versions may carry more
+        rows = [Row(**{k: v for k, v in d.items() if k in known}) for d in orjson.loads(f.read_bytes())]
         print(f"## {f.name}")
         for wl in dict.fromkeys(r.workload for r in rows):
             mine = [r for r in rows if r.workload == wl]

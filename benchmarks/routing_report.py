@@ -8,7 +8,14 @@ from pathlib import Path
 
 OURS = "lbd:predicted_ttft"  # the default policy with KV events (auto)
 BASELINE = "lbd:round_robin"  # stepped workloads: steps go up until this one saturates
-SATURATED = 0.8  # a target is saturated at a step where it serves less than this share of the offered rate
+SATURATED = 2.0  # a target saturates at the first step whose median TTFT is this many times its first step's
+
+
+def saturated_step(p50s: list[float]) -> int | None:
+    """Index of the first step where the median request waits in a queue as long as it computes: its p50
+    TTFT at least SATURATED x the first step's (a completion-rate test cannot tell: the sessions' later turns
+    are sent only once the earlier ones are answered, so a saturated target also slows its own arrivals)."""
+    return next((i for i, v in enumerate(p50s) if i and v >= SATURATED * p50s[0]), None)
 
 
 @dataclass(slots=True)
@@ -34,7 +41,6 @@ class Row:
     ttft_p90_ms: float = math.nan
     step_rate: float = math.nan  # stepped workloads: the step's simulated request rate
     reasons: dict[str, int] = field(default_factory=dict)  # lbd: routing decisions by reason (whole run)
-    served_req_s: float = math.nan  # stepped: answers/s from the first to the last answer, simulated
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -84,7 +90,6 @@ def step_table(rows: list[Row]) -> str:
         "TTFT p50 ms",
         "TTFT p90 ms",
         "out tok/s",
-        "served req/s",
         "prefix hit",
         "hit/oracle",
         "req/rank max/min",
@@ -98,7 +103,6 @@ def step_table(rows: list[Row]) -> str:
             f"{r.ttft_p50_ms:,.1f}",
             f"{r.ttft_p90_ms:,.1f}",
             f"{r.output_tok_s:,.0f}",
-            f"{r.served_req_s:,.0f}" if math.isfinite(r.served_req_s) else "-",
             f"{100 * r.hit_rate:.1f}%",
             f"{100 * r.hit_vs_oracle:.0f}%" if r.oracle_hit_rate > 0 else "-",
             f"{r.max_per_rank}/{r.min_per_rank}",
@@ -121,11 +125,11 @@ def verdicts(rows: list[Row]) -> list[str]:
         stepped = any(math.isfinite(r.step_rate) for r in mine)
         if stepped:
             rr = sorted((r for r in mine if r.target == BASELINE), key=lambda r: r.step_rate)
-            sat = next((r for r in rr if r.served_req_s < SATURATED * r.step_rate), None)
-            where = f"at {sat.step_rate:g} req/s (serves {sat.served_req_s:,.0f})" if sat else "at no step"
+            k = saturated_step([r.ttft_p50_ms for r in rr])
+            where = f"at {rr[k].step_rate:g} req/s (p50 TTFT {rr[k].ttft_p50_ms:,.1f} ms)" if k else "nowhere"
             line(
-                sat is not None,
-                f"{wl}: round robin saturates {where} (served < {SATURATED:g} x offered)"
+                k is not None,
+                f"{wl}: round robin saturates {where} (p50 >= {SATURATED:g}x its first step's)"
                 + ("" if rr else "; round robin not in this run"),
             )
             top = max(r.step_rate for r in mine)
