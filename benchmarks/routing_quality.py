@@ -203,7 +203,7 @@ def start_fleet(args: argparse.Namespace, wl: Workload, log: Path) -> Fleet:
     fleet = Fleet(proc, base, sup, args.ranks)
     try:
         wait_http(f"http://127.0.0.1:{sup}/readyz", timeout=300, proc=proc)
-    except Exception:
+    except BaseException:  # SIGTERM arrives as SystemExit (exit_on_sigterm): no fleet left behind
         stop(proc)
         raise
     return fleet
