@@ -30,12 +30,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "RequestRejected", "make_runner"]
 
-# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU.
+# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
 _GPU_DEFAULTS = (256, 8192)
-_CPU_DEFAULTS = (128, 512)
-# Prefill tokens a step may carry while requests decode (Scheduler's docstring). CPU only: there a step's
-# time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence decode step
-# (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along nearly free.
+_CPU_DEFAULTS = (128, 2048)
+# Prefill tokens a step may carry once decoding requests outnumber waiting ones (Scheduler's docstring). CPU
+# only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence
+# decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along.
 _CPU_MIXED_PREFILL_TOKENS = 128
 
 

@@ -8,12 +8,13 @@ computed-token count reset, and it goes back to the front of the waiting queue w
 so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
 conditions and frees finished requests.
 
-Decodes first (Sarathi-Serve's stall-free batching): while any running request is decoding, a step carries at
-most ``max_prefill_tokens_with_decodes`` prefill tokens (chunks of running prefills and new admissions
-together). A prefill chunk in a decode step stretches every decoding request's inter-token gap by the chunk's
-cost; on a CPU, where a step's time grows with its tokens, a 512-token chunk makes that step ~8x a decode
-step. With the cap, a burst of arrivals is admitted over more, shorter steps: inter-token latency stays near a
-decode step's, at some cost in time to first token. Steps without decodes keep the whole budget.
+Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more requests are
+decoding than are waiting for their first token (queued, or in chunked prefill), a step carries at most
+``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode step stretches every decoding
+request's inter-token gap by the chunk's cost; on a CPU, where a step's time grows with its tokens, a
+2,048-token chunk makes that step ~15x a decode step. While most of the batch still waits for a first token
+(a burst of arrivals), the whole budget goes to admitting it: few streams are stalled, once, and many first
+tokens come sooner. Steps without decodes always keep the whole budget.
 
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
@@ -161,15 +162,16 @@ class Scheduler:
         return out
 
     def _prefill_cap(self, budget: int) -> int:
-        """Prefill tokens this step may carry: the cap while some request is decoding, else the budget."""
+        """Prefill tokens this step may carry: the cap while decoding requests outnumber those still waiting
+        for their first token, else the whole budget."""
         cap = self.config.max_prefill_tokens_with_decodes
         if cap is None or cap >= budget:
             return budget
         in_flight = self.in_flight
-        for req in self.running:
-            if req.num_tokens - req.num_computed_tokens == 1 and req.request_id not in in_flight:
-                return cap
-        return budget
+        decoding = sum(1 for r in self.running
+                       if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in in_flight)
+        prompting = len(self.running) - decoding + len(self.waiting)  # (in-flight ones: no matter)
+        return cap if decoding > prompting else budget
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
                           seats: int) -> tuple[int, bool]:
