@@ -9,12 +9,12 @@ so its output does not change. After the model runner samples, ``update`` append
 conditions and frees finished requests.
 
 Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more requests are
-decoding than are waiting for their first token (queued, or in chunked prefill), a step carries at most
-``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode step stretches every decoding
-request's inter-token gap by the chunk's cost; on a CPU, where a step's time grows with its tokens, a
-2,048-token chunk makes that step ~15x a decode step. While most of the batch still waits for a first token
-(a burst of arrivals), the whole budget goes to admitting it: few streams are stalled, once, and many first
-tokens come sooner. Steps without decodes always keep the whole budget.
+decoding than are waiting for their first token (in chunked prefill, or queued with a free seat), a step
+carries at most ``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode step stretches
+every decoding request's inter-token gap by the chunk's cost; on a CPU, where a step's time grows with its
+tokens, a 2,048-token chunk makes that step ~25x a 32-sequence decode step. While most of the batch still
+waits for a first token (a burst of arrivals), the whole budget goes to admitting it: few streams are
+stalled, once, and many first tokens come sooner. Steps without decodes always keep the whole budget.
 
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
@@ -170,7 +170,8 @@ class Scheduler:
         in_flight = self.in_flight
         decoding = sum(1 for r in self.running
                        if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in in_flight)
-        prompting = len(self.running) - decoding + len(self.waiting)  # (in-flight ones: no matter)
+        seats = max(0, self.config.max_num_seqs - len(self.running))  # a queue beyond them is no burst
+        prompting = len(self.running) - decoding + min(len(self.waiting), seats)
         return cap if decoding > prompting else budget
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],

@@ -350,3 +350,19 @@ def test_decode_steps_carry_at_most_the_mixed_prefill_cap() -> None:
     for r in first + burst:
         assert d.outputs[r.request_id] == reference(list(r.prompt_token_ids), r.sampling.max_tokens)
     assert_idle_and_free(d.s)
+
+
+def test_a_queue_beyond_the_free_seats_does_not_lift_the_cap() -> None:
+    """Requests that cannot be seated are no burst being admitted: with every seat taken but one, a long
+    prompt taking that seat still goes in capped chunks."""
+    d = Driver(make_sched(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8))
+    for i in range(3):
+        d.add(new_req(f"a{i}", [i + 1] * 4, max_tokens=40))
+    d.step()
+    for i in range(6):  # one seat left, six long prompts queued
+        d.add(new_req(f"long{i}", range(100 + i, 160 + i), max_tokens=2))
+    out = d.step()
+    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [
+        ("a0", 1), ("a1", 1), ("a2", 1), ("long0", 8)]
+    d.run()
+    assert_idle_and_free(d.s)
