@@ -34,6 +34,7 @@ class EngineSpec:
     dtype: str = "float32"
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    src: Path | None = None  # an lbd source tree other than this one (it runs there, see procs.spawn)
 
     def argv(self, model: Path, port: int, max_model_len: int, kv_gib: float, python: Path) -> list[str]:
         """``kv_gib`` 0: the engine sizes its KV cache itself (on CUDA, from --gpu-memory-utilization)."""
@@ -67,7 +68,10 @@ class RunningEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         t0 = time.perf_counter()
         argv = spec.argv(model, self.port, max_model_len, kv_gib, python)
-        self.proc = spawn(argv, env=spec.environment(cpus, threads, kv_gib, device), log=log)
+        env = spec.environment(cpus, threads, kv_gib, device)
+        if spec.src is not None:
+            env["PYTHONPATH"] = str(spec.src)
+        self.proc = spawn(argv, env=env, log=log, cwd=spec.src)
         try:
             wait_http(self.url + "/health", timeout=ready_timeout, proc=self.proc)
             self.model = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -267,7 +268,7 @@ def profile_lbd(spec: EngineSpec, common: dict, workload: Workload, levels: list
                 requests: dict[int, int], workdir: Path, every: int) -> list[str]:
     """A separate lbd server with --profile-steps: its step breakdown on the same workload, per level."""
     prof_spec = EngineSpec(spec.name + "-profile", "lbd", spec.dtype,
-                           [*spec.extra, "--profile-steps", str(every)], dict(spec.env))
+                           [*spec.extra, "--profile-steps", str(every)], dict(spec.env), spec.src)
     eng = RunningEngine(prof_spec, log=workdir / f"{prof_spec.name}.log", **common)
     out = ["| conc | step kind | steps | seqs | step ms | schedule | prepare | attention | linear | "
            "other fwd | lm_head | sample | update | IPC in+out | loop | "
@@ -315,6 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lbd-base-src", type=Path, default=None,
                    help="another lbd source tree (e.g. `git archive OLD | tar -x -C DIR`), run as engine "
                         "lbd-base (fp32) in the same rounds: a change measured side by side with its parent")
+    p.add_argument("--lbd-base-args", default="",
+                   help="extra flags of engine lbd-base, e.g. \"--max-prefill-tokens-with-decodes 512\": a "
+                        "flag measured side by side with its default (with --lbd-base-src or without: then "
+                        "lbd-base runs this tree)")
     p.add_argument("--profile", action="store_true", help="also print lbd's step breakdown (--profile-steps)")
     p.add_argument("--profile-every", type=int, default=16, help="steps per --profile-steps window")
     p.add_argument("--profile-levels", default=None, help="concurrency levels of --profile (default: all)")
@@ -350,13 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine_cuda import main as cuda_main
 
         return cuda_main(args)
-    if args.lbd_base_src is not None:
-        src = args.lbd_base_src.resolve()
+    if args.lbd_base_src is not None or args.lbd_base_args:
+        src = (args.lbd_base_src or Path(__file__).resolve().parents[1]).resolve()
         if not (src / "engine" / "__main__.py").is_file():
             print(f"--lbd-base-src {src}: no engine/__main__.py there (pass an lbd source tree)",
                   file=sys.stderr)
             return 2
-        ENGINES["lbd-base"] = EngineSpec("lbd-base", "lbd", env={"PYTHONPATH": str(src)})
+        ENGINES["lbd-base"] = EngineSpec("lbd-base", "lbd", extra=shlex.split(args.lbd_base_args), src=src)
     names = list(ENGINES) if args.engines == "all" else [e for e in args.engines.split(",") if e.strip()]
     unknown = [n for n in names if n not in ENGINES]
     if unknown:

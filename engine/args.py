@@ -33,6 +33,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
@@ -148,7 +149,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="max sequences per step (default 256 on CUDA, 128 on CPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step, prefill chunks included (default 8192 on CUDA, 512 on CPU)")
+                   help="token budget per step, prefill chunks included (default 8192 on CUDA, 2048 on CPU)")
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                   help="once more requests decode than wait for a first token, a step carries at most N "
+                        "prefill tokens, so arrivals do not stretch inter-token latency (default 128 on CPU, "
+                        "where a step's time grows "
+                        "with its tokens; no cap on CUDA and sim, where decode steps are memory-bound); "
+                        "at most --max-num-batched-tokens; lower: steadier ITL, higher: sooner first tokens")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prompt prefixes")
@@ -279,14 +286,18 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
             parser.error(problem)
     if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
         parser.error("--responses-store-max-entries and --responses-store-max-bytes must be >= 0")
-    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                 "max_num_queued_reqs", "max_num_queued_tokens"):
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
+                 "kv_cache_memory_bytes", "max_num_queued_reqs", "max_num_queued_tokens"):
         value = getattr(args, flag)
         if value is not None:
             positive["--" + flag.replace("_", "-")] = value
     for flag, value in positive.items():
         if value <= 0:
             parser.error(f"{flag} must be a positive number, got {value}")
+    cap, budget = args.max_prefill_tokens_with_decodes, args.max_num_batched_tokens
+    if cap is not None and budget is not None and cap > budget:
+        parser.error(f"--max-prefill-tokens-with-decodes {cap} is above --max-num-batched-tokens {budget}: "
+                     "a step never carries more than its budget; pass a value up to the budget")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is out of range: use 1..65535")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

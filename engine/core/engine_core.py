@@ -30,9 +30,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "RequestRejected", "make_runner"]
 
-# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU.
+# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
 _GPU_DEFAULTS = (256, 8192)
-_CPU_DEFAULTS = (128, 512)
+_CPU_DEFAULTS = (128, 2048)
+# Prefill tokens a step may carry once decoding requests outnumber waiting ones (Scheduler's docstring). CPU
+# only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence
+# decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along.
+_CPU_MIXED_PREFILL_TOKENS = 128
 
 
 class Runner(Protocol):
@@ -76,11 +80,14 @@ def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> R
 
 def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
     """Flags win; else the runner's limits (it may size CUDA graphs by them); else vLLM's defaults."""
-    seqs, tokens = _CPU_DEFAULTS if runner.device == "cpu" else _GPU_DEFAULTS
+    cpu = runner.device == "cpu"
+    seqs, tokens = _CPU_DEFAULTS if cpu else _GPU_DEFAULTS
+    budget = args.max_num_batched_tokens or getattr(runner, "max_num_batched_tokens", None) or tokens
+    mixed = args.max_prefill_tokens_with_decodes or (_CPU_MIXED_PREFILL_TOKENS if cpu else None)
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs or getattr(runner, "max_num_seqs", None) or seqs,
-        max_num_batched_tokens=(args.max_num_batched_tokens or getattr(runner, "max_num_batched_tokens", None)
-                                or tokens),
+        max_num_batched_tokens=budget,
+        max_prefill_tokens_with_decodes=min(mixed, budget) if mixed is not None else None,
         max_model_len=runner.max_model_len,
         num_blocks=runner.num_blocks,
         block_size=runner.block_size,

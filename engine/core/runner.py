@@ -205,7 +205,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
         self.max_num_batched_tokens = args.max_num_batched_tokens or (
-            8192 if self.torch_device.type == "cuda" else 512)
+            8192 if self.torch_device.type == "cuda" else 2048)
         self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
         # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
         rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size

@@ -8,6 +8,14 @@ computed-token count reset, and it goes back to the front of the waiting queue w
 so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
 conditions and frees finished requests.
 
+Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more requests are
+decoding than are waiting for their first token (in chunked prefill, or queued with a free seat), a step
+carries at most ``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode step stretches
+every decoding request's inter-token gap by the chunk's cost; on a CPU, where a step's time grows with its
+tokens, a 2,048-token chunk makes that step ~25x a 32-sequence decode step. While most of the batch still
+waits for a first token (a burst of arrivals), the whole budget goes to admitting it: few streams are
+stalled, once, and many first tokens come sooner. Steps without decodes always keep the whole budget.
+
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
 scheduled again (its next token is not known yet) nor preempted (a stage may still write its KV). An abort may
@@ -45,6 +53,7 @@ class SchedulerConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     prefix_caching_hash_algo: str = "sha256"
+    max_prefill_tokens_with_decodes: int | None = None  # None: no cap (the whole token budget)
 
 
 @dataclass(slots=True)
@@ -82,6 +91,7 @@ class Scheduler:
         self.in_flight: set[str] = set()  # ids of requests in a batch that has not been updated yet
         self._waiting_tokens = 0
         self._next_order = 0
+        self._prefill_budget = 0  # prefill tokens the step being scheduled may still take
 
     # ---- intake ---------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -138,6 +148,7 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         seats = max_batch_seqs if max_batch_seqs is not None else self.config.max_num_seqs
+        self._prefill_budget = self._prefill_cap(budget)
         budget, preempted = self._schedule_running(budget, decodes, prefills, seats)
         if not preempted:  # after a preemption the cache is tight: admitting more would only thrash
             budget = self._schedule_waiting(budget, decodes, prefills, seats)
@@ -150,6 +161,19 @@ class Scheduler:
         self.in_flight.update(seq.request.request_id for seq in decodes)
         return out
 
+    def _prefill_cap(self, budget: int) -> int:
+        """Prefill tokens this step may carry: the cap while decoding requests outnumber those still waiting
+        for their first token, else the whole budget."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is None or cap >= budget:
+            return budget
+        in_flight = self.in_flight
+        decoding = sum(1 for r in self.running
+                       if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in in_flight)
+        seats = max(0, self.config.max_num_seqs - len(self.running))  # a queue beyond them is no burst
+        prompting = len(self.running) - decoding + min(len(self.waiting), seats)
+        return cap if decoding > prompting else budget
+
     def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
                           seats: int) -> tuple[int, bool]:
         running, in_flight = self.running, self.in_flight
@@ -160,11 +184,19 @@ class Scheduler:
             if req.request_id in in_flight:
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = min(remaining, budget)
+            if remaining > 1:
+                num_new = min(num_new, self._prefill_budget)
+                if num_new == 0:
+                    i += 1  # this step's prefill share is spent; the decodes behind it still go
+                    continue
             if not self._make_room(req, num_new):
                 break  # req was the lowest priority left (now waiting), or must wait for batches in flight
             seq = ScheduledSeq(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
-            (decodes if num_new == 1 else prefills).append(seq)
+            (decodes if num_new == 1 else prefills).append(seq)  # the runner takes 1-token rows first
+            if remaining > 1:
+                self._prefill_budget -= num_new
             budget -= num_new
             i += 1
         return budget, self.counters.num_preemptions != preemptions_before
@@ -191,11 +223,11 @@ class Scheduler:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
         now = 0.0
-        while (waiting and budget > 0 and len(running) < max_seqs
+        while (waiting and budget > 0 and self._prefill_budget > 0 and len(running) < max_seqs
                and len(decodes) + len(prefills) < seats):
             req = waiting[0]
             computed, num_cached = kv.get_computed_prefix(req)
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget, self._prefill_budget)
             if not kv.allocate_for(req, num_new, computed):
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
@@ -211,6 +243,7 @@ class Scheduler:
             seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
+            self._prefill_budget -= num_new
         return budget
 
     def _preempt(self, req: Request) -> None:

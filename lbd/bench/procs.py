@@ -69,12 +69,14 @@ def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = 
     raise TimeoutError(f"{url} not ready after {timeout}s (last: {last!r})")
 
 
-def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
-    """Start a child in its own process group, output to ``log`` (or inherited)."""
+def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start a child in its own process group, output to ``log`` (or inherited). ``python -m`` puts its
+    working directory first on sys.path, so a child that must import another source tree runs in it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     out = open(log, "ab") if log else None  # noqa: SIM115 - closed by the OS with the child
     return subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:

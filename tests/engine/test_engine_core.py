@@ -86,7 +86,8 @@ def test_engine_core_contract(tiny_llama: Path) -> None:
                                  max_num_queued_reqs=2), str(tiny_llama))
     info = core.core_info()
     assert (info.max_model_len, info.num_blocks, info.block_size) == (128, 32, 16)
-    assert info.max_num_seqs == 128 and info.max_num_batched_tokens == 512  # CPU defaults
+    assert info.max_num_seqs == 128 and info.max_num_batched_tokens == 2048  # CPU defaults (vLLM CPU's)
+    assert core.scheduler.config.max_prefill_tokens_with_decodes == 128
     vocab = core.runner.vocab_size
     with pytest.raises(RequestRejected, match="vocab") as e:
         core.add_request(core_request("bad", [1, vocab]))

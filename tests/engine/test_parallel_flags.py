@@ -76,6 +76,11 @@ CASES = [
     ("timeout", "tiny", ["--distributed-timeout-s", "0"], ["--distributed-timeout-s must be > 0"]),
     ("sim-device", "tiny", ["--device", "sim", "--pipeline-parallel-size", "2"],
      ["--device sim simulates one device"]),
+    ("mixed-prefill-zero", "tiny", ["--max-prefill-tokens-with-decodes", "0"],
+     ["--max-prefill-tokens-with-decodes must be a positive"]),
+    ("mixed-prefill-above-budget", "tiny",
+     ["--max-num-batched-tokens", "256", "--max-prefill-tokens-with-decodes", "512"],
+     ["--max-prefill-tokens-with-decodes 512 is above --max-num-batched-tokens 256"]),
 ]
 SERVE_ONLY = [
     ("dp-size-without-rank", "tiny", ["--data-parallel-size", "2"],

@@ -325,3 +325,44 @@ def test_schedule_and_update_overhead_for_32_running_decodes() -> None:
     print(f"schedule+update, 32 decodes: median {median * 1e6:.0f} us")
     assert len(out.seqs) == 32
     assert median < 1e-3
+
+
+def test_decode_steps_carry_at_most_the_mixed_prefill_cap() -> None:
+    """Once decoding requests outnumber those waiting for a first token, prefill chunks and admissions share
+    the cap; while most of the batch waits (a burst), and without decodes, they get the whole budget."""
+    d = Driver(make_sched(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=10))
+    first = [d.add(new_req(f"a{i}", range(1 + i, 31 + i), max_tokens=40)) for i in range(3)]
+    out = d.step()  # nobody decodes yet: the whole budget (30 + 30 + 4 of the third)
+    assert [q.num_new_tokens for q in out.seqs] == [30, 30, 4]
+    out = d.step()  # a0 and a1 decode, only a2 waits: its prefill goes on 10 tokens a step
+    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [("a0", 1), ("a1", 1), ("a2", 10)]
+    burst = [d.add(new_req(f"b{i}", range(50 + i, 70 + i), max_tokens=30)) for i in range(4)]
+    out = d.step()  # 2 decoding, 5 waiting: the whole budget, FCFS (a2's 16, then the burst's)
+    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [
+        ("a0", 1), ("a1", 1), ("a2", 16), ("b0", 20), ("b1", 20), ("b2", 6)]
+    while any(not r.output_token_ids for r in first + burst):  # 5 decoding, 2 waiting: the cap
+        prompting = {r.request_id for r in first + burst if not r.output_token_ids}
+        out = d.step()
+        prefill = sum(q.num_new_tokens for q in out.seqs
+                      if q.request.request_id in prompting and not (q.num_new_tokens == 1 and q.sample))
+        assert prefill <= 10, [(q.request.request_id, q.num_new_tokens) for q in out.seqs]
+    d.run()
+    for r in first + burst:
+        assert d.outputs[r.request_id] == reference(list(r.prompt_token_ids), r.sampling.max_tokens)
+    assert_idle_and_free(d.s)
+
+
+def test_a_queue_beyond_the_free_seats_does_not_lift_the_cap() -> None:
+    """Requests that cannot be seated are no burst being admitted: with every seat taken but one, a long
+    prompt taking that seat still goes in capped chunks."""
+    d = Driver(make_sched(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8))
+    for i in range(3):
+        d.add(new_req(f"a{i}", [i + 1] * 4, max_tokens=40))
+    d.step()
+    for i in range(6):  # one seat left, six long prompts queued
+        d.add(new_req(f"long{i}", range(100 + i, 160 + i), max_tokens=2))
+    out = d.step()
+    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [
+        ("a0", 1), ("a1", 1), ("a2", 1), ("long0", 8)]
+    d.run()
+    assert_idle_and_free(d.s)
