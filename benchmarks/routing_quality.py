@@ -401,7 +401,10 @@ def report(files: list[Path]) -> int:
     """Tables and verdicts of saved runs; each file stays its own side-by-side run."""
     for f in files:
         known = {fl.name for fl in dataclasses.fields(Row)}  # runs saved by other versions may carry more
-        rows = [Row(**{k: v for k, v in d.items() if k in known}) for d in orjson.loads(f.read_bytes())]
+        rows = [  # JSON keeps NaN as null
+            Row(**{k: math.nan if v is None else v for k, v in d.items() if k in known})
+            for d in orjson.loads(f.read_bytes())
+        ]
         print(f"## {f.name}")
         for wl in dict.fromkeys(r.workload for r in rows):
             mine = [r for r in rows if r.workload == wl]
