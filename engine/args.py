@@ -151,11 +151,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step, prefill chunks included (default 8192 on CUDA, 2048 on CPU)")
     g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
-                   help="once more requests decode than wait for a first token, a step carries at most N "
-                        "prefill tokens, so arrivals do not stretch inter-token latency (default 128 on CPU, "
-                        "where a step's time grows "
-                        "with its tokens; no cap on CUDA and sim, where decode steps are memory-bound); "
-                        "at most --max-num-batched-tokens; lower: steadier ITL, higher: sooner first tokens")
+                   help="once over twice as many requests decode as wait for a first token, a step "
+                        "carries at most N prefill tokens, so one long prompt does not stall every stream "
+                        "(default 128 on CPU, where a step's time grows with its tokens; no cap on CUDA and "
+                        "sim, where decode steps are memory-bound); at most --max-num-batched-tokens; lower: "
+                        "steadier inter-token latency, higher: sooner first tokens")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV blocks of shared prompt prefixes")

@@ -8,13 +8,15 @@ computed-token count reset, and it goes back to the front of the waiting queue w
 so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
 conditions and frees finished requests.
 
-Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more requests are
-decoding than are waiting for their first token (in chunked prefill, or queued with a free seat), a step
-carries at most ``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode step stretches
-every decoding request's inter-token gap by the chunk's cost; on a CPU, where a step's time grows with its
-tokens, a 2,048-token chunk makes that step ~25x a 32-sequence decode step. While most of the batch still
-waits for a first token (a burst of arrivals), the whole budget goes to admitting it: few streams are
-stalled, once, and many first tokens come sooner. Steps without decodes always keep the whole budget.
+Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more than twice as
+many requests are decoding as are waiting for their first token (in chunked prefill, or queued with a free
+seat), a step carries at most ``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode
+step stretches every decoding request's inter-token gap by the chunk's cost; on a CPU, where a step's time
+grows with its tokens, a 2,048-token chunk makes that step ~25x a 32-sequence decode step. The cap does not
+lower the decoders' total delay (the prompt's tokens cost the same, spread or not); it bounds the longest gap,
+at the price of a later first token for the waiting. So it binds where one prompt (a long one, say) would
+stall many streams, and not for a burst of arrivals: that is admitted at the full budget, which stalls the
+fewer streams once and gives the many their first tokens sooner. Steps without decodes keep the whole budget.
 
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither
@@ -162,8 +164,8 @@ class Scheduler:
         return out
 
     def _prefill_cap(self, budget: int) -> int:
-        """Prefill tokens this step may carry: the cap while decoding requests outnumber those still waiting
-        for their first token, else the whole budget."""
+        """Prefill tokens this step may carry: the cap while over twice as many requests decode as wait for
+        their first token, else the whole budget."""
         cap = self.config.max_prefill_tokens_with_decodes
         if cap is None or cap >= budget:
             return budget
@@ -172,7 +174,7 @@ class Scheduler:
                        if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in in_flight)
         seats = max(0, self.config.max_num_seqs - len(self.running))  # a queue beyond them is no burst
         prompting = len(self.running) - decoding + min(len(self.waiting), seats)
-        return cap if decoding > prompting else budget
+        return cap if decoding > 2 * prompting else budget
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
                           seats: int) -> tuple[int, bool]:

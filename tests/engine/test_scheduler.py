@@ -328,19 +328,20 @@ def test_schedule_and_update_overhead_for_32_running_decodes() -> None:
 
 
 def test_decode_steps_carry_at_most_the_mixed_prefill_cap() -> None:
-    """Once decoding requests outnumber those waiting for a first token, prefill chunks and admissions share
-    the cap; while most of the batch waits (a burst), and without decodes, they get the whole budget."""
+    """Once over twice as many requests decode as wait for a first token, prefill chunks and admissions share
+    the cap; for a burst of arrivals, and without decodes, they get the whole budget."""
     d = Driver(make_sched(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=10))
-    first = [d.add(new_req(f"a{i}", range(1 + i, 31 + i), max_tokens=40)) for i in range(3)]
-    out = d.step()  # nobody decodes yet: the whole budget (30 + 30 + 4 of the third)
-    assert [q.num_new_tokens for q in out.seqs] == [30, 30, 4]
-    out = d.step()  # a0 and a1 decode, only a2 waits: its prefill goes on 10 tokens a step
-    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [("a0", 1), ("a1", 1), ("a2", 10)]
-    burst = [d.add(new_req(f"b{i}", range(50 + i, 70 + i), max_tokens=30)) for i in range(4)]
-    out = d.step()  # 2 decoding, 5 waiting: the whole budget, FCFS (a2's 16, then the burst's)
-    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs] == [
-        ("a0", 1), ("a1", 1), ("a2", 16), ("b0", 20), ("b1", 20), ("b2", 6)]
-    while any(not r.output_token_ids for r in first + burst):  # 5 decoding, 2 waiting: the cap
+    first = [d.add(new_req(f"a{i}", range(1 + i, 13 + i), max_tokens=40)) for i in range(5)]
+    first.append(d.add(new_req("p", range(30, 60), max_tokens=40)))
+    out = d.step()  # nobody decodes yet: the whole budget (5 x 12, then 4 of p's 30)
+    assert [q.num_new_tokens for q in out.seqs] == [12] * 5 + [4]
+    out = d.step()  # 5 decode, only p waits: its prefill goes on 10 tokens a step
+    assert [q.num_new_tokens for q in out.seqs] == [1] * 5 + [10]
+    burst = [d.add(new_req(f"b{i}", range(70 + i, 90 + i), max_tokens=30)) for i in range(4)]
+    out = d.step()  # 5 decoding, 5 waiting: the whole budget, FCFS (p's 16, then the burst's)
+    assert [(q.request.request_id, q.num_new_tokens) for q in out.seqs][5:] == [
+        ("p", 16), ("b0", 20), ("b1", 20), ("b2", 3)]
+    while any(not r.output_token_ids for r in first + burst):  # 8 decoding, 2 waiting: the cap
         prompting = {r.request_id for r in first + burst if not r.output_token_ids}
         out = d.step()
         prefill = sum(q.num_new_tokens for q in out.seqs
