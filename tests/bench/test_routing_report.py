@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parents[2] / "benchmarks")]
-
-from routing_report import Row, saturated_step, verdicts  # noqa: E402
+from benchmarks.routing_report import Row, saturated_step, verdicts
 
 
 def test_saturation_is_where_the_median_request_queues() -> None:
