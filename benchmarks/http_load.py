@@ -188,7 +188,10 @@ def wrk_script(tmp: Path, name: str, body: bytes) -> Path:
 
 
 class _Client(asyncio.Protocol):
-    def __init__(self, request: bytes, lat: list[float], stop_at: float, done: asyncio.Future[None]) -> None:
+    """One keep-alive connection of a closed loop: ``request()`` gives the bytes of each next request."""
+
+    def __init__(self, request: Callable[[], bytes], lat: list[float], stop_at: float,
+                 done: asyncio.Future[None]) -> None:
         self.request, self.lat, self.stop_at, self.done = request, lat, stop_at, done
         self.buf = b""
         self.errors = 0
@@ -198,8 +201,9 @@ class _Client(asyncio.Protocol):
         self._send()
 
     def _send(self) -> None:
+        data = self.request()
         self.t = time.perf_counter()
-        self.transport.write(self.request)  # type: ignore[attr-defined]
+        self.transport.write(data)  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -232,15 +236,10 @@ class _Client(asyncio.Protocol):
             self.done.set_result(None)
 
 
-def run_pyload(url: str, conc: int, seconds: float, body: bytes) -> None:
-    """Closed loop in this process (used via a subprocess); prints one JSON line."""
+def closed_loop(host: str, port: int, conc: int, seconds: float,
+                request: Callable[[], bytes]) -> dict[str, float]:
+    """``conc`` connections, each sending ``request()`` as soon as its last answer is in, for ``seconds``."""
     import uvloop
-
-    host, port = url.split("//")[1].split(":")
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
 
     async def main() -> dict[str, float]:
         loop = asyncio.get_running_loop()
@@ -251,19 +250,33 @@ def run_pyload(url: str, conc: int, seconds: float, body: bytes) -> None:
         for _ in range(conc):
             done = loop.create_future()
             _, proto = await loop.create_connection(
-                lambda d=done: _Client(request, lat, stop_at, d), host, int(port)
+                lambda d=done: _Client(request, lat, stop_at, d), host, port
             )
             clients.append(proto)
         await asyncio.gather(*(c.done for c in clients))
         elapsed = time.perf_counter() - t0
         lat.sort()
+
         def pick(q: float) -> float:
             return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6 if lat else float("nan")
 
         return {"requests": len(lat), "seconds": elapsed, "p50_us": pick(0.5), "p99_us": pick(0.99),
                 "errors": sum(c.errors for c in clients)}
 
-    print(json.dumps(uvloop.run(main())))
+    return uvloop.run(main())
+
+
+def post_request(host: str, port: str, path: str, body: bytes) -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def run_pyload(url: str, conc: int, seconds: float, body: bytes) -> None:
+    """Closed loop in this process (used via a subprocess); prints one JSON line."""
+    host, port = url.split("//")[1].split(":")
+    request = post_request(host, port, "/v1/completions", body)
+    print(json.dumps(closed_loop(host, int(port), conc, seconds, lambda: request)))
 
 
 def make_loader(seconds: float, tmp: Path, name: str, body: bytes) -> Callable[[str, int], Load]:

@@ -26,9 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
-from http_load import ANSWER, Load, _http, _stub_metrics, _wrk_us, run_wrk  # noqa: E402,F401
+from http_load import (  # noqa: E402,F401
+    ANSWER,
+    Load,
+    _http,
+    _stub_metrics,
+    _wrk_us,
+    closed_loop,
+    post_request,
+    run_wrk,
+)
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from router_overhead import _median, free_port, stop, wait_port  # noqa: E402
+from router_overhead import _median, free_port, nginx_conf, start, stop, wait_port  # noqa: E402
 
 from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
@@ -36,8 +45,6 @@ BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.",
 
 
 # ---- stub upstream (raw uvloop protocol) -------------------------------------------------------------
-
-
 
 
 class _StubProtocol(asyncio.Protocol):
@@ -95,61 +102,9 @@ def run_stub(port: int, rank: int, chat_fixture: str | None = None) -> None:
 # ---- load generators --------------------------------------------------------------------------------
 
 
-
-
-
-
-class _Client(asyncio.Protocol):
-    def __init__(self, request: Callable[[], bytes], lat: list[float], stop_at: float,
-                 done: asyncio.Future[None]) -> None:
-        self.request, self.lat, self.stop_at, self.done = request, lat, stop_at, done
-        self.buf = b""
-        self.errors = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._send()
-
-    def _send(self) -> None:
-        data = self.request()
-        self.t = time.perf_counter()
-        self.transport.write(data)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        head = self.buf[:end].lower()
-        i = head.find(b"content-length:")
-        if i >= 0:
-            total = end + 4 + int(head[i + 15 : head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
-            if len(self.buf) < total:
-                return
-        else:  # chunked
-            j = self.buf.find(b"\r\n0\r\n\r\n", end)
-            if j < 0:
-                return
-            total = j + 7
-        if not head.startswith(b"http/1.1 200"):
-            self.errors += 1
-        self.lat.append(time.perf_counter() - self.t)
-        self.buf = self.buf[total:]
-        if time.perf_counter() < self.stop_at:
-            self._send()
-        elif not self.done.done():
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
-
-
 def run_pyload(url: str, conc: int, seconds: float, chat_fixture: str | None = None) -> None:
     """Closed loop in this process (used via a subprocess); prints one JSON line."""
     import itertools
-
-    import uvloop
 
     host, port = url.split("//")[1].split(":")
     path, make_body = "/v1/completions", lambda: BODY
@@ -158,40 +113,8 @@ def run_pyload(url: str, conc: int, seconds: float, chat_fixture: str | None = N
 
         fixture, counter = json.loads(Path(chat_fixture).read_text()), itertools.count(1)
         path, make_body = "/v1/chat/completions", lambda: body(fixture, next(counter))
-
-    def request() -> bytes:
-        data = make_body()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n")
-        return head.encode() + data
-
-    async def main() -> dict[str, float]:
-        loop = asyncio.get_running_loop()
-        lat: list[float] = []
-        t0 = time.perf_counter()
-        stop_at = t0 + seconds
-        clients = []
-        for _ in range(conc):
-            done = loop.create_future()
-            _, proto = await loop.create_connection(
-                lambda d=done: _Client(request, lat, stop_at, d), host, int(port)
-            )
-            clients.append(proto)
-        await asyncio.gather(*(c.done for c in clients))
-        elapsed = time.perf_counter() - t0
-        lat.sort()
-        pick = (
-            (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6) if lat else (lambda q: float("nan"))
-        )
-        return {
-            "requests": len(lat),
-            "seconds": elapsed,
-            "p50_us": pick(0.5),
-            "p99_us": pick(0.99),
-            "errors": sum(c.errors for c in clients),
-        }
-
-    print(json.dumps(uvloop.run(main())))
+    request = lambda: post_request(host, port, path, make_body())  # noqa: E731
+    print(json.dumps(closed_loop(host, int(port), conc, seconds, request)))
 
 
 def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> Callable[[str, int], Load]:
@@ -223,45 +146,7 @@ def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> 
 # ---- process helpers --------------------------------------------------------------------------------
 
 
-
-
-def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv,
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,  # noqa: SIM115
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-
-
-
-
 # ---- routers ------------------------------------------------------------------------------------------
-def nginx_conf(tmp: Path, port: int, ups: list[str]) -> list[str]:
-    conf = tmp / "nginx.conf"
-    servers = "\n".join(f"    server {u.split('//')[1]};" for u in ups)
-    conf.write_text(f"""daemon off; worker_processes 1; pid {tmp}/nginx.pid; error_log {tmp}/nginx-error.log;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fcgi;
-  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  upstream ranks {{
-{servers}
-    keepalive 128;
-  }}
-  server {{
-    listen 127.0.0.1:{port};
-    location / {{ proxy_pass http://ranks; proxy_http_version 1.1; proxy_set_header Connection "";
-                 proxy_buffering off; }}
-  }}
-}}
-""")
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    return [nginx, "-p", str(tmp), "-c", str(conf)]
-
-
 def router_commands(tmp: Path, ups: list[str]) -> dict[str, tuple[list[str], int, str]]:
     """name -> (argv, port, readiness path), only for routers installed here."""
     out: dict[str, tuple[list[str], int, str]] = {}
@@ -293,8 +178,6 @@ class Row:
     cpu_ms_per_1k: float
     rss_mib: float
     errors: int
-
-
 
 
 def measure_all(
