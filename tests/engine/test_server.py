@@ -205,8 +205,16 @@ def test_stop_strings(client: openai.OpenAI, http: httpx.Client) -> None:
     text = wait_metrics(http, **{"vllm:num_requests_running": 0})
     # the front end aborted the core request at the stop string instead of letting it run to 400 tokens
     assert metric_value(text, "vllm:generation_tokens_total") - gen_before < 100
-    # ... and it counts as finished by "stop", not as an abort
-    assert metric_value(text, "vllm:request_success_total", finished_reason="stop") == stops_before + 1
+    # ... and it counts as finished by "stop", not as an abort. The core writes the counter and then the
+    # gauge, but a scrape reads the multiprocess files one by one and can see the new gauge beside the old
+    # counter, so the count is waited for rather than read once.
+    deadline = time.monotonic() + 15
+    stop_count = "vllm:request_success_total"
+    while (stops := metric_value(text, stop_count, finished_reason="stop")) < stops_before + 1:
+        assert time.monotonic() < deadline, f"the stop was never counted: {stops} after {stops_before}"
+        time.sleep(0.1)
+        text = http.get("/metrics").text
+    assert stops == stops_before + 1
     streamed = list(client.completions.create(max_tokens=40, stop=stop, stream=True, **kw))
     assert "".join(c.choices[0].text for c in streamed) == expected
     assert streamed[-1].choices[0].finish_reason == "stop"
