@@ -7,6 +7,7 @@ cleanup) still takes it down; this is what keeps "kill -9 the launcher" from lea
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 
@@ -81,3 +82,15 @@ def keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
     libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def freeze_startup_heap() -> None:
+    """Move everything start-up made (model modules, tokenizer, config) out of the cyclic GC's reach.
+
+    A serving process allocates a little each step, and now and then that triggers a full collection,
+    which walks every tracked object: in an engine core with SmolLM2 loaded (~177k objects) one took 79 ms,
+    a whole decode step's worth of stall for every stream. After ``gc.freeze()`` a full collection walks
+    only what was made since (well under 1 ms). Call it once, when the process is ready to serve.
+    """
+    gc.collect()
+    gc.freeze()

@@ -29,7 +29,7 @@ from engine import protocol as P
 from engine.args import EngineArgs, engine_args_from_namespace, make_parser, validate
 from engine.core.engine_core import EngineCore, RequestRejected
 from engine.distributed.placement import pin_to_rank_cpus
-from engine.procutil import keep_freed_memory, set_pdeathsig
+from engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +245,7 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
     sock.bind(input_address)
     state = _State()
     _install_signals(state)  # only now: a signal during the model load just ends the process
+    freeze_startup_heap()
     logger.info("core ready on %s (pid %d)", input_address, os.getpid())
     if member is None:
         server = CoreServer(core, sock, args.shutdown_timeout, state)

@@ -24,7 +24,7 @@ import sys
 import zmq
 
 from engine.executor import messages as M
-from engine.procutil import keep_freed_memory, set_pdeathsig
+from engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
 
 logger = logging.getLogger("engine.worker")
 
@@ -100,6 +100,7 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     kind, num_blocks = ch.recv()
     assert kind == M.KV, kind
     runner.allocate_kv(int(num_blocks))  # type: ignore[arg-type]
+    freeze_startup_heap()
     ch.send(M.READY, os.getpid())
     while True:
         kind, body = ch.recv()

@@ -14,6 +14,7 @@ from engine.edge.aio_guard import GuardedAppRunner
 from engine.edge.auth import PUBLIC_PATHS, KeyRing, engine_keys
 from engine.edge.limits import limits_from, raise_open_files_limit
 from engine.edge.tls import server_context
+from engine.procutil import freeze_startup_heap
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError, error_response
 from engine.server.offload import Offload
@@ -127,6 +128,7 @@ class Frontend:
         tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
         site = web.TCPSite(self._runner, args.host, args.port, reuse_port=True, backlog=2048, ssl_context=tls)
         await site.start()
+        freeze_startup_heap()
         logger.info("front end %d (pid %d) listening on %s://%s:%d%s", self.index, os.getpid(),
                     "https" if tls else "http", args.host or "*", args.port,
                     f", {len(self.keys)} API key(s) required" if self.keys else "")
