@@ -161,7 +161,7 @@ class Monitor:
 
     async def scrape(self, ep: Endpoint) -> None:
         """Read ``ep``'s load: /metrics, or the JSON path its /metrics advertised (X-LBD-Telemetry: lbd's
-        engines), which costs the engine ~1% of a Prometheus render. A JSON path that stops answering (the
+        engines), which costs the engine ~1/30 of a Prometheus render. A JSON path that stops answering (the
         URL now serves another engine, e.g. vLLM) sends the endpoint back to /metrics."""
         loop = asyncio.get_running_loop()
         totals = self.state.shared.totals(ep.slot)

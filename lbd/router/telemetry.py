@@ -1,5 +1,5 @@
 """Read an engine's Prometheus text into the few numbers the policies use: vLLM's and SGLang's names (and
-lbd's engines' JSON /telemetry: the same numbers at ~1% of the engine's cost, advertised by their /metrics).
+lbd's engines' JSON /telemetry: the same numbers at ~1/30 of the engine's cost, advertised by /metrics).
 
 Parsing is prometheus_client's text parser (``text_string_to_metric_families``), fed only the sample lines
 of the wanted families: an engine exports ~60 families (~400 lines, most of them histogram buckets) and the
@@ -148,7 +148,7 @@ def parse_metrics(text: str) -> Sample:
 
 
 # GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, ~0.4 KB against ~50 KB
-# of text that costs the engine ~27 ms of CPU to render. /metrics advertises it with this header.
+# of text that costs a sim rank ~6 ms of CPU to render (benchmarks/scrape_cost.py). /metrics advertises it.
 TELEMETRY_HEADER = b"x-lbd-telemetry"
 _JSON_FIELDS = (
     ("running", "num_requests_running"),
