@@ -81,11 +81,20 @@ class EngineCoreOutput:
 
 @dataclass(slots=True)
 class SchedulerStats:
+    """The core's load, sent to every front end with each step's outputs (and every 100 ms while it has
+    work): what a front end's GET /telemetry answers. Counters are cumulative, with the values of vLLM's
+    counters of the same names on /metrics (prefix-cache tokens queried and hit, prompt and generated
+    tokens)."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
     num_blocks: int = 0
     block_size: int = 16
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 @dataclass(slots=True)

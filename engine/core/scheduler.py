@@ -343,6 +343,9 @@ class Scheduler:
         return self._waiting_tokens
 
     def stats(self) -> SchedulerStats:
+        kv, c = self.kv, self.counters
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                              kv_cache_usage=self.kv.usage, num_blocks=self.config.num_blocks,
-                              block_size=self.config.block_size)
+                              kv_cache_usage=kv.usage, num_blocks=self.config.num_blocks,
+                              block_size=self.config.block_size, prefix_cache_queries=kv.prefix_queries,
+                              prefix_cache_hits=kv.prefix_hits, prompt_tokens=c.prompt_tokens,
+                              generation_tokens=c.generation_tokens)

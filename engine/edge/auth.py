@@ -17,7 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-PUBLIC_PATHS = frozenset({"/health", "/healthz", "/readyz", "/ping", "/load", "/version", "/metrics"})
+PUBLIC_PATHS = frozenset(
+    {"/health", "/healthz", "/readyz", "/ping", "/load", "/version", "/metrics", "/telemetry"}
+)
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: one key
 API_KEYS_ENV = "LBD_API_KEYS"  # ours: several keys, one per line (how lbd supervise hands keys to its ranks)
 

@@ -48,6 +48,8 @@ class Endpoint:
     base_finished: int = 0
     prefix_hit_rate: float = 0.0
     scrape_errors: int = 0
+    telemetry_path: str = "/metrics"  # or the cheap JSON path the engine's /metrics advertised (/telemetry)
+    telemetry_refused: bool = False  # that path failed: /metrics until the process behind is a new one
     new_process: bool = False  # a restart was just handled: the next scrape's lower counters are expected
     snap: EndpointSnapshot | None = None
     snap_stale: bool = True  # set by __setattr__ when one of _SNAPSHOT_INPUTS changes

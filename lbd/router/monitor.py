@@ -20,7 +20,7 @@ from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
 from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
-from lbd.router.telemetry import parse_metrics
+from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
 from lbd.router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger("lbd.router")
@@ -129,9 +129,9 @@ class Monitor:
             pool.close()
 
     # ---- telemetry ------------------------------------------------------------------------------------
-    async def _get(self, url: str, timeout: float, engine: bool = True) -> tuple[int, bytes]:
-        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body). Engines get the
-        --upstream-api-key (their /v1/models needs it)."""
+    async def _get(self, url: str, timeout: float, engine: bool = True, with_headers: bool = False) -> Any:
+        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body), or (status, raw
+        headers, body). Engines get the --upstream-api-key (their /v1/models needs it)."""
         scheme, _, rest = url.partition("://")
         host, slash, path = rest.partition("/")
         base = f"{scheme}://{host}"
@@ -142,7 +142,8 @@ class Monitor:
         async with asyncio.timeout(timeout):
             resp = await pool.request("GET", slash + path, headers, b"", timeout)
             try:
-                return resp.status, await resp.read()
+                body = await resp.read()
+                return (resp.status, resp.raw_headers, body) if with_headers else (resp.status, body)
             finally:
                 resp.close()
 
@@ -159,20 +160,37 @@ class Monitor:
             await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
 
     async def scrape(self, ep: Endpoint) -> None:
+        """Read ``ep``'s load: /metrics, or the JSON path its /metrics advertised (X-LBD-Telemetry: lbd's
+        engines), which costs the engine ~1/30 of a Prometheus render. A JSON path that stops answering (the
+        URL now serves another engine, e.g. vLLM) sends the endpoint back to /metrics."""
         loop = asyncio.get_running_loop()
         totals = self.state.shared.totals(ep.slot)
         began = loop.time()
+        path = ep.telemetry_path
         try:
-            status, body = await self._get(ep.url + "/metrics", self.cfg.scrape_timeout_s)
+            status, headers, body = await self._get(ep.url + path, self.cfg.scrape_timeout_s, True, True)
         except _GET_ERRORS as e:
-            self._scrape_failed(ep, f"/metrics: {type(e).__name__}: {e}".rstrip(": "))
+            self._scrape_failed(ep, f"{path}: {type(e).__name__}: {e}".rstrip(": "))
             return
         if status >= 500:
-            self._scrape_failed(ep, f"/metrics answered {status}")
+            self._scrape_failed(ep, f"{path} answered {status}")
             return
-        if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
+        try:
+            if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
+                raise ValueError(f"{path} answered {status}")
+            if path == "/metrics":
+                sample = parse_metrics(body.decode("utf-8", "replace"))
+                if not ep.telemetry_refused:
+                    ep.telemetry_path = _advertised(headers)
+            else:
+                sample = parse_telemetry(body)
+        except ValueError as e:
+            if path != "/metrics":
+                log.info("%s: %s; reading /metrics again", ep.url, e)
+                ep.telemetry_path, ep.telemetry_refused = "/metrics", True
+                ep.new_process = True  # /metrics' counters may lag the JSON's by a flush: not a restart
             return
-        sample, prev = parse_metrics(body.decode("utf-8", "replace")), ep.sample
+        prev = ep.sample
         if prev is not None and not ep.new_process and sample.prefix_queries < prev.prefix_queries:
             self.state.restarted(ep, "its counters went back")
         ep.new_process = False
@@ -283,3 +301,13 @@ class Monitor:
             ep.pid = pid if isinstance(pid, int) else ep.pid
         for url in [u for u, e in self.state.endpoints.items() if e.source == source and u not in seen]:
             self.state.remove(url)
+
+
+def _advertised(headers: list[tuple[bytes, bytes]]) -> str:
+    """The JSON telemetry path a /metrics answer advertises (an absolute path), else /metrics."""
+    for name, value in headers:
+        if name.lower() == TELEMETRY_HEADER:
+            path = value.decode("latin-1").strip()
+            if path.startswith("/") and not path.startswith("//") and path.isprintable() and " " not in path:
+                return path
+    return "/metrics"

@@ -120,6 +120,7 @@ class RouterState:
         """The process behind ``ep`` is new: its prefix cache is cold."""
         log.info("endpoint %s (rank %s) restarted (%s): forgetting what it had cached", ep.url, ep.rank, why)
         ep.new_process = True
+        ep.telemetry_refused = False  # a new process may serve the JSON telemetry its /metrics advertises
         self.policy.forget(ep.url)
         if self.exact is not None:
             self.exact.restarted(ep.url, why)
@@ -173,6 +174,7 @@ class RouterState:
                     "kv_usage": snap.kv_usage,
                     "delta": snap.delta,
                     "scrape_age_s": None if math.isinf(snap.age_s) else round(snap.age_s, 3),
+                    "telemetry": ep.telemetry_path,
                     "failures": ep.failures,
                     "last_error": ep.last_error or None,
                     "kv_events": self.exact.status(ep.url) if self.exact is not None else {"mode": "off"},

@@ -1,4 +1,5 @@
-"""Read an engine's Prometheus text into the few numbers the policies use: vLLM's and SGLang's names.
+"""Read an engine's Prometheus text into the few numbers the policies use: vLLM's and SGLang's names (and
+lbd's engines' JSON /telemetry: the same numbers at ~1/30 of the engine's cost, advertised by /metrics).
 
 Parsing is prometheus_client's text parser (``text_string_to_metric_families``), fed only the sample lines
 of the wanted families: an engine exports ~60 families (~400 lines, most of them histogram buckets) and the
@@ -29,6 +30,8 @@ adds it; a router also learns ranks from the supervisor's /status); ``models`` f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import orjson
 
 # field -> sample names in order of preference (vLLM, vLLM < 0.10); SGLang's apart (checked only on its text)
 _VLLM: dict[str, tuple[str, ...]] = {
@@ -141,6 +144,39 @@ def parse_metrics(text: str) -> Sample:
     if page > 0:
         s.block_size = int(page)
         s.num_blocks = int(extra.get("max_total_tokens", 0.0) // page)
+    return s
+
+
+# GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, ~0.4 KB against ~50 KB
+# of text that costs a sim rank ~6 ms of CPU to render (benchmarks/scrape_cost.py). /metrics advertises it.
+TELEMETRY_HEADER = b"x-lbd-telemetry"
+_JSON_FIELDS = (
+    ("running", "num_requests_running"),
+    ("waiting", "num_requests_waiting"),
+    ("kv_usage", "kv_cache_usage_perc"),
+    ("prefix_queries", "prefix_cache_queries_total"),
+    ("prefix_hits", "prefix_cache_hits_total"),
+    ("prompt_tokens", "prompt_tokens_total"),
+    ("generation_tokens", "generation_tokens_total"),
+)
+
+
+def parse_telemetry(body: bytes) -> Sample:
+    """A /telemetry answer -> Sample; ValueError when it is not one (e.g. another server at that path)."""
+    data = orjson.loads(body)
+    if not isinstance(data, dict) or "num_requests_running" not in data:
+        raise ValueError("not an lbd /telemetry answer")
+    s = Sample()
+    for fld, key in _JSON_FIELDS:
+        value = data.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            setattr(s, fld, float(value))
+    s.block_size = _int(str(data.get("block_size", 0)))
+    s.num_blocks = _int(str(data.get("num_gpu_blocks", 0)))
+    engine = data.get("engine")
+    if isinstance(engine, int) and not isinstance(engine, bool):
+        s.ranks.add(engine)
+    s.models.update(str(m) for m in data.get("model_names") or () if m)
     return s
 
 

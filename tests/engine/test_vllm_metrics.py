@@ -8,6 +8,8 @@ side fails here. The README ("Metrics") lists vLLM's families lbd leaves out and
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -99,7 +101,11 @@ def scraped(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
                           "--data-parallel-rank", "1", "--data-parallel-size", "2",
                           "--served-model-name", "tiny", log=log) as server:
             _traffic(server.base_url)
-            out[device] = httpx.get(server.base_url + "/metrics", timeout=10).text
+            time.sleep(0.3)  # idle: the core's counters are flushed (100 ms) and its last stats sent
+            resp = httpx.get(server.base_url + "/metrics", timeout=10)
+            out[device] = resp.text
+            out[f"{device} advertises"] = resp.headers.get("x-lbd-telemetry", "")
+            out[f"{device} telemetry"] = httpx.get(server.base_url + "/telemetry", timeout=10).text
     return out
 
 
@@ -154,3 +160,22 @@ def test_sim_engine_exports_the_same_families_as_a_real_one(scraped: dict[str, s
                 for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
 
     assert shape(scraped["sim"]) == shape(scraped["cpu"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_telemetry_json_holds_the_numbers_a_router_reads_from_metrics(scraped: dict[str, str],
+                                                                      device: str) -> None:
+    """GET /telemetry (advertised by /metrics' X-LBD-Telemetry header) answers the same values as /metrics."""
+    assert scraped[f"{device} advertises"] == "/telemetry"
+    got = json.loads(scraped[f"{device} telemetry"])
+    value = {s.name: s for f in text_string_to_metric_families(scraped[device]) for s in f.samples}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
+                 "generation_tokens_total"):
+        assert got[name] == value[f"vllm:{name}"].value, name
+    info = value["vllm:cache_config_info"].labels
+    assert got["block_size"] == int(info["block_size"])
+    assert got["num_gpu_blocks"] == int(info["num_gpu_blocks"])
+    assert (got["engine"], got["model_names"]) == (1, ["tiny"])
+    assert got["prompt_tokens_total"] > 0 and got["generation_tokens_total"] >= 26
+    assert 0.0 <= got["age_s"] < 5.0 and len(scraped[f"{device} telemetry"]) < 1024

@@ -30,11 +30,13 @@ class StubUpstream:
     header_delay: float = 0.0
     first_chunk_delay: float = 0.0
     die_after_chunks: int | None = None  # cut the connection after this many chunks
+    advertise_telemetry: bool = False  # /metrics names a JSON /telemetry (as lbd's engines) this stub lacks
     # observations
     inflight: int = 0
     served: int = 0
     cancelled: int = 0
     scrapes: int = 0
+    telemetry_gets: int = 0
     seen_headers: list = field(default_factory=list)
     seen_bodies: list[bytes] = field(default_factory=list)
     runner: web.AppRunner | None = None
@@ -47,6 +49,7 @@ class StubUpstream:
     async def start(self) -> StubUpstream:
         app = web.Application(client_max_size=1 << 26)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/telemetry", self.telemetry)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.complete)
@@ -79,7 +82,12 @@ class StubUpstream:
             f'num_gpu_blocks="1024",{lab}}} 1.0\n'
             f'vllm:time_to_first_token_seconds_bucket{{{lab},le="0.1"}} 3.0\n'
         )
-        return web.Response(text=text, content_type="text/plain")
+        headers = {"X-LBD-Telemetry": "/telemetry"} if self.advertise_telemetry else None
+        return web.Response(text=text, content_type="text/plain", headers=headers)
+
+    async def telemetry(self, request: web.Request) -> web.Response:
+        self.telemetry_gets += 1
+        return web.Response(status=404)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.hang_health:

@@ -4,7 +4,7 @@ tokenizer and chat template).
 
 - the router tokenizes chat and completion bodies exactly as the engine's /tokenize does;
 - multi-turn chat stays on the rank that holds its history, and the decisions say how many blocks it holds,
-  with two router workers that each follow the events themselves;
+  with two router workers that each follow the events themselves (and read the ranks' JSON /telemetry);
 - after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
   the view at once) and with the approximate fallback (--kv-events off; the new pid clears it).
 One node for the module (~5 s to start), a router per test; ~40 s in all.
@@ -177,6 +177,9 @@ async def test_multi_turn_stays_on_the_rank_that_holds_it(node: SupervisorNode, 
             st = await r.status()
             held = {e["url"]: e["kv_events"]["blocks"] for e in st["endpoints"]}
             assert exact_everywhere(st) and held[home] > 0, st
+            # each worker reads the ranks' load from the JSON /telemetry their /metrics advertises
+            assert all(e["telemetry"] == "/telemetry" for e in st["endpoints"]), st
+            assert all(e["scrape_age_s"] < 1.0 for e in st["endpoints"]), st
 
 
 @pytest.mark.parametrize("events", ["auto", "off"])

@@ -368,6 +368,27 @@ async def test_workers_take_turns_scraping(start_router) -> None:
         assert r.proc.poll() is None
 
 
+async def test_a_telemetry_path_that_fails_sends_the_router_back_to_metrics_for_good(start_router) -> None:
+    """A server whose /metrics advertises X-LBD-Telemetry but has no /telemetry (say an old lbd engine, or
+    vLLM behind a proxy that adds the header): the router tries the path once, then reads /metrics, and the
+    endpoint stays ready. Stubs without the header (vLLM) are never asked for /telemetry."""
+    async with stubs(2) as ups:
+        ups[0].advertise_telemetry = True
+        r = await start_router(
+            "--upstreams", ",".join(u.url for u in ups), "--scrape-interval-ms", "100"
+        ).wait()
+        await asyncio.sleep(1.5)
+        scrapes = ups[0].scrapes
+        await asyncio.sleep(1.0)
+        st = await r.status()
+        assert [e["telemetry"] for e in st["endpoints"]] == ["/metrics", "/metrics"], st
+        assert [e["state"] for e in st["endpoints"]] == ["ready", "ready"], st
+        assert (ups[0].telemetry_gets, ups[1].telemetry_gets) == (1, 0)
+        assert ups[0].scrapes - scrapes >= 4  # ~10 a second, on /metrics
+        async with httpx.AsyncClient(timeout=10) as c:
+            assert (await c.post(r.url + "/v1/completions", json=BODY)).status_code == 200
+
+
 @pytest.mark.parametrize("workers", [2])
 async def test_workers_share_one_port_and_their_load_view(start_router, workers: int) -> None:
     async with stubs(3, header_delay=1.0) as ups:

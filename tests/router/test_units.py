@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lbd.router.config import parse_upstream
 from lbd.router.facts import BadRequest, parse_facts, path_facts
 from lbd.router.messages import Headers
 from lbd.router.shared import SharedCounters
-from lbd.router.telemetry import parse_metrics
+from lbd.router.telemetry import parse_metrics, parse_telemetry
 from policies import CHUNK_CHARS
 
 
@@ -41,6 +43,19 @@ def test_parse_engine_metrics() -> None:
     assert (s.prefix_queries, s.prefix_hits, s.block_size, s.num_blocks) == (1000.0, 400.0, 16, 2048)
     assert s.ranks == {3} and s.models == {"m"}
     assert parse_metrics('vllm:gpu_cache_usage_perc{model_name="a \\"q\\""} 0.5\n').models == {'a "q"'}
+
+
+def test_parse_engine_telemetry_json() -> None:
+    body = (b'{"engine": 3, "model_names": ["m"], "num_requests_running": 2, "num_requests_waiting": 5, '
+            b'"kv_cache_usage_perc": 0.25, "block_size": 16, "num_gpu_blocks": 2048, '
+            b'"prefix_cache_queries_total": 1000, "prefix_cache_hits_total": 400, "prompt_tokens_total": 7, '
+            b'"generation_tokens_total": 9, "server_load": 7, "age_s": 0.01}')
+    same = dataclasses.replace(parse_metrics(ENGINE_TEXT), prompt_tokens=7.0, generation_tokens=9.0)
+    assert parse_telemetry(body) == same
+    # vLLM's /load, a proxy's error page, not an object
+    for other in (b'{"server_load": 3}', b"<html>not found</html>", b"[1, 2]"):
+        with pytest.raises(ValueError):
+            parse_telemetry(other)
 
 
 def test_old_and_new_vllm_names_are_not_counted_twice() -> None:
