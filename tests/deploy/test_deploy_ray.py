@@ -111,8 +111,14 @@ def test_four_ranks_on_ray_behind_one_port(ray_cluster: tuple[Namespaces, str], 
                       "the router over 4 ready ranks")
         assert node.call(burst, 8) == [200] * 8
         tree = [p.pid for p in psutil.Process(node.proc.pid).children(recursive=True)]
-        actors = [p.pid for p in psutil.process_iter() if "RankHost" in " ".join(_cmdline(p))]
-        assert len(actors) == 4
+
+        def rank_hosts() -> list[int]:
+            return [p.pid for p in psutil.process_iter() if "RankHost" in " ".join(_cmdline(p))]
+
+        # ray.kill only asks the raylet to end rank 1's old actor: on a loaded host it can outlive the restart
+        # by a few seconds, but it must go (a leaked actor keeps this count at 5 and fails here)
+        node.wait_for(lambda: len(rank_hosts()) == 4, 30, "rank 1's old Ray actor to exit")
+        actors = rank_hosts()
     finally:
         code = node.close(60)
     assert code == 0, node.log_text()[-4000:]
