@@ -129,9 +129,15 @@ class Monitor:
             pool.close()
 
     # ---- telemetry ------------------------------------------------------------------------------------
-    async def _get(self, url: str, timeout: float, engine: bool = True, with_headers: bool = False) -> Any:
-        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body), or (status, raw
-        headers, body). Engines get the --upstream-api-key (their /v1/models needs it)."""
+    async def _get(self, url: str, timeout: float, engine: bool = True) -> tuple[int, bytes]:
+        """GET ``url`` (``scheme://host:port/path``) within ``timeout`` s: (status, body). Engines get the
+        --upstream-api-key (their /v1/models needs it)."""
+        status, _, body = await self._get_with_headers(url, timeout, engine)
+        return status, body
+
+    async def _get_with_headers(self, url: str, timeout: float,
+                                engine: bool = True) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``_get``, with the answer's raw headers: (status, headers, body)."""
         scheme, _, rest = url.partition("://")
         host, slash, path = rest.partition("/")
         base = f"{scheme}://{host}"
@@ -142,8 +148,7 @@ class Monitor:
         async with asyncio.timeout(timeout):
             resp = await pool.request("GET", slash + path, headers, b"", timeout)
             try:
-                body = await resp.read()
-                return (resp.status, resp.raw_headers, body) if with_headers else (resp.status, body)
+                return resp.status, resp.raw_headers, await resp.read()
             finally:
                 resp.close()
 
@@ -168,7 +173,7 @@ class Monitor:
         began = loop.time()
         path = ep.telemetry_path
         try:
-            status, headers, body = await self._get(ep.url + path, self.cfg.scrape_timeout_s, True, True)
+            status, headers, body = await self._get_with_headers(ep.url + path, self.cfg.scrape_timeout_s)
         except _GET_ERRORS as e:
             self._scrape_failed(ep, f"{path}: {type(e).__name__}: {e}".rstrip(": "))
             return
