@@ -71,34 +71,34 @@ static inline __attribute__((always_inline)) void prefetch_row(const float *r, i
     }
 }
 
-/* A token's K row to L1 and V row to L2; (blk, off) is its place in the block table, which the caller steps
- * along (no division per token). */
-static inline __attribute__((always_inline)) void prefetch_token(const float *kc, const float *vc,
-                                                                  const int32_t *bt, int64_t blk, int64_t off,
-                                                                  int64_t BS, int64_t row) {
-    const int64_t at = ((int64_t)bt[blk] * BS + off) * row;
+/* The next token to prefetch, walked along one sequence's block table (no division per token). */
+struct prefetch_cursor {
+    int64_t t, blk, off;
+};
+
+/* Token ``c->t``'s K row to L1 and V row to L2, then step to the next token (none past L). */
+static inline __attribute__((always_inline)) void prefetch_next(struct prefetch_cursor *c, const float *kc,
+                                                                 const float *vc, const int32_t *bt, int64_t L,
+                                                                 int64_t BS, int64_t row) {
+    if (c->t >= L) return;
+    const int64_t at = ((int64_t)bt[c->blk] * BS + c->off) * row;
     prefetch_row(kc + at, row, 0);
     prefetch_row(vc + at, row, 1);
+    ++c->t;
+    if (++c->off == BS) c->off = 0, ++c->blk;
 }
 
 /* scores s[h * L + t] of every query head against every key of one sequence, block by block: a block's
  * rows are contiguous (all kv heads of a token side by side), so the reads stream within a block. */
 static void scores(const float *qb, const float *kc, const float *vc, const int32_t *bt, int64_t L, int64_t H,
                    int64_t G, int64_t D, int64_t BS, int64_t row, float scale, float *s) {
-    int64_t pf_blk = 0, pf_off = 0, pf_t = 0; /* the next token to prefetch */
-    for (; pf_t < PREFETCH_ROWS && pf_t < L; ++pf_t) {
-        prefetch_token(kc, vc, bt, pf_blk, pf_off, BS, row);
-        if (++pf_off == BS) pf_off = 0, ++pf_blk;
-    }
+    struct prefetch_cursor ahead = {0, 0, 0};
+    for (int i = 0; i < PREFETCH_ROWS; ++i) prefetch_next(&ahead, kc, vc, bt, L, BS, row);
     for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
         const float *k = kc + (int64_t)bt[blk] * BS * row;
         const int64_t n = L - t0 < BS ? L - t0 : BS;
         for (int64_t j = 0; j < n; ++j, k += row) {
-            if (pf_t < L) {
-                prefetch_token(kc, vc, bt, pf_blk, pf_off, BS, row);
-                if (++pf_off == BS) pf_off = 0, ++pf_blk;
-                ++pf_t;
-            }
+            prefetch_next(&ahead, kc, vc, bt, L, BS, row);
             for (int64_t h = 0; h < H; ++h) s[h * L + t0 + j] = dot(qb + h * D, k + (h / G) * D, D) * scale;
         }
     }
@@ -231,7 +231,8 @@ static void decode_one(void *arg, int64_t b) {
         return;
     }
     const int32_t *bt = j->block_tables + b * j->bt_stride;
-    scores((const float *)j->q + b * j->q_row_stride, j->kc, j->vc, bt, L, j->H, G, j->D, j->BS, row, j->scale, s);
+    scores((const float *)j->q + b * j->q_row_stride, j->kc, j->vc, bt, L, j->H, G, j->D, j->BS, row, j->scale,
+           s);
     softmax_rows(s, j->H, L);
     weighted_values(s, j->vc, bt, L, j->H, G, j->D, j->BS, row, o);
 }
@@ -281,9 +282,9 @@ static void decode_one_bf16(void *arg, int64_t b) {
     const int32_t dense = 0; /* the widened rows are one block of L tokens */
     widen((const uint16_t *)j->q + b * j->q_row_stride, q, H * D);
     widen_blocks(j->kc, bt, L, j->BS, row, k);
+    widen_blocks(j->vc, bt, L, j->BS, row, v); /* before the scores pass, which prefetches V's rows */
     scores(q, k, v, &dense, L, H, G, D, L, row, j->scale, s);
     softmax_rows(s, H, L);
-    widen_blocks(j->vc, bt, L, j->BS, row, v);
     weighted_values(s, v, &dense, L, H, G, D, L, row, out);
     narrow(out, o, H * D);
 }
