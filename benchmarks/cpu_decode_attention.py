@@ -44,12 +44,7 @@ def build_at(rev: str, out: Path) -> ctypes.CDLL:
     so = out / "other.so"
     subprocess.run(["cc", *build._FLAGS, "-o", str(so), *(str(src / p.name) for p in build._SOURCES), "-lm"],
                    check=True)
-    lib = ctypes.CDLL(str(so))
-    for name, (restype, argtypes) in build._SIGNATURES.items():
-        if hasattr(lib, name):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-    return lib
+    return build.bind(ctypes.CDLL(str(so)), strict=False)
 
 
 def main() -> int:

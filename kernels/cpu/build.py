@@ -104,8 +104,15 @@ def library() -> ctypes.CDLL | None:
         logger.warning("building the CPU kernels failed (%s %s): using the torch references", e,
                        detail.decode(errors="replace")[-500:])
         return None
+    _lib = bind(lib)
+    return lib
+
+
+def bind(lib: ctypes.CDLL, strict: bool = True) -> ctypes.CDLL:
+    """Declare the kernels' C signatures on ``lib``. ``strict=False`` (a benchmark's build of another
+    revision's sources) skips the entry points that build lacks instead of raising AttributeError."""
     for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    _lib = lib
+        fn = getattr(lib, name) if strict else getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
     return lib
