@@ -61,8 +61,16 @@ def main() -> int:
     if here is None:
         print("the CPU kernels did not build here", file=sys.stderr)
         return 1
+    if args.batch < 1 or args.context < 1 or args.layers < 1 or args.rounds < 1 or args.block_size < 1:
+        p.error("--batch, --context, --layers, --rounds and --block-size must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this tree": here, args.against: build_at(args.against, Path(tmp))}
+        try:
+            other = build_at(args.against, Path(tmp))
+        except subprocess.CalledProcessError as e:
+            print(f"--against {args.against}: could not take or build its kernels "
+                  f"({(e.stderr or b'').decode(errors='replace').strip()[:300]})", file=sys.stderr)
+            return 2
+        libs = {"this tree": here, args.against: other}
         cpus = sorted(os.sched_getaffinity(0))
         arr = (ctypes.c_int * len(cpus))(*cpus)
         for lib in libs.values():
