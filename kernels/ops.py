@@ -3,9 +3,9 @@
 ``LBD_KERNELS`` is read once, at import. ``torch`` always runs the torch references; ``triton`` always runs
 the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before this module is imported);
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``kernels.cpu``
-when they build (fp32: decode attention, RMSNorm, neox rotary, SiLU-and-mul; fp32 and bf16: linear layers
-whose weights ``pack_linear_weights`` packed at load) and the references for the rest. The Triton modules
-are imported on first use, so a CPU-only process never pays for importing triton.
+when they build (fp32: decode attention, RMSNorm, neox rotary, SiLU-and-mul, the sampler's argmax; fp32 and
+bf16: linear layers whose weights ``pack_linear_weights`` packed at load) and the references for the rest.
+The Triton modules are imported on first use, so a CPU-only process never pays for importing triton.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from kernels.reference import rotary as _ref_rotary
 from kernels.rope_cache import build_rope_cache
 
 __all__ = [
-    "MODE", "backend_for", "build_rope_cache", "linear", "pack_linear_weights", "PackedWeight", "rms_norm",
+    "MODE", "argmax", "backend_for", "build_rope_cache", "linear", "pack_linear_weights", "PackedWeight",
+    "rms_norm",
     "silu_and_mul", "rotary_embedding",
     "write_kv_cache", "paged_attention", "topk_softmax", "grouped_topk", "fused_experts", "fused_moe",
     "write_mla_cache", "mla_decode", "mla_prefill",
@@ -135,6 +136,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if impl is None and x.shape[-1] % 2 == 0 and _cpu_c(x):
         return _cpu.silu_and_mul(x)
     return (impl or _ref_elem).silu_and_mul(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [T, V] -> int64 [T]: torch.argmax(x, dim=-1) (the first index on ties)."""
+    if x.shape[-1] > 0 and _cpu_c(x):
+        return _cpu.argmax(x)
+    return x.argmax(dim=-1)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.protocol import SamplingParams, TokenLogprobs
+from kernels import ops
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ class Sampler:
         params = [r.params for r in rows]
         processed = self._penalise(logits, rows) if any(_needs_penalties(p) for p in params) else logits
         if all(p.greedy for p in params):
-            ids = processed.argmax(dim=-1)
+            ids = ops.argmax(processed)
         else:
             ids = self._random(processed, rows)
         token_ids: list[int] = ids.tolist()
@@ -154,7 +155,7 @@ class Sampler:
         choice.clamp_(max=probs.shape[1] - 1)  # a rounding hair past the last cdf value
         if any(greedy):
             mask = torch.tensor(greedy, device=dev)
-            choice = torch.where(mask, logits.argmax(dim=-1), choice)
+            choice = torch.where(mask, ops.argmax(logits), choice)
         return choice
 
     def _uniform(self, rows: list[SampleRow]) -> torch.Tensor:

@@ -4,7 +4,8 @@ The core's loop marks the end of each phase of a step with ``lap(phase)``: recei
 scheduling, input preparation, the forward pass, the lm_head, sampling, the scheduler's update, sending the
 outputs (ipc_out); the time from one step's end to the next step's start is ``idle_or_loop``. Inside the
 forward pass, ``OpTimer`` wraps the attention and linear kernels of ``kernels.ops`` (attention = the KV
-write + paged attention; linear = every projection; other = norms, rotary, SiLU, embedding: the rest).
+write + paged attention; linear = every projection; other = norms, rotary, SiLU, embedding: the rest); a
+forward run by the fused CPU decoder (``kernels.cpu.decoder``) reports the same groups from its C clocks.
 Decode-only steps and steps with prefill tokens are summed apart (their costs differ by 10x), and each kind
 that ran in the window gets one log line of ``key=value`` pairs (milliseconds per step), e.g.
 
@@ -193,18 +194,27 @@ class OpTimer:
 
     def install(self) -> None:
         from kernels import ops
+        from kernels.cpu import decoder
 
         for name, group in OP_GROUPS.items():
             original = getattr(ops, name)
             self._saved[name] = original
             setattr(ops, name, self._wrap(original, group))
+        acc = self.prof.ops
+
+        def add(group: str, secs: float) -> None:  # the fused CPU decoder's own clocks, per forward
+            acc[group] = acc.get(group, 0.0) + secs
+
+        decoder.timing_sink = add
 
     def uninstall(self) -> None:
         from kernels import ops
+        from kernels.cpu import decoder
 
         for name, original in self._saved.items():
             setattr(ops, name, original)
         self._saved.clear()
+        decoder.timing_sink = None
 
     def _wrap(self, fn: Callable, group: str) -> Callable:
         prof, now = self.prof, self.prof._now

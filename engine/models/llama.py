@@ -7,10 +7,16 @@ projection is one matmul for the whole batch; attention reads all keys from the 
 Tensor/pipeline parallel (``parallel``, see ``engine.models.parallel``): each worker builds its TP shard of
 its pipeline stage's layers only (the others are ``Absent``); the first stage embeds, the last one normalises
 and computes logits, and stages in between take and return the (hidden, residual) pair.
+
+On the CPU in fp32, a model made only of the plain layers below (no biases, no per-head norms, one device)
+runs its whole decoder stack as one C call (``kernels.cpu.decoder``): the same kernels with the same
+arguments, so the same numbers, without ten Python calls per layer. ``LBD_FUSED_DECODER=0`` turns that off
+(to measure one against the other).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -21,6 +27,8 @@ from engine.models import parallel as par
 from engine.models.config import ArchConfig
 from engine.models.layers import RMSNorm
 from kernels import ops
+from kernels.cpu import decoder as fused
+from kernels.cpu.packed import PackedWeight
 from kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, Hkv, d]
@@ -171,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
         if carry is None:
             x = self.model.embed_tokens(input_ids)
             residual = None
+            decoder = self.fused_decoder()
+            if (decoder is not None and kv_caches[0][0].dtype == torch.float32
+                    and fused.usable(meta, x.shape[0])):
+                return decoder.forward(x, positions, meta, kv_caches)
         else:
             x, residual = carry
         for layer, kv_cache in zip(self.model.local_layers, kv_caches, strict=True):
@@ -179,6 +191,45 @@ class LlamaForCausalLM(nn.Module):
             return x, residual
         x, _ = self.model.norm(x, residual)
         return x
+
+    _fused: fused.FusedDecoder | None = None
+    _fused_checked = False
+
+    def fused_decoder(self) -> fused.FusedDecoder | None:
+        """The whole stack as one C call, where every layer is the plain fp32 kind the C driver chains (built
+        once, after the weights were packed); else None (the layer-by-layer forward)."""
+        if not self._fused_checked:
+            self._fused_checked = True
+            self._fused = self._build_fused() if os.environ.get("LBD_FUSED_DECODER", "1") != "0" else None
+        return self._fused
+
+    def _build_fused(self) -> fused.FusedDecoder | None:
+        ctx = self.parallel
+        one_device = ctx.tp_size == 1 and ctx.is_first_stage and ctx.is_last_stage
+        if not one_device or self.cos_sin.dtype != torch.float32:
+            return None
+        weights = []
+        for layer in self.model.local_layers:
+            plain = (type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                     and type(layer.mlp) is MLP)
+            if not plain:
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (attn.q_norm is not None or attn.k_scale != 1.0 or attn.v_scale != 1.0
+                    or any(lin.bias is not None or not isinstance(lin.weight, PackedWeight)
+                           or lin.weight.dtype != torch.float32 for lin in linears)):
+                return None
+            weights.append(fused.LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight,
+                                              attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                                              mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        if not weights:
+            return None
+        attn, cfg = self.model.local_layers[0].self_attn, self.cfg
+        dims = fused.DecoderDims(cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                 weights[0].down.in_features, self.cos_sin.shape[1], cfg.rms_norm_eps,
+                                 attn.scale)
+        return fused.FusedDecoder(dims, weights, self.model.norm.weight, self.cos_sin)
 
     lm_head_packed: ops.PackedWeight | None = None  # the tied embedding packed for the logits (CPU, TP = 1)
 

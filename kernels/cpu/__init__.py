@@ -26,7 +26,7 @@ def _loaded():  # noqa: ANN202 (a ctypes.CDLL)
 
 
 __all__ = ["library", "bind_threads", "start_pool", "pool_threads", "supports", "paged_decode",
-           "paged_attention", "elementwise_ok", "rms_norm", "rotary_neox", "silu_and_mul",
+           "paged_attention", "elementwise_ok", "rms_norm", "rotary_neox", "silu_and_mul", "argmax",
            "write_ok", "write_kv_cache",
            "PREFILL_IN_C_MAX_LEN"]
 
@@ -196,6 +196,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, two_i = x.shape
     out = torch.empty((t, two_i // 2), dtype=x.dtype)
     _loaded().lbd_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), t, two_i // 2)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for x [T, V] (fp32, rows dense, V >= 1): int64 [T], the first index on ties, a
+    NaN counting as the largest."""
+    t, v = x.shape
+    out = torch.empty(t, dtype=torch.int64)
+    if t:
+        _loaded().lbd_argmax_f32(x.data_ptr(), x.stride(0), t, v, out.data_ptr())
     return out
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger("kernels.cpu")
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("pool.c", "paged_decode.c", "elementwise.c", "packed_gemm.c")]
+            for n in ("pool.c", "paged_decode.c", "elementwise.c", "packed_gemm.c", "decoder.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("pool.h", "vexp.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fno-math-errno", "-shared", "-fPIC"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -36,6 +36,9 @@ _SIGNATURES = {  # name: (restype, argtypes)
     "lbd_rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]),
     "lbd_rotary_neox_f32": (None, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64]),
     "lbd_silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
+    "lbd_argmax_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "lbd_decoder_f32": (ctypes.c_int, [_PTR, _I64, _PTR, _F32, _F32, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                       _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]),
     "lbd_bind_threads": (ctypes.c_int, [_PTR, ctypes.c_int]),
     "lbd_pool_start": (ctypes.c_int, [_PTR, ctypes.c_int]),
     "lbd_pool_threads": (ctypes.c_int, []),

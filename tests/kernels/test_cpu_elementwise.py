@@ -68,3 +68,28 @@ def test_dispatch_takes_fp32_cpu_and_leaves_the_rest() -> None:
 def test_linear_of_a_plain_weight_is_torchs() -> None:
     x, weight, bias = torch.randn(3, 40), torch.randn(64, 40), torch.randn(64)
     assert torch.equal(ops.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 49152, 49157])  # scalar rows, the vector loop, its tail
+def test_argmax_matches_torch_with_ties_and_nans(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(70, vocab + 3, generator=g)[:, :vocab]  # rows of a wider buffer
+    logits[1] = 0.5  # every value tied: the first index
+    if vocab > 20:
+        logits[2, 3] = logits[2, 19] = 1e9  # a tie between two lanes of the vector loop
+        logits[3, vocab - 1] = float("inf")  # the maximum in the tail
+        logits[4, 17] = float("nan")  # a NaN wins, as in torch
+        logits[5, vocab - 1] = float("nan")  # ... also in the tail
+        logits[6] = float("-inf")
+        logits[7, 5], logits[7, 6] = -0.0, 0.0  # equal values of either sign: the first one
+        logits[7, :5] = -1.0
+        logits[7, 7:] = -1.0
+    assert torch.equal(cpu.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert cpu.argmax(logits[:0]).shape == (0,)
+
+
+def test_no_rows_is_no_work() -> None:  # a DP rank's dummy pass runs the layers over zero tokens
+    empty = torch.zeros(0, 576)
+    assert cpu.rms_norm(empty, torch.ones(576), 1e-5).shape == (0, 576)
+    assert cpu.silu_and_mul(torch.zeros(0, 64)).shape == (0, 32)
