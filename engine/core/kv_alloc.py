@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-import mmap
 from dataclasses import dataclass
 
 import torch
+
+from kernels.cpu import pages as cpu_pages
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +66,15 @@ def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list:
 
     Attention multiplies zero weights with the unused slots of a sequence's last block, so those must hold
     finite numbers: the buffer starts zeroed. On CPU a large buffer is an anonymous mmap of its own (zero
-    pages), so it costs RAM only as blocks get used (a multi-GiB budget is then free until needed). Not
+    pages, advised for transparent huge pages: ``kernels.cpu.pages``), so it costs RAM only as blocks get used
+    (a multi-GiB budget is then free until needed). Not
     ``torch.empty``: malloc serves a large request from freed heap memory when it has some (garbage, and in
     fp8 some bytes are NaN), which the fp8 calibration prefill used to hide by writing the first blocks.
     """
     shape = (spec.num_layers, spec.num_tensors, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     nbytes = spec.bytes_per_block * num_blocks
-    if device.type == "cpu" and nbytes >= ZERO_PAGES_BYTES:
-        pages = mmap.mmap(-1, nbytes)  # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled, committed on first touch
-        buf = torch.frombuffer(pages, dtype=torch.uint8).view(spec.dtype).view(shape)  # keeps `pages` alive
+    if device.type == "cpu" and nbytes >= ZERO_PAGES_BYTES:  # zero-filled, committed on first touch
+        buf = cpu_pages.zeroed(nbytes).view(spec.dtype).view(shape)
     else:
         buf = torch.zeros(shape, dtype=spec.dtype, device=device)
     if spec.num_tensors == 1:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import pages
 from kernels.cpu.build import library
 
 FP32, BF16 = 1, 2  # lbd_packed_gemm_support() bits
@@ -54,7 +55,8 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     assert lib is not None and weight.dim() == 2 and weight.stride(1) == 1
     n, k = weight.shape
     bf16 = weight.dtype == torch.bfloat16
-    out = torch.empty(lib.lbd_packed_size(n, k, int(bf16)), dtype=weight.dtype)
+    # on huge pages: a decode step streams every packed weight from memory (kernels/cpu/pages.py)
+    out = pages.buffer(lib.lbd_packed_size(n, k, int(bf16)), weight.dtype)
     fn = lib.lbd_pack_bf16 if bf16 else lib.lbd_pack_f32
     fn(weight.data_ptr(), weight.stride(0), n, k, out.data_ptr())
     return PackedWeight(out, n, k)
