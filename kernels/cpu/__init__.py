@@ -4,8 +4,9 @@ Why C: decode attention over a paged cache in torch must gather every sequence's
 first; in C each row is read in place (``paged_decode.c``). The per-token ops of a layer (RMSNorm with the
 residual add, rotary, SiLU-and-mul) are a few torch ops each, and at decode batch sizes torch's per-op
 dispatch and thread wake-ups cost more than their arithmetic (``elementwise.c``). Linear
-projections run over weights packed once at load (``packed_gemm.c``, ``packed.py``). They share a thread pool
-that never waits for a descheduled thread (``pool.c``).
+projections run over weights packed once at load (``packed_gemm.c``, ``packed.py``), on huge pages
+(``pages.py``). A plain fp32 Llama stack chains all of them in one call per step (``decoder.c``,
+``decoder.py``). They share a thread pool that never waits for a descheduled thread (``pool.c``).
 How they are built and loaded: ``kernels.cpu.build``.
 """
 
