@@ -180,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
             x = self.model.embed_tokens(input_ids)
             residual = None
             decoder = self.fused_decoder()
-            if (decoder is not None and kv_caches[0][0].dtype == torch.float32
-                    and fused.usable(meta, x.shape[0])):
+            cache = kv_caches[0][0] if kv_caches else None
+            if (decoder is not None and cache is not None and cache.dtype == torch.float32
+                    and cache.is_contiguous() and fused.usable(meta, x.shape[0])):
                 return decoder.forward(x, positions, meta, kv_caches)
         else:
             x, residual = carry
