@@ -5,7 +5,9 @@ the new turn (the system prompt's pieces are cached after the first request), wa
 exact index, and track the pending blocks.
 
 Every request is one more turn: the same 2,000-token system prompt and a user message of its own (a counter),
-as in multi-turn chat. The stub process runs the engine's ZmqEventPublisher, so the router subscribes and
+as in multi-turn chat. The cold case (``cold=True``) puts the counter at the start of the system prompt
+instead: every request is a new 2,000-token prompt that no engine holds (the router's cold path, ``kv.cold``).
+The stub process runs the engine's ZmqEventPublisher, so the router subscribes and
 replays for real; its block hashes are arbitrary (the router keys blocks by its own chain over token ids).
 """
 
@@ -34,6 +36,8 @@ def prepare(model_dir: str, out: Path) -> dict[str, Any]:
     system = " ".join(words)
     prefix = json.dumps({"model": "stub-model", "max_tokens": 1, "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "@@"}]}).split("@@")
+    cold = json.dumps({"model": "stub-model", "max_tokens": 1, "messages": [
+        {"role": "system", "content": "@@ " + system}, {"role": "user", "content": "question"}]}).split("@@")
     ids_a = _ids(tok, system, "question 1")
     ids_b = _ids(tok, system, "question 2")
     shared = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=False)) if a != b), len(ids_a))
@@ -42,6 +46,7 @@ def prepare(model_dir: str, out: Path) -> dict[str, Any]:
     info = {"chat_template": tok.template_source, **tok.template_vars,
             "tokenizer_json_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
     fixture = {"body_prefix": prefix[0] + "question ", "body_suffix": prefix[1], "prompt_tokens": len(ids_a),
+               "cold_prefix": cold[0] + "Prompt ", "cold_suffix": cold[1],
                "block_tokens": ids_a[: blocks * 16], "tokenizer_info": info}
     out.write_text(json.dumps(fixture))
     (out.parent / "tokenizer.json").write_text(tokenizer_json)
@@ -55,15 +60,17 @@ def _ids(tok: Any, system: str, user: str) -> list[int]:
     return tok.assemble(plan)
 
 
-def body(fixture: dict[str, Any], n: int) -> bytes:
-    return f"{fixture['body_prefix']}{n}{fixture['body_suffix']}".encode()
+def body(fixture: dict[str, Any], n: int, cold: bool = False) -> bytes:
+    kind = "cold" if cold else "body"
+    return f"{fixture[kind + '_prefix']}{n}{fixture[kind + '_suffix']}".encode()
 
 
-def wrk_script(fixture: dict[str, Any], path: Path) -> Path:
-    """A wrk script that sends each request with its own user turn."""
+def wrk_script(fixture: dict[str, Any], path: Path, cold: bool = False) -> Path:
+    """A wrk script that sends each request with its own user turn (cold: its own system prompt)."""
+    kind = "cold" if cold else "body"
     path.write_text(
         "counter = 0\n"
-        f"prefix = [==[{fixture['body_prefix']}]==]\nsuffix = [==[{fixture['body_suffix']}]==]\n"
+        f"prefix = [==[{fixture[kind + '_prefix']}]==]\nsuffix = [==[{fixture[kind + '_suffix']}]==]\n"
         "request = function()\n  counter = counter + 1\n"
         '  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, '
         "prefix .. counter .. suffix)\nend\n"

@@ -258,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of: " + ", ".join(SCENARIOS))
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of: " + ", ".join(POLICIES))
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    p.add_argument("--parts", default="small,chat", help="small: the short completion; chat: 2,000-token "
-                   "chat prompts, each a new turn, through lbd with KV events (and without) and the peers")
     args = p.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     families = [f for f in args.policies.split(",") if f]

@@ -102,7 +102,9 @@ def run_stub(port: int, rank: int, chat_fixture: str | None = None) -> None:
 # ---- load generators --------------------------------------------------------------------------------
 
 
-def run_pyload(url: str, conc: int, seconds: float, chat_fixture: str | None = None) -> None:
+def run_pyload(
+    url: str, conc: int, seconds: float, chat_fixture: str | None = None, cold: bool = False
+) -> None:
     """Closed loop in this process (used via a subprocess); prints one JSON line."""
     import itertools
 
@@ -112,17 +114,19 @@ def run_pyload(url: str, conc: int, seconds: float, chat_fixture: str | None = N
         from chat_stub import body
 
         fixture, counter = json.loads(Path(chat_fixture).read_text()), itertools.count(1)
-        path, make_body = "/v1/chat/completions", lambda: body(fixture, next(counter))
+        path, make_body = "/v1/chat/completions", lambda: body(fixture, next(counter), cold)
     request = lambda: post_request(host, port, path, make_body())  # noqa: E731
     print(json.dumps(closed_loop(host, int(port), conc, seconds, request)))
 
 
-def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> Callable[[str, int], Load]:
+def make_loader(
+    seconds: float, tmp: Path, chat_fixture: Path | None = None, cold: bool = False
+) -> Callable[[str, int], Load]:
     if shutil.which("wrk"):
         if chat_fixture is not None:
             from chat_stub import wrk_script
 
-            script = wrk_script(json.loads(chat_fixture.read_text()), tmp / "chat.lua")
+            script = wrk_script(json.loads(chat_fixture.read_text()), tmp / f"chat{'-cold' * cold}.lua", cold)
         else:
             script = tmp / "post.lua"
             script.write_text(
@@ -133,7 +137,8 @@ def make_loader(seconds: float, tmp: Path, chat_fixture: Path | None = None) -> 
 
     def py(url: str, conc: int) -> Load:
         out = subprocess.run(
-            [sys.executable, __file__, "--pyload", url, str(conc), str(seconds), str(chat_fixture or "")],
+            [sys.executable, __file__, "--pyload", url, str(conc), str(seconds), str(chat_fixture or ""),
+             "cold" if cold else ""],
             capture_output=True,
             text=True,
             timeout=seconds + 60,
@@ -350,7 +355,20 @@ def chat_part(args: argparse.Namespace, tmp: Path, stubs: list, wanted: list[str
         f"{direct.p50_us:.0f} us, p99 {direct.p99_us:.0f} us; load average after {os.getloadavg()[0]:.1f}"
     )
     print_table(rows)
-    return rows, direct
+    # Cold: a new system prompt per request (no engine holds any of it): lbd routes on its head and
+    # tokenizes the rest after the dispatch (kv.cold); --kv-events off hashes text and does not tokenize.
+    cold = {n.replace("chat 2k", "chat 2k cold"): c for n, c in cmds.items() if "kv-events off" not in n}
+    cold_load = make_loader(args.seconds, tmp, fixture_path, cold=True)
+    exact = [(n, port) for n, (_, port, _) in cold.items() if "KV events" in n]
+    cold_direct, cold_rows = measure_all(
+        cold, ups[0], cold_load, args.rounds, tmp, lambda: _wait_exact(exact)
+    )
+    print(
+        f"\nchat, {fixture['prompt_tokens']}-token prompts, each with a new system prompt (cached nowhere): "
+        f"direct c=1 p50 {cold_direct.p50_us:.0f} us; load average after {os.getloadavg()[0]:.1f}"
+    )
+    print_table(cold_rows)
+    return rows + cold_rows, direct
 
 
 def _wait_exact(routers: list[tuple[str, int]], timeout: float = 60.0) -> None:
@@ -387,6 +405,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--stub":
         run_stub(int(sys.argv[2]), int(sys.argv[3]), (sys.argv[4:] or [None])[0])
     elif len(sys.argv) > 1 and sys.argv[1] == "--pyload":
-        run_pyload(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), (sys.argv[5:] or [""])[0] or None)
+        run_pyload(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), (sys.argv[5:] or [""])[0] or None,
+                   sys.argv[6:] == ["cold"])
     else:
         sys.exit(main())

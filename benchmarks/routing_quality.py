@@ -55,7 +55,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from routing_report import BASELINE, OURS, Row, plot, saturated_step, step_table, table, verdicts  # noqa: E402
+from routing_report import (  # noqa: E402
+    BASELINE,
+    OURS,
+    Row,
+    plot,
+    saturated_step,
+    startup_split,
+    step_table,
+    table,
+    verdicts,
+)
 
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
@@ -366,6 +376,7 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
         hits = sum(delta("prefix_cache_hits_total", k) for k in range(args.ranks))
         served = [int(delta("request_success_total", k)) for k in range(args.ranks)]
         s = summarize(result.records, result.duration_s, {})
+        n_startup, steady_p99, slowest_startup = startup_split(result.records, scale)
         shorts = [r.ttft for r in result.records if r.ok and r.kind == "short"]
         rows.append(
             Row(
@@ -392,6 +403,9 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
                 own_cores=own_cores,
                 step_rate=rate,
                 reasons=reasons,
+                startup_requests=n_startup,
+                steady_ttft_p99_ms=steady_p99,
+                slowest_startup=slowest_startup,
             )
         )
     return rows

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from lbd.bench.stats import percentile
 
 OURS = "lbd:predicted_ttft"  # the default policy with KV events (auto)
 BASELINE = "lbd:round_robin"  # stepped workloads: steps go up until this one saturates
@@ -41,10 +44,39 @@ class Row:
     ttft_p90_ms: float = math.nan
     step_rate: float = math.nan  # stepped workloads: the step's simulated request rate
     reasons: dict[str, int] = field(default_factory=dict)  # lbd: routing decisions by reason (whole run)
+    # The start-up cluster (see ``startup_split``): requests sent before every prefix group's first request
+    # had its first token, p99 TTFT of the others, and how many of the slowest 1% are start-up requests.
+    startup_requests: int = 0
+    steady_ttft_p99_ms: float = math.nan
+    slowest_startup: str = ""  # "k/n": k of the n slowest requests (the top 1%) are start-up requests
 
     @property
     def hit_vs_oracle(self) -> float:
         return self.hit_rate / self.oracle_hit_rate if self.oracle_hit_rate else math.nan
+
+
+def startup_split(records: list[Any], scale: float) -> tuple[int, float, str]:
+    """(start-up requests, p99 TTFT ms of the rest, "k/n" of the slowest 1% that are start-up requests).
+
+    Start-up ends when every prefix group's first request has its first token: until then some group's
+    prefix is being computed for the first time (a cold prefill no router avoids) and its group's other
+    requests queue behind it. A p99 over a run is the run's ~20th-worst request of 2,000; when most of those
+    are start-up requests, the p99 measures the cold start, not the routing. ``records`` are the client's
+    (``lbd.bench.client.RequestRecord``); times come back in simulated ms (divided by ``scale``)."""
+    ok = sorted((r for r in records if r.ok and r.ttft is not None), key=lambda r: r.start)
+    if not ok:
+        return 0, math.nan, ""
+    first: dict[int, Any] = {}
+    for r in ok:
+        first.setdefault(r.group, r)
+    warm_from = max(r.start + r.ttft for r in first.values())
+    startup = [r for r in ok if r.start < warm_from]
+    steady = [r.ttft for r in ok if r.start >= warm_from]
+    n = max(1, len(ok) // 100)
+    slowest = sorted(ok, key=lambda r: r.ttft)[-n:]
+    k = sum(r.start < warm_from for r in slowest)
+    p99 = percentile(steady, 99) * 1e3 / scale if steady else math.nan
+    return len(startup), p99, f"{k}/{n}"
 
 
 def table(rows: list[Row]) -> str:
@@ -55,6 +87,8 @@ def table(rows: list[Row]) -> str:
         "TTFT p50 ms",
         "TTFT p99 ms",
         *(["short-prompt TTFT p99 ms"] if shorts else []),
+        "p99 after start-up ms",
+        "slowest 1%: start-up",
         "ITL p99 ms",
         "out tok/s",
         "prefix hit",
@@ -68,6 +102,8 @@ def table(rows: list[Row]) -> str:
             f"{r.ttft_p50_ms:,.1f}",
             f"{r.ttft_p99_ms:,.1f}",
             *([f"{r.short_ttft_p99_ms:,.1f}"] if shorts else []),
+            f"{r.steady_ttft_p99_ms:,.1f}",
+            r.slowest_startup or "-",
             f"{r.itl_p99_ms:,.1f}",
             f"{r.output_tok_s:,.0f}",
             f"{100 * r.hit_rate:.1f}%",

@@ -28,6 +28,7 @@ class RequestFacts:
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
     block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
+    deferred: Any = None  # router bookkeeping: the prompt's tokenization still running (lbd.router.kv.cold)
 
 
 @dataclass(slots=True)

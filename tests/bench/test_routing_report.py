@@ -1,10 +1,11 @@
-"""routing_report.py: where round robin saturates and the stepped verdicts (no server)."""
+"""routing_report.py: where round robin saturates, the stepped verdicts, the start-up split (no server)."""
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.routing_report import Row, saturated_step, verdicts
+from benchmarks.routing_report import Row, saturated_step, startup_split, verdicts
+from lbd.bench.client import RequestRecord
 
 
 def test_saturation_is_where_the_median_request_queues() -> None:
@@ -29,3 +30,24 @@ def test_stepped_verdicts_name_the_saturating_step_and_the_ratio_at_the_top() ->
     assert out[1].startswith("- MET:") and "2.50x lower" in out[1]
     out = verdicts([r for r in rows if r.step_rate == 100])
     assert out[0].startswith("- MISSED: many-tenant: round robin saturates nowhere")
+
+
+def test_startup_ends_when_every_group_has_its_first_token() -> None:
+    """Two groups: group 1's first request (sent at 0.5 s) answers at 2.5 s, so everything sent before
+    2.5 s is start-up; the slowest 1% of 200 requests (2) are group 1's cold request and its follower."""
+    recs = [
+        RequestRecord("a", 0, start=0.0, ttft=1.0, group=0),
+        RequestRecord("b", 0, start=0.5, ttft=2.0, group=1),
+        RequestRecord("c", 0, start=0.6, ttft=1.95, group=1),
+        RequestRecord("d", 0, start=2.4, ttft=0.1, group=0),
+    ]
+    recs += [RequestRecord(f"s{i}", 1, start=3.0 + i / 100, ttft=0.1 + i / 1000, group=i % 2)
+             for i in range(196)]
+    recs.append(RequestRecord("x", 0, start=1.0, error="timeout", group=0))  # failures count nowhere
+    n, p99, slowest = startup_split(recs, scale=10.0)
+    assert (n, slowest) == (4, "2/2")
+    steady = sorted(0.1 + i / 1000 for i in range(196))
+    want = (steady[193] + (steady[194] - steady[193]) * 0.05) * 1e3 / 10.0  # numpy's p99 of 196, in sim ms
+    assert math.isclose(p99, want)
+    n, p99, slowest = startup_split([], 1.0)
+    assert n == 0 and math.isnan(p99) and slowest == ""

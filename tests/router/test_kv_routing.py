@@ -3,6 +3,7 @@ the real scheduler, KV-cache manager and publisher, a timed stand-in forward pas
 tokenizer and chat template).
 
 - the router tokenizes chat and completion bodies exactly as the engine's /tokenize does;
+- a new long prompt is routed on its head, and requests sharing it follow it to its rank;
 - multi-turn chat stays on the rank that holds its history, and the decisions say how many blocks it holds,
   with two router workers that each follow the events themselves (and read the ranks' JSON /telemetry);
 - after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
@@ -62,9 +63,9 @@ def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--sim-profile",
         "h100-llama3-8b",
         "--kv-cache-memory-bytes",
-        "1GiB",
+        "2GiB",
         "--max-model-len",
-        "2048",
+        "8192",
         "--kv-events-config",
         EVENTS,
         interval=0.3,
@@ -180,6 +181,33 @@ async def test_multi_turn_stays_on_the_rank_that_holds_it(node: SupervisorNode, 
             # each worker reads the ranks' load from the JSON /telemetry their /metrics advertises
             assert all(e["telemetry"] == "/telemetry" for e in st["endpoints"]), st
             assert all(e["scrape_age_s"] < 1.0 for e in st["endpoints"]), st
+
+
+async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: SupervisorNode, start_router) -> None:
+    """A cold 5,000-character system prompt: the router reads its head, sees no rank holds even that, and
+    sends it at once (the whole text is tokenized meanwhile); a second request with that prompt, sent
+    right behind it, still finds the rank computing it, and a third, later, finds it cached there."""
+    r = await router_for(node, start_router)
+    await until(r, exact_everywhere, "exact views")
+    system = " ".join(f"Note {i}. You are a careful assistant who answers about rivers." for i in range(70))
+    assert len(system) > 4096  # lookup.OFFLOAD_CHARS: a text this long is tokenized off the event loop
+
+    def msgs(q: str) -> list[dict]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        first = asyncio.ensure_future(chat(c, r.url, msgs("How long is river 3?")))
+        await asyncio.sleep(0.002)  # behind the first one, most likely while its text is tokenized
+        (home, why, _), (second, why2, _) = await asyncio.gather(first, chat(c, r.url, msgs("And river 4?")))
+        third, why3, _ = await chat(c, r.url, msgs("And river 5?"))
+    assert "0 blocks cached" in why and why.startswith("lowest_ttft"), why
+    assert second == home and why2.startswith("prefix_hit"), (why2, home, second)
+    assert third == home and why3.startswith("prefix_hit"), why3
+    held = [int(w.split(" uncached, ")[1].split(" blocks")[0]) for w in (why2, why3)]
+    assert min(held) * 16 > 1000, held  # the whole system prompt, not only the head's ~250 tokens
+    st = await r.status()
+    early = {e["url"]: e["kv_events"]["routed_on_head"] for e in st["endpoints"]}
+    assert early[home] == 1 and sum(early.values()) == 1, early  # only the first was new everywhere
 
 
 @pytest.mark.parametrize("events", ["auto", "off"])

@@ -6,7 +6,12 @@ tokenizer splits its input at added tokens (``<|im_start|>``...) before anything
 is tokenized piece by piece: each text piece between added tokens is looked up in an LRU cache, and only new
 pieces (the new turn) are encoded. This is exact when no added token strips its neighbours and pieces are
 normalized alone; it is checked when the tokenizer is loaded (else whole prompts are encoded).
-Large new pieces are encoded off the event loop (``tokenizers`` releases the GIL).
+Large new pieces are encoded off the event loop with ``encode_batch``: ``Tokenizer.encode`` holds the GIL for
+the whole call (a thread running it stalls the loop just the same), ``encode_batch`` releases it.
+
+The head of a text (up to a space: a pre-tokenizer boundary for byte-level BPE and SentencePiece alike)
+tokenizes to a prefix of the whole text's ids, which is also checked at load (``by_heads``): the router reads
+a new prompt's first blocks from its head (``lbd.router.kv.cold``) without waiting for the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from tokenizers import Tokenizer
 CACHE_PIECES = 16_384
 CACHE_CHARS = 32 << 20
 _TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_HEAD_PROBE = (
+    "Alice's 12345 cats, at 3.14159 o'clock -- and Bob's (naïve) dogs! Ask: why?  Twice spaced; "
+    "tabs\there, CamelCaseWords and snake_case_words, e-mail@example.com 1,000,000 times."
+)
 _PROBE = [
     {"role": "system", "content": "You are kind."},
     {"role": "user", "content": "Hi there, friend!"},
@@ -120,6 +129,7 @@ class RouterTokenizer:
         )
         self.prefix, self.suffix = self._special_ends()
         self.by_pieces = self._pieces_are_exact(added.values())
+        self.by_heads = self.by_pieces and self._heads_are_exact()
 
     # ---- set-up checks --------------------------------------------------------------------------------
     def _special_ends(self) -> tuple[list[int], list[int]]:
@@ -142,6 +152,23 @@ class RouterTokenizer:
         plan = self.plan_text(probe, False)
         self.fill(plan, self.encode_missing(plan))
         return self.assemble(plan) == whole
+
+    def _heads_are_exact(self) -> bool:
+        whole = self.rust.encode(_HEAD_PROBE, add_special_tokens=False).ids
+        for end in range(8, len(_HEAD_PROBE), 7):
+            head = self.head(_HEAD_PROBE, end)
+            if head and whole[: len(ids := self.rust.encode(head, add_special_tokens=False).ids)] != ids:
+                return False
+        return True
+
+    @staticmethod
+    def head(text: str, max_chars: int) -> str | None:
+        """``text`` up to its last single space within ``max_chars`` that follows and precedes a non-space
+        (a split every pre-tokenizer we load makes), or None when there is none."""
+        cut = text.rfind(" ", 1, max_chars)
+        while cut > 0 and (text[cut - 1].isspace() or cut + 1 >= len(text) or text[cut + 1].isspace()):
+            cut = text.rfind(" ", 1, cut)
+        return text[:cut] if cut > 0 else None
 
     # ---- rendering ------------------------------------------------------------------------------------
     def render(
@@ -226,11 +253,12 @@ class RouterTokenizer:
             plan.pieces.append(self.suffix)
         return plan
 
-    def encode_missing(self, plan: Plan) -> list[list[int]]:
-        """Token ids of the plan's new pieces (thread-safe: touches no shared state)."""
+    def encode_missing(self, plan: Plan, off_loop: bool = False) -> list[list[int]]:
+        """Token ids of the plan's new pieces (thread-safe: touches no shared state). ``off_loop``: in a
+        thread, so through ``encode_batch``, which lets go of the GIL while it works."""
         if not plan.missing:
             return []
-        if len(plan.missing) == 1:
+        if len(plan.missing) == 1 and not off_loop:
             return [self.rust.encode(plan.missing[0], add_special_tokens=False).ids]
         return [e.ids for e in self.rust.encode_batch(plan.missing, add_special_tokens=False)]
 

@@ -23,15 +23,13 @@ from urllib.parse import urlsplit
 import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.index import BlockIndex, ChainMemo, EndpointBlocks
-from lbd.router.kv.shared_pending import SharedPending, checkpoints
-from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
-from policies import RequestFacts
+from lbd.router.kv.index import BlockIndex, EndpointBlocks
+from lbd.router.kv.lookup import Lookup
+from lbd.router.kv.shared_pending import SharedPending
+from lbd.router.kv.tokenize import RouterTokenizer
 
 log = logging.getLogger("lbd.router")
 Getter = Callable[[str, float], Awaitable[tuple[int, bytes]]]  # (url, timeout) -> (status, body)
-OFFLOAD_CHARS = 4096  # new prompt text longer than this is tokenized in a thread
-SETTLE_S = 0.5  # a dispatched prefix stays pending this long after the first byte (its events are due)
 REDISCOVER_S = 2.0  # while an endpoint has no usable feed, ask it again this often
 TOKENIZER_RETRY_S = 30.0
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
@@ -49,6 +47,7 @@ class EndpointView:
     task: asyncio.Task[None] | None = None
     source: Source | None = None
     slot: int = -1
+    routed_on_head: int = 0  # requests sent here before their long new text was tokenized (lookup, cold)
 
     @property
     def block_size(self) -> int:
@@ -97,8 +96,11 @@ class ExactView:
         self.timeout_s = timeout_s
         self.local_tokenizer = local_tokenizer
         self.index = BlockIndex()
-        self._chains: dict[int, ChainMemo] = {}  # block size -> memo of prompts' block keys
         self.views: dict[str, EndpointView] = {}
+        # the request side (lookup): tokenize, walk the chain, mark and settle pending blocks
+        self.lookup = Lookup(self.views, self.index, shared, stale_s)
+        self.complete, self.annotate = self.lookup.complete, self.lookup.annotate
+        self.dispatched, self.settle = self.lookup.dispatched, self.lookup.settle
         self._tokenizers: dict[str, asyncio.Future[RouterTokenizer]] = {}  # tokenizer.json sha256 -> it
 
     # ---- endpoints ------------------------------------------------------------------------------------
@@ -246,110 +248,6 @@ class ExactView:
         log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
         return tok
 
-    # ---- requests -------------------------------------------------------------------------------------
-    def complete(self) -> bool:
-        """Every endpoint has an exact view (no request needs the approximate index)."""
-        views = self.views.values()
-        return bool(views) and all(v.exact(self.stale_s) for v in views)
-
-    def annotate(self, facts: RequestFacts, data: dict[str, Any]) -> Awaitable[None] | None:
-        """Set ``facts.prompt_tokens`` (exact) and ``facts.cached_tokens`` for exact endpoints; returns an
-        awaitable when a long new prompt text is being tokenized off the event loop."""
-        views = [v for v in self.views.values() if v.exact(self.stale_s) and _serves(v, facts.model)]
-        if not views:
-            return None
-        tok = views[0].tokenizer
-        assert tok is not None
-        try:
-            plan = tok.plan_request(data)
-        except NotTokenizable:
-            return None
-        if plan is None:
-            return None
-        if plan.missing_chars > OFFLOAD_CHARS:
-            return self._annotate_later(facts, tok, plan, views)
-        if plan.missing:
-            tok.fill(plan, tok.encode_missing(plan))
-        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
-        return None
-
-    async def _annotate_later(
-        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
-    ) -> None:
-        encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan)
-        tok.fill(plan, encoded)
-        self._lookup(facts, plan.pieces, [v for v in views if v.tokenizer is tok])
-
-    def _lookup(self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView]) -> None:
-        n = sum(len(p) for p in pieces)
-        facts.prompt_tokens = n
-        cached: dict[str, int] = {}
-        keys_by_size: dict[int, list[int]] = {}
-        by_size: dict[int, list[EndpointView]] = {}
-        for v in views:
-            by_size.setdefault(v.block_size, []).append(v)
-        for bs, group in by_size.items():
-            bits = 0
-            for v in group:
-                bits |= v.blocks.bit
-            # the engine always computes the last prompt token: a fully cached prompt still recomputes it
-            memo = self._chains.get(bs)
-            if memo is None:
-                memo = self._chains[bs] = ChainMemo(bs)
-            keys = keys_by_size[bs] = memo.keys(pieces)[: (n - 1) // bs]
-            depth = self.index.match(keys, bits)
-            if self.shared is not None:
-                self._shared_depths(keys, group, depth)
-            for v in group:
-                cached[v.url] = depth.get(v.blocks.bit, 0) * bs
-        facts.cached_tokens = cached
-        facts.block_keys = keys_by_size
-
-    def _shared_depths(self, keys: list[int], group: list[EndpointView], depth: dict[int, int]) -> None:
-        """Raise ``depth`` where another worker sent a request computing these blocks (its checkpoints)."""
-        assert self.shared is not None
-        mine = {v.slot: v for v in group if v.slot >= 0}
-        for pos in reversed(checkpoints(0, len(keys))):
-            if not mine:
-                return
-            for slot in self.shared.slots(keys[pos]):
-                v = mine.pop(slot, None)
-                if v is not None and depth.get(v.blocks.bit, 0) < pos + 1:
-                    depth[v.blocks.bit] = pos + 1
-
-    def dispatched(self, url: str, facts: RequestFacts) -> tuple[EndpointView, list[int], list[int]] | None:
-        """``facts`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
-        view = self.views.get(url)
-        if view is None or not facts.block_keys or facts.cached_tokens is None:
-            return None
-        bs = view.block_size
-        chain = facts.block_keys.get(bs)
-        if not chain:
-            return None
-        start = facts.cached_tokens.get(url, 0) // bs
-        keys = chain[start:]
-        self.index.add_pending(keys, view.blocks.bit)
-        marks: list[int] = []
-        if self.shared is not None and view.slot >= 0:
-            marks = [chain[p] for p in checkpoints(start, len(chain))]
-            self.shared.add(marks, view.slot)
-        return view, keys, marks
-
-    def settle(self, token: tuple[EndpointView, list[int], list[int]], first_byte: bool) -> None:
-        """The request's first byte arrived (its events are due: drop the entry soon) or it failed."""
-        view, keys, marks = token
-
-        def drop() -> None:
-            if self.views.get(view.url) is view:  # the endpoint's bit may belong to another one now
-                self.index.remove_pending(keys, view.blocks.bit)
-            if marks and self.shared is not None:
-                self.shared.remove(marks, view.slot)
-
-        if first_byte:
-            asyncio.get_running_loop().call_later(SETTLE_S, drop)
-        else:
-            drop()
-
     # ---- reporting ------------------------------------------------------------------------------------
     def status(self, url: str) -> dict[str, Any] | None:
         view = self.views.get(url)
@@ -360,6 +258,7 @@ class ExactView:
             "mode": "exact" if view.exact(self.stale_s) else "approximate",
             "blocks": len(view.blocks),
             "tokenizer": view.tokenizer is not None,
+            "routed_on_head": view.routed_on_head,
         }
         if feed is None:
             out["reason"] = view.reason
@@ -402,7 +301,3 @@ class ExactView:
                 )
         return rows
 
-
-def _serves(view: EndpointView, model: str | None) -> bool:
-    models = view.models()
-    return model is None or not models or model in models
