@@ -23,7 +23,9 @@ requests, while a router that spreads every tenant everywhere thrashes). The ste
 round robin saturates (its median TTFT at least twice its first step's: the median request queues as long as
 it computes); round robin stops stepping there (higher steps would only queue it longer). Long/short skew.
 
-Per target: TTFT p50/p90/p99, ITL p99, output tok/s (latencies divided by the time scale: simulated H100
+Per target: TTFT p50/p90/p99, the p99 of the requests sent after start-up (once every prompt group's first
+request has its first token) and how many of the slowest 1% are start-up requests
+(routing_report.startup_split), ITL p99, output tok/s (latencies divided by the time scale: simulated H100
 time), prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that
 holds every block any rank computed, looked up in arrival order: the best any router could do), and the
 most/fewest requests served by one rank. Stepped workloads report every step.
