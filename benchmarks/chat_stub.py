@@ -1,14 +1,14 @@
-"""The 2,000-token chat case of benchmarks/router_overhead.py: bodies, and what a stub engine adds to answer
-like an lbd engine with KV events (its tokenizer, /kv_event_sources, and a real publisher that has announced
-the system prompt's blocks), so `lbd route` does its whole per-request job: render the chat template, tokenize
-the new turn (the system prompt's pieces are cached after the first request), walk the block chain over the
-exact index, and track the pending blocks.
+"""The 2,000-token chat case of benchmarks/router_overhead_chat.py: bodies, and what a stub engine adds to
+answer like an lbd engine with KV events (its tokenizer, /kv_event_sources, and a real publisher that has
+announced the system prompt's blocks), so `lbd route` does its whole per-request job: render the chat
+template, tokenize the new turn (the system prompt's pieces are cached after the first request), walk the
+block chain over the exact index, and track the pending blocks.
 
 Every request is one more turn: the same 2,000-token system prompt and a user message of its own (a counter),
 as in multi-turn chat. The cold case (``cold=True``) puts the counter at the start of the system prompt
 instead: every request is a new 2,000-token prompt that no engine holds (the router's cold path, ``kv.cold``).
-The stub process runs the engine's ZmqEventPublisher, so the router subscribes and
-replays for real; its block hashes are arbitrary (the router keys blocks by its own chain over token ids).
+The stub process runs the engine's ZmqEventPublisher, so the router subscribes and replays for real; its
+block hashes are arbitrary (the router keys blocks by its own chain over token ids).
 """
 
 from __future__ import annotations
