@@ -260,9 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated name prefixes to run (e.g. 'lbd,nginx')")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--parts", default="chat", help="small: the short completion; chat: 2,000-token "
-                   "chat prompts, each a new turn, through lbd with KV events (and without) and the peers")
+                   "chat prompts through lbd with KV events (and without) and the peers, a new turn per "
+                   "request, then a new system prompt per request (cold)")
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",")}
+    if not parts or not parts <= {"small", "chat"}:
+        p.error(f"--parts {args.parts!r}: give a comma list of small, chat")
     tmp = Path(tempfile.mkdtemp(prefix="lbd-router-bench-"))
     stubs = []
     try:

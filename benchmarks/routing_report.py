@@ -70,13 +70,12 @@ def startup_split(records: list[Any], scale: float) -> tuple[int, float, str]:
     for r in ok:
         first.setdefault(r.group, r)
     warm_from = max(r.start + r.ttft for r in first.values())
-    startup = [r for r in ok if r.start < warm_from]
     steady = [r.ttft for r in ok if r.start >= warm_from]
     n = max(1, len(ok) // 100)
     slowest = sorted(ok, key=lambda r: r.ttft)[-n:]
     k = sum(r.start < warm_from for r in slowest)
     p99 = percentile(steady, 99) * 1e3 / scale if steady else math.nan
-    return len(startup), p99, f"{k}/{n}"
+    return len(ok) - len(steady), p99, f"{k}/{n}"
 
 
 def table(rows: list[Row]) -> str:

@@ -59,7 +59,7 @@ def test_the_head_and_the_length_estimate_of_a_new_system_prompt() -> None:
     assert plan is not None and plan.missing_chars > HEAD_CHARS
     got = ColdStart().head_ids(tok, plan)
     assert got is not None
-    ids, head_chars = got
+    ids, _, head_chars = got
     first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
     before = sum(len(p) for p in plan.pieces[:first_new])
     known = sum(len(p) for p in plan.pieces if not isinstance(p, str))

@@ -64,8 +64,9 @@ class ColdStart:
         enc = self.encoding
         return [f for t in plan.missing if (f := enc.get(t)) is not None]
 
-    def head_ids(self, tok: RouterTokenizer, plan: Plan) -> tuple[list[int], int] | None:
-        """(ids of the prompt up to the head of its first new piece, characters that head covers)."""
+    def head_ids(self, tok: RouterTokenizer, plan: Plan) -> tuple[list[int], int, int] | None:
+        """(ids of the prompt up to the head of its first new piece, the head's own tokens and
+        characters)."""
         if not tok.by_heads:
             return None
         ids: list[int] = []
@@ -74,8 +75,8 @@ class ColdStart:
                 head = tok.head(piece, HEAD_CHARS)
                 if head is None:
                     return None
-                ids += tok.rust.encode(head, add_special_tokens=False).ids
-                return ids, len(head)
+                head_ids = tok.rust.encode(head, add_special_tokens=False).ids
+                return ids + head_ids, len(head_ids), len(head)
             ids += piece
         return None
 

@@ -103,10 +103,10 @@ class Lookup:
         plan = tok.plan_request(data)
         if plan is None:
             return
-        if plan.missing:
-            encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan, True)
-            tok.fill(plan, encoded)
-        self._lookup(facts, plan.pieces, views)
+        if plan.missing:  # other new text beside the shared one (a new turn), or that tokenization failed
+            await self._annotate_later(facts, tok, plan, views)
+        else:
+            self._lookup(facts, plan.pieces, views)
 
     def _route_early(
         self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
@@ -115,7 +115,7 @@ class Lookup:
         got = self.cold.head_ids(tok, plan) if self.cold.has_room() else None
         if got is None:
             return False
-        ids, head_chars = got
+        ids, head_tokens, head_chars = got
         cached: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():
@@ -129,9 +129,7 @@ class Lookup:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
             keys_by_size[bs] = keys
         known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
-        first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
-        before = sum(len(p) for p in plan.pieces[:first_new])
-        facts.prompt_tokens = estimate_tokens(plan, len(ids) - before, head_chars, known)
+        facts.prompt_tokens = estimate_tokens(plan, head_tokens, head_chars, known)
         facts.cached_tokens = cached
         facts.block_keys = keys_by_size
         facts.deferred = self.cold.start(tok, plan)
