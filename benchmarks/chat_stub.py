@@ -60,20 +60,27 @@ def _ids(tok: Any, system: str, user: str) -> list[int]:
     return tok.assemble(plan)
 
 
-def body(fixture: dict[str, Any], n: int, cold: bool = False) -> bytes:
+def body(fixture: dict[str, Any], n: int | str, cold: bool = False) -> bytes:
     kind = "cold" if cold else "body"
     return f"{fixture[kind + '_prefix']}{n}{fixture[kind + '_suffix']}".encode()
 
 
 def wrk_script(fixture: dict[str, Any], path: Path, cold: bool = False) -> Path:
-    """A wrk script that sends each request with its own user turn (cold: its own system prompt)."""
+    """A wrk script that sends each request with its own user turn (cold: its own system prompt).
+
+    Each wrk thread runs its own Lua state, and every run starts the script afresh: a bare counter would
+    send thread 2 the prompts of thread 1 and each run the prompts of the one before (cache hits in what
+    is meant to be new text). So each thread draws a tag of its own, seeded by the clock and its number."""
     kind = "cold" if cold else "body"
     path.write_text(
-        "counter = 0\n"
+        "local threads = 0\n"
+        "setup = function(thread)\n  threads = threads + 1\n  thread:set('tid', threads)\nend\n"
+        "init = function(args)\n  counter = 0\n  math.randomseed(os.time() * 64 + tid)\n"
+        "  tag = os.time() .. '.' .. tid .. '.' .. math.random(1, 1000000000) .. '.'\nend\n"
         f"prefix = [==[{fixture[kind + '_prefix']}]==]\nsuffix = [==[{fixture[kind + '_suffix']}]==]\n"
         "request = function()\n  counter = counter + 1\n"
         '  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, '
-        "prefix .. counter .. suffix)\nend\n"
+        "prefix .. tag .. counter .. suffix)\nend\n"
     )
     return path
 

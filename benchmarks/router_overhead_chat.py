@@ -114,7 +114,8 @@ def run_pyload(
         from chat_stub import body
 
         fixture, counter = json.loads(Path(chat_fixture).read_text()), itertools.count(1)
-        path, make_body = "/v1/chat/completions", lambda: body(fixture, next(counter), cold)
+        tag = f"{os.getpid()}.{time.time_ns()}."  # unique across runs (see chat_stub.wrk_script)
+        path, make_body = "/v1/chat/completions", lambda: body(fixture, f"{tag}{next(counter)}", cold)
     request = lambda: post_request(host, port, path, make_body())  # noqa: E731
     print(json.dumps(closed_loop(host, int(port), conc, seconds, request)))
 

@@ -30,7 +30,7 @@ is pending there; a request whose new text is still being tokenized waits for th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lbd.router.kv.tokenize import Plan, RouterTokenizer
@@ -44,7 +44,7 @@ MAX_BACKGROUND = 2  # tokenizations left running after their routes; past it, a 
 class Deferred:
     """The whole-chain tokenization of a prompt routed on its head."""
 
-    future: asyncio.Future[list[list[int]]]
+    future: asyncio.Future[list[Sequence[int]]]
     plan: Plan
     on_done: list[Callable[[], None]] = field(default_factory=list)  # run once the plan is filled
 
@@ -53,13 +53,13 @@ class ColdStart:
     """One router worker's tokenizations in flight, by new text (one per text, however many requests)."""
 
     def __init__(self) -> None:
-        self.encoding: dict[str, asyncio.Future[list[list[int]]]] = {}
+        self.encoding: dict[str, asyncio.Future[list[Sequence[int]]]] = {}
         self.running = 0  # tokenizations started by early routes, not finished yet
 
     def has_room(self) -> bool:
         return self.running < MAX_BACKGROUND
 
-    def waiting_on(self, plan: Plan) -> list[asyncio.Future[list[list[int]]]]:
+    def waiting_on(self, plan: Plan) -> list[asyncio.Future[list[Sequence[int]]]]:
         """Tokenizations already running for this plan's new pieces."""
         enc = self.encoding
         return [f for t in plan.missing if (f := enc.get(t)) is not None]
@@ -84,7 +84,7 @@ class ColdStart:
         """Tokenize the plan's new pieces in a thread; the plan is filled (and the piece cache with it) on
         the loop as soon as they are done, whatever became of the request."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[list[int]]] = loop.create_future()
+        future: asyncio.Future[list[Sequence[int]]] = loop.create_future()
 
         def begin() -> None:
             job = loop.run_in_executor(None, tok.encode_missing, plan, True)
@@ -97,7 +97,7 @@ class ColdStart:
             self.encoding.setdefault(t, future)
         deferred = Deferred(future, plan)
 
-        def filled(f: asyncio.Future[list[list[int]]]) -> None:
+        def filled(f: asyncio.Future[list[Sequence[int]]]) -> None:
             self.running -= 1
             for t in texts:
                 if self.encoding.get(t) is f:
@@ -112,7 +112,7 @@ class ColdStart:
         return deferred
 
 
-def _chain(job: asyncio.Future[list[list[int]]], future: asyncio.Future[list[list[int]]]) -> None:
+def _chain(job: asyncio.Future[list[Sequence[int]]], future: asyncio.Future[list[Sequence[int]]]) -> None:
     if future.done():
         return
     if job.cancelled():

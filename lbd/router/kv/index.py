@@ -32,20 +32,21 @@ def chain_keys(token_ids: Sequence[int], block_size: int, limit: int | None = No
 class ChainMemo:
     """Block keys of tokenized prompts, computed once per shared piece sequence.
 
-    A prompt arrives as pieces (``tokenize.Plan``: token-id lists the tokenizer caches, the same list object
+    A prompt arrives as pieces (``tokenize.Plan``: token-id arrays the tokenizer caches, the same object
     for the same text), so a trie over piece identities holds, per node, the keys of the blocks completed
     within that piece and the partial block left over. A new chat turn walks the trie through the cached
     history and hashes only its own new blocks. Nodes pin their pieces (no id reuse while in the trie); the
-    trie is dropped whole when it outgrows ``max_nodes``.
+    trie is dropped whole when it outgrows ``max_nodes`` or pins ``max_tokens`` (a flood of new long prompts:
+    the tokenizer's cache lets go of their ids, the trie must too).
     """
 
-    __slots__ = ("block_size", "max_nodes", "_root", "_nodes")
+    __slots__ = ("block_size", "max_nodes", "max_tokens", "_root", "_nodes", "_tokens")
 
-    def __init__(self, block_size: int, max_nodes: int = 50_000) -> None:
+    def __init__(self, block_size: int, max_nodes: int = 50_000, max_tokens: int = 8 << 20) -> None:
         self.block_size = block_size
-        self.max_nodes = max_nodes
+        self.max_nodes, self.max_tokens = max_nodes, max_tokens
         self._root = _Node(None, [], [], ROOT_KEY)
-        self._nodes = 0
+        self._nodes = self._tokens = 0
 
     def keys(self, pieces: Sequence[Sequence[int]]) -> list[int]:
         """Keys of every full block of the concatenated pieces."""
@@ -59,8 +60,8 @@ class ChainMemo:
             node, i = child, i + 1
         if i == len(pieces):
             return keys
-        if self._nodes > self.max_nodes:
-            self._root, self._nodes = _Node(None, [], [], ROOT_KEY), 0
+        if self._nodes > self.max_nodes or self._tokens > self.max_tokens:
+            self._root, self._nodes, self._tokens = _Node(None, [], [], ROOT_KEY), 0, 0
             return self.keys(pieces)
         tail, parent = node.tail, node.last
         for p in pieces[i:]:
@@ -74,6 +75,7 @@ class ChainMemo:
             child = _Node(p, inc, tail, parent)
             node.children[id(p)] = child
             self._nodes += 1
+            self._tokens += len(p)
             node = child
             keys += inc
         return keys

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +95,7 @@ class Lookup:
 
     async def _annotate_after(
         self, facts: RequestFacts, tok: RouterTokenizer, data: dict[str, Any], views: list[EndpointView],
-        running: list[asyncio.Future[list[list[int]]]],
+        running: list[asyncio.Future[list[Sequence[int]]]],
     ) -> None:
         """Another request's tokenization of this prompt's new text is running: wait for it (its piece
         cache then has the text, and its endpoint the whole chain as pending), then look up as usual."""

@@ -6,6 +6,8 @@ tokenizer splits its input at added tokens (``<|im_start|>``...) before anything
 is tokenized piece by piece: each text piece between added tokens is looked up in an LRU cache, and only new
 pieces (the new turn) are encoded. This is exact when no added token strips its neighbours and pieces are
 normalized alone; it is checked when the tokenizer is loaded (else whole prompts are encoded).
+Cached ids are kept as ``array("i")``: 4 bytes a token instead of a list's 8-byte pointer to a 32-byte int
+(36 MiB instead of 300 MiB for 4,000 cached 2,000-token prompts).
 Large new pieces are encoded off the event loop with ``encode_batch``: ``Tokenizer.encode`` holds the GIL for
 the whole call (a thread running it stalls the loop just the same), ``encode_batch`` releases it.
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,7 +52,7 @@ class NotTokenizable(ValueError):
 class Plan:
     """A prompt as pieces: token ids (added tokens, special prefix/suffix) or text still to look up."""
 
-    pieces: list[str | list[int]] = field(default_factory=list)
+    pieces: list[str | Sequence[int]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
     @property
@@ -117,7 +121,7 @@ class RouterTokenizer:
         self.template_vars = {
             k: v for k, v in {**info, **specials}.items() if k.endswith("_token") and isinstance(v, str)
         }
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, Sequence[int]] = OrderedDict()
         self._cache_chars = 0
         added = self.rust.get_added_tokens_decoder()
         self._added = {t.content: i for i, t in added.items() if t.content}
@@ -253,16 +257,16 @@ class RouterTokenizer:
             plan.pieces.append(self.suffix)
         return plan
 
-    def encode_missing(self, plan: Plan, off_loop: bool = False) -> list[list[int]]:
+    def encode_missing(self, plan: Plan, off_loop: bool = False) -> list[Sequence[int]]:
         """Token ids of the plan's new pieces (thread-safe: touches no shared state). ``off_loop``: in a
         thread, so through ``encode_batch``, which lets go of the GIL while it works."""
         if not plan.missing:
             return []
         if len(plan.missing) == 1 and not off_loop:
-            return [self.rust.encode(plan.missing[0], add_special_tokens=False).ids]
-        return [e.ids for e in self.rust.encode_batch(plan.missing, add_special_tokens=False)]
+            return [array("i", self.rust.encode(plan.missing[0], add_special_tokens=False).ids)]
+        return [array("i", e.ids) for e in self.rust.encode_batch(plan.missing, add_special_tokens=False)]
 
-    def fill(self, plan: Plan, encoded: list[list[int]]) -> None:
+    def fill(self, plan: Plan, encoded: Sequence[Sequence[int]]) -> None:
         """Cache the new pieces' ids (on the event loop's thread)."""
         cache = self._cache
         for text, ids in zip(plan.missing, encoded, strict=True):
@@ -278,8 +282,6 @@ class RouterTokenizer:
 
     @staticmethod
     def assemble(plan: Plan) -> list[int]:
-        if len(plan.pieces) == 1 and isinstance(plan.pieces[0], list):
-            return plan.pieces[0]
         ids: list[int] = []
         for p in plan.pieces:
             ids += p  # type: ignore[arg-type]
