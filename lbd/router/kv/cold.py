@@ -8,10 +8,14 @@ none holds any later block either, and every endpoint's cached length is already
 router tokenizes only the text's head (``HEAD_CHARS``, inline: a tenth of a millisecond), walks the chain
 that far, and when every endpoint's match stops inside it, routes right away; the whole text is tokenized in
 a thread meanwhile. Otherwise (some endpoint holds all the head: the text may be cached) it waits for the
-whole chain, as before. So does a prompt arriving while ``MAX_BACKGROUND`` such tokenizations are running: a
-flood of new prompts must not pile up CPU work behind the routes (with stub engines at c=1, unbounded, a new
-8 KiB prompt every millisecond grew the router to 385 MiB and its p99 to 22 ms); waiting is the
-back-pressure.
+whole chain, as before. At most ``MAX_BACKGROUND`` such tokenizations run at a time: a flood of new prompts
+must not pile up CPU work behind the routes (with stub engines at c=1, unbounded, a new 8 KiB prompt every
+millisecond grew the router to 385 MiB and its p99 to 22 ms). A cold prompt arriving past that bound is
+routed on its head all the same and its text is left untokenized (``HEAD_ONLY``): nothing is lost for
+exactness, since its endpoint's events will announce the blocks it computes, and the next request carrying
+that text finds its head held (or pending) there, so it tokenizes the text itself before it is routed (the
+second sight pays what the first skipped). Waiting for the tokenization instead bounded a flood of unique
+2,000-token prompts by the tokenizer: ~4 ms of CPU each, ~350 a second per router worker.
 
 The thread starts ``BACKGROUND_DELAY_S`` after the route: on a node shared with engine ranks (``lbd serve
 --data-parallel-size N``, a router beside its supervisor) it would otherwise take CPU from the rank's front
@@ -49,6 +53,9 @@ class Deferred:
     on_done: list[Callable[[], None]] = field(default_factory=list)  # run once the plan is filled
 
 
+HEAD_ONLY = "head-only"  # ``RequestFacts.deferred`` of a prompt routed on its head and left untokenized
+
+
 class ColdStart:
     """One router worker's tokenizations in flight, by new text (one per text, however many requests)."""
 
@@ -60,7 +67,7 @@ class ColdStart:
         return self.running < MAX_BACKGROUND
 
     def waiting_on(self, plan: Plan) -> list[asyncio.Future[list[Sequence[int]]]]:
-        """Tokenizations already running for this plan's new pieces."""
+        """Tokenizations already running for this plan's new long pieces (``start`` registers no others)."""
         enc = self.encoding
         return [f for t in plan.missing if (f := enc.get(t)) is not None]
 
@@ -92,7 +99,9 @@ class ColdStart:
 
         loop.call_later(BACKGROUND_DELAY_S, begin)
         self.running += 1
-        texts = list(plan.missing)
+        # Only the long texts: a request that shares a short one (the same question under another new
+        # document) would otherwise wait for this whole tokenization to learn a few tokens.
+        texts = [t for t in plan.missing if len(t) > HEAD_CHARS]
         for t in texts:
             self.encoding.setdefault(t, future)
         deferred = Deferred(future, plan)

@@ -4,7 +4,8 @@
 exact prompt length); ``dispatched`` marks the blocks the chosen endpoint will compute as pending there (and,
 with several workers, in shared memory) until ``settle`` after the first byte, so a request sharing the
 prefix goes where it is being computed. A prompt with a long new text is routed on its head when the index
-proves the rest is cached nowhere (``cold``); its chain's tail becomes pending when its tokenization ends.
+proves the rest is cached nowhere (``cold``); its chain's tail becomes pending when its tokenization ends
+(past ``cold.MAX_BACKGROUND`` running tokenizations the text is left untokenized: only its head is pending).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lbd.router.kv.cold import ColdStart, Deferred, estimate_tokens
+from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, estimate_tokens
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
 from lbd.router.kv.shared_pending import SharedPending, checkpoints
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
@@ -112,7 +113,7 @@ class Lookup:
         self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
     ) -> bool:
         """Route on the first new piece's head when no endpoint's match reaches its end (see ``cold``)."""
-        got = self.cold.head_ids(tok, plan) if self.cold.has_room() else None
+        got = self.cold.head_ids(tok, plan)
         if got is None:
             return False
         ids, head_tokens, head_chars = got
@@ -132,7 +133,7 @@ class Lookup:
         facts.prompt_tokens = estimate_tokens(plan, head_tokens, head_chars, known)
         facts.cached_tokens = cached
         facts.block_keys = keys_by_size
-        facts.deferred = self.cold.start(tok, plan)
+        facts.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
         return True
 
     def _lookup(self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView]) -> None:
@@ -191,7 +192,10 @@ class Lookup:
         self.index.add_pending(token.keys, view.blocks.bit)
         self._mark(token, chain, start)
         deferred = facts.deferred
-        if isinstance(deferred, Deferred):
+        if deferred is HEAD_ONLY:
+            view.routed_on_head += 1
+            view.head_only += 1
+        elif isinstance(deferred, Deferred):
             view.routed_on_head += 1
             if deferred.future.done():
                 self._extend(token, deferred, chain)

@@ -48,6 +48,7 @@ class EndpointView:
     source: Source | None = None
     slot: int = -1
     routed_on_head: int = 0  # requests sent here before their long new text was tokenized (lookup, cold)
+    head_only: int = 0  # of those, the ones whose text was left untokenized (a flood of new prompts)
 
     @property
     def block_size(self) -> int:
@@ -259,6 +260,7 @@ class ExactView:
             "blocks": len(view.blocks),
             "tokenizer": view.tokenizer is not None,
             "routed_on_head": view.routed_on_head,
+            "head_only": view.head_only,
         }
         if feed is None:
             out["reason"] = view.reason
