@@ -70,13 +70,13 @@ def wrk_script(fixture: dict[str, Any], path: Path, cold: bool = False) -> Path:
 
     Each wrk thread runs its own Lua state, and every run starts the script afresh: a bare counter would
     send thread 2 the prompts of thread 1 and each run the prompts of the one before (cache hits in what
-    is meant to be new text). So each thread draws a tag of its own, seeded by the clock and its number."""
+    is meant to be new text). So each thread tags its prompts with the clock's second and its number (runs
+    last a second at least, so no two share a second)."""
     kind = "cold" if cold else "body"
     path.write_text(
         "local threads = 0\n"
         "setup = function(thread)\n  threads = threads + 1\n  thread:set('tid', threads)\nend\n"
-        "init = function(args)\n  counter = 0\n  math.randomseed(os.time() * 64 + tid)\n"
-        "  tag = os.time() .. '.' .. tid .. '.' .. math.random(1, 1000000000) .. '.'\nend\n"
+        "init = function(args)\n  counter = 0\n  tag = os.time() .. '.' .. tid .. '.'\nend\n"
         f"prefix = [==[{fixture[kind + '_prefix']}]==]\nsuffix = [==[{fixture[kind + '_suffix']}]==]\n"
         "request = function()\n  counter = counter + 1\n"
         '  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"}, '

@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = {x.strip() for x in args.parts.split(",")}
     if not parts or not parts <= {"small", "chat"}:
         p.error(f"--parts {args.parts!r}: give a comma list of small, chat")
+    if args.seconds < 1 or args.rounds < 1:
+        p.error("--seconds and --rounds must be >= 1 (the prompts' tags use the clock's second)")
     tmp = Path(tempfile.mkdtemp(prefix="lbd-router-bench-"))
     stubs = []
     try:

@@ -191,12 +191,12 @@ class Lookup:
         token = Pending(view, chain[start:], start, [])
         self.index.add_pending(token.keys, view.blocks.bit)
         self._mark(token, chain, start)
-        deferred = facts.deferred
-        if deferred is HEAD_ONLY:
+        deferred = facts.deferred  # None, HEAD_ONLY or a Deferred: routed on its head
+        if deferred is not None:
             view.routed_on_head += 1
+        if deferred is HEAD_ONLY:
             view.head_only += 1
         elif isinstance(deferred, Deferred):
-            view.routed_on_head += 1
             if deferred.future.done():
                 self._extend(token, deferred, chain)
             else:
