@@ -43,6 +43,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+FORWARD_OUTCOMES = ("used", "other_tokenizer", "disabled", "mismatch")  # engine.server.forwarded
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -181,6 +182,9 @@ class FrontendMetrics:
                              REQUEST_PARAMS_N_BUCKETS)
         self.params_max_tokens = hist("vllm:request_params_max_tokens",
                                       "Histogram of the max_tokens request parameter.", tokens)
+        forwarded = Counter("lbd:forwarded_prompts", "Requests that came with a router's prompt token ids, "
+                            "by what the rank did with them (engine.server.forwarded).", (*LABELS, "outcome"))
+        self.forwarded_prompts = {o: forwarded.labels(**lv, outcome=o) for o in FORWARD_OUTCOMES}
 
 
 def render() -> bytes:

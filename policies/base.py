@@ -29,6 +29,7 @@ class RequestFacts:
     cached_tokens: dict[str, int] | None = None
     block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
     deferred: Any = None  # router bookkeeping: the prompt's tokenization still running (lbd.router.kv.cold)
+    prompt_ids: Any = None  # router bookkeeping: the prompt's ids, for ranks that take them (kv.forward)
 
 
 @dataclass(slots=True)

@@ -15,8 +15,10 @@ from engine.edge.auth import PUBLIC_PATHS, KeyRing, engine_keys
 from engine.edge.limits import limits_from, raise_open_files_limit
 from engine.edge.tls import server_context
 from engine.procutil import freeze_startup_heap
+from engine.server.cache_routes import tokenizer_info_body
 from engine.server.core_client import CoreClient
 from engine.server.errors import APIError, error_response
+from engine.server.forwarded import ForwardedPrompts, fingerprint
 from engine.server.offload import Offload
 from engine.server.request_io import STATE
 from engine.server.responses_store import RESPONSES_DIR_ENV, ResponseStore
@@ -105,6 +107,8 @@ class Frontend:
         metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
         self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
                                    self._response_store(), self.index)
+        self.state.forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
+                                                metrics.forwarded_prompts)
         if self.args.otlp_traces_endpoint:
             from engine.server.tracing import RequestTracer
 

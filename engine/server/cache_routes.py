@@ -7,6 +7,8 @@ GET  /tokenizer_info     vLLM's shape (the tokenizer's config, ``tokenizer_class
                          ``--enable-tokenizer-info-endpoint``; lbd always does (a model's tokenizer and
                          template are not secrets, and `lbd route` learns them here to tokenize as this rank
                          does).
+                         ``prompt_token_ids`` says the rank takes a router's token ids with a request
+                         (engine.server.forwarded) and the fingerprint they must carry.
 GET  /tokenizer.json     the tokenizer itself (the `tokenizers` library's JSON), for routers that tokenize.
 POST /reset_prefix_cache vLLM's development endpoint (only with ``VLLM_SERVER_DEV_MODE=1``): forget every
                          cached block (the rank publishes AllBlocksCleared); 409 while requests hold blocks.
@@ -21,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.server.errors import APIError
+from engine.server.forwarded import FIELD
 from engine.server.request_io import state_of
 from engine.server.streaming import json_response
 from engine.tokenizer import Tokenizer
@@ -58,8 +61,8 @@ async def kv_event_sources(request: web.Request) -> web.Response:
     return json_response({str(state.args.rank): sources} if sources else {})
 
 
-async def tokenizer_info(request: web.Request) -> web.Response:
-    tok = state_of(request).tokenizer
+def tokenizer_info_body(tok: Tokenizer) -> dict[str, Any]:
+    """What /tokenizer_info describes (its fingerprint keys forwarded prompt ids: engine.server.forwarded)."""
     body = {k: _plain(v) for k, v in tok.hf.init_kwargs.items() if k not in _DROPPED_KEYS}
     body["tokenizer_class"] = type(tok.hf).__name__
     template = tok.hf.chat_template
@@ -67,6 +70,14 @@ async def tokenizer_info(request: web.Request) -> web.Response:
         body["chat_template"] = template
     body["special_tokens_map"] = _plain(tok.hf.special_tokens_map)
     body["tokenizer_json_sha256"] = tokenizer_json(tok)[1]
+    return body
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = tokenizer_info_body(state.tokenizer)
+    if state.forwarded is not None:
+        body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint}
     return json_response(body)
 
 

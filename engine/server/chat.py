@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -18,10 +19,16 @@ from engine.tokenizer import ChatTemplateError
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
-    req = parse_chat(await read_json(request), state.limits)
+    body = await read_json(request)
+    sent = state.forwarded.take(body) if state.forwarded is not None else None
+    req = parse_chat(body, state.limits)
     model = state.check_model(req.common.model)
-    ids = await render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                  req.tools, req.template_kwargs)
+
+    def own() -> Awaitable[list[int]]:
+        return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.tools, req.template_kwargs)
+
+    ids = await (own() if sent is None else state.forwarded.resolve(sent, own))  # type: ignore[union-attr]
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ChatFormatter(gen, model))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -15,15 +16,24 @@ from engine.server.streaming import respond
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
-    req = parse_completion(await read_json(request), state.limits)
+    body = await read_json(request)
+    sent = state.forwarded.take(body) if state.forwarded is not None else None
+    req = parse_completion(body, state.limits)
     model = state.check_model(req.common.model)
     tok = state.tokenizer
     inputs: list[PromptInput] = []
     texts: list[str] = []
     limits = state.limits
+    if sent is not None and not (len(req.prompts) == 1 and isinstance(req.prompts[0], str)):
+        sent = None  # ids stand for one text prompt: a batch or a token prompt is used as sent
     for prompt in req.prompts:
-        ids = prompt if isinstance(prompt, list) else \
-            await state.offload.encode(prompt, req.add_special_tokens)
+        if isinstance(prompt, list):
+            ids = prompt
+        elif sent is not None:
+            own = partial(state.offload.encode, prompt, req.add_special_tokens)
+            ids = await state.forwarded.resolve(sent, own)  # type: ignore[union-attr]
+        else:
+            ids = await state.offload.encode(prompt, req.add_special_tokens)
         inputs.append(PromptInput(ids, plan_tokens(ids, req.common.max_tokens, limits, "prompt")))
         texts.append(prompt if isinstance(prompt, str) else tok.decode(prompt) if req.echo else "")
     gen = Generation(state, "cmpl", inputs, req.common)

@@ -19,6 +19,7 @@ from engine.server.responses_store import ResponseStore
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from engine.server.forwarded import ForwardedPrompts
     from engine.server.tracing import RequestTracer
 
 
@@ -37,6 +38,7 @@ class FrontendState:
     in_flight: int = 0
     draining: bool = False
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    forwarded: ForwardedPrompts | None = None  # a router's prompt token ids (engine.server.forwarded)
 
     @property
     def limits(self) -> Limits:

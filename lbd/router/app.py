@@ -78,7 +78,8 @@ class RouterApp:
             path = str(self.cfg.tokenizer)
             local = await asyncio.get_running_loop().run_in_executor(None, load_local, path)
         return ExactView(self.cfg.kv_events, self.monitor._get, self.cfg.stale_after_s,
-                         max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None))
+                         max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None),
+                         self.cfg.forward_prompt_ids)
 
     async def close(self) -> None:
         if self.state.exact is not None:

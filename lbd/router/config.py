@@ -114,6 +114,7 @@ class RouterConfig:
     kv_events: str = "auto"
     evict_weight: float = 1.0
     tokenizer: Path | None = None
+    forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
     dns_refresh_interval_s: float = 5.0
     min_ready_endpoints: int = 1
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
@@ -250,6 +251,14 @@ def make_parser() -> OneLineParser:
         help="tokenizer.json (or a folder with it and the chat template) for endpoints that do not serve "
         "their tokenizer (vLLM); lbd engines serve theirs",
     )
+    g.add_argument(
+        "--forward-prompt-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send each request's token ids (the router tokenized it for the exact view) to the ranks that "
+        "advertise they take ids of the same tokenizer and template, so they skip rendering and tokenizing "
+        "the prompt again (default: on with the exact view; needs --kv-events auto or on)",
+    )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(
         "--scrape-interval-ms", type=float, default=100.0,
@@ -375,6 +384,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         kv_events=ns.kv_events,
         evict_weight=ns.evict_weight,
         tokenizer=ns.tokenizer,
+        forward_prompt_ids=ns.forward_prompt_ids is not False,
         limits=limits,
         max_streams_per_endpoint=ns.max_streams_per_endpoint,
         api_keys=list(ns.api_key),
@@ -442,6 +452,8 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")
+    if ns.forward_prompt_ids and ns.kv_events == "off":
+        p.error("--forward-prompt-ids needs the exact view, which --kv-events off turns off: drop one")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port {ns.port} is out of range: use 0..65535")
     if not 0 <= ns.outlier_max_ejection_percent <= 100:

@@ -7,6 +7,7 @@ tokenizer and chat template).
   routed on heads without waiting for the tokenizer, and each next request still finds its prompt held;
 - multi-turn chat stays on the rank that holds its history, and the decisions say how many blocks it holds,
   with two router workers that each follow the events themselves (and read the ranks' JSON /telemetry);
+- each request goes to its rank with the router's token ids (the rank skips its template and tokenizer);
 - after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
   the view at once) and with the approximate fallback (--kv-events off; the new pid clears it).
 One node for the module (~5 s to start), a router per test; ~40 s in all.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import metric_value
 
 from lbd.bench.node import SupervisorNode
 from lbd.router.kv.tokenize import RouterTokenizer
@@ -182,6 +184,42 @@ async def test_multi_turn_stays_on_the_rank_that_holds_it(node: SupervisorNode, 
             # each worker reads the ranks' load from the JSON /telemetry their /metrics advertises
             assert all(e["telemetry"] == "/telemetry" for e in st["endpoints"]), st
             assert all(e["scrape_age_s"] < 1.0 for e in st["endpoints"]), st
+
+
+async def test_the_router_sends_the_ranks_its_token_ids(node: SupervisorNode, start_router) -> None:
+    """Each turn reaches its rank with the router's token ids, which the rank runs instead of rendering and
+    tokenizing the history again (engine.server.forwarded): the same prompt as sent straight to the rank."""
+    r = await router_for(node, start_router)
+    await until(r, exact_everywhere, "exact views")
+
+    def outcome(name: str) -> float:
+        return sum(
+            metric_value(httpx.get(node.rank_url(k) + "/metrics").text, "lbd:forwarded_prompts_total",
+                         outcome=name)
+            for k in range(2)
+        )
+
+    used = outcome("used")
+    msgs = [{"role": "system", "content": f"Delta. {SYSTEM}"}, {"role": "user", "content": "How wide?"}]
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 4}
+        routed = (await c.post(r.url + "/v1/chat/completions", json=body)).json()
+        direct = (await c.post(node.rank_url(0) + "/v1/chat/completions", json=body)).json()
+        assert routed["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"], (routed, direct)
+        await conversation(c, r.url, 3, "Estuary")
+        tools = {**body, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+        assert (await c.post(r.url + "/v1/chat/completions", json=tools)).status_code == 200
+    assert outcome("used") - used == 4  # the first request and 3 turns; not the one with tools
+    assert outcome("mismatch") == 0 and outcome("other_tokenizer") == 0
+    st = await r.status()
+    assert sum(e["kv_events"]["forwarded_ids"] for e in st["endpoints"]) == 4, st
+    off = await router_for(node, start_router, "--no-forward-prompt-ids")
+    await until(off, exact_everywhere, "exact views")
+    async with httpx.AsyncClient(timeout=60) as c:
+        assert (await c.post(off.url + "/v1/chat/completions", json=body)).status_code == 200
+    assert outcome("used") - used == 4
+    st = await off.status()
+    assert sum(e["kv_events"]["forwarded_ids"] for e in st["endpoints"]) == 0, st
 
 
 async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: SupervisorNode, start_router) -> None:

@@ -1,24 +1,27 @@
 """The router's exact view, piece by piece: the block index, payload decoding (vLLM's current map-tagged
 events and the older array form) and one endpoint's feed against the engine's real ZMQ publisher (initial
 replay, a gap repaired by replay, a gap beyond the replay buffer, a publisher that starts over, a
-disconnection). ~3 s."""
+disconnection), and the prompt ids the view adds to a request for endpoints of its tokenizer. ~3 s."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import orjson
 import pytest
 
 from engine.kv_events.config import KVEventsConfig
 from engine.kv_events.publisher import ZmqEventPublisher
 from engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.index import BlockIndex, chain_keys
-from lbd.router.kv.view import subscribe_address
+from lbd.router.kv.forward import FIELD, ExactPrompt, advertised, forwardable, with_ids
+from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys
+from lbd.router.kv.view import EndpointView, ExactView, subscribe_address
 from lbd.router.kv.wire import decode_batch
 
 BS = 4
@@ -220,3 +223,37 @@ def test_shared_pending_checkpoints_cross_workers() -> None:
     expired.add([1], 1)
     time.sleep(0.002)
     assert expired.slots(1) == []
+
+
+def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> None:
+    prompt = ExactPrompt([[1, 2], array("i", [3, 4])], "ab12")
+    bodies = (b'{"model": "m", "messages": []}', b'{"messages": [], "lbd_prompt_token_ids": 7}  \n', b"{}")
+    for body in bodies:
+        out = with_ids(body, prompt)
+        assert out is not None
+        data = orjson.loads(out)  # still one JSON object; the client's own copy of the field is overridden
+        assert data[FIELD] == {"ids": [1, 2, 3, 4], "tokenizer": "ab12"}
+        assert {k: v for k, v in data.items() if k != FIELD} == {
+            k: v for k, v in orjson.loads(body).items() if k != FIELD
+        }
+    assert with_ids(b"[1, 2]", prompt) is None
+
+    info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12"}}
+    assert advertised(info) == "ab12"
+    for bad in ({}, {"prompt_token_ids": {"field": "other", "fingerprint": "ab12"}},
+                {"prompt_token_ids": {"field": FIELD, "fingerprint": 'x"}'}}, []):
+        assert advertised(bad) is None
+    assert forwardable({"messages": []}) and forwardable({"prompt": "hi"})
+    for body in ({"messages": [], "tools": [{}]}, {"messages": [], "chat_template_kwargs": {"a": 1}},
+                 {"messages": [], "continue_final_message": True}, {"prompt": ["a", "b"]}, {"prompt": [1]}):
+        assert not forwardable(body), body
+
+    view = ExactView("auto", None, 1.0, 1.0)  # type: ignore[arg-type]
+    for url, fp in (("http://a:1", "ab12"), ("http://b:1", "cd34"), ("http://c:1", None)):
+        view.views[url] = EndpointView(url, frozenset, EndpointBlocks(view.index, 0), takes_ids=fp)
+    body = b'{"prompt": "hi"}'
+    assert orjson.loads(view.body_for("http://a:1", prompt, body))[FIELD]["tokenizer"] == "ab12"
+    assert view.body_for("http://b:1", prompt, body) is body  # another tokenizer or template there
+    assert view.body_for("http://c:1", prompt, body) is body  # takes no ids (a vLLM rank)
+    assert view.body_for("http://a:1", None, body) is body  # the router has no exact prompt
+    assert [v.forwarded for v in view.views.values()] == [1, 0, 0]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, estimate_tokens
+from lbd.router.kv.forward import ExactPrompt, forwardable
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
 from lbd.router.kv.shared_pending import SharedPending, checkpoints
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
@@ -75,28 +76,29 @@ class Lookup:
         if plan is None:
             return None
         views = [v for v in views if v.tokenizer is tok]
+        fp = tok.fingerprint if tok.fingerprint and forwardable(data) else None
         if plan.missing_chars > OFFLOAD_CHARS:
             running = self.cold.waiting_on(plan)
             if running:
-                return self._annotate_after(facts, tok, data, views, running)
+                return self._annotate_after(facts, tok, data, views, running, fp)
             if self._route_early(facts, tok, plan, views):
                 return None
-            return self._annotate_later(facts, tok, plan, views)
+            return self._annotate_later(facts, tok, plan, views, fp)
         if plan.missing:
             tok.fill(plan, tok.encode_missing(plan))
-        self._lookup(facts, plan.pieces, views)
+        self._lookup(facts, plan.pieces, views, fp)
         return None
 
     async def _annotate_later(
-        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
+        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView], fp: str | None
     ) -> None:
         encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan, True)
         tok.fill(plan, encoded)
-        self._lookup(facts, plan.pieces, views)
+        self._lookup(facts, plan.pieces, views, fp)
 
     async def _annotate_after(
         self, facts: RequestFacts, tok: RouterTokenizer, data: dict[str, Any], views: list[EndpointView],
-        running: list[asyncio.Future[list[Sequence[int]]]],
+        running: list[asyncio.Future[list[Sequence[int]]]], fp: str | None,
     ) -> None:
         """Another request's tokenization of this prompt's new text is running: wait for it (its piece
         cache then has the text, and its endpoint the whole chain as pending), then look up as usual."""
@@ -105,9 +107,9 @@ class Lookup:
         if plan is None:
             return
         if plan.missing:  # other new text beside the shared one (a new turn), or that tokenization failed
-            await self._annotate_later(facts, tok, plan, views)
+            await self._annotate_later(facts, tok, plan, views, fp)
         else:
-            self._lookup(facts, plan.pieces, views)
+            self._lookup(facts, plan.pieces, views, fp)
 
     def _route_early(
         self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
@@ -136,9 +138,13 @@ class Lookup:
         facts.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
         return True
 
-    def _lookup(self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView]) -> None:
+    def _lookup(
+        self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView], fp: str | None
+    ) -> None:
         n = sum(len(p) for p in pieces)
         facts.prompt_tokens = n
+        if fp is not None:
+            facts.prompt_ids = ExactPrompt(pieces, fp)
         cached: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():

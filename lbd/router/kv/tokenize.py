@@ -29,6 +29,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from lbd.router.kv.forward import advertised
+
 CACHE_PIECES = 16_384
 CACHE_CHARS = 32 << 20
 _TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -114,6 +116,7 @@ def _text(content: Any) -> str:
 class RouterTokenizer:
     def __init__(self, tokenizer_json: str, info: dict[str, Any]) -> None:
         self.rust = Tokenizer.from_str(tokenizer_json)
+        self.fingerprint = advertised(info)  # ranks advertising it take our ids (lbd.router.kv.forward)
         template = info.get("chat_template")
         self.template_source = template if isinstance(template, str) and template else None
         self.template = _compile(template) if self.template_source else None

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
+from lbd.router.kv.forward import ExactPrompt, advertised, with_ids
 from lbd.router.kv.index import BlockIndex, EndpointBlocks
 from lbd.router.kv.lookup import Lookup
 from lbd.router.kv.shared_pending import SharedPending
@@ -49,6 +50,8 @@ class EndpointView:
     slot: int = -1
     routed_on_head: int = 0  # requests sent here before their long new text was tokenized (lookup, cold)
     head_only: int = 0  # of those, the ones whose text was left untokenized (a flood of new prompts)
+    forwarded: int = 0  # requests sent here with their prompt token ids
+    takes_ids: str | None = None  # the fingerprint forwarded ids must carry here (lbd.router.kv.forward)
 
     @property
     def block_size(self) -> int:
@@ -88,8 +91,10 @@ class ExactView:
         timeout_s: float,
         local_tokenizer: RouterTokenizer | None = None,
         shared: SharedPending | None = None,
+        forward_ids: bool = True,
     ) -> None:
         self.mode = mode
+        self.forward_ids = forward_ids  # --forward-prompt-ids
         self.shared = shared  # other workers' pending prefixes (--workers > 1)
         self._by_slot: dict[int, EndpointView] = {}
         self.get = get
@@ -228,6 +233,7 @@ class ExactView:
 
     async def _tokenizer(self, view: EndpointView) -> RouterTokenizer | None:
         info = await self._json(view.url + "/tokenizer_info")
+        view.takes_ids = advertised(info)
         sha = info.get("tokenizer_json_sha256") if isinstance(info, dict) else None
         if not sha:
             return self.local_tokenizer
@@ -249,6 +255,19 @@ class ExactView:
         log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
         return tok
 
+    def body_for(self, url: str, prompt: ExactPrompt | None, body: bytes) -> bytes:
+        """The body to send ``url``: with the prompt's ids where that endpoint takes ids of its tokenizer."""
+        if prompt is None or not self.forward_ids:
+            return body
+        view = self.views.get(url)
+        if view is None or view.takes_ids != prompt.fingerprint:
+            return body
+        spliced = with_ids(body, prompt)
+        if spliced is None:
+            return body
+        view.forwarded += 1
+        return spliced
+
     # ---- reporting ------------------------------------------------------------------------------------
     def status(self, url: str) -> dict[str, Any] | None:
         view = self.views.get(url)
@@ -261,6 +280,7 @@ class ExactView:
             "tokenizer": view.tokenizer is not None,
             "routed_on_head": view.routed_on_head,
             "head_only": view.head_only,
+            "forwarded_ids": view.forwarded if view.takes_ids else None,
         }
         if feed is None:
             out["reason"] = view.reason
