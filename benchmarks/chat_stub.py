@@ -2,7 +2,8 @@
 answer like an lbd engine with KV events (its tokenizer, /kv_event_sources, and a real publisher that has
 announced the system prompt's blocks), so `lbd route` does its whole per-request job: render the chat
 template, tokenize the new turn (the system prompt's pieces are cached after the first request), walk the
-block chain over the exact index, and track the pending blocks.
+block chain over the exact index, track the pending blocks, and add its token ids to the body (the stub's
+/tokenizer_info says it takes them, as lbd's engine does; the stub ignores them).
 
 Every request is one more turn: the same 2,000-token system prompt and a user message of its own (a counter),
 as in multi-turn chat. The cold case (``cold=True``) puts the counter at the start of the system prompt
@@ -45,6 +46,9 @@ def prepare(model_dir: str, out: Path) -> dict[str, Any]:
     tokenizer_json = Path(model_dir, "tokenizer.json").read_text()
     info = {"chat_template": tok.template_source, **tok.template_vars,
             "tokenizer_json_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
+    # as lbd's engine does: take the router's token ids (the stub ignores them; the router pays the splice)
+    fingerprint = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()
+    info["prompt_token_ids"] = {"field": "lbd_prompt_token_ids", "fingerprint": fingerprint}
     fixture = {"body_prefix": prefix[0] + "question ", "body_suffix": prefix[1], "prompt_tokens": len(ids_a),
                "cold_prefix": cold[0] + "Prompt ", "cold_suffix": cold[1],
                "block_tokens": ids_a[: blocks * 16], "tokenizer_info": info}

@@ -8,8 +8,9 @@ per target: every router starts from cold caches and zeroed counters. Every flee
 (vLLM's format), so every target runs against the same engines; only lbd's routers read them.
 
 Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
-`/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index) and `/noevict`
-(`--evict-weight 0`: no charge for the hot prefixes a placement evicts), and vllm-router
+`/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index), `/noevict`
+(`--evict-weight 0`: no charge for the hot prefixes a placement evicts) and `/noids` (`--no-forward-prompt-ids`:
+the ranks render and tokenize every prompt themselves), and vllm-router
 (cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
 Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID; 2,000 requests by
@@ -234,6 +235,8 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
                 extra += ["--kv-events", "off"]
             elif mod == "noevict":
                 extra += ["--evict-weight", "0"]
+            elif mod == "noids":
+                extra += ["--no-forward-prompt-ids"]
             else:
                 raise ValueError(f"target {name}: unknown suffix /{mod}")
         return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", *extra)
@@ -246,7 +249,7 @@ def available_targets() -> list[str]:
     import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
-    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx", f"{OURS}/noevict"]
+    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx", f"{OURS}/noevict", f"{OURS}/noids"]
     if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
     if peer_installed("sglang-router"):

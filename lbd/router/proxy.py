@@ -281,7 +281,7 @@ class Proxy:
         state.policy.on_dispatch(facts, ep.url)
         if state.exact is not None and facts.block_keys is not None:
             a.pending = state.exact.dispatched(ep.url, facts)
-            body = state.exact.body_for(ep.url, facts.prompt_ids, body)  # our token ids, where ep takes them
+            body = state.exact.body_for(ep.url, request.path, facts.prompt_ids, body)  # ids, if ep takes them
         state.metrics.dispatched(self.cfg.policy, d.reason, now - t0)
         ep.waiting[a] = now
         if d.reason == "half_open_trial":

@@ -248,12 +248,14 @@ def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> No
                  {"messages": [], "continue_final_message": True}, {"prompt": ["a", "b"]}, {"prompt": [1]}):
         assert not forwardable(body), body
 
+    CHAT = "/v1/chat/completions"  # noqa: N806
     view = ExactView("auto", None, 1.0, 1.0)  # type: ignore[arg-type]
     for url, fp in (("http://a:1", "ab12"), ("http://b:1", "cd34"), ("http://c:1", None)):
         view.views[url] = EndpointView(url, frozenset, EndpointBlocks(view.index, 0), takes_ids=fp)
     body = b'{"prompt": "hi"}'
-    assert orjson.loads(view.body_for("http://a:1", prompt, body))[FIELD]["tokenizer"] == "ab12"
-    assert view.body_for("http://b:1", prompt, body) is body  # another tokenizer or template there
-    assert view.body_for("http://c:1", prompt, body) is body  # takes no ids (a vLLM rank)
-    assert view.body_for("http://a:1", None, body) is body  # the router has no exact prompt
+    assert orjson.loads(view.body_for("http://a:1", CHAT, prompt, body))[FIELD]["tokenizer"] == "ab12"
+    assert view.body_for("http://b:1", CHAT, prompt, body) is body  # another tokenizer or template there
+    assert view.body_for("http://c:1", CHAT, prompt, body) is body  # takes no ids (a vLLM rank)
+    assert view.body_for("http://a:1", CHAT, None, body) is body  # the router has no exact prompt
+    assert view.body_for("http://a:1", "/tokenize", prompt, body) is body  # it tokenizes for itself
     assert [v.forwarded for v in view.views.values()] == [1, 0, 0]

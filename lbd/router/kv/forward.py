@@ -8,7 +8,8 @@ a rank only when the rank's fingerprint is the one its tokenizer was built from 
 one, gets the body unchanged), and the rank checks the fingerprint again (and verifies the first few prompts
 and a sample after them against its own tokenization).
 
-Only prompts the router renders exactly as Hugging Face's ``apply_chat_template`` does go: chat requests
+Only generation requests (``PATHS``: /tokenize and the rest tokenize for themselves), and only prompts the
+router renders exactly as Hugging Face's ``apply_chat_template`` does go: chat requests
 without tools, template kwargs or ``continue_final_message`` (the router renders those too, for routing, where
 a small difference costs a cache hit, not a different prompt), and completions with one text prompt. The body
 is not parsed again: the field is spliced in before its closing brace (a JSON object's last key wins, so a
@@ -24,6 +25,7 @@ from typing import Any
 import orjson
 
 FIELD = "lbd_prompt_token_ids"  # the engine's name for it (engine.server.forwarded.FIELD)
+PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # where the engine reads it
 
 
 @dataclass(slots=True)

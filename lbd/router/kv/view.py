@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.forward import ExactPrompt, advertised, with_ids
+from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, with_ids
 from lbd.router.kv.index import BlockIndex, EndpointBlocks
 from lbd.router.kv.lookup import Lookup
 from lbd.router.kv.shared_pending import SharedPending
@@ -255,9 +255,9 @@ class ExactView:
         log.info("tokenizer %s... learned from %s (pieces cached: %s)", sha[:12], view.url, tok.by_pieces)
         return tok
 
-    def body_for(self, url: str, prompt: ExactPrompt | None, body: bytes) -> bytes:
+    def body_for(self, url: str, path: str, prompt: ExactPrompt | None, body: bytes) -> bytes:
         """The body to send ``url``: with the prompt's ids where that endpoint takes ids of its tokenizer."""
-        if prompt is None or not self.forward_ids:
+        if prompt is None or not self.forward_ids or path not in PATHS:
             return body
         view = self.views.get(url)
         if view is None or view.takes_ids != prompt.fingerprint:
