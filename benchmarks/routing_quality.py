@@ -9,8 +9,8 @@ per target: every router starts from cold caches and zeroed counters. Every flee
 
 Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
 `/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index), `/noevict`
-(`--evict-weight 0`: no charge for the hot prefixes a placement evicts) and `/noids` (`--no-forward-prompt-ids`:
-the ranks render and tokenize every prompt themselves), and vllm-router
+(`--evict-weight 0`: no charge for the hot prefixes a placement evicts) and `/noids`
+(`--no-forward-prompt-ids`: the ranks render and tokenize every prompt themselves), and vllm-router
 (cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
 Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID; 2,000 requests by
