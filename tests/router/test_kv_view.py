@@ -19,7 +19,7 @@ from engine.kv_events.config import KVEventsConfig
 from engine.kv_events.publisher import ZmqEventPublisher
 from engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.forward import FIELD, ExactPrompt, advertised, forwardable, with_ids
+from lbd.router.kv.forward import FIELD, ExactPrompt, _JsonMemo, advertised, forwardable, with_ids
 from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys
 from lbd.router.kv.view import EndpointView, ExactView, subscribe_address
 from lbd.router.kv.wire import decode_batch
@@ -237,6 +237,15 @@ def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> No
             k: v for k, v in orjson.loads(body).items() if k != FIELD
         }
     assert with_ids(b"[1, 2]", prompt) is None
+    # long pieces keep their JSON text (by piece object, LRU by bytes): the same ids however often it is used
+    memo = _JsonMemo(max_bytes=600)
+    long_a, long_b = array("i", range(100, 200)), array("i", range(300, 400))
+    for piece in (long_a, long_b, long_a, [7, 8], long_b, array("i")):
+        assert orjson.loads(b"[" + memo.text(piece) + b"]") == list(piece)
+    assert memo.bytes <= 600 and len(memo._memo) == 1  # 400 bytes a piece: the older one went
+    long_prompt = ExactPrompt([[1], long_a, [], long_b], "ab12")
+    for _ in range(2):
+        assert orjson.loads(with_ids(b"{}", long_prompt))[FIELD]["ids"] == [1, *long_a, *long_b]
 
     info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12"}}
     assert advertised(info) == "ab12"
