@@ -13,13 +13,15 @@ from engine.args import EngineArgs
 from engine.core.host_batch import HostBatch
 from engine.core.runner import ModelRunner, device_batch
 from kernels import cpu, ops
-from kernels.cpu import PREFILL_IN_C_MAX_LEN
+from kernels.cpu import PREFILL_IN_C_MAX_LEN, packed
 from kernels.cpu import decoder as fused
 from kernels.metadata import AttentionMetadata
 from lbd.bench.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(cpu.library() is None or ops.MODE != "auto",
                                 reason="no C compiler for kernels.cpu, or LBD_KERNELS forces another path")
+# the fused stack chains packed fp32 GEMMs, which need AVX-512F (elsewhere fused_decoder() is None by design)
+needs_packed = pytest.mark.skipif(not packed.supported(torch.float32), reason="no AVX-512F here")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,7 @@ def _both_paths(runner: ModelRunner, host: HostBatch) -> tuple[torch.Tensor, tor
     return got, want
 
 
+@needs_packed
 def test_decode_and_mixed_steps_match_the_layer_path_bit_for_bit(runner: ModelRunner) -> None:
     rng = random.Random(0)
     bs = runner.block_size
@@ -88,6 +91,7 @@ def test_steps_outside_the_c_attention_take_the_layer_path() -> None:
     assert not fused.usable(_meta([0], [0], 0), 0)  # nothing to run
 
 
+@needs_packed
 def test_only_plain_fp32_llama_stacks_are_fused(runner: ModelRunner, tiny_qwen3: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert runner.model.fused_decoder() is not None
