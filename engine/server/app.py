@@ -105,10 +105,10 @@ class Frontend:
         await self.offload.warm()
         info = await self.client.hello(hello_timeout)
         metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
+        forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
+                                     metrics.forwarded_prompts)
         self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
-                                   self._response_store(), self.index)
-        self.state.forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
-                                                metrics.forwarded_prompts)
+                                   self._response_store(), forwarded, self.index)
         if self.args.otlp_traces_endpoint:
             from engine.server.tracing import RequestTracer
 

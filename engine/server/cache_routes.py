@@ -76,8 +76,7 @@ def tokenizer_info_body(tok: Tokenizer) -> dict[str, Any]:
 async def tokenizer_info(request: web.Request) -> web.Response:
     state = state_of(request)
     body = tokenizer_info_body(state.tokenizer)
-    if state.forwarded is not None:
-        body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint}
+    body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint}
     return json_response(body)
 
 

@@ -20,7 +20,7 @@ from engine.tokenizer import ChatTemplateError
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
     body = await read_json(request)
-    sent = state.forwarded.take(body) if state.forwarded is not None else None
+    sent = state.forwarded.take(body)
     req = parse_chat(body, state.limits)
     model = state.check_model(req.common.model)
 
@@ -28,7 +28,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.tools, req.template_kwargs)
 
-    ids = await (own() if sent is None else state.forwarded.resolve(sent, own))  # type: ignore[union-attr]
+    ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ChatFormatter(gen, model))

@@ -17,7 +17,7 @@ from engine.server.streaming import respond
 async def completions(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
     body = await read_json(request)
-    sent = state.forwarded.take(body) if state.forwarded is not None else None
+    sent = state.forwarded.take(body)
     req = parse_completion(body, state.limits)
     model = state.check_model(req.common.model)
     tok = state.tokenizer
@@ -29,11 +29,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for prompt in req.prompts:
         if isinstance(prompt, list):
             ids = prompt
-        elif sent is not None:
-            own = partial(state.offload.encode, prompt, req.add_special_tokens)
-            ids = await state.forwarded.resolve(sent, own)  # type: ignore[union-attr]
         else:
-            ids = await state.offload.encode(prompt, req.add_special_tokens)
+            own = partial(state.offload.encode, prompt, req.add_special_tokens)
+            ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
         inputs.append(PromptInput(ids, plan_tokens(ids, req.common.max_tokens, limits, "prompt")))
         texts.append(prompt if isinstance(prompt, str) else tok.decode(prompt) if req.echo else "")
     gen = Generation(state, "cmpl", inputs, req.common)

@@ -31,6 +31,7 @@ import orjson
 from prometheus_client import Counter
 
 from engine.server.errors import bad_request
+from engine.server.fields import is_int_list
 
 FIELD = "lbd_prompt_token_ids"
 VERIFY_FIRST = 4
@@ -73,7 +74,7 @@ class ForwardedPrompts:
             return None
         ids = sent["ids"]
         vocab = self.vocab_size
-        if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+        if not ids or not is_int_list(ids) or not 0 <= min(ids) <= max(ids) < vocab:
             raise bad_request(f"'{FIELD}.ids' must be a non-empty list of token ids below the vocabulary "
                               f"size ({vocab})", FIELD)
         return ids

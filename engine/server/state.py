@@ -32,13 +32,13 @@ class FrontendState:
     metrics: FrontendMetrics
     offload: Offload
     responses: ResponseStore
+    forwarded: ForwardedPrompts  # a router's prompt token ids (engine.server.forwarded)
     index: int = 0  # which front end of this rank (0 runs in the launcher)
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
     in_flight: int = 0
     draining: bool = False
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
-    forwarded: ForwardedPrompts | None = None  # a router's prompt token ids (engine.server.forwarded)
 
     @property
     def limits(self) -> Limits:
