@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.core.kv_cache import KVCacheManager  # noqa: E402
-from engine.core.request import Request  # noqa: E402
-from engine.kv_events.recorder import EventRecorder  # noqa: E402
-from engine.protocol import SamplingParams  # noqa: E402
+from lbd.engine.core.kv_cache import KVCacheManager  # noqa: E402
+from lbd.engine.core.request import Request  # noqa: E402
+from lbd.engine.kv_events.recorder import EventRecorder  # noqa: E402
+from lbd.engine.protocol import SamplingParams  # noqa: E402
 
 BS = 16
 

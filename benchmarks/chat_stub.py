@@ -91,9 +91,9 @@ def wrk_script(fixture: dict[str, Any], path: Path, cold: bool = False) -> Path:
 
 def stub_answers(fixture_path: str, http: Any) -> tuple[dict[bytes, bytes], Any]:
     """The extra answers of a chat stub, and its publisher (kept alive by the caller)."""
-    from engine.kv_events.config import KVEventsConfig
-    from engine.kv_events.publisher import ZmqEventPublisher
-    from engine.kv_events.wire import BlockStored
+    from lbd.engine.config.kv_events import KVEventsConfig
+    from lbd.engine.kv_events.publisher import ZmqEventPublisher
+    from lbd.engine.kv_events.wire import BlockStored
 
     fixture = json.loads(Path(fixture_path).read_text())
     cfg = KVEventsConfig(True, "zmq", "tcp://*:0", "tcp://*:0")

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.cpu import build  # noqa: E402
+from lbd.kernels.cpu import build  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -41,6 +41,9 @@ def build_at(rev: str, out: Path) -> ctypes.CDLL:
     for p in [*build._SOURCES, *build._HEADERS]:
         rel = p.relative_to(ROOT).as_posix()
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True)
+        if shown.returncode != 0:  # a revision from before the src layout
+            old = rel.removeprefix("src/lbd/")
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{old}"], capture_output=True)
         if shown.returncode != 0:
             if p.name == "paged_decode.c":  # not a revision of this kernel at all (or not one git knows)
                 raise subprocess.CalledProcessError(shown.returncode, "git show", stderr=shown.stderr)

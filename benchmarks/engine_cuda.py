@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_specs import EngineSpec, RunningEngine
+
 from lbd.bench.stats import percentile
 
 SHAPES = {

@@ -1,7 +1,7 @@
 """The engines benchmarks/engine_vs_vllm.py compares: how each is started, which of its processes are the
 front end and which the engine, and how long it took to serve its first answer.
 
-lbd: `python -m engine` from this checkout (the interpreter running the benchmark). vLLM: its OpenAI server
+lbd: `python -m lbd.engine` from this checkout (the benchmark's interpreter). vLLM: its OpenAI server
 from the venv of `scripts/setup-peers.sh vllm` (`.venv-vllm/`), with the CPU settings vLLM documents:
 VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_CPU_OMP_THREADS_BIND on the same CPUs lbd gets, HF_HUB_OFFLINE=1.
 """
@@ -36,13 +36,25 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     src: Path | None = None  # an lbd source tree other than this one (it runs there, see procs.spawn)
 
+    @property
+    def flat_layout(self) -> bool:
+        """Whether ``src`` is a tree from before the src layout (top-level ``engine`` package)."""
+        return self.src is not None and (self.src / "engine" / "__main__.py").is_file()
+
+    def import_root(self) -> Path | None:
+        """What PYTHONPATH must hold for ``src``'s own packages to win over the installed ``lbd``."""
+        if self.src is None:
+            return None
+        return self.src if self.flat_layout else self.src / "src"
+
     def argv(self, model: Path, port: int, max_model_len: int, kv_gib: float, python: Path) -> list[str]:
         """``kv_gib`` 0: the engine sizes its KV cache itself (on CUDA, from --gpu-memory-utilization)."""
         common = ["--host", "127.0.0.1", "--port", str(port), "--model", str(model), "--dtype", self.dtype,
                   "--max-model-len", str(max_model_len)]
         if self.kind == "lbd":
             kv = ["--kv-cache-memory-bytes", f"{kv_gib}GiB"] if kv_gib > 0 else []
-            return [sys.executable, "-m", "engine", *common, *kv, "--disable-log-requests", *self.extra]
+            module = "engine" if self.flat_layout else "lbd.engine"
+            return [sys.executable, "-m", module, *common, *kv, "--disable-log-requests", *self.extra]
         return [str(python), "-m", "vllm.entrypoints.openai.api_server", *common, *self.extra]
 
     def environment(self, cpus: str, threads: int, kv_gib: float, device: str) -> dict[str, str]:
@@ -70,7 +82,7 @@ class RunningEngine:
         argv = spec.argv(model, self.port, max_model_len, kv_gib, python)
         env = spec.environment(cpus, threads, kv_gib, device)
         if spec.src is not None:
-            env["PYTHONPATH"] = str(spec.src)
+            env["PYTHONPATH"] = str(spec.import_root())
         self.proc = spawn(argv, env=env, log=log, cwd=spec.src)
         try:
             wait_http(self.url + "/health", timeout=ready_timeout, proc=self.proc)

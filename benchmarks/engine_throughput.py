@@ -152,7 +152,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     caps = [int(c) for c in args.caps.split(",") if c]
 
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     workdir = Path(tempfile.mkdtemp(prefix="lbd-bench-"))
     warm_cache = os.environ.get("LBD_CACHE_DIR", str(Path.home() / ".cache" / "lbd"))

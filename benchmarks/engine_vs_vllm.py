@@ -50,6 +50,7 @@ from benchmarks.engine_specs import (  # noqa: E402
     cpu_seconds,
     vllm_available,
 )
+
 from lbd.bench.client import RequestRecord, send  # noqa: E402
 from lbd.bench.stats import percentile  # noqa: E402
 
@@ -238,7 +239,7 @@ class Report:
 def profile_level(eng: RunningEngine, workload: Workload, c: int,
                   n: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Run one level on a server started with --profile-steps; its (core, front-end) profile lines."""
-    from engine.core.step_profile import parse_line
+    from lbd.engine.core.step_profile import parse_line
 
     mark = len(eng.log.read_text(errors="replace"))
     measure(eng, workload.prompts(n, 10_000 + c, c), workload.output_len, c, -1)
@@ -357,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         return cuda_main(args)
     if args.lbd_base_src is not None or args.lbd_base_args:
         src = (args.lbd_base_src or Path(__file__).resolve().parents[1]).resolve()
-        if not (src / "engine" / "__main__.py").is_file():
-            print(f"--lbd-base-src {src}: no engine/__main__.py there (pass an lbd source tree)",
+        if not any((src / d / "__main__.py").is_file() for d in ("src/lbd/engine", "engine")):
+            print(f"--lbd-base-src {src}: no src/lbd/engine/__main__.py there (pass an lbd source tree)",
                   file=sys.stderr)
             return 2
         ENGINES["lbd-base"] = EngineSpec("lbd-base", "lbd", extra=shlex.split(args.lbd_base_args), src=src)
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if ENGINES[n].kind != "vllm"]
     levels = [int(c) for c in args.concurrency.split(",")]
     requests = {c: args.requests or max(4, round(args.requests_factor * c)) for c in levels}
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     model = Path(resolve_model(args.model))
     cfg = json.loads((model / "config.json").read_text())

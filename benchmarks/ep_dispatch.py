@@ -1,4 +1,4 @@
-"""Expert-parallel token movers side by side: all-gather + reduce-scatter vs all-to-all (engine.dp).
+"""Expert-parallel token movers side by side: all-gather + reduce-scatter vs all-to-all (lbd.engine.dp).
 
 Two processes form a gloo group (the CPU path) and time one forward pass through ``--layers`` MoE layers with
 each mover, interleaved (A B A B ...), for a few tokens-per-rank sizes; prints the median microseconds per
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def _member(rank: int, port: int, ns: argparse.Namespace, out: mp.Queue) -> None:
     import torch
 
-    from engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
-    from engine.dp.group import DPGroup, store_client
-    from engine.models.moe import FusedExperts
+    from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
+    from lbd.engine.dp.group import DPGroup, store_client
+    from lbd.engine.models.moe import FusedExperts
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=30)
     ns = p.parse_args()
     ns.tokens = [int(t) for t in ns.tokens.split(",")]
-    from engine.dp.group import host_store
+    from lbd.engine.dp.group import host_store
 
     store = host_store(0, 60)
     ctx = mp.get_context("spawn")

@@ -30,9 +30,8 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
-from peers import lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-
 from lbd.bench.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
+from peers import lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 
 KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 

@@ -7,7 +7,7 @@ exits 0.
 
     .venv/bin/python benchmarks/kernels.py                      # print the table
     .venv/bin/python benchmarks/kernels.py --write benchmarks/RESULTS.md
-    .venv/bin/python benchmarks/kernels.py --cpu                # this CPU: torch references vs kernels.cpu
+    .venv/bin/python benchmarks/kernels.py --cpu                # this CPU: torch refs vs lbd.kernels.cpu
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def matmul_tflops() -> float:
 
 def _paged(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
     """A random paged batch on CUDA (shuffled block ids) plus its metadata."""
-    from kernels.metadata import AttentionMetadata
+    from lbd.kernels.metadata import AttentionMetadata
 
     n_blocks = [math.ceil(s / block_size) for _, s in lens]
     total = sum(n_blocks)
@@ -95,8 +95,8 @@ def _paged(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int
 
 
 def decode_row(copy_bw: float, batch: int, ctx: int) -> Row:
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref
 
     heads, kv_heads, d = 32, 8, 128
     q, kc, vc, meta = _paged([(1, ctx)] * batch, heads, kv_heads, d)
@@ -110,8 +110,8 @@ def decode_row(copy_bw: float, batch: int, ctx: int) -> Row:
 
 
 def prefill_row(mm_rate: float, n_seqs: int, length: int) -> Row:
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref
 
     heads, kv_heads, d = 32, 8, 128
     q, kc, vc, meta = _paged([(length, length)] * n_seqs, heads, kv_heads, d)
@@ -125,8 +125,8 @@ def prefill_row(mm_rate: float, n_seqs: int, length: int) -> Row:
 
 
 def moe_row(mm_rate: float, tokens: int) -> Row:
-    from kernels import triton_ops as tri
-    from kernels.reference import moe as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import moe as ref
 
     e, k, d, inter = 64, 8, 2048, 1024
     hidden = torch.randn(tokens, d, device="cuda", dtype=DTYPE)
@@ -171,10 +171,10 @@ def cpu_ms(fn: Callable[[], object], n: int = 50) -> tuple[float, float]:
 
 def cpu_references(threads: int, pool: bool = True) -> None:
     """The CPU serving path at SmolLM2-135M's shapes (9/3 heads, d64, hidden 576): the torch references and,
-    where one exists, the C kernel of ``kernels.cpu`` on the same inputs, side by side."""
-    from kernels import cpu
-    from kernels.reference import attention, elementwise, moe, rotary
-    from kernels.rope_cache import build_rope_cache
+    where one exists, the C kernel of ``lbd.kernels.cpu`` on the same inputs, side by side."""
+    from lbd.kernels import cpu
+    from lbd.kernels.reference import attention, elementwise, moe, rotary
+    from lbd.kernels.rope_cache import build_rope_cache
 
     torch.set_num_threads(threads)
     c = cpu.library() is not None
@@ -209,7 +209,7 @@ def cpu_references(threads: int, pool: bool = True) -> None:
                   partial(moe.fused_moe, h, w13, w2, logits, 2, True), None))
     print(f"CPU, {threads} thread(s), min / median ms (C kernels {'built' if c else 'NOT built: no cc'}, "
           f"{'on their pool' if cpu.pool_threads() else 'on OpenMP threads'}; load {os.getloadavg()[0]:.1f})")
-    print(f"  {'case':55s} {'torch reference':>19} {'C (kernels.cpu)':>19} {'speed-up':>9}")
+    print(f"  {'case':55s} {'torch reference':>19} {'C (lbd.kernels.cpu)':>19} {'speed-up':>9}")
     for name, ref, native in cases:
         lo, med = cpu_ms(ref)
         line = f"  {name:55s} {lo:8.3f} / {med:8.3f}"
@@ -226,7 +226,7 @@ def linear_cases(hidden: int, built: bool) -> list[Case]:
     """SmolLM2's projections at decode and prefill sizes: torch's GEMM (MKL / oneDNN) on the plain weight vs
     the packed kernel on the weight packed once (what the engine does at load), fp32 and, where the CPU has
     AVX-512 BF16, bf16."""
-    from kernels.cpu import packed
+    from lbd.kernels.cpu import packed
 
     shapes = {"qkv": (960, hidden), "gate_up": (3072, hidden), "down": (hidden, 1536),
               "lm_head": (49152, hidden)}
@@ -246,7 +246,7 @@ def linear_cases(hidden: int, built: bool) -> list[Case]:
 
 
 def _paged_cpu(lens: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
-    from kernels.metadata import AttentionMetadata
+    from lbd.kernels.metadata import AttentionMetadata
 
     n_blocks = [math.ceil(s / block_size) for _, s in lens]
     perm = torch.randperm(sum(n_blocks) + 8).to(torch.int32)

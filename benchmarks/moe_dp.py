@@ -35,6 +35,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "supervisor")]
 
 from supervisor_harness import SupervisorNode  # noqa: E402
+
 from support import (  # noqa: E402
     exit_on_sigterm,
     make_tiny_deepseek_v2,

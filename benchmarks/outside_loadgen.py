@@ -25,10 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
-from peers import lbd_route_argv  # noqa: E402
-
 from lbd.bench.node import SupervisorNode  # noqa: E402
 from lbd.bench.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
+from peers import lbd_route_argv  # noqa: E402
 
 GUIDELLM = ROOT / ".venv-loadgen" / "bin" / "guidellm"
 FORMATS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -88,7 +87,7 @@ def main() -> int:
     if not GUIDELLM.exists():
         print(f"{GUIDELLM} is missing: run bash scripts/setup-peers.sh", file=sys.stderr)
         return 2
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     model_dir = str(resolve_model(args.model))
     tmp = Path(tempfile.mkdtemp(prefix="lbd-loadgen-"))

@@ -39,9 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["LBD_PROFILE_COLLECTIVES"] = "1"  # time collectives on CUDA too (synchronizes around each)
 
-from engine.args import EngineArgs  # noqa: E402
-from engine.core.engine_core import EngineCore  # noqa: E402
-from engine.protocol import EngineCoreRequest, SamplingParams  # noqa: E402
+from lbd.engine.config.args import EngineArgs  # noqa: E402
+from lbd.engine.core.engine_core import EngineCore  # noqa: E402
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -220,8 +220,8 @@ def main() -> int:
 
     import torch
 
-    from engine.loader import resolve_model
-    from engine.procutil import keep_freed_memory
+    from lbd.engine.loader import resolve_model
+    from lbd.engine.procutil import keep_freed_memory
 
     keep_freed_memory()  # as the core process does: the in-process TP=1 engines run like a real rank's core
 

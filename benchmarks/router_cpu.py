@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not os.environ.get("PYTHONPATH"):  # else the tree PYTHONPATH names is measured
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from http_load import ANSWER, large_body, small_body  # noqa: E402
-
 from lbd.router import server as front  # noqa: E402
 from lbd.router import upstream as back  # noqa: E402
 from lbd.router.config import parse_args  # noqa: E402

@@ -36,10 +36,9 @@ from http_load import (  # noqa: E402,F401
     post_request,
     run_wrk,
 )
+from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 from router_overhead import _median, free_port, nginx_conf, start, stop, wait_port  # noqa: E402
-
-from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 
@@ -327,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 def chat_part(args: argparse.Namespace, tmp: Path, stubs: list, wanted: list[str]) -> tuple[list[Row], Load]:
     """2,000-token chat prompts, a new user turn each: lbd with KV events, lbd without, the peers."""
     from chat_stub import prepare
-
-    from engine.loader import converted_path, default_gguf
+    from lbd.engine.config.model_files import converted_path, default_gguf
 
     fixture_path = tmp / "chat" / "fixture.json"
     fixture_path.parent.mkdir()

@@ -57,19 +57,6 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from routing_report import (  # noqa: E402
-    BASELINE,
-    OURS,
-    Row,
-    plot,
-    saturated_step,
-    startup_split,
-    step_table,
-    table,
-    verdicts,
-)
-
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
 from lbd.bench.procs import (  # noqa: E402
@@ -85,6 +72,18 @@ from lbd.bench.runner import BenchConfig, run_target  # noqa: E402
 from lbd.bench.stats import percentile, summarize  # noqa: E402
 from lbd.bench.tokenizer import load_tokenizer  # noqa: E402
 from lbd.bench.workloads import TextSource, WorkloadSpec  # noqa: E402
+from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from routing_report import (  # noqa: E402
+    BASELINE,
+    OURS,
+    Row,
+    plot,
+    saturated_step,
+    startup_split,
+    step_table,
+    table,
+    verdicts,
+)
 
 PY = sys.executable
 KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
@@ -246,7 +245,7 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
 
 
 def available_targets() -> list[str]:
-    import policies
+    from lbd import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
     names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx", f"{OURS}/noevict", f"{OURS}/noids"]
@@ -487,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             args.parser.error(f"--only: unknown targets {unknown}; available: {', '.join(targets)}")
         targets = [t if t in targets else f"lbd:{t}" for t in wanted]
     if args.model is None:
-        from engine.loader import converted_path, default_gguf, resolve_model
+        from lbd.engine.loader import converted_path, default_gguf, resolve_model
 
         done = (converted_path(default_gguf()) / "config.json").exists()
         args.model = str(converted_path(default_gguf())) if done else str(resolve_model(None))

@@ -33,12 +33,11 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 sys.path.append(str(Path(__file__).parent))  # last: benchmarks/supervisor.py must not shadow the package
 
-from soak_chaos import Chaos, Sampler, flatness, wait_for  # noqa: E402
-from support import RouterServer, metric_value  # noqa: E402
-
 from lbd.bench.node import SupervisorNode  # noqa: E402
 from lbd.bench.procs import exit_on_sigterm  # noqa: E402
 from lbd.bench.tiny import make_tiny_llama  # noqa: E402
+from soak_chaos import Chaos, Sampler, flatness, wait_for  # noqa: E402
+from support import RouterServer, metric_value  # noqa: E402
 
 TOKEN = "soak-admin-token"
 

@@ -9,10 +9,8 @@ import pytest
 
 # Triton's interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests' own helpers (support, hostile, netns); lbd itself comes from the installed package (src layout).
 sys.path.insert(0, str(Path(__file__).parent))
-# The repo root too: otherwise tests/policies, tests/engine... shadow the real packages as namespace packages
-# (the editable install's finder runs after the path finder).
-sys.path.insert(1, str(Path(__file__).parent.parent))
 
 from support import (  # noqa: E402
     RouterProc,

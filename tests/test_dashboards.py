@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
 from support import free_port_run, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent

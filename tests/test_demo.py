@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from support import free_port, free_port_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+
 from support import EngineServer, free_port, metric_value
 
 ROOT = Path(__file__).parents[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from benchmarks.routing_report import Row, saturated_step, startup_split, verdicts
+
 from lbd.bench.client import RequestRecord
 
 

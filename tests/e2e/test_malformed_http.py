@@ -19,9 +19,9 @@ import httpx
 import psutil
 import pytest
 from aiohttp import web
-from support import EngineServer, RouterServer, free_port
 
 from lbd.bench.node import SupervisorNode
+from support import EngineServer, RouterServer, free_port
 
 KEY = "malformed-suite-key"
 LIMITS = ["--header-read-timeout-s", "1", "--body-read-timeout-s", "1", "--keep-alive-timeout-s", "2",

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support import RouterServer, make_certs
 
 from lbd.bench.node import SupervisorNode
+from support import RouterServer, make_certs
 
 ENGINE_KEY = "engine-secret-7f3a"
 ADMIN_TOKEN = "admin-secret-91cc"

@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import zmq
-from support import free_port_run, spawn, stop, wait_http
 from test_parity import Run
 
-from engine import protocol as P
-from engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine import protocol as P
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from support import free_port_run, spawn, stop, wait_http
 
 
 class Group:
@@ -30,7 +30,7 @@ class Group:
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port)]
 
     def start_coordinator(self) -> object:
-        argv = [sys.executable, "-m", "engine.dp.coordinator", "--data-parallel-size", str(self.size),
+        argv = [sys.executable, "-m", "lbd.engine.dp.coordinator", "--data-parallel-size", str(self.size),
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port)]
         self.coord = spawn(argv, log=self.tmp / "coordinator.log")
         wait_http(self.http + "/status", timeout=60, proc=self.coord)
@@ -47,7 +47,7 @@ class Group:
     def start_core(self, model: Path, rank: int, *flags: str) -> tuple[object, str]:
         """A bare core process of ``rank`` (no HTTP front end): (process, its ZMQ address)."""
         address = f"ipc://{self.tmp}/core{rank}-{time.monotonic_ns()}.sock"
-        proc = spawn([sys.executable, "-m", "engine.core.process", "--model-path", str(model),
+        proc = spawn([sys.executable, "-m", "lbd.engine.core.process", "--model-path", str(model),
                       "--input-address", address, "--kv-cache-memory-bytes", "16MiB",
                       "--max-model-len", "256", "--log-level", "warning", *self.flags(rank), *flags],
                      log=self.tmp / f"core{rank}.log")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support import EngineServer, free_port, spawn, stop, wait_http
 
 KEY = "engine-test-key"
@@ -80,8 +81,8 @@ def test_30mb_prompt_does_not_stall_health(engine: EngineServer, http: httpx.Cli
 
 async def test_long_tokenizing_runs_off_the_event_loop(tiny_llama: Path) -> None:
     """The worker process encodes what would hold the loop (HF tokenizers keeps the GIL while it encodes)."""
-    from engine.server.offload import INLINE_CHARS, Offload
-    from engine.tokenizer import Tokenizer
+    from lbd.engine.server.offload import INLINE_CHARS, Offload
+    from lbd.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_llama)
     offload = Offload(tok)
@@ -155,7 +156,7 @@ def raw_status(port: int, header_lines: list[str], body: bytes) -> int:
     return int(data.split(b" ", 2)[1])
 
 
-RANK_CASES = [  # (header lines, accepted): the one rule of engine.edge.rank_header
+RANK_CASES = [  # (header lines, accepted): the one rule of lbd.common.rank_header
     ([f"X-data-parallel-rank: {RANK}"], True),
     ([f"X-data-parallel-rank:   {RANK} \t"], True),  # spaces around are HTTP whitespace
     ([f"X-data-parallel-rank: 0{RANK}"], False),

@@ -1,4 +1,4 @@
-"""MoE DP groups (engine.dp) with real processes: a coordinator and two rank cores (gloo on the CPU) per
+"""MoE DP groups (lbd.engine.dp) with real processes: a coordinator and two rank cores (gloo on the CPU) per
 test, driven over the engine's own ZMQ protocol. Greedy tokens of tiny Mixtral, Qwen3-MoE and DeepSeek-V2
 served by the group equal one rank serving alone (test_parity's near-tie rule), with expert parallelism
 (both token movers) and with tensor-parallel experts; requests land on either rank, first with the other
@@ -22,17 +22,17 @@ from pathlib import Path
 import httpx
 import pytest
 from dp_support import CoreConn, Group
-from support import free_port, spawn, stop, tree_usage, wait_http
 from test_parity import assert_all_close, engine_args, greedy, random_prompts, run_engine
 
-from engine.core.engine_core import EngineCore
-from engine.dp import messages as M
-from engine.dp.coordinator import Coordinator
-from engine.dp.wave import Wave
+from lbd.engine.core.engine_core import EngineCore
+from lbd.engine.dp import messages as M
+from lbd.engine.dp.coordinator import Coordinator
+from lbd.engine.dp.wave import Wave
+from support import free_port, spawn, stop, tree_usage, wait_http
 
 
 def _prompts(path: Path, n: int, seed: int) -> list[list[int]]:
-    from engine.models.config import load_hf_config
+    from lbd.engine.models.config import load_hf_config
 
     return random_prompts(n, (1, 40), load_hf_config(path).vocab_size, seed=seed)
 
@@ -247,7 +247,7 @@ def test_rank_answers_503_while_its_group_forms(tiny_mixtral: Path, tmp_path: Pa
     group = Group(2, tmp_path)
     with group.coordinator():
         port = free_port()
-        proc = spawn([sys.executable, "-m", "engine", "--model", str(tiny_mixtral), "--host", "127.0.0.1",
+        proc = spawn([sys.executable, "-m", "lbd.engine", "--model", str(tiny_mixtral), "--host", "127.0.0.1",
                       "--port", str(port), "--kv-cache-memory-bytes", "16MiB", *group.flags(0)],
                      log=tmp_path / "rank0.log")
         try:

@@ -22,12 +22,12 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from support import metric_value  # tests/ is on sys.path (conftest)
 
-from engine import protocol as P
-from engine.args import EngineArgs
-from engine.core.engine_core import EngineCore, RequestRejected
-from engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine import protocol as P
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.engine_core import EngineCore, RequestRejected
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from support import metric_value  # tests/ is on sys.path (conftest)
 
 BLOCK_BYTES = 8192  # tiny Llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B x 16 tokens
 
@@ -178,7 +178,8 @@ class CoreProc:
         self.metrics_dir = self.dir / "prom"
         self.metrics_dir.mkdir()
         self.log = self.dir / "core.log"
-        argv = [sys.executable, "-m", "engine.core.process", "--device", "sim", "--model-path", str(model),
+        argv = [sys.executable, "-m", "lbd.engine.core.process", "--device", "sim",
+                "--model-path", str(model),
                 "--input-address", self.address, *flags]
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1"}
         with open(self.log, "wb") as log:
@@ -307,7 +308,7 @@ def test_core_process_dies_with_its_parent(tiny_llama: Path) -> None:
     d = Path(tempfile.mkdtemp(prefix="lbd-core-", dir="/tmp"))
     parent_code = (
         "import subprocess, sys, time\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'engine.core.process', '--device', 'sim',"
+        "p = subprocess.Popen([sys.executable, '-m', 'lbd.engine.core.process', '--device', 'sim',"
         f" '--model-path', {str(tiny_llama)!r}, '--input-address', 'ipc://{d}/core.sock'])\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(120)\n")

@@ -1,4 +1,5 @@
-"""Prompt token ids sent with a request (engine.server.forwarded): a real `python -m engine`, the tiny Llama.
+"""Prompt token ids sent with a request (lbd.engine.server.forwarded): a real `python -m lbd.engine`,
+the tiny Llama.
 
 - /tokenizer_info advertises the field and the fingerprint: the sha256 of the rest of that answer;
 - ids with the right fingerprint are run as sent (the answer is the one the rank's own tokenization gives);
@@ -18,11 +19,11 @@ import httpx
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry, Counter
-from support import EngineServer, metric_value
 
-from engine.metrics import FORWARD_OUTCOMES
-from engine.server import forwarded
-from engine.server.forwarded import FIELD, ForwardedPrompts
+from lbd.engine.metrics import FORWARD_OUTCOMES
+from lbd.engine.server import forwarded
+from lbd.engine.server.forwarded import FIELD, ForwardedPrompts
+from support import EngineServer, metric_value
 
 MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "You answer briefly."},

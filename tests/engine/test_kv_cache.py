@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache import KVCacheManager
-from engine.core.request import Request
-from engine.protocol import SamplingParams
+from lbd.engine.core.kv_cache import KVCacheManager
+from lbd.engine.core.request import Request
+from lbd.engine.protocol import SamplingParams
 
 BS = 4
 

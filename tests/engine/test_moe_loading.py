@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.loader import load_weights
-from engine.models import build_model, unsupported_flags
-from engine.models.config import load_hf_config
-from engine.models.deepseek_v2 import deepseek_moe
-from engine.models.llama import MLP
-from engine.models.moe import ExpertShard, SparseMoE
-from engine.models.qwen3 import qwen3_moe_sparse_layers
+from lbd.engine.config.architectures import unsupported_flags
+from lbd.engine.loader import load_weights
+from lbd.engine.models import build_model
+from lbd.engine.models.config import load_hf_config
+from lbd.engine.models.deepseek_v2 import deepseek_moe
+from lbd.engine.models.llama import MLP
+from lbd.engine.models.moe import ExpertShard, SparseMoE
+from lbd.engine.models.qwen3 import qwen3_moe_sparse_layers
 
 
 def _ours(path: Path, **options: object) -> torch.nn.Module:
@@ -123,7 +124,8 @@ def test_unknown_deepseek_routing_is_refused(tiny_deepseek_v2: Path) -> None:
 
 
 def test_name_sets_agree_with_the_classes() -> None:
-    from engine.models import ARCHITECTURES, NO_FP8_KV_CACHE, PARALLEL_ARCHITECTURES, model_class
+    from lbd.engine.config.architectures import ARCHITECTURES, NO_FP8_KV_CACHE, PARALLEL_ARCHITECTURES
+    from lbd.engine.models import model_class
 
     for arch in ARCHITECTURES:
         cls = model_class(SimpleNamespace(architectures=[arch]))

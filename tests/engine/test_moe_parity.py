@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from test_parity import assert_all_close, engine_args, greedy, hf_greedy, random_prompts, run_engine
 
-from engine.core.engine_core import EngineCore
+from lbd.engine.core.engine_core import EngineCore
 
 
 def _vocab(path: Path) -> int:
-    from engine.models.config import load_hf_config
+    from lbd.engine.models.config import load_hf_config
 
     return load_hf_config(path).vocab_size
 
@@ -73,7 +73,7 @@ def test_mla_decode_matches_prefill(tiny_deepseek_v2: Path) -> None:
 
 def test_mla_cache_holds_latents_and_sizes_the_capacity(tiny_deepseek_v2: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="engine.core.runner")
+    caplog.set_level(logging.INFO, logger="lbd.engine.core.runner")
     core = EngineCore(engine_args(tiny_deepseek_v2, kv_cache_memory_bytes=1 << 20), str(tiny_deepseek_v2))
     runner = core.runner
     # 2 layers x (kv_lora_rank 32 + rope 8) fp32 values per token, 16 tokens per block
@@ -90,7 +90,7 @@ def test_triton_path_gives_the_torch_path_tokens(kind: str, request: pytest.Fixt
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every op of the model through its Triton kernel (the interpreter, fp32), as on CUDA minus graphs,
     against the torch references: a prefix-cache hit, chunked prefill, decodes batched with a chunk."""
-    from kernels import ops
+    from lbd.kernels import ops
 
     path = request.getfixturevalue(f"tiny_{kind}")
     a, b, c = random_prompts(3, (20, 20), _vocab(path), seed=15)

@@ -1,4 +1,4 @@
-"""`python -m engine` serving each MoE/MLA family over real HTTP (one server per family, several checks
+"""`python -m lbd.engine` serving each MoE/MLA family over real HTTP (one server per family, several checks
 each): greedy completions equal transformers', chat streams agree with non-streamed chat, concurrent
 requests are not crossed; and the flags a model cannot honour exit 2 before anything is served."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from support import EngineServer
 from test_parity import hf_greedy
+
+from support import EngineServer
 
 FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v2_grouped"]
 PROMPTS = [[5, 17, 99, 120, 33, 250, 7], list(range(40, 90)), [300, 2, 3]]
@@ -40,7 +41,7 @@ def _client(server: EngineServer) -> openai.OpenAI:
 
 
 def test_greedy_completions_equal_transformers(served: tuple[Path, EngineServer]) -> None:
-    from engine.tokenizer import Tokenizer
+    from lbd.engine.tokenizer import Tokenizer
 
     path, server = served
     client = _client(server)
@@ -81,7 +82,7 @@ def test_chat_stream_agrees_and_concurrent_requests_are_not_crossed(
 
 def test_flags_the_model_cannot_honour_exit_2(tiny_deepseek_v2: Path) -> None:
     # (each refusal's message: test_moe_loading.test_flags_the_model_cannot_honour)
-    argv = [sys.executable, "-m", "engine", "--model", str(tiny_deepseek_v2), "--kv-cache-dtype", "fp8"]
+    argv = [sys.executable, "-m", "lbd.engine", "--model", str(tiny_deepseek_v2), "--kv-cache-dtype", "fp8"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert "--kv-cache-dtype fp8: DeepseekV2ForCausalLM keeps an MLA latent cache" in run.stderr

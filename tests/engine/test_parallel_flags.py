@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import free_port_run
 
-from engine.args import EngineArgs, engine_args_from_namespace, make_parser
-from engine.distributed.placement import rank_threads
-from engine.executor.mp import worker_config
-from engine.executor.plan import plan_workers
-from supervisor.config import parse_args, port_in_use
+from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser
+from lbd.engine.config.placement import rank_threads
+from lbd.engine.executor.mp import worker_config
+from lbd.engine.executor.plan import plan_workers
+from lbd.supervisor.config import parse_args, port_in_use
+from support import free_port_run
 
 
 def _config_only(path: Path, arch: str, heads: int, kv: int, hidden: int, inter: int,
@@ -87,7 +87,7 @@ SERVE_ONLY = [
      ["--data-parallel-size 2 without --data-parallel-rank", "lbd supervise"]),
     ("start-rank", "tiny", ["--data-parallel-start-rank", "0"],
      ["--data-parallel-start-rank", "lbd supervise"]),
-    # one rank of an MoE DP group (engine.dp)
+    # one rank of an MoE DP group (lbd.engine.dp)
     ("dp-address-alone", "tiny", ["--data-parallel-address", "10.0.0.1"],
      ["--data-parallel-address needs --data-parallel-rpc-port"]),
     ("dp-rpc-port-alone", "tiny", ["--data-parallel-rpc-port", "13345"],
@@ -129,7 +129,8 @@ def _refused(proc: subprocess.CompletedProcess[str], prog: str, needles: list[st
 def test_serve_refuses(case: str, model: str, flags: list[str], needles: list[str],
                        models: dict[str, Path]) -> None:
     port = free_port_run(1)
-    proc = _run(["-m", "engine", "--model", str(models[model]), "--host", "127.0.0.1", "--port", str(port),
+    proc = _run(["-m", "lbd.engine", "--model", str(models[model]), "--host", "127.0.0.1",
+                 "--port", str(port),
                  *flags], env={"CUDA_VISIBLE_DEVICES": "0"} if case == "cuda-devices" else {})
     _refused(proc, "lbd serve", needles, [port])
 
@@ -150,7 +151,7 @@ def test_supervise_refuses(case: str, model: str, flags: list[str], needles: lis
 
 
 def _serve(*argv: str) -> EngineArgs:
-    """One engine rank's arguments (python -m engine, or lbd serve with --data-parallel-rank)."""
+    """One engine rank's arguments (python -m lbd.engine, or lbd serve with --data-parallel-rank)."""
     return engine_args_from_namespace(make_parser().parse_args(list(argv)))
 
 
@@ -161,8 +162,8 @@ def _supervise(*argv: str, env: dict[str, str] | None = None):  # noqa: ANN202 (
                       env=env or {})
 
 
-def _deploy(*argv: str):  # noqa: ANN202 (an lbd.deploy Plan)
-    from lbd.deploy.plan import parse
+def _deploy(*argv: str):  # noqa: ANN202 (an lbd.serve Plan)
+    from lbd.serve.plan import parse
 
     base = free_port_run(8)
     return parse(["--host", "127.0.0.1", "--port", str(base), "--data-parallel-supervisor-port",
@@ -182,7 +183,7 @@ def _exit_2(*parses: Callable[[], object]) -> None:
 
 def _one_rank(*argv: str) -> Callable[[], None]:
     def check() -> None:
-        from engine.args import validate
+        from lbd.engine.config.args import validate
 
         parser = make_parser()
         validate(engine_args_from_namespace(parser.parse_args(list(argv))), parser)
@@ -207,7 +208,7 @@ def _walk_partition(model: Path) -> None:
 
 
 def _walk_executor_backend(model: Path) -> None:
-    from engine.executor import executor_class
+    from lbd.engine.executor import executor_class
 
     assert executor_class(_serve()).__name__ == "MultiprocExecutor"  # processes on this node
     ray_rank = _serve("--distributed-executor-backend", "ray", "--tensor-parallel-size", "2")
@@ -233,7 +234,7 @@ def _moe_rank(*argv: str) -> EngineArgs:
 
 
 def _walk_expert_parallel(model: Path) -> None:
-    from engine.dp.expert_parallel import ExpertPlan
+    from lbd.engine.dp.expert_parallel import ExpertPlan
 
     _exit_2(lambda: _supervise("--enable-expert-parallel"),
              lambda: _deploy("--data-parallel-size", "2", "--enable-expert-parallel"))  # a dense model
@@ -244,7 +245,7 @@ def _walk_expert_parallel(model: Path) -> None:
 
 
 def _walk_address(model: Path) -> None:
-    from engine.dp import endpoints
+    from lbd.engine.dp import endpoints
 
     plan = _deploy(*HEADLESS)
     assert plan.address == "127.0.0.1" and plan.member  # this node registers its ranks there
@@ -254,7 +255,7 @@ def _walk_address(model: Path) -> None:
 
 
 def _walk_rpc_port(model: Path) -> None:
-    from engine.dp import endpoints
+    from lbd.engine.dp import endpoints
 
     assert _deploy(*HEADLESS, "--data-parallel-rpc-port", "29999").rpc_port == 29999
     _exit_2(lambda: _supervise("--data-parallel-rpc-port", "29999"),
@@ -263,7 +264,7 @@ def _walk_rpc_port(model: Path) -> None:
 
 
 def _walk_all2all_backend(model: Path) -> None:
-    from engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
+    from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
 
     _exit_2(_one_rank("--all2all-backend", "alltoall"))  # without --enable-expert-parallel
     def all_to_all(*argv: str) -> bool:
@@ -276,7 +277,7 @@ def _walk_all2all_backend(model: Path) -> None:
 
 
 def _walk_idle_check_steps(model: Path) -> None:
-    from engine.dp.wave import Wave
+    from lbd.engine.dp.wave import Wave
 
     _exit_2(_one_rank("--dp-idle-check-steps", "0"))
     wave = Wave(_moe_rank("--dp-idle-check-steps", "3").dp_idle_check_steps)
@@ -407,8 +408,8 @@ def _parallelism_flags(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def test_every_parallelism_flag_changes_what_runs_or_is_refused(tiny_llama: Path) -> None:
-    from lbd.deploy.plan import make_deploy_parser
-    from supervisor.config import make_parser as supervisor_parser
+    from lbd.serve.plan import make_deploy_parser
+    from lbd.supervisor.config import make_parser as supervisor_parser
 
     found = _parallelism_flags(make_deploy_parser()[0]) | _parallelism_flags(supervisor_parser()[0])
     assert found == set(WALK), f"flags to add to the walk: {found - set(WALK)}; gone: {set(WALK) - found}"

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import make_tiny_llama
 from test_parity import Run, assert_all_close, engine_args, greedy, run_engine
 
-from engine.core.engine_core import EngineCore
-from engine.core.step_profile import parse_line
-from engine.executor.mp import WorkerFailure
-from engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine.core.engine_core import EngineCore
+from lbd.engine.core.step_profile import parse_line
+from lbd.engine.executor.mp import WorkerFailure
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from support import make_tiny_llama
 
 BLOCKS = 20  # the 16 requests need more: preemptions (max_model_len 256 needs 16)
 LAYOUTS = {  # name: (model, tp, pp, --pp-layer-partition)
@@ -148,7 +148,7 @@ def test_default_model_tp3_equals_tp1() -> None:
     """SmolLM2 (9 heads, 3 KV heads) split over three workers: one KV head and three query heads each."""
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     path = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(path)

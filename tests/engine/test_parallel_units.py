@@ -7,22 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import make_tiny_llama
 
-from engine.args import EngineArgs
-from engine.core.request import Request
-from engine.core.sched_output import SampledToken
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.distributed.context import ParallelContext
-from engine.distributed.groups import ProcessGroups
-from engine.distributed.layout import ParallelLayout, parse_partition, split_layers
-from engine.distributed.placement import format_cpus, parse_cpus, rank_threads, split_cpus
-from engine.executor.plan import plan_workers
-from engine.loader import load_weights
-from engine.models import build_model
-from engine.models.config import load_hf_config
-from engine.models.parallel import Absent, qkv_sources
-from engine.protocol import SamplingParams
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.layout import ParallelLayout, parse_partition, split_layers
+from lbd.engine.config.placement import format_cpus, parse_cpus, rank_threads, split_cpus
+from lbd.engine.core.request import Request
+from lbd.engine.core.sched_output import SampledToken
+from lbd.engine.core.scheduler import Scheduler, SchedulerConfig
+from lbd.engine.distributed.context import ParallelContext
+from lbd.engine.distributed.groups import ProcessGroups
+from lbd.engine.executor.plan import plan_workers
+from lbd.engine.loader import load_weights
+from lbd.engine.models import build_model
+from lbd.engine.models.config import load_hf_config
+from lbd.engine.models.parallel import Absent, qkv_sources
+from lbd.engine.protocol import SamplingParams
+from support import make_tiny_llama
 
 
 def test_world_rank_layout() -> None:
@@ -193,7 +193,7 @@ def test_shm_all_reduce_sums_in_rank_order_and_times_out() -> None:
     """Two members in two threads of this process (the algorithm is the same as across processes)."""
     import threading
 
-    from engine.distributed.shm import ShmAllReduce
+    from lbd.engine.distributed.shm import ShmAllReduce
 
     path = ShmAllReduce.new_path()
     members = [ShmAllReduce(path, True, 2, 0, 5.0), ShmAllReduce(path, False, 2, 1, 5.0)]

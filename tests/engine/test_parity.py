@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.core.engine_core import EngineCore
-from engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.engine_core import EngineCore
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams
 
 TOP = 5
 NEAR_TIE = 1e-3
@@ -223,7 +223,7 @@ def test_fp8_kv_scales_come_from_the_checkpoint(tiny_llama: Path, tmp_path: Path
     import torch
     from safetensors.torch import save_file
 
-    from engine.loader import read_kv_scales
+    from lbd.engine.loader import read_kv_scales
 
     ckpt = tmp_path / "scaled"
     shutil.copytree(tiny_llama, ckpt)
@@ -245,9 +245,9 @@ def test_fp8_kv_scales_of_each_pipeline_stage_are_its_own_layers(tiny_llama: Pat
 
     from safetensors.torch import save_file
 
-    from engine.core.runner import ModelRunner
-    from engine.distributed.context import ParallelContext
-    from engine.distributed.layout import ParallelLayout
+    from lbd.engine.config.layout import ParallelLayout
+    from lbd.engine.core.runner import ModelRunner
+    from lbd.engine.distributed.context import ParallelContext
 
     ckpt = tmp_path / "scaled"
     shutil.copytree(tiny_llama, ckpt)
@@ -289,7 +289,7 @@ def test_bf16_matches_transformers_bf16(tiny_llama: Path, vocab: int) -> None:
 def test_default_model_matches_transformers() -> None:
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     path = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(path)
@@ -308,7 +308,7 @@ def test_default_model_matches_transformers() -> None:
 def test_default_model_bf16_matches_transformers_bf16() -> None:
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model
+    from lbd.engine.loader import resolve_model
 
     path = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(path)

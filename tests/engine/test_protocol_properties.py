@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import re
 
-from hostile import PROPERTY, bodies
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.edge.rank_header import RankHeaderError, parse_rank
-from engine.protocol import EngineCoreRequest, encode
-from engine.server.errors import APIError
-from engine.server.openai_protocol import Limits, parse_chat, parse_completion
+from hostile import PROPERTY, bodies
+from lbd.common.rank_header import RankHeaderError, parse_rank
+from lbd.engine.protocol import EngineCoreRequest, encode
+from lbd.engine.server.errors import APIError
+from lbd.engine.server.openai_protocol import Limits, parse_chat, parse_completion
 
 LIMITS = Limits(max_model_len=512, max_logprobs=5, vocab_size=384, max_prompt_chars=512 * 8)
 INT64 = (-(2**63), 2**63 - 1)

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import make_tiny_llama
 from test_parallel_parity import _core, _scenario
 from test_parity import assert_all_close, greedy
 
-from engine.executor import ray_plan as RP
-from engine.executor.mp import WorkerFailure
-from engine.protocol import EngineCoreRequest
+from lbd.engine.executor import ray_plan as RP
+from lbd.engine.executor.mp import WorkerFailure
+from lbd.engine.protocol import EngineCoreRequest
+from support import make_tiny_llama
 
 _CLONE_NEWNET = 0x40000000
 NO_AUTH = ("RAY_AUTH_MODE", "disabled")  # see the module's docstring
@@ -147,7 +147,7 @@ def test_ray_tp2_tokens_equal_tp1(kv2: Path, ray_core) -> None:  # noqa: ANN001
     actors = [psutil.Process(p) for p in runner.actor_pids()]
     for pid, actor in zip(runner.worker_pids(), actors, strict=True):  # each worker is its actor's child
         assert psutil.Process(pid).ppid() == actor.pid
-        assert "engine.executor.worker" in " ".join(psutil.Process(pid).cmdline())
+        assert "lbd.engine.executor.worker" in " ".join(psutil.Process(pid).cmdline())
     ref_core = _core(kv2)
     ref = _scenario(ref_core, ref_core.runner.vocab_size)
     ours = _scenario(ray_core, runner.vocab_size)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from netns import Namespaces, unavailable
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'lbd[ray]')")
@@ -72,10 +73,10 @@ def test_tp2_rank_across_two_ray_nodes(tiny_llama: Path, tmp_path: Path) -> None
         _until("the second node", lambda: "Ray runtime started" in logs[1].read_text(), 120, logs)
         model = ["--model", str(tiny_llama), "--device", "cpu", "--kv-cache-memory-bytes", "8MiB", "--host",
                  HEAD, "--log-level", "info"]
-        rank = nets.spawn(a, [sys.executable, "-m", "engine", *model, "--port", str(RAY_PORT),
+        rank = nets.spawn(a, [sys.executable, "-m", "lbd.engine", *model, "--port", str(RAY_PORT),
                               "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
                           logs[2], env={**ENV, "RAY_ADDRESS": f"{HEAD}:{GCS_PORT}"})
-        ref = nets.spawn(a, [sys.executable, "-m", "engine", *model, "--port", str(REF_PORT)], logs[3])
+        ref = nets.spawn(a, [sys.executable, "-m", "lbd.engine", *model, "--port", str(REF_PORT)], logs[3])
 
         def ready(port: int) -> bool:
             return httpx.get(f"http://{HEAD}:{port}/health", timeout=5).status_code == 200
@@ -102,7 +103,7 @@ def test_tp2_rank_across_two_ray_nodes(tiny_llama: Path, tmp_path: Path) -> None
         _until("the rank's actors and workers to exit", lambda: not [
             p for ns in (a, b) for p in nets.pids(ns)
             if b"WorkerHost" in Path(f"/proc/{p}/cmdline").read_bytes()
-            or b"engine.executor.worker" in Path(f"/proc/{p}/cmdline").read_bytes()], 60, logs)
+            or b"lbd.engine.executor.worker" in Path(f"/proc/{p}/cmdline").read_bytes()], 60, logs)
     finally:
         nets.close()  # the Ray nodes go with the namespaces
         for t in temps:

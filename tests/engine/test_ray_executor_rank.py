@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from netns import Namespaces, unavailable
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'lbd[ray]')")
@@ -80,7 +81,7 @@ def test_killed_worker_actor_restarts_the_whole_rank(tiny_llama: Path, tmp_path:
         first = _until("the rank to be ready", ready, 300, log)
         text = nets.call(ns, complete)
         workers = _until("two worker actors", lambda: len(actors()) == 2 and actors(), 30, log)
-        assert all("engine.executor.worker" in _cmdline(p) for p in nets.pids(ns)
+        assert all("lbd.engine.executor.worker" in _cmdline(p) for p in nets.pids(ns)
                    if "--tp-rank" in _cmdline(p))
         os.kill(workers[1], signal.SIGKILL)
         again = _until("the rank to be restarted and ready",

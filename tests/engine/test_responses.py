@@ -11,9 +11,9 @@ import httpx
 import openai
 import orjson
 import pytest
-from support import EngineServer
 
-from engine.server.responses_store import ResponseStore
+from lbd.engine.server.responses_store import ResponseStore
+from support import EngineServer
 
 MODEL = "tiny"
 

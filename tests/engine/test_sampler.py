@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.core.sampler import Sampler, SampleRow
-from engine.protocol import SamplingParams
+from lbd.engine.core.sampler import Sampler, SampleRow
+from lbd.engine.protocol import SamplingParams
 
 V = 50
 

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from engine.core.request import Request, RequestStatus
-from engine.core.sched_output import SampledToken, SchedulerOutput
-from engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from engine.protocol import EngineCoreOutput, SamplingParams
+from lbd.engine.core.request import Request, RequestStatus
+from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
+from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from lbd.engine.protocol import EngineCoreOutput, SamplingParams
 
 VOCAB = 1000
 

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP server end to end: a real `python -m engine` on the tiny Llama, real HTTP clients."""
+"""The OpenAI HTTP server end to end: a real `python -m lbd.engine` on the tiny Llama, real HTTP clients."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import openai
 import orjson
 import pytest
+
 from support import EngineServer, metric_value
 
 MODEL = "tiny"

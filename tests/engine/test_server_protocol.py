@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.server.errors import APIError, error_body
-from engine.server.openai_protocol import Limits, parse_chat, parse_completion, plan_tokens
+from lbd.engine.server.errors import APIError, error_body
+from lbd.engine.server.openai_protocol import Limits, parse_chat, parse_completion, plan_tokens
 
 LIM = Limits(max_model_len=512, max_logprobs=5, vocab_size=384)
 MSG = [{"role": "user", "content": "hi"}]

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.args import EngineArgs
-from engine.core.request import Request
-from engine.core.sched_output import ScheduledSeq, SchedulerOutput
-from engine.core.sim_runner import SimRunner, read_model_facts, step_shape
-from engine.protocol import SamplingParams
-from engine.sim_profiles import PROFILES, StepShape, UnknownProfileError, get_profile
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.request import Request
+from lbd.engine.core.sched_output import ScheduledSeq, SchedulerOutput
+from lbd.engine.core.sim_runner import SimRunner, read_model_facts, step_shape
+from lbd.engine.protocol import SamplingParams
+from lbd.engine.sim_profiles import PROFILES, StepShape, UnknownProfileError, get_profile
 
 H100 = PROFILES["h100-llama3-8b"]
 
@@ -173,7 +173,7 @@ def test_step_times_follow_the_profile_within_10_percent(tiny_llama: Path) -> No
 
 def test_sim_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, engine.core.sim_runner, engine.sim_profiles; "
+        "import sys, lbd.engine.core.sim_runner, lbd.engine.sim_profiles; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
@@ -250,6 +250,7 @@ def test_sim_engine_latencies_follow_the_profile(tiny_llama: Path, tmp_path: Pat
 @pytest.mark.slow
 def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, tmp_path: Path) -> None:
     import httpx
+
     from support import free_port, free_port_run, spawn, stop, tree_usage, wait_http
 
     n, sup = 16, free_port()
@@ -283,8 +284,8 @@ def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, 
 
 def test_prefix_cache_hits_shorten_the_simulated_prefill(tiny_llama: Path) -> None:
     """With the real scheduler and prefix cache: a repeated prompt's prefill step only computes the miss."""
-    from engine.core.engine_core import EngineCore
-    from engine.protocol import EngineCoreRequest
+    from lbd.engine.core.engine_core import EngineCore
+    from lbd.engine.protocol import EngineCoreRequest
 
     args = EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", max_num_batched_tokens=8192)
     core = EngineCore(args, str(tiny_llama))

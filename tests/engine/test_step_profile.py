@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 import httpx
-from support import EngineServer
 
-from engine.args import EngineArgs
-from engine.core.engine_core import EngineCore
-from engine.core.step_profile import NO_PROFILE, StepProfiler, parse_line
-from engine.protocol import EngineCoreRequest, SamplingParams
-from kernels import ops
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.engine_core import EngineCore
+from lbd.engine.core.step_profile import NO_PROFILE, StepProfiler, parse_line
+from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.kernels import ops
+from support import EngineServer
 
 
 def test_laps_kinds_and_windows() -> None:
@@ -60,7 +60,7 @@ def test_engine_core_profiles_its_steps_and_unwraps_the_kernels(tiny_llama: Path
                       str(tiny_llama))
     try:
         assert ops.linear is not original and ops.linear.__wrapped__ is original
-        caplog.set_level("INFO", logger="engine.profile")
+        caplog.set_level("INFO", logger="lbd.engine.profile")
         for i in range(3):
             core.add_request(EngineCoreRequest(f"r{i}", list(range(5, 40 + i)),
                                                SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),

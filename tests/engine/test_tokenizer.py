@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from lbd.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TEXT = "Hello world, how are you today? Once upon a time: é, 中文 and 🙂 done."
 
@@ -124,8 +124,8 @@ def test_no_chat_template_is_an_error(tiny_llama: Path) -> None:
 
 
 def test_tokenizer_module_does_not_import_torch(tiny_llama: Path) -> None:
-    code = (f"import sys; from engine.tokenizer import Tokenizer; Tokenizer({str(tiny_llama)!r}); "
-            "import engine.server.app, engine.launch; print('torch' in sys.modules)")
+    code = (f"import sys; from lbd.engine.tokenizer import Tokenizer; Tokenizer({str(tiny_llama)!r}); "
+            "import lbd.engine.server.app, lbd.engine.launch; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

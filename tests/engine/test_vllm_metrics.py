@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from support import EngineServer
 
 MAX_MODEL_LEN = 512

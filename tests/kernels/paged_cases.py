@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from lbd.kernels.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The C decode attention (kernels.cpu) against the dense fp64 oracle and the torch reference."""
+"""The C decode attention (lbd.kernels.cpu) against the dense fp64 oracle and the torch reference."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import torch
-
-from kernels import cpu
-from kernels.reference import attention as ref
 from tests.kernels.paged_cases import dense_attention, make_case
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build kernels.cpu")
+from lbd.kernels import cpu
+from lbd.kernels.reference import attention as ref
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build lbd.kernels.cpu")
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
@@ -97,7 +97,7 @@ def test_shares_torchs_openmp_runtime() -> None:
 
 
 def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
-    code = ("import kernels.cpu as c; from kernels import ops; import torch;"
+    code = ("import lbd.kernels.cpu as c; from lbd.kernels import ops; import torch;"
             "print(c.library() is None)")
     env = {"PATH": "/nonexistent", "LBD_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

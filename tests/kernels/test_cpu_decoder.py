@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.core.host_batch import HostBatch
-from engine.core.runner import ModelRunner, device_batch
-from kernels import cpu, ops
-from kernels.cpu import PREFILL_IN_C_MAX_LEN, packed
-from kernels.cpu import decoder as fused
-from kernels.metadata import AttentionMetadata
 from lbd.bench.tiny import make_tiny_llama
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.host_batch import HostBatch
+from lbd.engine.core.runner import ModelRunner, device_batch
+from lbd.kernels import cpu, ops
+from lbd.kernels.cpu import PREFILL_IN_C_MAX_LEN, packed
+from lbd.kernels.cpu import decoder as fused
+from lbd.kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(cpu.library() is None or ops.MODE != "auto",
-                                reason="no C compiler for kernels.cpu, or LBD_KERNELS forces another path")
+                                reason="no C compiler for lbd.kernels.cpu, or LBD_KERNELS forces another")
 # the fused stack chains packed fp32 GEMMs, which need AVX-512F (elsewhere fused_decoder() is None by design)
 needs_packed = pytest.mark.skipif(not packed.supported(torch.float32), reason="no AVX-512F here")
 

@@ -1,16 +1,16 @@
-"""The C RMSNorm, rotary and SiLU-and-mul (kernels.cpu) against torch, and their dispatch."""
+"""The C RMSNorm, rotary and SiLU-and-mul (lbd.kernels.cpu) against torch, and their dispatch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu, ops
-from kernels.reference import elementwise as ref_elem
-from kernels.reference import rotary as ref_rotary
-from kernels.rope_cache import build_rope_cache
+from lbd.kernels import cpu, ops
+from lbd.kernels.reference import elementwise as ref_elem
+from lbd.kernels.reference import rotary as ref_rotary
+from lbd.kernels.rope_cache import build_rope_cache
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build kernels.cpu")
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build lbd.kernels.cpu")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the threshold where rows go parallel

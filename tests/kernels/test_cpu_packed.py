@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu, ops
-from kernels.cpu import packed
+from lbd.kernels import cpu, ops
+from lbd.kernels.cpu import packed
 
-pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build kernels.cpu")
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build lbd.kernels.cpu")
 needs_fp32 = pytest.mark.skipif(not packed.supported(torch.float32), reason="no AVX-512F here")
 needs_bf16 = pytest.mark.skipif(not packed.supported(torch.bfloat16), reason="no AVX-512 BF16 on this CPU")
 
@@ -94,9 +94,9 @@ def test_no_tied_copy_where_the_model_does_not_ask() -> None:
 
 _POOL_CHILD = textwrap.dedent("""
     import os, sys, torch
-    from kernels import cpu
-    from kernels.cpu import packed
-    from kernels.metadata import AttentionMetadata
+    from lbd.kernels import cpu
+    from lbd.kernels.cpu import packed
+    from lbd.kernels.metadata import AttentionMetadata
     sys.path.insert(0, "tests/kernels")
     torch.manual_seed(0)
     torch.set_num_threads(1)

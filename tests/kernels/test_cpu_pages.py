@@ -1,4 +1,4 @@
-"""kernels.cpu.pages: large buffers are private anonymous maps advised for huge pages, reading as zeros."""
+"""lbd.kernels.cpu.pages: large buffers are private anonymous maps, advised for huge pages, read as zeros."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import pages
+from lbd.kernels.cpu import pages
 
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+)")
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

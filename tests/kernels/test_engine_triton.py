@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
 from support import EngineServer
 
 PROMPTS = ["The capital of France is", "Once upon a time there was a tiny model that learned to count: one",

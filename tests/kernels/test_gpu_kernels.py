@@ -51,8 +51,8 @@ def _to_cuda(case: PagedCase) -> PagedCase:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_paged_attention(dtype: torch.dtype, head_dim: int) -> None:
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref
 
     lens = [(1, n) for n in (1, 15, 16, 17, 300, 1000)] + [(1, 7)] * 20 + [(77, 77), (33, 400), (130, 131)]
     case = _to_cuda(make_case(lens, heads=8, kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
@@ -65,8 +65,8 @@ def test_paged_attention(dtype: torch.dtype, head_dim: int) -> None:
 
 @compiled_only
 def test_paged_attention_fp8_cache() -> None:
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref
 
     case = _to_cuda(make_case([(1, 200), (1, 3), (40, 90)], heads=8, kv_heads=8, head_dim=128,
                               block_size=16, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
@@ -80,8 +80,8 @@ def test_paged_attention_fp8_cache() -> None:
 def test_decode_attention_under_cuda_graph() -> None:
     """Captured once with short sequences, replayed with longer ones: the split count baked into the graph
     must still cover every key."""
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref
 
     case = _to_cuda(make_case([(1, 900)] * 4, heads=8, kv_heads=2, head_dim=64, block_size=16,
                               dtype=torch.bfloat16))
@@ -106,11 +106,11 @@ def test_decode_attention_under_cuda_graph() -> None:
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_rotary_kv_write(dtype: torch.dtype) -> None:
-    from kernels import triton_ops as tri
-    from kernels.reference import attention as ref_attn
-    from kernels.reference import elementwise as ref
-    from kernels.reference import rotary as ref_rot
-    from kernels.rope_cache import build_rope_cache
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import attention as ref_attn
+    from lbd.kernels.reference import elementwise as ref
+    from lbd.kernels.reference import rotary as ref_rot
+    from lbd.kernels.rope_cache import build_rope_cache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, device="cuda", generator=g).to(dtype)
@@ -144,8 +144,8 @@ def test_elementwise_rotary_kv_write(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_map", [False, True])
 def test_fused_moe(dtype: torch.dtype, with_map: bool) -> None:
-    from kernels import triton_ops as tri
-    from kernels.reference import moe as ref
+    from lbd.kernels import triton_ops as tri
+    from lbd.kernels.reference import moe as ref
 
     g = torch.Generator(device="cuda").manual_seed(1)
     t, d, inter, e = 300, 1024, 768, 16

@@ -1,4 +1,4 @@
-"""kernels.ops picks the implementation from LBD_KERNELS, read once at import, in fresh interpreters."""
+"""lbd.kernels.ops picks the implementation from LBD_KERNELS, read once at import, in fresh interpreters."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import sys, torch
-from kernels import ops
+from lbd.kernels import ops
 x = torch.randn(3, 32)
 out = ops.rms_norm(x, torch.ones(32), 1e-6)
 assert out.shape == (3, 32) and torch.isfinite(out).all()
-print(ops.MODE, ops.backend_for("cpu"), ops.backend_for("cuda"), "kernels.triton_ops" in sys.modules,
+print(ops.MODE, ops.backend_for("cpu"), ops.backend_for("cuda"), "lbd.kernels.triton_ops" in sys.modules,
       "triton" in sys.modules)
 """
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import dense_attention, make_case
 
-from kernels.reference.attention import paged_attention, write_kv_cache
+from lbd.kernels.reference.attention import paged_attention, write_kv_cache
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-4)
 MIXED = [(1, 17), (1, 1), (1, 32), (5, 5), (7, 23), (16, 16)]  # decodes, fresh prefill, cached-prefix prefill

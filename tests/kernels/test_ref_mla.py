@@ -7,8 +7,8 @@ import pytest
 import torch
 from paged_cases import absorbed_query, dense_grouped_topk, dense_mla, make_mla_case
 
-from kernels.reference import mla
-from kernels.reference.moe import fused_experts, grouped_topk
+from lbd.kernels.reference import mla
+from lbd.kernels.reference.moe import fused_experts, grouped_topk
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 # decodes (one inside a block, one over several), a fresh prompt, two chunks after a cached prefix

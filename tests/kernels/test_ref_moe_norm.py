@@ -6,8 +6,8 @@ import pytest
 import torch
 from paged_cases import dense_moe
 
-from kernels.reference.elementwise import rms_norm, silu_and_mul
-from kernels.reference.moe import fused_moe, topk_softmax
+from lbd.kernels.reference.elementwise import rms_norm, silu_and_mul
+from lbd.kernels.reference.moe import fused_moe, topk_softmax
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 

@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.reference.rotary import rotary_embedding
-from kernels.rope_cache import build_rope_cache
+from lbd.kernels.reference.rotary import rotary_embedding
+from lbd.kernels.rope_cache import build_rope_cache
 
 SCALINGS = [
     None,

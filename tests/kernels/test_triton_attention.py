@@ -10,9 +10,9 @@ import pytest
 import torch
 from paged_cases import PagedCase, make_case
 
-from kernels import triton_ops as tri
-from kernels.reference import attention as ref
-from kernels.triton_ops import fp8
+from lbd.kernels import triton_ops as tri
+from lbd.kernels.reference import attention as ref
+from lbd.kernels.triton_ops import fp8
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 # decodes (one shorter than a block, one spanning blocks), then a fresh prompt and two cached-prefix prompts

@@ -24,8 +24,8 @@ if __name__ == "__main__" or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_ops import attention_kernels as ak
-    from kernels.triton_ops import elementwise, kv_cache, moe, rotary
+    from lbd.kernels.triton_ops import attention_kernels as ak
+    from lbd.kernels.triton_ops import elementwise, kv_cache, moe, rotary
 
 FLOATS = {"eps", "scale", "qk_scale", "k_scale", "v_scale"}
 ARCHS = (90, 80)
@@ -138,7 +138,6 @@ def test_all_configurations_compile_for_sm90_and_sm80() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     which = sys.argv[1] if len(sys.argv) > 1 else "full"
     for a in [int(x) for x in sys.argv[2:]] or ARCHS:
         compile_all(a, QUICK if which == "quick" else FULL)

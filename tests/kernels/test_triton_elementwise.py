@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_ops as tri
-from kernels.reference import attention as ref_attn
-from kernels.reference import elementwise as ref
-from kernels.reference import rotary as ref_rot
-from kernels.rope_cache import build_rope_cache
-from kernels.triton_ops import fp8
+from lbd.kernels import triton_ops as tri
+from lbd.kernels.reference import attention as ref_attn
+from lbd.kernels.reference import elementwise as ref
+from lbd.kernels.reference import rotary as ref_rot
+from lbd.kernels.rope_cache import build_rope_cache
+from lbd.kernels.triton_ops import fp8
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 DTYPES = [torch.float32, torch.float16]

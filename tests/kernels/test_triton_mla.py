@@ -10,9 +10,9 @@ import pytest
 import torch
 from paged_cases import absorbed_query, make_mla_case
 
-from kernels import triton_ops as tri
-from kernels.reference import mla as ref
-from kernels.reference import moe as ref_moe
+from lbd.kernels import triton_ops as tri
+from lbd.kernels.reference import mla as ref
+from lbd.kernels.reference import moe as ref_moe
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 

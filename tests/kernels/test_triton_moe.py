@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_ops as tri
-from kernels.reference import moe as ref
-from kernels.triton_ops.moe import align_by_expert
+from lbd.kernels import triton_ops as tri
+from lbd.kernels.reference import moe as ref
+from lbd.kernels.triton_ops.moe import align_by_expert
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 

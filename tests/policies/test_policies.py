@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies import (
+from lbd.policies import (
     CHUNK_CHARS,
     EndpointSnapshot,
     PrefixIndex,

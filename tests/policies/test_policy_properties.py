@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 
-from hostile import PROPERTY
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies import (
+from hostile import PROPERTY
+from lbd.policies import (
     Decision,
     EndpointSnapshot,
     Refusal,

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from test_policies import dispatch, eps, hot
 
-from policies import CHUNK_CHARS, EndpointSnapshot, RequestFacts, chunk_hashes, make_policy
-from policies.footprint import Footprint, root_of
+from lbd.policies import CHUNK_CHARS, EndpointSnapshot, RequestFacts, chunk_hashes, make_policy
+from lbd.policies.footprint import Footprint, root_of
 
 
 def test_cold_burst_spreads_evenly() -> None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies import Decision, EndpointSnapshot, Refusal, RequestFacts, make_policy, route
+from lbd.policies import Decision, EndpointSnapshot, Refusal, RequestFacts, make_policy, route
 
 
 def nodes() -> list[EndpointSnapshot]:

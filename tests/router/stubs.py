@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
 from support import free_port
 
 

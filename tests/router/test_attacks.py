@@ -14,6 +14,7 @@ import time
 import httpx
 import psutil
 from stubs import stubs
+
 from support import free_port
 
 BODY = json.dumps({"model": "stub-model", "prompt": "hello there"}).encode()

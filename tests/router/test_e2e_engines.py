@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support import metric_value
 
 from lbd.bench.node import SupervisorNode
+from support import metric_value
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"

@@ -4,11 +4,11 @@ facts or a BadRequest (a 400), never another exception, and the pin follows the 
 from __future__ import annotations
 
 import orjson
-from hostile import PROPERTY, bodies
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.edge.rank_header import RankHeaderError, parse_rank
+from hostile import PROPERTY, bodies
+from lbd.common.rank_header import RankHeaderError, parse_rank
 from lbd.router.facts import BadRequest, parse_facts
 from lbd.router.messages import Headers
 

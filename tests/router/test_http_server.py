@@ -9,6 +9,7 @@ import json
 import time
 
 from stubs import stubs
+
 from support import metric_value
 
 BODY = json.dumps({"model": "stub-model", "prompt": "hello there"}).encode()
@@ -225,7 +226,7 @@ async def test_stream_writes_wait_while_the_client_does_not_read() -> None:
     """lbd.router.server directly (in process, real sockets): 16 MiB written to a client that reads
     nothing for a while; ``write`` must wait (back-pressure) rather than buffer it all, and every byte
     arrives in order."""
-    from engine.edge.limits import Limits
+    from lbd.common.limits import Limits
     from lbd.router.server import HttpServer
 
     piece = bytes(range(256)) * 256  # 64 KiB

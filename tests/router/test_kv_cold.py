@@ -9,7 +9,7 @@ import random
 
 from tokenizers import Tokenizer, models, trainers
 
-from engine.loader import converted_path, default_gguf, resolve_model
+from lbd.engine.loader import converted_path, default_gguf, resolve_model
 from lbd.router.kv.cold import HEAD_CHARS, ColdStart, estimate_tokens
 from lbd.router.kv.tokenize import RouterTokenizer, load_local
 

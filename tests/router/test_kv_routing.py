@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import metric_value
 
 from lbd.bench.node import SupervisorNode
 from lbd.router.kv.tokenize import RouterTokenizer
+from support import metric_value
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -188,7 +188,7 @@ async def test_multi_turn_stays_on_the_rank_that_holds_it(node: SupervisorNode, 
 
 async def test_the_router_sends_the_ranks_its_token_ids(node: SupervisorNode, start_router) -> None:
     """Each turn reaches its rank with the router's token ids, which the rank runs instead of rendering and
-    tokenizing the history again (engine.server.forwarded): the same prompt as sent straight to the rank."""
+    tokenizing the history again (lbd.engine.server.forwarded): the same prompt as sent straight to a rank."""
     r = await router_for(node, start_router)
     await until(r, exact_everywhere, "exact views")
 

@@ -15,9 +15,9 @@ import msgspec
 import orjson
 import pytest
 
-from engine.kv_events.config import KVEventsConfig
-from engine.kv_events.publisher import ZmqEventPublisher
-from engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from lbd.engine.config.kv_events import KVEventsConfig
+from lbd.engine.kv_events.publisher import ZmqEventPublisher
+from lbd.engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.forward import FIELD, ExactPrompt, _JsonMemo, advertised, forwardable, with_ids
 from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys

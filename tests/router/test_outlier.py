@@ -9,6 +9,7 @@ import time
 
 import httpx
 from stubs import stubs
+
 from support import metric_value
 
 BODY = {"model": "stub-model", "prompt": "hello there"}

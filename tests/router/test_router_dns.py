@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from netns import Namespaces, unavailable
 from support import metric_value
 

@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
 from support import EngineServer, free_port
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from lbd.policies import CHUNK_CHARS
 from lbd.router.config import parse_upstream
 from lbd.router.facts import BadRequest, parse_facts, path_facts
 from lbd.router.messages import Headers
 from lbd.router.shared import SharedCounters
 from lbd.router.telemetry import parse_metrics, parse_telemetry
-from policies import CHUNK_CHARS
 
 
 def test_upstream_specs_including_ipv6_and_supervisors() -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from lbd.bench.node import SupervisorNode
 from lbd.bench.procs import free_port_run
-from supervisor.config import parse_args
+from lbd.supervisor.config import parse_args
 
 STANDIN = Path(__file__).with_name("standin_engine.py")
 MODEL = "org/some-model"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import RouterServer
 
 from lbd.bench.node import SupervisorNode
+from support import RouterServer
 
 TOKEN = "rolling-token"
 

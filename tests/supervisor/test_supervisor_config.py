@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import free_port_run
 
-from engine.args import make_parser
-from supervisor.config import parse_args, visible_cuda_devices
-from supervisor.rank import Backoff
+from lbd.engine.config.args import make_parser
+from lbd.supervisor.config import parse_args, visible_cuda_devices
+from lbd.supervisor.rank import Backoff
+from support import free_port_run
 
 
 def _cfg(*extra: str, env: dict[str, str] | None = None):
@@ -22,7 +22,7 @@ def _cfg(*extra: str, env: dict[str, str] | None = None):
 
 
 def _engine_ns(argv: list[str]):
-    assert argv[:3] == [sys.executable, "-m", "engine"]
+    assert argv[:3] == [sys.executable, "-m", "lbd.engine"]
     return make_parser().parse_args(argv[3:])
 
 

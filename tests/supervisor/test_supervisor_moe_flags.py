@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import free_port_run
 
-from engine.args import make_parser
-from lbd.deploy.plan import parse as deploy_parse
-from supervisor.config import parse_args
-from supervisor.moe import free_rpc_port, moe_facts
+from lbd.engine.config.args import make_parser
+from lbd.serve.plan import parse as deploy_parse
+from lbd.supervisor.config import parse_args
+from lbd.supervisor.moe import free_rpc_port, moe_facts
+from support import free_port_run
 
 
 def _args(model: Path, *extra: str, size: int = 2, local: int | None = None) -> tuple[int, list[str]]:
@@ -58,7 +58,7 @@ def test_moe_ranks_form_a_group_on_loopback(tiny_mixtral: Path) -> None:
             s.bind(("127.0.0.1", port))
     assert group.coordinator_url == f"http://127.0.0.1:{group.rpc_port + 3}"
     argv_c = group.coordinator_argv(sys.executable, "info")
-    assert argv_c[1:3] == ["-m", "engine.dp.coordinator"] and str(group.rpc_port) in argv_c
+    assert argv_c[1:3] == ["-m", "lbd.engine.dp.coordinator"] and str(group.rpc_port) in argv_c
 
 
 def test_node_of_a_larger_group_meets_at_rank_0s_node(tiny_mixtral: Path) -> None:

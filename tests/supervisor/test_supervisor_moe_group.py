@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support import free_port, free_port_run, metric_value, spawn, stop, tree_usage, wait_http
 
 from lbd.bench.node import SupervisorNode
+from support import free_port, free_port_run, metric_value, spawn, stop, tree_usage, wait_http
 
 PROMPT = "The capital of France is"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from support import metric_value
 
 from lbd.bench.node import SupervisorNode, gone_within
+from support import metric_value
 
 TOKEN = "t0ken"
 STREAM_TOKENS = 160

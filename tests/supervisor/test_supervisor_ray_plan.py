@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from supervisor.ray_rank import PlacementError, RayNode, plan_ranks
+from lbd.supervisor.ray_rank import PlacementError, RayNode, plan_ranks
 
 HERE, B, C = RayNode("h", "10.0.0.1", 4.0), RayNode("b", "10.0.0.2", 8.0), RayNode("c", "10.0.0.3", 2.0)
 
@@ -38,7 +38,7 @@ def test_not_enough_room_is_a_clear_error() -> None:
 
 
 def test_router_and_supervisor_never_import_ray() -> None:
-    code = ("import sys, lbd.deploy.cli, lbd.router.cli, supervisor.cli, supervisor.node; "
+    code = ("import sys, lbd.serve.cli, lbd.router.cli, lbd.supervisor.cli, lbd.supervisor.node; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
-from support import free_port_run
 
-from supervisor.config import parse_args
-from supervisor.health import HealthServer
-from supervisor.node import Supervisor
-from supervisor.rank import RankState
+from lbd.supervisor.config import parse_args
+from lbd.supervisor.health import HealthServer
+from lbd.supervisor.node import Supervisor
+from lbd.supervisor.rank import RankState
+from support import free_port_run
 
 
 def _supervisor(*extra: str) -> Supervisor:

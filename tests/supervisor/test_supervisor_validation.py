@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-from support import free_port_run
 
-from supervisor.config import port_in_use
+from lbd.supervisor.config import port_in_use
+from support import free_port_run
 
 TOPOLOGY = ["--data-parallel-multi-port-external-lb", "--device", "cpu"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import RouterServer
 
-from engine.launch import CORE_PROCESS_NAME
 from lbd.bench.node import SupervisorNode
+from lbd.engine.launch import CORE_PROCESS_NAME
+from support import RouterServer
 
 pytestmark = pytest.mark.slow
 STALL_S = 2.0

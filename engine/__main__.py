@@ -1,5 +1,0 @@
-import sys
-
-from engine.launch import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from lbd.engine.launch import main
+
+sys.exit(main())

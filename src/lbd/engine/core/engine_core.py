@@ -1,0 +1,301 @@
+"""The engine core in one process, without ZMQ: scheduler + model runner, stepped by the caller.
+
+``process.py`` wraps it in the core process's busy loop; tests and parity checks use it directly.
+No torch import here: the runner (which imports torch, or not for ``--device sim``) is loaded in
+``make_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
+processes; with PP > 1 it takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue
+full so the stages overlap (vLLM V1's batch queue).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.metrics_recorder import MetricsRecorder
+from lbd.engine.core.request import Request
+from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
+from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from lbd.engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
+from lbd.engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+
+if TYPE_CHECKING:
+    from lbd.engine.kv_events.publisher import KVEvents
+    from lbd.engine.metrics import CoreMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineCore", "RequestRejected", "make_runner"]
+
+# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
+_GPU_DEFAULTS = (256, 8192)
+_CPU_DEFAULTS = (128, 2048)
+# Prefill tokens a step may carry once decoding requests outnumber waiting ones (Scheduler's docstring). CPU
+# only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence
+# decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along.
+_CPU_MIXED_PREFILL_TOKENS = 128
+
+
+class Runner(Protocol):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    device: str
+    dtype: str
+
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]: ...
+
+
+class PipelinedRunner(Runner, Protocol):
+    """A runner that takes batches before the earlier ones are done (the multiprocess executor)."""
+
+    max_in_flight: int
+
+    def submit(self, out: SchedulerOutput) -> Any: ...
+
+    def collect(self, handle: Any) -> list[SampledToken]: ...
+
+    def close(self) -> None: ...
+
+
+def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
+    """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    if parallel or args.distributed_executor_backend == "ray":
+        from lbd.engine.executor import make_executor
+
+        return make_executor(args, model_path, **executor_options)
+    if args.device == "sim":
+        module, name = "lbd.engine.core.sim_runner", "SimRunner"
+    else:
+        module, name = "lbd.engine.core.runner", "ModelRunner"
+    cls = getattr(importlib.import_module(module), name)
+    return cls(args, model_path)
+
+
+def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
+    """Flags win; else the runner's limits (it may size CUDA graphs by them); else vLLM's defaults."""
+    cpu = runner.device == "cpu"
+    seqs, tokens = _CPU_DEFAULTS if cpu else _GPU_DEFAULTS
+    budget = args.max_num_batched_tokens or getattr(runner, "max_num_batched_tokens", None) or tokens
+    mixed = args.max_prefill_tokens_with_decodes or (_CPU_MIXED_PREFILL_TOKENS if cpu else None)
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs or getattr(runner, "max_num_seqs", None) or seqs,
+        max_num_batched_tokens=budget,
+        max_prefill_tokens_with_decodes=min(mixed, budget) if mixed is not None else None,
+        max_model_len=runner.max_model_len,
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+    )
+
+
+def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
+    """The KV-event publisher of ``--kv-events-config`` (None when off); binds its sockets now."""
+    if args.kv_events_config is None:
+        return None
+    from lbd.engine.config.kv_events import parse_kv_events_config
+
+    cfg = parse_kv_events_config(args.kv_events_config)
+    if not cfg.active:
+        return None
+    from lbd.engine.kv_events.publisher import KVEvents
+
+    host = args.host if args.host not in (None, "", "0.0.0.0", "::") else None
+    return KVEvents(cfg, args.rank, block_size, host)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
+                 runner: Runner | None = None, **executor_options: Any) -> None:
+        self.args = args
+        self.model_path = model_path
+        self.kv_events: KVEvents | None = None
+        self.runner = runner if runner is not None else make_runner(args, model_path, **executor_options)
+        try:
+            self.config = scheduler_config(args, self.runner)
+            self._check_capacity()
+            self.kv_events = make_kv_events(args, self.config.block_size)
+        except Exception:
+            self.close()
+            raise
+        self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
+        self._depth = getattr(self.runner, "max_in_flight", 1)
+        self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
+        self.metrics = metrics
+        self.profiler: NullProfiler = NO_PROFILE
+        if args.profile_steps:
+            self.start_profiling(args.profile_steps)
+        self._log_capacity()
+        self.recorder: MetricsRecorder | None = None
+        if metrics is not None:
+            metrics.set_cache_config(self.cache_config_info())
+            self.recorder = MetricsRecorder(metrics, self.scheduler)
+            self.recorder.flush()
+
+    # ---- start-up -------------------------------------------------------------------------------------
+    def start_profiling(self, every: int) -> StepProfiler:
+        """Time every step's phases and the forward's kernels (engine/core/step_profile.py)."""
+        sync = None
+        if getattr(self.runner, "device", "cpu").startswith("cuda"):
+            import torch
+
+            sync = torch.cuda.synchronize
+        prof = StepProfiler(every, sync=sync)
+        self._op_timer = OpTimer(prof)
+        self._op_timer.install()
+        self.profiler = self.runner.profiler = prof
+        return prof
+
+    def stop_profiling(self) -> None:
+        if self.profiler.enabled:
+            self._op_timer.uninstall()
+            self.profiler = self.runner.profiler = NO_PROFILE
+
+    def _check_capacity(self) -> None:
+        cfg = self.config
+        need = -(-cfg.max_model_len // cfg.block_size)
+        if need > cfg.num_blocks:
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} needs {need} KV-cache blocks of {cfg.block_size} tokens "
+                f"but only {cfg.num_blocks} fit ({cfg.num_blocks * cfg.block_size} tokens): raise "
+                "--kv-cache-memory-bytes (or --gpu-memory-utilization) or lower --max-model-len")
+
+    def _log_capacity(self) -> None:
+        cfg = self.config
+        tokens = cfg.num_blocks * cfg.block_size
+        concurrency = cfg.num_blocks / -(-cfg.max_model_len // cfg.block_size)
+        logger.info("KV cache size: %s tokens (%d blocks of %d) on %s, dtype %s, prefix caching %s",
+                    f"{tokens:,}", cfg.num_blocks, cfg.block_size, self.runner.device, self.runner.dtype,
+                    "on" if cfg.enable_prefix_caching else "off")
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{cfg.max_model_len:,}",
+                    concurrency)
+
+    def cache_config_info(self) -> dict[str, object]:
+        """The CacheConfig fields vLLM exports in vllm:cache_config_info that lbd has."""
+        a, cfg = self.args, self.config
+        return {"block_size": cfg.block_size, "cache_dtype": a.kv_cache_dtype,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "gpu_memory_utilization": a.gpu_memory_utilization,
+                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "num_cpu_blocks": None,
+                "num_gpu_blocks": cfg.num_blocks, "num_gpu_blocks_override": None,
+                "sliding_window": None, "is_attention_free": False}
+
+    def core_info(self) -> CoreInfo:
+        r, cfg = self.runner, self.config
+        return CoreInfo(model_path=self.model_path, max_model_len=cfg.max_model_len,
+                        block_size=cfg.block_size, num_blocks=cfg.num_blocks, vocab_size=r.vocab_size,
+                        eos_token_id=r.eos_token_id,
+                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        device=r.device, dtype=r.dtype,
+                        extra={"enable_prefix_caching": cfg.enable_prefix_caching,
+                               "kv_cache_dtype": self.args.kv_cache_dtype,
+                               "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
+                               "kv_events": self.kv_events.advertised() if self.kv_events else None})
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
+        """Queue a request; raises RequestRejected (with an HTTP status) when it cannot be taken."""
+        req = Request.from_core_request(request, client)
+        if req.eos_token_id is None:
+            req.eos_token_id = self.runner.eos_token_id
+        ids = req.prompt_token_ids
+        if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
+            raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
+        try:
+            self.scheduler.add_request(req)
+        except RequestRejected as e:
+            if e.reason is not None and self.metrics is not None:
+                self.metrics.admission_rejection(e.reason)
+            raise
+
+    def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
+        """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
+        aborted = self.scheduler.abort(list(request_ids), reason)
+        if self.recorder is not None and aborted:
+            self.recorder.flush()  # the client may already have its answer (a stop string): count it now
+        return aborted
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (AllBlocksCleared); False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._batches)
+
+    def close(self) -> None:
+        """Flush and close the KV-event publisher; stop the runner's worker processes, if it has any."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule a batch and run it; return each touched request's new tokens (and finish).
+
+        With a pipelined runner, a batch is only submitted while fewer than ``max_in_flight`` are queued;
+        the oldest one's results are collected when the queue is full or nothing more can be scheduled.
+        Under ``--profile-steps`` an executor's step (TP/PP workers) counts as ``forward``."""
+        prof = self.profiler
+        own_step = prof.enabled and not prof.in_step  # stepped directly (tests), not by the core's loop
+        if own_step:
+            prof.begin()
+        batches, depth = self._batches, self._depth
+        if len(batches) < depth:
+            # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
+            out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
+            prof.lap("schedule")
+            if out.seqs:
+                batches.append((out, self._submit(out)))
+                if len(batches) < depth:
+                    if own_step:
+                        prof.end()  # filling the pipeline: no batch finished, not counted as a step
+                    return []
+        if not batches:
+            if own_step:
+                prof.end()  # nothing scheduled: not counted as a step
+            return []
+        out, handle = batches.popleft()
+        sampled = self.runner.collect(handle) if depth > 1 else handle
+        # a runner that marks its own phases (ModelRunner) left ~0 s to this lap; the TP/PP executor did not
+        # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
+        prof.lap("forward")
+        outputs = self.scheduler.update(out, sampled)
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        prof.lap("update")
+        if prof.enabled:
+            tokens = out.num_tokens
+            prof.shape(len(out.seqs), tokens, tokens == len(out.seqs))
+            if own_step:
+                prof.end()
+        if self.recorder is not None:
+            self.recorder.step(out.scheduled_tokens)
+        return outputs
+
+    def flush_metrics(self) -> None:
+        """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def _submit(self, out: SchedulerOutput) -> Any:
+        if self._depth > 1:
+            return self.runner.submit(out)  # type: ignore[attr-defined]
+        return self.runner.execute(out)

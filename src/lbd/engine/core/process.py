@@ -1,0 +1,310 @@
+"""The core process: an EngineCore behind a ZMQ ROUTER socket, driven by a busy loop.
+
+Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]`` (``engine/protocol.py``).
+The loop drains incoming messages without blocking while there is work, steps the core, and sends each front
+end one ``outputs`` message per step with its own requests' outputs. When idle it blocks in ``poll`` (so an
+idle core costs nothing) and keeps every front end's gauges fresh with ``stats`` at most every 100 ms.
+It never waits on a front end: sends never block (unlimited high-water mark, unknown peers dropped).
+
+Run as ``python -m lbd.engine.core.process <engine flags> --model-path DIR --input-address ipc://...`` or call
+``run_core`` in a child process. SIGTERM drains: requests already in the core finish (up to
+``--shutdown-timeout``), then the process exits 0. SIGINT exits at once. With TP x PP workers, a worker that
+dies ends this process at once with code 1 (its front ends then fail their in-flight requests and answer 503
+on /health), and the workers stop with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from lbd.engine import protocol as P
+from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser, validate
+from lbd.engine.config.placement import pin_to_rank_cpus
+from lbd.engine.core.engine_core import EngineCore, RequestRejected
+from lbd.engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.1  # freshest gauges a front end gets between outputs
+STATS_HEARTBEAT_S = 1.0  # unchanged stats are still re-sent this often
+IDLE_POLL_MS = 100
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_sent: float = 0.0
+    last_stats: P.SchedulerStats | None = None
+
+
+@dataclass(slots=True)
+class _State:
+    peers: dict[bytes, _Peer] = field(default_factory=dict)
+    owner: dict[str, bytes] = field(default_factory=dict)  # request id -> front-end identity
+    draining_since: float | None = None
+    stop_now: bool = False
+
+
+class CoreServer:
+    """Message handling and the loop; split from ``run_core`` so the pieces stay small."""
+
+    def __init__(self, core: EngineCore, sock: zmq.Socket, shutdown_timeout: float,
+                 state: _State | None = None) -> None:
+        self.core = core
+        self.sock = sock
+        self.shutdown_timeout = shutdown_timeout
+        self.state = state or _State()
+        self._info = P.encode(core.core_info())
+
+    # ---- incoming -------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.handle(frames)
+
+    def handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            logger.warning("dropping a malformed message of %d frames", len(frames))
+            return
+        ident, kind = frames[0], frames[1]
+        payload = frames[2] if len(frames) > 2 else b""
+        self.state.peers.setdefault(ident, _Peer())
+        if kind == P.HELLO:
+            self.sock.send_multipart([ident, P.READY, self._info])
+            return
+        if kind == P.RESET:
+            self._reset(ident, payload)
+            return
+        if kind not in (P.ADD, P.ABORT):
+            logger.warning("dropping a message of unknown kind %r", kind[:32])
+            return
+        try:
+            body = P.decode(payload)
+            if kind == P.ADD:
+                body = P.request_from_dict(body)
+            else:
+                body = P.abort_from_payload(body)
+        except Exception as e:  # a bad payload must not take the core down
+            logger.warning("dropping a bad %r message: %s", kind, e)
+            return
+        if kind == P.ADD:
+            self._add(ident, body)
+        else:
+            ids, reason = body
+            for rid in self.core.abort(ids, reason):
+                self.state.owner.pop(rid, None)
+
+    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(req, ident)
+        except RequestRejected as e:
+            err = {"request_id": req.request_id, "message": e.message, "status": e.status}
+            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            return
+        self.state.owner[req.request_id] = ident
+
+    def _reset(self, ident: bytes, payload: bytes) -> None:
+        try:
+            rid = P.decode(payload)["id"]
+        except Exception as e:
+            logger.warning("dropping a bad reset_prefix_cache message: %s", e)
+            return
+        ok = self.core.reset_prefix_cache()
+        self.sock.send_multipart([ident, P.RESET_DONE, P.encode({"id": rid, "ok": ok})])
+
+    # ---- outgoing -------------------------------------------------------------------------------------
+    def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
+        owner = self.state.owner
+        by_peer: dict[bytes, list[P.EngineCoreOutput]] = {}
+        for o in outputs:
+            ident = owner.get(o.request_id)
+            if ident is None:
+                continue
+            if o.finish_reason is not None:
+                del owner[o.request_id]
+            by_peer.setdefault(ident, []).append(o)
+        if not by_peer:
+            return
+        stats = self.core.stats()
+        wall = time.time()
+        for ident, outs in by_peer.items():
+            msg = P.encode_outputs(P.EngineCoreOutputs(outs, stats, wall))
+            self.sock.send_multipart([ident, P.OUTPUTS, msg])
+            peer = self.state.peers.setdefault(ident, _Peer())
+            peer.last_sent, peer.last_stats = now, stats
+
+    def send_stats(self, now: float) -> None:
+        """Stats to each front end that heard nothing for 100 ms, if they changed (or 1 s went by). While the
+        core has work every front end hears from it at least every 100 ms: its /health reads a long silence
+        with requests in flight as a wedged core (--health-stall-timeout-s)."""
+        stats = None
+        busy = self.core.has_work()
+        for ident, peer in self.state.peers.items():
+            if now - peer.last_sent < STATS_INTERVAL_S:
+                continue
+            stats = stats or self.core.stats()
+            if not busy and stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
+                continue
+            self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
+            peer.last_sent, peer.last_stats = now, stats
+
+    # ---- loop -----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        core, state = self.core, self.state
+        next_stats = 0.0
+        while not state.stop_now:
+            prof = core.profiler
+            if core.has_work():
+                prof.begin()
+                self.drain()
+                prof.lap("ipc_in")
+            else:
+                if state.draining_since is not None:
+                    break  # SIGTERM and nothing left to finish
+                prof.idle()
+                if self.sock.poll(IDLE_POLL_MS):
+                    prof.begin()
+                    self.drain()
+                    prof.lap("ipc_in")
+            if state.draining_since is not None and \
+                    time.monotonic() - state.draining_since > self.shutdown_timeout:
+                logger.warning("shutdown timeout: exiting with %d requests unfinished",
+                               len(core.scheduler.requests))
+                break
+            now = time.monotonic()
+            if core.has_work():
+                self.send_outputs(core.step(), now)
+                prof.lap("ipc_out")
+            prof.end()
+            if now >= next_stats:
+                core.flush_metrics()
+                self.send_stats(now)
+                next_stats = now + STATS_INTERVAL_S
+
+
+def _install_signals(state: _State) -> None:
+    def on_term(signum: int, frame: object) -> None:
+        if state.draining_since is None:
+            logger.info("SIGTERM: finishing the requests in the core, then exiting")
+            state.draining_since = time.monotonic()
+        else:
+            state.stop_now = True
+
+    def on_int(signum: int, frame: object) -> None:
+        state.stop_now = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
+
+
+def configure_logging(args: EngineArgs) -> None:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [core rank={args.rank} pid=%(process)d] %(name)s: %(message)s",
+    )
+
+
+def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
+    """Load the model, bind ``input_address`` (a ROUTER), and serve front ends until told to stop."""
+    set_pdeathsig(signal.SIGKILL)
+    keep_freed_memory()
+    configure_logging(args)
+    cpus = pin_to_rank_cpus()
+    if cpus is not None:
+        logger.info("pinned to CPUs %s (LBD_RANK_CPUS)", os.environ["LBD_RANK_CPUS"])
+    from lbd.engine.metrics import CoreMetrics
+
+    metrics = CoreMetrics(args.model_name, args.rank)
+    member = None
+    in_group = _in_dp_group(args, model_path)  # an MoE model's DP rank: the group's loop (engine/dp)
+    core = None if in_group else EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
+    if core is not None and core.runner.device == "cpu":
+        from lbd.engine.core.runner import pin_core_thread
+
+        pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
+    ctx = zmq.Context(io_threads=1)
+    if in_group:
+        from lbd.engine.dp.rank import build_member
+
+        core, member = build_member(args, model_path, metrics, ctx)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(input_address)
+    state = _State()
+    _install_signals(state)  # only now: a signal during the model load just ends the process
+    freeze_startup_heap()
+    logger.info("core ready on %s (pid %d)", input_address, os.getpid())
+    if member is None:
+        server = CoreServer(core, sock, args.shutdown_timeout, state)
+    else:
+        from lbd.engine.dp.rank import MemberServer
+
+        server = MemberServer(core, sock, member, args.shutdown_timeout, state)
+    try:
+        server.run()
+    except Exception:
+        logger.exception("core loop failed")
+        raise
+    finally:
+        if member is not None:
+            member.close()
+        core.close()
+        sock.close(linger=0)
+        ctx.term()
+        _remove_ipc_file(input_address)
+        logger.info("core exited")
+
+
+def _in_dp_group(args: EngineArgs, model_path: str) -> bool:
+    from pathlib import Path
+
+    from lbd.engine.config.parallel import ModelFacts
+    from lbd.engine.dp import needs_group
+
+    if args.data_parallel_size == 1 or args.device == "sim":
+        return False
+    return needs_group(args, ModelFacts.from_config(Path(model_path) / "config.json").architectures)
+
+
+def _worker_failed(reason: str) -> None:
+    """The executor's watchdog (another thread) saw a worker die: the rank cannot serve, so end the core now
+    (its other workers are killed already)."""
+    logger.error("%s: exiting; the front ends answer 503 and fail their in-flight requests", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _remove_ipc_file(address: str) -> None:
+    """libzmq leaves the socket file of a closed ipc:// endpoint behind; a restarted core would reuse it."""
+    path = address.removeprefix("ipc://")
+    if path != address and not path.startswith("@"):  # "@": Linux abstract namespace, no file
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("python -m lbd.engine.core.process")
+    parser.add_argument("--model-path", required=True, help="local model folder (config.json + safetensors)")
+    parser.add_argument("--input-address", required=True, help="ZMQ address to bind, e.g. ipc:///tmp/core.sock")
+    ns = parser.parse_args(argv)
+    args = engine_args_from_namespace(ns)
+    validate(args, parser)
+    run_core(args, ns.model_path, ns.input_address)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

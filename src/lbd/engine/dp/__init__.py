@@ -1,0 +1,41 @@
+"""The data-parallel group of an MoE model: its DP ranks share the expert layers.
+
+Rooms, with one-way imports (each only imports those above it):
+  ``messages``        the ZMQ messages between ranks and the coordinator (no torch)
+  ``coordinator``     the process beside rank 0: TCPStore host, rank reports, waves, generations, HTTP
+  ``group``           one generation's torch.distributed process group (gloo on CPU, NCCL on CUDA)
+  ``expert_parallel`` which experts a member holds and how tokens reach them (dispatch / combine)
+  ``wave``            the wave bookkeeping of one rank (pure)
+  ``rank``            the core loop of a rank in a group: waves, dummy passes, healing
+
+A dense model never enters this package: its DP ranks are independent. This module stays light (no torch):
+the launcher and the supervisor ask ``needs_group`` before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lbd.engine.config.architectures import is_moe
+
+if TYPE_CHECKING:
+    from lbd.engine.config.args import EngineArgs
+
+# ports relative to --data-parallel-rpc-port P (P itself: lbd serve's multi-node registration)
+STORE_PORT_OFFSET = 1
+ZMQ_PORT_OFFSET = 2
+HTTP_PORT_OFFSET = 3
+
+
+def needs_group(args: EngineArgs, architectures: Any) -> bool:
+    """Whether this rank joins a DP group: an MoE model served by more than one DP rank."""
+    return args.data_parallel_size > 1 and is_moe(architectures)
+
+
+def endpoints(args: EngineArgs) -> tuple[str, int, str]:
+    """(store host, store port, coordinator ZMQ address) of a rank's group."""
+    host, port = args.data_parallel_address, args.data_parallel_rpc_port
+    if host is None or port is None:
+        raise ValueError("an MoE DP group needs --data-parallel-address and --data-parallel-rpc-port")
+    zmq_host = f"[{host}]" if ":" in host else host
+    return host, port + STORE_PORT_OFFSET, f"tcp://{zmq_host}:{port + ZMQ_PORT_OFFSET}"

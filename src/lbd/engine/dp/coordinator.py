@@ -1,0 +1,343 @@
+"""The DP coordinator of an MoE group: ``python -m lbd.engine.dp.coordinator`` beside rank 0.
+
+It hosts the group's TCPStore (``A:P+1``, so the store outlives any rank), a ZMQ ROUTER (``A:P+2``) the
+ranks' cores talk to (``lbd.engine.dp.messages``), and HTTP (``A:P+3`` unless ``--http-port``): ``/status``
+(JSON), ``/metrics`` (Prometheus) and ``POST /members/{rank}/failed`` (the supervisor says a member died or
+hangs). All of it is one asyncio loop that sleeps in epoll between messages: an idle group costs nothing.
+
+Generations: generation g forms when all N ranks have sent ``join`` (the coordinator then sends ``form g``)
+and is ready once each answered ``joined g``. A failed member (the supervisor's POST, a rank's ``lost``,
+or a ``join`` from a member of g, i.e. a restarted or fallen-out rank) aborts g: every rank is told, and
+g+1 forms when all N have joined again. A restarted coordinator tells ranks that report a group it does not
+know to leave it, and numbers its first generation after theirs. ``Coordinator`` is the state machine (no
+I/O; it returns the messages to send), ``serve`` wires it to the sockets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
+from lbd.engine.dp import messages as M
+
+logger = logging.getLogger("lbd.engine.dp.coordinator")
+Outgoing = list[tuple[bytes, bytes]]  # (rank identity, message)
+
+
+@dataclass(slots=True)
+class MemberInfo:
+    rank: int
+    ident: bytes | None = None
+    pid: int | None = None
+    pending: bool = False  # joined the generation being formed
+    joined: bool = False  # in the current generation's process group
+    waiting: int = 0
+    running: int = 0
+    last_report: float | None = None
+    wave_active: bool = False
+
+
+@dataclass(slots=True)
+class Coordinator:
+    size: int
+    generation: int = 1
+    state: str = "forming"  # forming | ready | reforming
+    form_sent: bool = False
+    wave_active: bool = False
+    wave_id: int = 0
+    waves_ended: int = -1  # the last wave id of this generation that ended
+    waves_total: int = 0
+    aborts: int = 0
+    members: list[MemberInfo] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.members = [MemberInfo(r) for r in range(self.size)]
+
+    # ---- messages from ranks ------------------------------------------------------------------------------
+    def on_message(self, ident: bytes, msg: dict, now: float) -> Outgoing:
+        rank = msg.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.size:
+            logger.warning("dropping a message from unknown rank %r", rank)
+            return []
+        m, kind, gen = self.members[rank], msg["kind"], msg.get("generation")
+        if kind == M.REPORT:
+            m.ident = m.ident or ident
+            m.waiting, m.running = int(msg.get("waiting", 0)), int(msg.get("running", 0))
+            m.last_report, m.wave_active = now, bool(msg.get("wave_active"))
+            if msg.get("ready") and not (m.joined and gen == self.generation):
+                # a group this coordinator did not form (it was restarted) or already aborted: leave it
+                why = "the coordinator does not know that generation (it restarted): re-join"
+                return [(ident, M.pack(M.ABORT, generation=gen, reason=why))]
+            return []
+        if kind == M.JOIN:
+            last = msg.get("last_generation")
+            if not self.form_sent and isinstance(last, int) and last >= self.generation:
+                self.generation = last + 1  # a restarted coordinator numbers on after the ranks' last one
+            return self._join(m, ident, msg.get("pid"))
+        if kind == M.JOINED and gen == self.generation and self.form_sent and m.pending:
+            m.joined = True
+            if all(x.joined for x in self.members):
+                self.state = "ready"
+                logger.info("generation %d ready: %d members", self.generation, self.size)
+            return []
+        if kind == M.LOST and gen == self.generation:
+            return self.abort(f"rank {rank} lost generation {gen}: {msg.get('reason')}")
+        if kind == M.WAVE_START and gen == self.generation and self.state == "ready":
+            return self._wave_start(msg.get("wave"))
+        if kind == M.WAVE_END and gen == self.generation and msg.get("wave") == self.wave_id:
+            if self.wave_active:
+                self.wave_active, self.waves_ended = False, self.wave_id
+        return []
+
+    def _join(self, m: MemberInfo, ident: bytes, pid: object) -> Outgoing:
+        pid = pid if isinstance(pid, int) else None
+        out: Outgoing = []
+        restarted = m.pid is not None and pid != m.pid
+        if m.joined or (self.form_sent and m.pending and restarted):
+            why = "restarted" if restarted else "fell out of the group"
+            out = self.abort(f"rank {m.rank} {why} (pid {pid})")
+        m.ident, m.pid, m.pending = ident, pid, True
+        return out + self._maybe_form()
+
+    def _maybe_form(self) -> Outgoing:
+        if self.form_sent or not all(x.pending for x in self.members):
+            return []
+        self.form_sent = True
+        logger.info("forming generation %d", self.generation)
+        msg = M.pack(M.FORM, generation=self.generation, size=self.size)
+        return [(x.ident, msg) for x in self.members if x.ident is not None]
+
+    def _wave_start(self, wave: object) -> Outgoing:
+        stale = not isinstance(wave, int) or wave <= self.waves_ended
+        if stale or (self.wave_active and wave == self.wave_id):
+            return []  # stale, or already running
+        self.wave_active, self.wave_id = True, wave
+        self.waves_total += 1
+        msg = M.pack(M.WAVE_START, generation=self.generation, wave=wave)
+        return [(x.ident, msg) for x in self.members if x.ident is not None and x.joined]
+
+    # ---- failures -----------------------------------------------------------------------------------------
+    def abort(self, reason: str) -> Outgoing:
+        """End the current generation (when it formed or is forming) and wait for every rank again."""
+        if not self.form_sent:
+            return []  # nothing formed yet: the ranks still collecting joins go on waiting
+        old = self.generation
+        logger.warning("aborting generation %d: %s", old, reason)
+        msg = M.pack(M.ABORT, generation=old, reason=reason)
+        out = [(x.ident, msg) for x in self.members if x.ident is not None]
+        self.generation += 1
+        self.state, self.form_sent, self.aborts = "reforming", False, self.aborts + 1
+        self.wave_active, self.wave_id, self.waves_ended = False, 0, -1
+        for x in self.members:
+            x.pending = x.joined = x.wave_active = False
+        return out
+
+    def member_failed(self, rank: int, reason: str) -> Outgoing:
+        """The supervisor says ``rank`` died or hangs (idempotent until the next generation forms)."""
+        m = self.members[rank]
+        out = self.abort(f"rank {rank} failed: {reason}") if m.joined or self.form_sent else []
+        m.pending, m.ident, m.pid, m.last_report = False, None, None, None
+        return out
+
+    # ---- views --------------------------------------------------------------------------------------------
+    @property
+    def reason(self) -> str | None:
+        if self.state == "ready":
+            return None
+        missing = [m.rank for m in self.members if not (m.joined if self.form_sent else m.pending)]
+        what = "form" if self.form_sent else "join"
+        return f"waiting for ranks {missing} to {what} generation {self.generation}"
+
+    def status(self, now: float) -> dict:
+        return {
+            "size": self.size, "generation": self.generation, "state": self.state, "reason": self.reason,
+            "wave": {"active": self.wave_active, "id": self.wave_id, "count": self.waves_total},
+            "generation_aborts": self.aborts,
+            "members": [{"rank": m.rank, "pid": m.pid, "joined": m.joined, "waiting": m.waiting,
+                         "running": m.running, "wave_active": m.wave_active,
+                         "last_report_age_s": (None if m.last_report is None
+                                               else round(now - m.last_report, 3))}
+                        for m in self.members],
+        }
+
+
+# ---- the process ------------------------------------------------------------------------------------------
+
+class CoordinatorMetrics:
+    """Prometheus families of /metrics, filled from the state when scraped."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Gauge
+
+        self.registry = CollectorRegistry()
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        self.waiting = gauge("lbd_dp_num_requests_waiting", "Waiting requests per rank (last report).",
+                             ("engine",))
+        self.running = gauge("lbd_dp_num_requests_running", "Running requests per rank (last report).",
+                             ("engine",))
+        self.joined = gauge("lbd_dp_member_joined", "1 while the rank is in the current generation.",
+                            ("engine",))
+        self.age = gauge("lbd_dp_member_report_age_seconds", "Seconds since the rank's last report.",
+                         ("engine",))
+        self.generation = gauge("lbd_dp_generation", "The generation being formed or in service.")
+        self.ready = gauge("lbd_dp_group_ready", "1 while every member is in the current generation.")
+        self.wave_active = gauge("lbd_dp_wave_active", "1 while a wave runs.")
+        self.waves = gauge("lbd_dp_waves_total", "Waves started since the coordinator started.")
+        self.aborts = gauge("lbd_dp_generation_aborts_total", "Generations aborted since start.")
+
+    def render(self, c: Coordinator, now: float) -> bytes:
+        from prometheus_client import generate_latest
+
+        for m in c.members:
+            r = str(m.rank)
+            self.waiting.labels(r).set(m.waiting)
+            self.running.labels(r).set(m.running)
+            self.joined.labels(r).set(int(m.joined))
+            self.age.labels(r).set(-1 if m.last_report is None else now - m.last_report)
+        self.generation.set(c.generation)
+        self.ready.set(int(c.state == "ready"))
+        self.wave_active.set(int(c.wave_active))
+        self.waves.set(c.waves_total)
+        self.aborts.set(c.aborts)
+        return generate_latest(self.registry)
+
+
+async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
+                timeout_s: float) -> int:
+    import zmq
+    import zmq.asyncio
+    from aiohttp import web
+
+    from lbd.engine.dp.group import host_store
+    from lbd.engine.server.errors import APIError, error_response
+
+    store = host_store(rpc_port + STORE_PORT_OFFSET, timeout_s)  # kept alive for the process's life
+    ip = socket.gethostbyname(address)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a rank that went away is dropped
+    sock.bind(f"tcp://{ip}:{rpc_port + ZMQ_PORT_OFFSET}")
+    coord = Coordinator(size)
+    metrics = CoordinatorMetrics()
+
+    async def send(out: Outgoing) -> None:
+        for ident, msg in out:
+            await sock.send_multipart([ident, msg])
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(coord.status(time.monotonic()))
+
+    async def metrics_text(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(coord, time.monotonic()),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def failed(request: web.Request) -> web.Response:
+        try:
+            rank = int(request.match_info["rank"])
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < size:
+            name = request.match_info["rank"]
+            return error_response(APIError(f"no member {name}: ranks are 0..{size - 1}", 404, "rank"))
+        reason = "reported failed by the supervisor"
+        if request.can_read_body:
+            try:
+                body = await request.json()
+                reason = str(body.get("reason") or reason) if isinstance(body, dict) else reason
+            except ValueError:
+                return error_response(APIError("body must be JSON: {\"reason\": \"...\"}", 400))
+        await send(coord.member_failed(rank, reason))
+        return web.json_response({"generation": coord.generation, "state": coord.state})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics_text)
+    app.router.add_post("/members/{rank}/failed", failed)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, http_host, http_port).start()
+    logger.info("coordinator of %d ranks: store :%d, ZMQ tcp://%s:%d, HTTP http://%s:%d (pid %d)", size,
+                rpc_port + STORE_PORT_OFFSET, ip, rpc_port + ZMQ_PORT_OFFSET, http_host, http_port,
+                os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def receive() -> None:
+        while True:
+            ident, data = await sock.recv_multipart()
+            try:
+                msg = M.unpack(data)
+            except Exception as e:
+                logger.warning("dropping a bad message: %s", e)
+                continue
+            await send(coord.on_message(ident, msg, time.monotonic()))
+
+    task = asyncio.create_task(receive())
+    await stop.wait()
+    task.cancel()
+    await runner.cleanup()
+    sock.close(linger=0)
+    ctx.term()
+    del store
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lbd.engine.dp.coordinator",
+                                     description="The DP coordinator of an MoE group (beside rank 0).")
+    parser.add_argument("--data-parallel-size", type=int, required=True, help="ranks in the group")
+    parser.add_argument("--data-parallel-address", required=True, help="rank 0's node (this one)")
+    parser.add_argument("--data-parallel-rpc-port", type=int, required=True,
+                        help="base port P: store P+1, ZMQ P+2, HTTP P+3")
+    parser.add_argument("--http-host", default=None, help="HTTP bind address (default: the address)")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default: P+3)")
+    parser.add_argument("--distributed-timeout-s", type=float, default=600.0, help="the store's timeout")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ns = parser.parse_args(argv)
+    if ns.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
+    if not 1 <= ns.data_parallel_rpc_port <= 65532:
+        parser.error(f"--data-parallel-rpc-port {ns.data_parallel_rpc_port} is out of range: use 1..65532")
+    try:
+        socket.gethostbyname(ns.data_parallel_address)
+    except OSError as e:
+        parser.error(f"--data-parallel-address {ns.data_parallel_address} does not resolve: {e}")
+    from lbd.engine.procutil import set_pdeathsig
+
+    set_pdeathsig(signal.SIGKILL)
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # our own registry, not an engine's multiprocess files
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s dp-coordinator[%(process)d] %(levelname)s %(message)s")
+    port = ns.http_port if ns.http_port is not None else ns.data_parallel_rpc_port + HTTP_PORT_OFFSET
+    import uvloop
+    import zmq
+
+    try:
+
+        return uvloop.run(serve(ns.data_parallel_size, ns.data_parallel_address, ns.data_parallel_rpc_port,
+                                ns.http_host or ns.data_parallel_address, port, ns.distributed_timeout_s))
+    except (OSError, zmq.ZMQError) as e:  # a port is taken (the ZMQ one or HTTP)
+        print(f"dp coordinator: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # the TCPStore could not bind
+        print(f"dp coordinator: error: store port {ns.data_parallel_rpc_port + STORE_PORT_OFFSET}: {e}",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The core loop of one rank of an MoE DP group: waves, dummy passes, and healing without a restart.
+
+``build_member`` makes the rank's EngineCore (its model holds this member's experts, routed through an
+``ExpertDispatcher``) and a ``Member`` (its link to the coordinator); ``MemberServer`` is the core process's
+loop (``lbd.engine.core.process.CoreServer`` plus the group):
+
+* not ready (forming / re-forming): it answers front ends (new requests get 503), sends ``join`` to the
+  coordinator every second and, on ``form g``, creates generation g's process group;
+* ready and paused: it blocks in ``poll`` on the front ends' and the coordinator's sockets (no CPU); a request
+  starts a wave (told to the coordinator, which tells every rank);
+* in a wave: one pass per loop (a real step, or a zero-token dummy pass through the MoE layers when nothing is
+  scheduled), and every ``--dp-idle-check-steps`` passes an all-reduce of "still has work" ends the wave when
+  every rank is idle;
+* a failed collective (``GroupLost``) or an ``abort`` from the coordinator: every in-flight request fails
+  with 503 (before its first byte: a router retries it; a started stream ends with an error event), the
+  process group is dropped, and the rank joins the next generation with the same process and weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from lbd.engine import protocol as P
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.engine_core import EngineCore
+from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, _State
+from lbd.engine.core.runner import ModelRunner
+from lbd.engine.dp import endpoints
+from lbd.engine.dp import messages as M
+from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, dummy_pass, routed_experts
+from lbd.engine.dp.group import DPGroup, GroupLost, store_client
+from lbd.engine.dp.wave import Wave
+from lbd.engine.models.config import load_hf_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DPStatus:
+    """What front ends show on /health and /status (sent to them as a ``dp`` message on every change)."""
+
+    state: str = "forming"  # forming | ready | reforming
+    generation: int = 0  # the generation this rank is in (ready) or last was in
+    reason: str | None = "waiting for the coordinator to form generation 1"
+    expert_parallel: bool = False
+    all2all_backend: str = "alltoall"
+
+
+class DPMetrics:
+    def __init__(self, model_name: str, rank: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        lv = {"model_name": model_name, "engine": str(rank)}
+        labels = tuple(lv)
+        self.steps = Counter("lbd_dp_steps", "Forward passes of this rank in DP waves.", labels).labels(**lv)
+        self.dummy_steps = Counter("lbd_dp_dummy_steps", "Of those, dummy passes (nothing scheduled here).",
+                                   labels).labels(**lv)
+        self.waves = Counter("lbd_dp_waves", "DP waves this rank took part in.", labels).labels(**lv)
+        self.generation = Gauge("lbd_dp_group_generation", "The DP group generation this rank is in.", labels,
+                                multiprocess_mode="mostrecent").labels(**lv)
+        self.ready = Gauge("lbd_dp_group_ready", "1 while this rank's DP group is formed.", labels,
+                           multiprocess_mode="mostrecent").labels(**lv)
+
+
+class Member:
+    """This rank's place in the group: the coordinator link, the current generation's group, the wave."""
+
+    def __init__(self, args: EngineArgs, runner: ModelRunner, dispatcher: ExpertDispatcher,
+                 blocks: list, ctx: zmq.Context) -> None:
+        self.args, self.runner, self.dispatcher, self.blocks = args, runner, dispatcher, blocks
+        self.rank, self.size = args.rank, args.data_parallel_size
+        self.store_host, self.store_port, coordinator = endpoints(args)
+        self.wave = Wave(args.dp_idle_check_steps)
+        self.group: DPGroup | None = None
+        self.status = DPStatus(expert_parallel=args.enable_expert_parallel,
+                               all2all_backend=dispatcher.plan.backend)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}-{os.getpid()}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(coordinator)
+        self.last_join = 0.0
+        self.metrics = DPMetrics(args.model_name, self.rank)
+        self.metrics.ready.set(0)
+
+    @property
+    def ready(self) -> bool:
+        return self.group is not None
+
+    def send(self, kind: str, **fields: Any) -> None:
+        try:
+            self.sock.send(M.pack(kind, rank=self.rank, **fields), zmq.NOBLOCK)
+        except zmq.Again:  # the coordinator is away; joins and reports are re-sent
+            pass
+
+    def join_if_due(self, now: float) -> None:
+        if self.group is None and now - self.last_join >= M.JOIN_RESEND_S:
+            self.send(M.JOIN, pid=os.getpid(), last_generation=self.status.generation)
+            self.last_join = now
+
+    def form(self, generation: int) -> str | None:
+        """Create generation ``generation``'s process group; the failure reason, or None."""
+        timeout = self.args.distributed_timeout_s
+        try:
+            store = store_client(self.store_host, self.store_port, timeout)
+            self.group = DPGroup(store, self.rank, self.size, generation, self.runner.torch_device, timeout)
+        except (GroupLost, RuntimeError) as e:
+            return str(e)
+        self.dispatcher.group = self.group
+        self.wave.reset()
+        self.status.state, self.status.generation, self.status.reason = "ready", generation, None
+        self.metrics.generation.set(generation)
+        self.metrics.ready.set(1)
+        self.send(M.JOINED, generation=generation)
+        logger.info("DP group generation %d formed: rank %d of %d (%s experts, %s)", generation, self.rank,
+                    self.size, "expert-parallel" if self.args.enable_expert_parallel else "tensor-parallel",
+                    self.dispatcher.plan.backend)
+        return None
+
+    def leave(self, reason: str) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = self.dispatcher.group = None
+        self.wave.reset()
+        self.status.state, self.status.reason = "reforming", reason
+        self.metrics.ready.set(0)
+        self.last_join = 0.0  # join the next generation at once
+
+    def dummy_pass(self) -> None:
+        r = self.runner
+        dummy_pass(self.blocks, r.model.cfg.hidden_size, r.torch_device, r.torch_dtype)
+
+    def all_idle(self, has_work: bool) -> bool:
+        assert self.group is not None
+        flag = torch.tensor([int(has_work)], dtype=torch.int32)
+        if self.group.device.type == "cuda":
+            flag = flag.to(self.group.device)
+        return int(self.group.all_reduce(flag).item()) == 0
+
+    def report(self, waiting: int, running: int) -> None:
+        self.send(M.REPORT, generation=self.status.generation, ready=self.ready, waiting=waiting,
+                  running=running, wave_active=self.wave.active)
+
+    def close(self) -> None:
+        self.leave("shutting down")
+        self.sock.close(linger=0)
+
+
+def build_member(args: EngineArgs, model_path: str, metrics: Any,
+                 ctx: zmq.Context) -> tuple[EngineCore, Member]:
+    """The rank's core, with this member's experts (CUDA graphs off: a pass runs collectives)."""
+    plan = ExpertPlan.from_args(args)
+    shard = plan.shard(routed_experts(load_hf_config(model_path)))
+    runner = ModelRunner(dataclasses.replace(args, enforce_eager=True), model_path,
+                         model_options={"expert_shard": shard})
+    dispatcher = ExpertDispatcher(plan, shard, runner.torch_device)
+    blocks = attach(runner.model, dispatcher)
+    logger.info("DP member %d of %d holds %s", args.rank, args.data_parallel_size,
+                f"experts {shard.start}..{shard.stop - 1} of {shard.num_experts}" if plan.expert_parallel
+                else f"1/{plan.size} of every expert's intermediate dim ({shard.num_experts} experts)")
+    core = EngineCore(args, model_path, metrics=metrics, runner=runner)
+    return core, Member(args, runner, dispatcher, blocks, ctx)
+
+
+class MemberServer(CoreServer):
+    """CoreServer's front-end handling, with the group's loop (see the module docstring)."""
+
+    def __init__(self, core: EngineCore, sock: zmq.Socket, member: Member, shutdown_timeout: float,
+                 state: _State | None = None) -> None:
+        super().__init__(core, sock, shutdown_timeout, state)
+        self.member = member
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(member.sock, zmq.POLLIN)
+        self._last_report = 0.0
+
+    # ---- front ends -----------------------------------------------------------------------------------
+    def handle(self, frames: list[bytes]) -> None:
+        super().handle(frames)
+        if len(frames) >= 2 and frames[1] == P.HELLO:
+            self._send_status(frames[0])
+
+    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+        status = self.member.status
+        if status.state != "ready":
+            err = {"request_id": req.request_id, "message": unavailable_message(status), "status": 503}
+            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            return
+        super()._add(ident, req)
+
+    def _send_status(self, ident: bytes | None = None) -> None:
+        m = self.member
+        body = dataclasses.asdict(m.status)
+        body.update(wave_active=m.wave.active, waves=m.wave.waves, steps=m.wave.steps,
+                    dummy_steps=m.wave.dummy_steps)
+        msg = P.encode(body)
+        for peer in [ident] if ident is not None else list(self.state.peers):
+            self.sock.send_multipart([peer, P.DP, msg])
+
+    def _fail_all(self, reason: str) -> None:
+        """Every request in the core fails with 503 (its front end answers before the first byte, or ends
+        the stream with an error event); their KV blocks are freed."""
+        core, owner = self.core, self.state.owner
+        ids = list(core.scheduler.requests)
+        message = f"the data-parallel group lost a member ({reason}): retry"
+        for rid in ids:
+            ident = owner.pop(rid, None)
+            if ident is not None:
+                err = {"request_id": rid, "message": message, "status": 503}
+                self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+        core.abort(ids)
+        core.scheduler.in_flight.clear()
+        if ids:
+            logger.warning("failed %d in-flight requests: %s", len(ids), reason)
+
+    # ---- the coordinator ------------------------------------------------------------------------------
+    def drain_coordinator(self) -> None:
+        """Handle every queued coordinator message; a ``form`` that a later ``abort`` of the same generation
+        already cancelled is skipped (forming it would wait for a member that is gone)."""
+        sock, batch = self.member.sock, []
+        while True:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                batch.append(M.unpack(data))
+            except Exception as e:
+                logger.warning("dropping a bad coordinator message: %s", e)
+        aborted = {m.get("generation") for m in batch if m["kind"] == M.ABORT}
+        for msg in batch:
+            if msg["kind"] == M.FORM and msg.get("generation") in aborted:
+                continue
+            self.on_coordinator(msg)
+
+    def on_coordinator(self, msg: dict[str, Any]) -> None:
+        m, kind, gen = self.member, msg["kind"], msg.get("generation")
+        if kind == M.FORM and not m.ready and isinstance(gen, int) and gen > m.status.generation:
+            self.member.status.reason = f"forming generation {gen}"
+            problem = m.form(gen)
+            if problem is not None:
+                logger.warning("could not join generation %d: %s", gen, problem)
+                m.send(M.LOST, generation=gen, reason=problem)
+                m.leave(problem)
+            self._send_status()
+        elif kind == M.ABORT and m.ready and gen == m.status.generation:
+            self._lose(f"the coordinator aborted generation {gen}: {msg.get('reason')}", tell=False)
+        elif kind == M.WAVE_START and m.ready and gen == m.status.generation:
+            if m.wave.start(msg.get("wave")):
+                m.metrics.waves.inc()
+                self._send_status()
+
+    def _lose(self, reason: str, tell: bool) -> None:
+        m = self.member
+        gen = m.status.generation
+        logger.warning("DP group generation %d lost: %s; re-joining with the same process", gen, reason)
+        self._fail_all(reason)
+        m.leave(reason)
+        if tell:
+            m.send(M.LOST, generation=gen, reason=reason)
+        m.join_if_due(time.monotonic())
+        self._send_status()
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        core, state, m = self.core, self.state, self.member
+        next_stats = 0.0
+        self._send_status()
+        while not state.stop_now:
+            stepping = m.ready and (m.wave.active or core.has_work())
+            if stepping:
+                self.drain()
+                self.drain_coordinator()
+            else:
+                if state.draining_since is not None and not core.has_work():
+                    break
+                for sock, _ in self.poller.poll(IDLE_POLL_MS):
+                    self.drain() if sock is self.sock else self.drain_coordinator()
+            now = time.monotonic()
+            if state.draining_since is not None and now - state.draining_since > self.shutdown_timeout:
+                logger.warning("shutdown timeout: exiting with %d requests unfinished",
+                               len(core.scheduler.requests))
+                break
+            m.join_if_due(now)
+            if m.ready and (m.wave.active or core.has_work()):
+                self._wave_step(now)
+            if now - self._last_report >= M.REPORT_INTERVAL_S:
+                stats = core.stats()
+                m.report(stats.num_waiting, stats.num_running)
+                self._last_report = now
+            if now >= next_stats:
+                self.send_stats(now)
+                next_stats = now + 0.1
+
+    def _wave_step(self, now: float) -> None:
+        core, m = self.core, self.member
+        if not m.wave.active and m.wave.start():
+            m.metrics.waves.inc()
+            m.send(M.WAVE_START, generation=m.status.generation, wave=m.wave.id)
+            self._send_status()
+        try:
+            before = m.dispatcher.passes
+            outputs = core.step() if core.has_work() else []
+            dummy = m.dispatcher.passes == before
+            if dummy:
+                m.dummy_pass()
+                m.metrics.dummy_steps.inc()
+            m.metrics.steps.inc()
+            self.send_outputs(outputs, now)
+            if m.wave.stepped(dummy) and m.all_idle(core.has_work()):
+                ended = m.wave.end()
+                m.send(M.WAVE_END, generation=m.status.generation, wave=ended)
+                self._send_status()
+        except GroupLost as e:
+            self._lose(str(e), tell=True)
+
+
+def unavailable_message(status: DPStatus) -> str:
+    verb = "forming" if status.state == "forming" else "re-forming"
+    return f"data-parallel group is {verb}: {status.reason or 'waiting for every rank'}"

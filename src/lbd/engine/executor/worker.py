@@ -1,0 +1,149 @@
+"""One TP/PP worker process of a rank, started by its core (``lbd.engine.executor.mp``)::
+
+    python -m lbd.engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus 0-1 \\
+        --broadcast ipc://@... --results ipc://@... --parent-pid CORE
+
+(the Ray executor starts the same command from a Ray actor, with tcp:// addresses and ``--parent-pid`` the
+actor's process: ``lbd.engine.executor.ray_worker``).
+
+The command line is the contract with operators and the supervisor: ``-m lbd.engine.executor.worker`` and
+``--rank/--tp-rank/--pp-rank`` identify a worker in ``ps`` and in the supervisor's ``/status``. The worker
+sets PR_SET_PDEATHSIG (SIGKILL) first, so it never outlives its core, and ignores SIGTERM/SIGINT: a rank is
+stopped through its core (the ``shutdown`` message), or killed whole. It pins itself to ``--cpus``; its
+thread count is ``OMP_NUM_THREADS``, which the core sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from lbd.engine.executor import messages as M
+from lbd.engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
+
+logger = logging.getLogger("lbd.engine.worker")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lbd.engine.executor.worker")
+    for flag in ("--rank", "--tp-rank", "--pp-rank", "--parent-pid"):
+        p.add_argument(flag, type=int, required=True)
+    for flag in ("--cpus", "--broadcast", "--results"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--device-index", type=int, default=None,
+                   help="its CUDA device in CUDA_VISIBLE_DEVICES (default: its index in the rank, "
+                        "PP rank x TP + TP rank; the Ray executor passes its node's own order)")
+    return p.parse_args(argv)
+
+
+class Channels:
+    def __init__(self, broadcast: str, results: str, rank: int) -> None:
+        self.rank = rank
+        self.ctx = zmq.Context(io_threads=1)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(broadcast)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(results)
+
+    def recv(self) -> tuple[str, object]:
+        kind, body = M.unpack(self.sub.recv())
+        return kind, body
+
+    def send(self, kind: str, body: object) -> None:
+        self.push.send(M.pack(kind, self.rank, body))
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.push.close(linger=2000)  # an error report still gets out
+        self.ctx.term()
+
+
+def serve(ch: Channels, ns: argparse.Namespace) -> None:
+    """Join the group, load this worker's shard, agree on the KV size, then run steps until shutdown."""
+    import torch
+
+    from lbd.engine.config.args import EngineArgs
+    from lbd.engine.config.layout import ParallelLayout
+    from lbd.engine.core.host_batch import HostBatch
+    from lbd.engine.core.runner import resolve_device
+    from lbd.engine.distributed.context import ParallelContext
+    from lbd.engine.distributed.groups import init_process_groups
+    from lbd.engine.executor.stage import StageRunner
+
+    kind, cfg = ch.recv()
+    assert kind == M.CONFIG and isinstance(cfg, dict), kind
+    args = EngineArgs(**cfg["args"])
+    logging.getLogger().setLevel(args.log_level.upper())
+    layout = ParallelLayout(tp_size=cfg["tp"], pp_size=cfg["pp"])
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        index = ns.device_index
+        torch.cuda.set_device(layout.local_index(ns.pp_rank, ns.tp_rank) if index is None else index)
+    host, port = cfg["store"]
+    groups = init_process_groups(layout, ns.pp_rank, ns.tp_rank, address=host, port=port, device=device,
+                                 timeout_s=cfg["timeout_s"], timed=cfg["timed"])
+    runner = StageRunner(args, cfg["model_path"], ParallelContext(layout, ns.pp_rank, ns.tp_rank,
+                                                                   cfg["partition"], groups))
+    if device.type == "cpu":
+        from lbd.engine.core.runner import pin_core_thread
+
+        pin_core_thread()  # the kernels' pool (if it started) left this worker's first CPU to this thread
+    ch.send(M.BLOCKS, [runner.measure_num_blocks(), runner.facts()])
+    kind, num_blocks = ch.recv()
+    assert kind == M.KV, kind
+    runner.allocate_kv(int(num_blocks))  # type: ignore[arg-type]
+    freeze_startup_heap()
+    ch.send(M.READY, os.getpid())
+    while True:
+        kind, body = ch.recv()
+        if kind == M.STEP:
+            seq, wire, rids, new, finished = body  # type: ignore[misc]
+            result = runner.step(HostBatch.from_wire(wire), rids, new, finished)
+            if result is not None:
+                ch.send(M.OUT, [seq, result[0], M.logprobs_to_wire(result[1])])
+        elif kind == M.PROFILE:
+            ch.send(M.PROFILE, runner.profile(bool(body)))
+        elif kind == M.SHUTDOWN:
+            groups.flush_sends()
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parse(argv)
+    set_pdeathsig(signal.SIGKILL, ns.parent_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from lbd.engine.config.placement import parse_cpus
+
+    os.sched_setaffinity(0, parse_cpus(ns.cpus))
+    keep_freed_memory()
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, force=True,
+        format=f"%(asctime)s worker {ns.rank} (tp {ns.tp_rank} pp {ns.pp_rank})[%(process)d] %(levelname)s "
+               "%(name)s: %(message)s")
+    ch = Channels(ns.broadcast, ns.results, ns.rank)
+    code = 0
+    try:
+        serve(ch, ns)
+    except Exception as e:
+        logger.exception("worker %d failed", ns.rank)
+        ch.send(M.ERROR, f"{type(e).__name__}: {e}")
+        code = 1
+    finally:
+        ch.close()
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (torch's takes seconds); sockets are closed
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

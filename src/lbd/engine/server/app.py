@@ -1,0 +1,156 @@
+"""One front-end process: the aiohttp app on a SO_REUSEPORT listener, connected to the core over ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from lbd.common.aio_guard import GuardedAppRunner
+from lbd.common.auth import PUBLIC_PATHS, KeyRing, engine_keys
+from lbd.common.limits import limits_from, raise_open_files_limit
+from lbd.common.tls import server_context
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.procutil import freeze_startup_heap
+from lbd.engine.server.cache_routes import tokenizer_info_body
+from lbd.engine.server.core_client import CoreClient
+from lbd.engine.server.errors import APIError, error_response
+from lbd.engine.server.forwarded import ForwardedPrompts, fingerprint
+from lbd.engine.server.offload import Offload
+from lbd.engine.server.request_io import STATE
+from lbd.engine.server.responses_store import RESPONSES_DIR_ENV, ResponseStore
+from lbd.engine.server.routes import add_routes
+from lbd.engine.server.state import FrontendState
+from lbd.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+PID_HEADER = "x-lbd-frontend-pid"
+DP_STATE_HEADER = "X-lbd-dp-state"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(APIError(f"{e.reason}: {request.method} {request.path}", e.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+
+
+def _auth(keys: KeyRing):
+    """--api-key: every path but the probes' and scrapers' (lbd.common.auth.PUBLIC_PATHS) needs a key."""
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path not in PUBLIC_PATHS and \
+                keys.check_header(request.headers.get("Authorization")) is None:
+            resp = error_response(APIError("missing or wrong API key: send Authorization: Bearer <key>", 401))
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+
+    return check_key
+
+
+def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Application:
+    middlewares = [_errors] + ([_auth(keys)] if keys else [])
+    app = web.Application(client_max_size=state.args.max_request_body_bytes, middlewares=middlewares)
+    app[STATE] = state
+    pid = str(state.pid)
+
+    async def tag(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[PID_HEADER] = pid  # shows which front end served it (--api-server-count > 1)
+        dp_state = state.dp_state
+        if dp_state is not None and dp_state != "ready":  # alive, waiting for its MoE DP group
+            response.headers[DP_STATE_HEADER] = dp_state
+
+    app.on_response_prepare.append(tag)
+    add_routes(app)
+    return app
+
+
+class Frontend:
+    """Lifecycle of one front end: connect + wait for the core, listen, drain, close."""
+
+    def __init__(self, args: EngineArgs, model_path: str | Path, address: str, core_pid: int | None,
+                 index: int = 0) -> None:
+        self.args = args
+        self.model_path = str(model_path)
+        self.client = CoreClient(address, core_pid, args.profile_steps)
+        self.index = index
+        self.state: FrontendState | None = None
+        self.offload: Offload | None = None
+        self.keys = engine_keys(args.api_key, dict(os.environ))
+        self._runner: web.AppRunner | None = None
+
+    async def connect(self, hello_timeout: float) -> None:
+        """Load the tokenizer and wait until the core answers (it may still be loading the model)."""
+        from lbd.engine.metrics import FrontendMetrics
+
+        self.client.start()
+        tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
+                                            self.args.chat_template)
+        self.offload = Offload(tokenizer)
+        await self.offload.warm()
+        info = await self.client.hello(hello_timeout)
+        metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
+        forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
+                                     metrics.forwarded_prompts)
+        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
+                                   self._response_store(), forwarded, self.index)
+        if self.args.otlp_traces_endpoint:
+            from lbd.engine.server.tracing import RequestTracer
+
+            self.state.tracer = RequestTracer(self.args.otlp_traces_endpoint, self.args.rank)
+
+    def _response_store(self) -> ResponseStore:
+        """This front end's share of the rank's response store (see responses_store)."""
+        a = self.args
+        share = a.api_server_count
+        entries = -(-a.responses_store_max_entries // share)
+        return ResponseStore(os.environ.get(RESPONSES_DIR_ENV), entries, a.responses_store_max_bytes // share)
+
+    async def listen(self) -> None:
+        assert self.state is not None, "connect() first"
+        args = self.args
+        limits = limits_from(args)
+        raise_open_files_limit(limits.max_connections)
+        self._runner = GuardedAppRunner(build_app(self.state, self.keys), limits, handler_cancellation=True,
+                                        shutdown_timeout=args.shutdown_timeout, access_log=None)
+        await self._runner.setup()
+        tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        site = web.TCPSite(self._runner, args.host, args.port, reuse_port=True, backlog=2048, ssl_context=tls)
+        await site.start()
+        freeze_startup_heap()
+        logger.info("front end %d (pid %d) listening on %s://%s:%d%s", self.index, os.getpid(),
+                    "https" if tls else "http", args.host or "*", args.port,
+                    f", {len(self.keys)} API key(s) required" if self.keys else "")
+
+    async def drain(self) -> None:
+        """Close the listener, answer 503 to new requests, let in-flight ones finish (--shutdown-timeout)."""
+        if self.state is not None:
+            self.state.draining = True
+            if self.state.in_flight:
+                logger.info("draining %d in-flight requests (up to %.0fs)", self.state.in_flight,
+                            self.args.shutdown_timeout)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+        await self.client.close()
+        if self.state is not None and self.state.tracer is not None:
+            await asyncio.to_thread(self.state.tracer.shutdown)

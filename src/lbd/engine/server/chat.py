@@ -1,0 +1,100 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from lbd.engine.server.errors import bad_request
+from lbd.engine.server.generate import Delta, Generation, PromptInput, Sequence
+from lbd.engine.server.logprobs import chat_entries
+from lbd.engine.server.openai_protocol import parse_chat, plan_tokens
+from lbd.engine.server.request_io import checked_state, read_json
+from lbd.engine.server.state import FrontendState
+from lbd.engine.server.streaming import respond
+from lbd.engine.tokenizer import ChatTemplateError
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = checked_state(request)
+    body = await read_json(request)
+    sent = state.forwarded.take(body)
+    req = parse_chat(body, state.limits)
+    model = state.check_model(req.common.model)
+
+    def own() -> Awaitable[list[int]]:
+        return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.tools, req.template_kwargs)
+
+    ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
+    max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
+    gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
+    return await respond(request, gen, ChatFormatter(gen, model))
+
+
+async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                            param: str = "messages") -> list[int]:
+    """The chat template applied to ``messages``, tokenized (long prompts in the tokenizer worker); shared
+    with the Responses API."""
+    try:
+        text = state.tokenizer.render_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                           template_kwargs or {})
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param) from e
+    return await state.offload.encode(text, False)
+
+
+class ChatFormatter:
+    def __init__(self, gen: Generation, model: str) -> None:
+        self.gen = gen
+        self.model = model
+        self.tok = gen.state.tokenizer
+        self.want_logprobs = gen.common.logprobs is not None
+        n = len(gen.seqs)
+        self._text: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
+                "model": self.model, "choices": [choice]}
+
+    def stream_start(self, seq: Sequence) -> dict[str, Any] | None:
+        return self._chunk({"index": seq.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+            return None
+        choice: dict[str, Any] = {"index": delta.seq.index,
+                                  "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": self._lp(delta), "finish_reason": delta.seq.finish_reason}
+        if delta.finished:
+            choice["stop_reason"] = delta.seq.stop_reason
+        return self._chunk(choice)
+
+    def _lp(self, delta: Delta) -> dict[str, Any] | None:
+        if not self.want_logprobs or delta.logprobs is None:
+            return None
+        return {"content": chat_entries(self.tok, delta.token_ids, delta.logprobs)}
+
+    def collect(self, delta: Delta) -> None:
+        i = delta.seq.index
+        self._text[i].append(delta.text)
+        if self.want_logprobs and delta.logprobs is not None:
+            self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": s.index,
+                    "message": {"role": "assistant", "content": "".join(self._text[s.index])},
+                    "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
+                    "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
+        return {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
+                "model": self.model, "choices": choices, "usage": self.gen.usage()}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
+                "model": self.model, "choices": [], "usage": self.gen.usage()}

@@ -1,0 +1,115 @@
+"""Prompt token ids a router sends along with a request, so this rank skips its chat template and tokenizer.
+
+`lbd route` tokenizes every request to find each rank's cached prefix (lbd.router.kv), and caches the ids
+per message, so a multi-turn chat costs it the new turn only. The rank would render and tokenize the whole
+history again: about a microsecond a token on one core, 2.5 ms for a 2,500-token chat, 25 ms for 25,000, on
+every turn's time to first token. With the router's ids in the body it uses them as they are:
+
+    "lbd_prompt_token_ids": {"ids": [1, 9690, ...], "tokenizer": "<fingerprint>"}
+
+The fingerprint is the sha256 of this rank's ``/tokenizer_info`` answer (tokenizer.json's sha256, the chat
+template, the special tokens: what rendering and tokenizing depend on), which advertises it as
+``prompt_token_ids.fingerprint``. Ids made with another fingerprint (a router that learned another model or
+template) are ignored and the rank tokenizes as usual. The ids are checked like a token prompt of
+/v1/completions (integers in the vocabulary, the context length). Trust is verified: the first
+``VERIFY_FIRST`` forwarded prompts are also rendered and tokenized here and compared before use, then one in
+``VERIFY_EVERY`` after its request has started; a mismatch turns forwarding off in this front end (an error
+in the log, ``lbd:forwarded_prompts_total{outcome="mismatch"}``) and that request, when checked before use,
+runs on the rank's own ids. A client may send the field itself: it can do nothing /v1/completions with a token
+prompt does not already allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from prometheus_client import Counter
+
+from lbd.engine.server.errors import bad_request
+from lbd.engine.server.fields import is_int_list
+
+FIELD = "lbd_prompt_token_ids"
+VERIFY_FIRST = 4
+VERIFY_EVERY = 128
+
+log = logging.getLogger("lbd.engine")
+
+
+def fingerprint(tokenizer_info: dict[str, Any]) -> str:
+    """sha256 of the /tokenizer_info answer (sorted keys): routers send it with ids made from that answer."""
+    return hashlib.sha256(orjson.dumps(tokenizer_info, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class ForwardedPrompts:
+    """One front end's use of forwarded ids: the fingerprint it accepts, verification, counters."""
+
+    def __init__(self, tokenizer_fingerprint: str, vocab_size: int, counters: dict[str, Counter]) -> None:
+        self.fingerprint = tokenizer_fingerprint
+        self.vocab_size = vocab_size
+        self.enabled = True
+        self.accepted = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._count = counters  # FrontendMetrics.forwarded_prompts, by outcome
+
+    def take(self, body: Any) -> list[int] | None:
+        """Remove the field from a request body; the ids to use (checked), or None to tokenize here."""
+        if not isinstance(body, dict):
+            return None
+        sent = body.pop(FIELD, None)
+        if sent is None:
+            return None
+        if not isinstance(sent, dict) or not isinstance(sent.get("ids"), list):
+            raise bad_request(f"'{FIELD}' must be an object with 'ids' (a list of token ids) and 'tokenizer' "
+                              "(the fingerprint from GET /tokenizer_info)", FIELD)
+        if sent.get("tokenizer") != self.fingerprint:
+            self._count["other_tokenizer"].inc()
+            return None
+        if not self.enabled:
+            self._count["disabled"].inc()
+            return None
+        ids = sent["ids"]
+        vocab = self.vocab_size
+        if not ids or not is_int_list(ids) or not 0 <= min(ids) <= max(ids) < vocab:
+            raise bad_request(f"'{FIELD}.ids' must be a non-empty list of token ids below the vocabulary "
+                              f"size ({vocab})", FIELD)
+        return ids
+
+    async def resolve(self, ids: list[int], own: Callable[[], Awaitable[list[int]]]) -> list[int]:
+        """The ids to run: ``ids``, checked against ``own()`` (the rank's tokenization) first for the first
+        few, and now and then after the request has gone on."""
+        self.accepted += 1
+        n = self.accepted
+        if n <= VERIFY_FIRST:
+            mine = await own()
+            if not self._agrees(ids, mine):
+                return mine
+        elif n % VERIFY_EVERY == 0:
+            task = asyncio.ensure_future(self._check_later(ids, own))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._count["used"].inc()
+        return ids
+
+    async def _check_later(self, ids: list[int], own: Callable[[], Awaitable[list[int]]]) -> None:
+        try:
+            mine = await own()
+        except Exception:  # the request itself will have failed or succeeded on its own; nothing to compare
+            return
+        self._agrees(ids, mine)
+
+    def _agrees(self, ids: list[int], mine: list[int]) -> bool:
+        if ids == mine:
+            return True
+        at = next((i for i, (a, b) in enumerate(zip(ids, mine, strict=False)) if a != b),
+                  min(len(ids), len(mine)))
+        log.error("forwarded prompt token ids differ from this rank's own tokenization (%d vs %d tokens, "
+                  "first difference at %d): forwarding is off in this front end until it restarts",
+                  len(ids), len(mine), at)
+        self.enabled = False
+        self._count["mismatch"].inc()
+        return False

@@ -1,0 +1,89 @@
+"""What every handler of one front-end process shares."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lbd.engine.config.args import EngineArgs
+from lbd.engine.metrics import FrontendMetrics
+from lbd.engine.protocol import CoreInfo
+from lbd.engine.server.core_client import CoreClient
+from lbd.engine.server.errors import APIError
+from lbd.engine.server.offload import Offload
+from lbd.engine.server.openai_protocol import Limits
+from lbd.engine.server.responses_store import ResponseStore
+from lbd.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lbd.engine.server.forwarded import ForwardedPrompts
+    from lbd.engine.server.tracing import RequestTracer
+
+
+@dataclass(slots=True)
+class FrontendState:
+    args: EngineArgs
+    info: CoreInfo
+    tokenizer: Tokenizer
+    client: CoreClient
+    metrics: FrontendMetrics
+    offload: Offload
+    responses: ResponseStore
+    forwarded: ForwardedPrompts  # a router's prompt token ids (lbd.engine.server.forwarded)
+    index: int = 0  # which front end of this rank (0 runs in the launcher)
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+    in_flight: int = 0
+    draining: bool = False
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_model_len=self.info.max_model_len, max_logprobs=self.args.max_logprobs,
+                      vocab_size=self.info.vocab_size,
+                      max_prompt_chars=self.info.max_model_len * self.tokenizer.max_chars_per_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.info.eos_token_id if self.info.eos_token_id is not None else self.tokenizer.eos_token_id
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return self.args.model_name
+        if model not in self.args.model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
+        return model
+
+    @property
+    def dp_state(self) -> str | None:
+        """forming | ready | reforming for a rank of an MoE DP group; None for an independent rank."""
+        dp = self.client.dp
+        return dp.get("state") if dp else None
+
+    def check_available(self) -> None:
+        if self.draining:
+            raise APIError("The server is shutting down.", 503)
+        if not self.client.alive:
+            raise APIError(f"The engine core is not running: {self.client.dead_reason}", 503)
+        dp = self.client.dp
+        if dp and dp.get("state") != "ready":
+            verb = "forming" if dp.get("state") == "forming" else "re-forming"
+            raise APIError(f"data-parallel group is {verb}: {dp.get('reason') or 'waiting for every rank'}",
+                           503)
+
+    def check_healthy(self) -> None:
+        """/health: available, and the core not stalled. A core with work sends outputs or stats at least
+        every 100 ms, so requests in flight and no word from it for --health-stall-timeout-s is a stuck step,
+        a hung collective or a stopped process; the supervisor then restarts the rank."""
+        self.check_available()
+        limit = self.args.health_stall_timeout_s
+        if limit > 0:
+            silent = self.client.silence(asyncio.get_running_loop().time())
+            if silent > limit:
+                raise APIError(f"The engine core made no progress for {silent:.1f} s with "
+                               f"{self.client.in_flight} requests in flight (--health-stall-timeout-s "
+                               f"{limit:g}).", 503)

@@ -1,0 +1,462 @@
+"""`lbd route` flags, their validation (exit 2 naming the flag) and the upstream specs they name."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from lbd import policies
+from lbd.common.auth import key_lines, read_key_file
+from lbd.common.limits import Limits, add_limit_arguments, check_limits, limits_from
+from lbd.common.otlp import check_otlp_endpoint
+from lbd.common.tls import add_tls_arguments, check_tls
+from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV, add_auth_arguments
+from lbd.router.outlier import add_outlier_arguments
+
+PROG = "lbd route"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error as one line naming the flag and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+@dataclass(slots=True, frozen=True)
+class Upstream:
+    """An engine base URL, or a supervisor whose /status lists a node's ranks."""
+
+    kind: str  # "engine" | "supervisor" | "supervisor-dns" (every address of a DNS name is a supervisor)
+    url: str  # http(s)://host:port with no trailing slash (a supervisor's health-port base)
+
+    @property
+    def status_url(self) -> str:
+        return self.url + "/status"
+
+
+def parse_upstream(text: str) -> Upstream:
+    """``http://host:port``, ``https://...``, ``supervisor://host:port``, ``supervisor+https://host:port`` (a
+    supervisor whose health port speaks TLS; IPv6 literals in brackets) or ``supervisor+dns://name:port``:
+    every address the name resolves to, re-resolved periodically (a Kubernetes headless Service of
+    supervisors)."""
+    raw = text.strip()
+    if "://" not in raw:
+        raise ValueError(f"{raw!r} has no scheme: use http://host:port or supervisor://host:port")
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https", "supervisor", "supervisor+https", "supervisor+dns"):
+        raise ValueError(
+            f"{raw!r}: scheme must be http, https, supervisor, supervisor+https or supervisor+dns"
+        )
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise ValueError(f"{raw!r}: {e}") from None
+    if not host:
+        raise ValueError(f"{raw!r} has no host")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"{raw!r}: give the base URL only (no path or query)")
+    try:
+        netloc_host = f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        netloc_host = host
+    if parts.scheme in ("supervisor", "supervisor+https"):
+        scheme = "https" if parts.scheme == "supervisor+https" else "http"
+        return Upstream("supervisor", f"{scheme}://{netloc_host}:{port or 9256}")
+    if parts.scheme == "supervisor+dns":
+        return Upstream("supervisor-dns", f"http://{netloc_host}:{port or 9256}")
+    default = 443 if parts.scheme == "https" else 80
+    return Upstream("engine", f"{parts.scheme}://{netloc_host}:{port or default}")
+
+
+def read_upstreams_file(path: Path) -> list[Upstream]:
+    """One upstream per line (commas allowed); ``#`` starts a comment."""
+    out: list[Upstream] = []
+    for line in path.read_text().splitlines():
+        for item in line.split("#", 1)[0].split(","):
+            if item.strip():
+                out.append(parse_upstream(item))
+    return out
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    upstreams: list[Upstream]
+    upstreams_file: Path | None
+    host: str
+    port: int
+    policy: str
+    workers: int
+    scrape_interval_s: float
+    scrape_timeout_s: float
+    stale_after_s: float
+    health_interval_s: float
+    health_timeout_s: float
+    health_failure_threshold: int
+    supervisor_poll_interval_s: float
+    connect_timeout_s: float
+    response_timeout_s: float
+    stream_idle_timeout_s: float
+    max_retries: int
+    retry_budget_s: float
+    max_request_body_bytes: int
+    pin_fallback: bool
+    debug_headers: bool
+    session_header: str
+    prefill_tokens_per_s: float | None
+    log_level: str
+    kv_events: str = "auto"
+    evict_weight: float = 1.0
+    tokenizer: Path | None = None
+    forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
+    dns_refresh_interval_s: float = 5.0
+    min_ready_endpoints: int = 1
+    max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
+    max_num_queued_tokens: int | None = None
+    shutdown_timeout_s: float = 5.0
+    otlp_traces_endpoint: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_streams_per_endpoint: int = 1024
+    # authentication and rate limits (lbd.router.auth)
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: Path | None = None
+    forward_authorization: bool = False
+    upstream_api_key: str | None = None
+    rate_limit_rps: float = 0.0
+    rate_limit_tps: float = 0.0
+    rate_limit_burst_s: float = 1.0
+    # passive outlier detection (lbd.router.outlier)
+    outlier_first_byte_timeout_s: float = 30.0
+    outlier_ejection_s: float = 30.0
+    outlier_max_ejection_percent: float = 50.0
+    outlier_consecutive_5xx: int = 5
+    # TLS
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+
+
+def make_parser() -> OneLineParser:
+    p = OneLineParser(
+        prog=PROG,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Balance OpenAI HTTP traffic over DP rank endpoints using their telemetry.",
+    )
+    g = p.add_argument_group("upstreams")
+    g.add_argument(
+        "--upstreams",
+        action="append",
+        default=[],
+        metavar="URL[,URL...]",
+        help="engine base URLs (http://host:8001) or supervisors (supervisor://host:9256); repeatable",
+    )
+    g.add_argument(
+        "--upstreams-file", type=Path, default=None, help="file with one upstream per line; re-read on SIGHUP"
+    )
+    g.add_argument(
+        "--supervisor-poll-interval-s",
+        type=float,
+        default=0.5,
+        help="how often each supervisor's /status is read (ranks, drains, restarts)",
+    )
+    g.add_argument("--dns-refresh-interval-s", type=float, default=5.0,
+                   help="how often supervisor+dns:// names are resolved again (supervisors come and go)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="bind address")
+    g.add_argument("--port", type=int, default=8080, help="listen port")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes sharing the port (SO_REUSEPORT) and their load counters",
+    )
+    g.add_argument(
+        "--debug-headers",
+        action="store_true",
+        help="add x-lbd-endpoint and x-lbd-route-reason to every response",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP/HTTP collector URL (e.g. http://collector:4318): a span per request, its context sent "
+        "to the engine as W3C traceparent (a client's is continued); off by default",
+    )
+    g.add_argument(
+        "--max-streams-per-endpoint",
+        type=int,
+        default=1024,
+        help="requests in flight to one endpoint (all workers); a full endpoint is skipped, and when every "
+        "one is full the answer is 503 with Retry-After",
+    )
+    add_limit_arguments(p)
+    add_tls_arguments(p)
+    add_auth_arguments(p)
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds open requests get to finish after SIGTERM (the port closes at once)")
+    g.add_argument("--min-ready-endpoints", type=int, default=1,
+                   help="/readyz is 200 once this many endpoints take traffic")
+    g = p.add_argument_group("admission (over every endpoint together, as vLLM's internal load balancer)")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 when this many requests are already in flight through the router")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="answer 503 while the prompts of requests not yet answering (estimated tokens) "
+                        "add up to this many")
+    g = p.add_argument_group("policy")
+    g.add_argument(
+        "--policy",
+        default=policies.DEFAULT_POLICY,
+        choices=sorted(policies.available()),
+        help="; ".join(f"{k}: {v}" for k, v in policies.available().items()),
+    )
+    g.add_argument("--session-header", default="X-Session-ID", help="header the session policy hashes on")
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="predicted_ttft prefill rate; default: learned from observed times to first byte",
+    )
+    g.add_argument(
+        "--evict-weight",
+        type=float,
+        default=1.0,
+        help="predicted_ttft: weight of the hot prefix tokens a placement would evict from a full KV cache "
+        "(each evicted one is computed again by its next request); 0 turns the charge off",
+    )
+    g.add_argument(
+        "--pin-fallback",
+        action="store_true",
+        help="route a request pinned to an unhealthy or draining rank elsewhere instead of 503",
+    )
+    g.add_argument(
+        "--kv-events",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="follow the engines' KV-cache events for exact prefix-cache routing: auto = where an endpoint "
+        "advertises them (/kv_event_sources), on = everywhere (warn where missing), off = never; endpoints "
+        "without events are routed on the approximate text-prefix index",
+    )
+    g.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer.json (or a folder with it and the chat template) for endpoints that do not serve "
+        "their tokenizer (vLLM); lbd engines serve theirs",
+    )
+    g.add_argument(
+        "--forward-prompt-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send each request's token ids (the router tokenized it for the exact view) to the ranks that "
+        "advertise they take ids of the same tokenizer and template, so they skip rendering and tokenizing "
+        "the prompt again (default: on with the exact view; needs --kv-events auto or on)",
+    )
+    g = p.add_argument_group("telemetry and health")
+    g.add_argument(
+        "--scrape-interval-ms", type=float, default=100.0,
+        help="how often each rank's /metrics is read, by the router as a whole: with --workers N each worker "
+        "reads it every N intervals (the engines' metrics cost them CPU; the workers share dispatch counts)",
+    )
+    g.add_argument("--scrape-timeout-ms", type=float, default=1000.0,
+                   help="a scrape slower than this counts as failed")
+    g.add_argument(
+        "--stale-after-ms",
+        type=float,
+        default=None,
+        help="telemetry older than this is ignored (default: 10 scrape intervals, at least 1000)",
+    )
+    g.add_argument(
+        "--health-check-interval-s",
+        type=float,
+        default=5.0,
+        help="/health probe interval; also the half-open re-admission probe of ejected endpoints",
+    )
+    g.add_argument("--health-check-timeout-s", type=float, default=5.0,
+                   help="a /health probe slower than this counts as failed")
+    g.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=3,
+        help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
+    )
+    add_outlier_arguments(g)
+    g = p.add_argument_group("timeouts and retries")
+    g.add_argument("--connect-timeout-s", type=float, default=5.0,
+                   help="TCP connect to an upstream")
+    g.add_argument(
+        "--response-timeout-s",
+        type=float,
+        default=600.0,
+        help="time to the upstream's response headers (a non-streamed answer sends them at the end)",
+    )
+    g.add_argument(
+        "--stream-idle-timeout-s", type=float, default=300.0, help="longest gap between two chunks"
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="other endpoints tried when one fails before any byte reached the client",
+    )
+    g.add_argument("--retry-budget-s", type=float, default=30.0, help="no retry starts after this long")
+    return p
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    p = make_parser()
+    ns = p.parse_args(argv)
+    upstreams: list[Upstream] = []
+    for item in (x for arg in ns.upstreams for x in arg.split(",") if x.strip()):
+        try:
+            upstreams.append(parse_upstream(item))
+        except ValueError as e:
+            p.error(f"--upstreams: {e}")
+    if ns.upstreams_file is not None:
+        try:
+            read_upstreams_file(ns.upstreams_file)
+        except OSError as e:
+            p.error(f"--upstreams-file {ns.upstreams_file}: {e.strerror or e}")
+        except ValueError as e:
+            p.error(f"--upstreams-file {ns.upstreams_file}: {e}")
+    elif not upstreams:
+        p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
+    _check_numbers(p, ns)
+    if ns.otlp_traces_endpoint:
+        problem = check_otlp_endpoint(ns.otlp_traces_endpoint)
+        if problem:
+            p.error(problem)
+    tok = ns.tokenizer
+    if tok is not None and not (tok.is_file() or (tok / "tokenizer.json").is_file()):
+        p.error(f"--tokenizer {ns.tokenizer}: no tokenizer.json there")
+    limits = limits_from(ns)
+    problem = check_limits(limits) or check_tls(
+        ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs, ns.ssl_cert_reqs
+    )
+    if problem:
+        p.error(problem)
+    ns.api_key = [*ns.api_key, *key_lines(os.environ.get(ROUTER_KEYS_ENV, ""))]
+    if (ns.rate_limit_rps or ns.rate_limit_tps) and not (ns.api_key or ns.api_key_file):
+        p.error("--rate-limit-rps/--rate-limit-tps are per API key: give --api-key or --api-key-file too")
+    if ns.api_key_file is not None:
+        try:
+            read_key_file(ns.api_key_file)
+        except OSError as e:
+            p.error(f"--api-key-file {ns.api_key_file}: {e.strerror or e}")
+        except ValueError as e:
+            p.error(f"--api-key-file: {e}")
+    per_worker = ns.scrape_interval_ms * max(1, ns.workers)
+    stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms,
+                                                                        3 * per_worker)
+    return RouterConfig(
+        upstreams=upstreams,
+        upstreams_file=ns.upstreams_file,
+        host=ns.host,
+        port=ns.port,
+        policy=ns.policy,
+        workers=ns.workers,
+        scrape_interval_s=ns.scrape_interval_ms / 1000,
+        scrape_timeout_s=ns.scrape_timeout_ms / 1000,
+        stale_after_s=stale / 1000,
+        health_interval_s=ns.health_check_interval_s,
+        health_timeout_s=ns.health_check_timeout_s,
+        health_failure_threshold=ns.health_failure_threshold,
+        supervisor_poll_interval_s=ns.supervisor_poll_interval_s,
+        connect_timeout_s=ns.connect_timeout_s,
+        response_timeout_s=ns.response_timeout_s,
+        stream_idle_timeout_s=ns.stream_idle_timeout_s,
+        max_retries=ns.max_retries,
+        retry_budget_s=ns.retry_budget_s,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        pin_fallback=ns.pin_fallback,
+        debug_headers=ns.debug_headers,
+        session_header=ns.session_header,
+        prefill_tokens_per_s=ns.prefill_tokens_per_s,
+        log_level=ns.log_level,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        kv_events=ns.kv_events,
+        evict_weight=ns.evict_weight,
+        tokenizer=ns.tokenizer,
+        forward_prompt_ids=ns.forward_prompt_ids is not False,
+        limits=limits,
+        max_streams_per_endpoint=ns.max_streams_per_endpoint,
+        api_keys=list(ns.api_key),
+        api_key_file=ns.api_key_file,
+        forward_authorization=ns.forward_authorization,
+        upstream_api_key=ns.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None,
+        rate_limit_rps=ns.rate_limit_rps,
+        rate_limit_tps=ns.rate_limit_tps,
+        rate_limit_burst_s=ns.rate_limit_burst_s,
+        outlier_first_byte_timeout_s=ns.outlier_first_byte_timeout_s,
+        outlier_ejection_s=ns.outlier_ejection_s,
+        outlier_max_ejection_percent=ns.outlier_max_ejection_percent,
+        outlier_consecutive_5xx=ns.outlier_consecutive_5xx,
+        ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs,
+        dns_refresh_interval_s=ns.dns_refresh_interval_s,
+        min_ready_endpoints=ns.min_ready_endpoints,
+        max_num_queued_reqs=ns.max_num_queued_reqs,
+        max_num_queued_tokens=ns.max_num_queued_tokens,
+        shutdown_timeout_s=ns.shutdown_timeout,
+    )
+
+
+def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
+    positive = {
+        "--workers": ns.workers,
+        "--scrape-interval-ms": ns.scrape_interval_ms,
+        "--scrape-timeout-ms": ns.scrape_timeout_ms,
+        "--health-check-interval-s": ns.health_check_interval_s,
+        "--health-check-timeout-s": ns.health_check_timeout_s,
+        "--health-failure-threshold": ns.health_failure_threshold,
+        "--supervisor-poll-interval-s": ns.supervisor_poll_interval_s,
+        "--connect-timeout-s": ns.connect_timeout_s,
+        "--response-timeout-s": ns.response_timeout_s,
+        "--stream-idle-timeout-s": ns.stream_idle_timeout_s,
+        "--max-streams-per-endpoint": ns.max_streams_per_endpoint,
+        "--rate-limit-burst-s": ns.rate_limit_burst_s,
+        "--outlier-ejection-s": ns.outlier_ejection_s,
+        "--outlier-consecutive-5xx": ns.outlier_consecutive_5xx,
+        "--max-request-body-bytes": ns.max_request_body_bytes,
+        "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
+        "--min-ready-endpoints": ns.min_ready_endpoints,
+    }
+    for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
+                        "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
+        if value is not None:
+            positive[flag] = value
+    if ns.stale_after_ms is not None:
+        positive["--stale-after-ms"] = ns.stale_after_ms
+    if ns.prefill_tokens_per_s is not None:
+        positive["--prefill-tokens-per-s"] = ns.prefill_tokens_per_s
+    for flag, value in positive.items():
+        if not value > 0:
+            p.error(f"{flag} must be positive, got {value}")
+    for flag, value in {
+        "--max-retries": ns.max_retries,
+        "--retry-budget-s": ns.retry_budget_s,
+        "--rate-limit-rps": ns.rate_limit_rps,
+        "--rate-limit-tps": ns.rate_limit_tps,
+        "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
+        "--shutdown-timeout": ns.shutdown_timeout,
+        "--evict-weight": ns.evict_weight,
+    }.items():
+        if value < 0:
+            p.error(f"{flag} must be >= 0, got {value}")
+    if ns.forward_prompt_ids and ns.kv_events == "off":
+        p.error("--forward-prompt-ids needs the exact view, which --kv-events off turns off: drop one")
+    if not 0 <= ns.port <= 65535:
+        p.error(f"--port {ns.port} is out of range: use 0..65535")
+    if not 0 <= ns.outlier_max_ejection_percent <= 100:
+        p.error(f"--outlier-max-ejection-percent must be in 0..100, got {ns.outlier_max_ejection_percent}")
+    if ns.workers > 64:
+        p.error(f"--workers {ns.workers} is more than 64")

@@ -1,0 +1,99 @@
+"""Send the router's token ids of a prompt with the request to ranks that take them
+(lbd.engine.server.forwarded).
+
+The exact view tokenizes every request (per message, cached: a new turn costs its own tokens only); a rank
+would render and tokenize the whole prompt again before its prefill. A rank of lbd's engine advertises in
+``/tokenizer_info`` that it takes the ids, under which field, and the fingerprint of the tokenizer and chat
+template they must come from. The router learns its tokenizer from that same answer, so it sends the ids to
+a rank only when the rank's fingerprint is the one its tokenizer was built from (any other rank, or a vLLM
+one, gets the body unchanged), and the rank checks the fingerprint again (and verifies the first few prompts
+and a sample after them against its own tokenization).
+
+Only generation requests (``PATHS``: /tokenize and the rest tokenize for themselves), and only prompts the
+router renders exactly as Hugging Face's ``apply_chat_template`` does go: chat requests
+without tools, template kwargs or ``continue_final_message`` (the router renders those too, for routing, where
+a small difference costs a cache hit, not a different prompt), and completions with one text prompt. The body
+is not parsed again: the field is spliced in before its closing brace (a JSON object's last key wins, so a
+client's own copy of the field is overridden).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+FIELD = "lbd_prompt_token_ids"  # the engine's name for it (lbd.engine.server.forwarded.FIELD)
+_FIELD = FIELD.encode()
+PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # where the engine reads it
+MEMO_MIN_TOKENS = 64  # pieces this long keep their JSON text (a 2,000-token history: 46 -> ~4 us a request)
+MEMO_BYTES = 16 << 20
+
+
+@dataclass(slots=True)
+class ExactPrompt:
+    """A request's prompt as the router tokenized it: token-id pieces, and its tokenizer's fingerprint."""
+
+    pieces: Sequence[Sequence[int]]
+    fingerprint: str
+
+
+def advertised(info: Any) -> str | None:
+    """The fingerprint a rank's /tokenizer_info says forwarded ids must carry (None: it takes none)."""
+    entry = info.get("prompt_token_ids") if isinstance(info, dict) else None
+    if not isinstance(entry, dict) or entry.get("field") != FIELD:
+        return None
+    fp = entry.get("fingerprint")
+    return fp if isinstance(fp, str) and fp.isascii() and fp.isalnum() else None
+
+
+def forwardable(data: dict[str, Any]) -> bool:
+    """The request's prompt is one the router renders exactly as the engine does (see above)."""
+    if "messages" in data:
+        return not (data.get("tools") or data.get("chat_template_kwargs")
+                    or data.get("continue_final_message"))
+    return isinstance(data.get("prompt"), str)
+
+
+class _JsonMemo:
+    """The JSON text of long cached pieces, by piece object: the tokenizer's piece cache hands every request
+    the same id array for a text it has seen (a system prompt, a history's earlier turns), so each long piece
+    is written out once. LRU, bounded by bytes; an entry keeps its piece alive, so ids cannot be reused."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._memo: OrderedDict[int, tuple[Sequence[int], bytes]] = OrderedDict()
+
+    def text(self, piece: Sequence[int]) -> bytes:
+        """``1,2,3`` for a piece (no brackets; empty for an empty piece)."""
+        if len(piece) < MEMO_MIN_TOKENS:
+            return orjson.dumps(list(piece))[1:-1]
+        key = id(piece)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is piece:
+            self._memo.move_to_end(key)
+            return hit[1]
+        text = orjson.dumps(list(piece))[1:-1]
+        self._memo[key] = (piece, text)
+        self.bytes += len(text)
+        while self.bytes > self.max_bytes and self._memo:
+            self.bytes -= len(self._memo.popitem(last=False)[1][1])
+        return text
+
+
+_memo = _JsonMemo(MEMO_BYTES)
+
+
+def with_ids(body: bytes, prompt: ExactPrompt) -> bytes | None:
+    """``body`` with the field added, or None when it does not end as a JSON object."""
+    end = body.rstrip()
+    if not end.endswith(b"}"):
+        return None
+    inner = end[:-1].rstrip()
+    ids = b",".join(t for t in map(_memo.text, prompt.pieces) if t)
+    field = b'"%s":{"ids":[%s],"tokenizer":"%s"}}' % (_FIELD, ids, prompt.fingerprint.encode())
+    return inner + (b"" if inner.endswith(b"{") else b",") + field

@@ -1,0 +1,167 @@
+"""Passive outlier detection: eject an endpoint that takes requests but answers none, while others answer.
+
+A rank whose front end still answers /health but whose core is wedged (a stuck step, a hung collective, a
+stopped process) passes every probe; what gives it away is its requests. The check, every
+``CHECK_INTERVAL_S``: an endpoint is an outlier when (a) its oldest request still waiting for a first body
+byte was sent more than ``--outlier-first-byte-timeout-s`` (T) ago, (b) it made no progress in that time (no
+first byte of any response, and its scraped ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total``
+did not move), and (c) some other endpoint made progress after that request was sent. So a slow but working
+rank (a long non-streamed answer, a long prefill) is not ejected, and neither is every rank when the whole
+fleet is slow.
+
+An outlier is ejected (``--outlier-max-ejection-percent`` permitting) for ``--outlier-ejection-s``, doubling
+with each repeat up to 10x, and the requests waiting on it are cancelled there and retried elsewhere (none of
+their bytes reached a client). Then it is half-open: one trial request is sent to it; its first byte re-admits
+the endpoint, and its failure, or no first byte within T, ejects it again (the trial is retried elsewhere).
+Health probes do not re-admit an outlier: its front end answers them. Bound: a wedged endpoint stops getting
+new requests within T + ``CHECK_INTERVAL_S`` of its oldest unanswered request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lbd.policies import RequestFacts
+from lbd.router.endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from lbd.router.state import RouterState
+
+log = logging.getLogger("lbd.router")
+CHECK_INTERVAL_S = 0.5
+_MAX_FACTOR = 10.0
+
+
+def add_outlier_arguments(g: argparse._ArgumentGroup | Any) -> None:
+    """`lbd route` flags of this module (in its "telemetry and health" group)."""
+    g.add_argument(
+        "--outlier-first-byte-timeout-s",
+        type=float,
+        default=30.0,
+        help="eject an endpoint whose requests get no first byte and whose telemetry shows no progress for "
+        "this long while other endpoints answer; its waiting requests are retried elsewhere (0: off)",
+    )
+    g.add_argument(
+        "--outlier-ejection-s",
+        type=float,
+        default=30.0,
+        help="first ejection by the outlier checks lasts this long, doubling per repeat (cap 10x); then one "
+        "trial request (half-open) decides",
+    )
+    g.add_argument(
+        "--outlier-max-ejection-percent",
+        type=float,
+        default=50.0,
+        help="request outcomes never eject more than this share of the endpoints (at least one)",
+    )
+    g.add_argument(
+        "--outlier-consecutive-5xx",
+        type=int,
+        default=5,
+        help="consecutive failed requests (5xx answers, connection errors) that eject an endpoint",
+    )
+
+
+class Waiter(Protocol):
+    """A request attempt waiting for its first byte; ``abandon`` cancels it there (it is then retried)."""
+
+    def abandon(self) -> None: ...
+
+
+class Outliers:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self.cfg = state.cfg
+        self.half_open: list[Endpoint] = []  # endpoints waiting for (or running) their trial request
+
+    # ---- per request --------------------------------------------------------------------------------
+    def trial_for(self, facts: RequestFacts) -> Endpoint | None:
+        """A half-open endpoint this request can be the trial of (usually none: one list check)."""
+        if not self.half_open:
+            return None
+        for ep in self.half_open:
+            if ep.trial is None and ep.routable and not ep.draining and \
+                    (facts.pinned_rank is None or facts.pinned_rank == ep.rank) and \
+                    (facts.model is None or not ep.models or facts.model in ep.models):
+                return ep
+        return None
+
+    def answered(self, ep: Endpoint, attempt: Waiter, now: float) -> None:
+        """The attempt's first body byte came: the endpoint makes progress."""
+        ep.waiting.pop(attempt, None)
+        ep.progress_at = now
+        if ep.trial is attempt:
+            self._end_half_open(ep)
+            self.state.readmit(ep, "half-open trial request answered")
+
+    def ended(self, ep: Endpoint, attempt: Waiter) -> None:
+        """The attempt is over (answered or not)."""
+        ep.waiting.pop(attempt, None)
+        if ep.trial is attempt:  # ended without a first byte: the trial failed
+            ep.trial = None
+            self.eject(ep, self.state.loop.time(), "half-open trial request failed")
+
+    # ---- periodic -----------------------------------------------------------------------------------
+    def check(self, now: float) -> None:
+        window = self.cfg.outlier_first_byte_timeout_s
+        if window <= 0:
+            return
+        eps = list(self.state.endpoints.values())
+        for ep in eps:
+            if ep.ejected_by == "outlier" and not ep.half_open and now >= ep.readmit_at:
+                ep.half_open = True
+                self.half_open.append(ep)
+                log.info("endpoint half-open: %s (rank %s): the next request is its trial", ep.url, ep.rank)
+            elif ep.half_open and ep.trial is not None and now - ep.waiting.get(ep.trial, now) > window:
+                ep.trial = None  # eject() abandons it with the other waiting attempts: it is retried
+                self.eject(ep, now, f"half-open trial request got no first byte within {window:g} s")
+            elif ep.healthy and ep.outlier_ejections and now - ep.ejected_at > _MAX_FACTOR * self._base():
+                ep.outlier_ejections = 0  # healthy for long: the next ejection is short again
+        for ep in eps:
+            if not ep.healthy or not ep.routable or not ep.waiting:
+                continue
+            oldest = next(iter(ep.waiting.values()))
+            if now - oldest <= window or now - ep.progress_at <= window:
+                continue
+            if not any(e is not ep and e.progress_at >= oldest for e in eps):
+                continue  # nobody answered since: a slow fleet or no traffic, not one bad endpoint
+            if not self.state.may_eject(ep):
+                continue
+            self.eject(ep, now, f"no first byte within {window:g} s for {len(ep.waiting)} requests while "
+                                "other endpoints answer")
+
+    def eject(self, ep: Endpoint, now: float, why: str) -> None:
+        ep.outlier_ejections += 1
+        duration = min(self._base() * 2 ** (ep.outlier_ejections - 1), _MAX_FACTOR * self._base())
+        first = ep.healthy
+        ep.healthy = False
+        ep.ejected_by = "outlier"
+        ep.ejected_at = now
+        ep.readmit_at = now + duration
+        ep.last_error = f"outlier: {why}"
+        self._end_half_open(ep)
+        if first:
+            self.state.metrics.ejections.labels(ep.url).inc()
+        log.warning("endpoint ejected: %s (rank %s): %s; %d waiting requests retried elsewhere; trial in "
+                    "%.0f s", ep.url, ep.rank, why, len(ep.waiting), duration)
+        for attempt in list(ep.waiting):
+            attempt.abandon()
+
+    def forget(self, ep: Endpoint) -> None:
+        self._end_half_open(ep)
+
+    def _end_half_open(self, ep: Endpoint) -> None:
+        ep.half_open = False
+        if ep in self.half_open:
+            self.half_open.remove(ep)
+
+    def _base(self) -> float:
+        return self.cfg.outlier_ejection_s
+
+
+def ejection_cap(total: int, percent: float) -> int:
+    """How many endpoints passive signals may hold ejected at once: ``percent`` of them, at least one."""
+    return max(1, math.floor(total * percent / 100.0))

@@ -1,0 +1,158 @@
+"""A node's membership of the group: register its ranks with the head, keep the lease alive, say why not.
+
+The wire is HTTP/JSON to the head's registration service (`lbd.serve.registry`): POST /v1/nodes once, then
+PUT /v1/nodes/{id} every heartbeat interval the head asked for, carrying the node's ranks as its supervisor
+reports them (state, pid, reachable URL), DELETE at shutdown. A refusal (409: mismatched
+--data-parallel-size, overlapping ranks, other models; 401: wrong LBD_CLUSTER_TOKEN) is final: the node stops
+and exits 2. A head that cannot be reached is retried for ever, with the reason in the node's /status and a
+503 from its /readyz; a head that forgot us (404: it restarted) is registered with again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+log = logging.getLogger("lbd.serve")
+
+CONNECTING, REGISTERED, DISCONNECTED, REJECTED = "connecting", "registered", "disconnected", "rejected"
+
+
+def route_source_address(host: str, port: int) -> str:
+    """The address of the interface this machine uses to reach ``host`` (what the head can reach us at)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: no packet is sent, the kernel only picks the route
+        return str(s.getsockname()[0])
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class Membership:
+    def __init__(self, head: str, rpc_port: int, advertise: str | None, health_port: int, timeout_s: float,
+                 token: str | None, registration: Callable[[str], dict[str, Any]],
+                 on_rejected: Callable[[str], None]) -> None:
+        self.head, self.rpc_port = head, rpc_port
+        self.base = f"http://{url_host(head)}:{rpc_port}"
+        self.advertise = advertise
+        self.health_port = health_port
+        self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.registration = registration  # advertised address -> the body: identity, range, ranks
+        self.on_rejected = on_rejected
+        self.node_id = uuid.uuid4().hex
+        self.state = CONNECTING
+        self.reason = f"registering with the head at {head}:{rpc_port}"
+        self.since = time.time()
+        self.attempts = 0
+        self.interval_s = 1.0
+        self.lease_s = 3.0
+        self.reply: dict[str, Any] = {}  # the head's registration answer (lease, rendezvous); {}: none yet
+        self._last_ok = time.monotonic()
+        self._session: aiohttp.ClientSession | None = None
+
+    def describe(self) -> dict[str, object]:
+        return {"state": self.state, "reason": self.reason, "since": self.since, "head": f"{self.head}:"
+                f"{self.rpc_port}", "node_id": self.node_id, "attempts": self.attempts,
+                "advertise_address": self.advertise, "rendezvous": self.reply.get("rendezvous")}
+
+    def _set(self, state: str, reason: str) -> None:
+        if state != self.state or reason != self.reason:
+            bad = state in (DISCONNECTED, REJECTED) or self.attempts == 1
+            level = logging.WARNING if bad else logging.INFO
+            if state != CONNECTING or self.attempts <= 1 or self.attempts % 30 == 0:
+                log.log(level, "membership: %s: %s", state, reason)
+        if state != self.state:
+            self.since = time.time()
+        self.state, self.reason = state, reason
+
+    async def run(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            while self.state != REJECTED:
+                if not self.reply:
+                    await self._register()
+                else:
+                    await self._heartbeat()
+                registered = self.state == REGISTERED
+                await asyncio.sleep(self.interval_s if registered else min(self.interval_s, 1.0))
+        finally:
+            await self._session.close()
+
+    def _body(self) -> dict[str, Any]:
+        if self.advertise is None:
+            self.advertise = route_source_address(self.head, self.rpc_port)
+        body = self.registration(self.advertise)
+        body.update(node_id=self.node_id, address=self.advertise, hostname=socket.gethostname(),
+                    health_url=f"http://{url_host(self.advertise)}:{self.health_port}")
+        return body
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        assert self._session is not None
+        data = orjson.dumps(body) if body is not None else None
+        async with self._session.request(method, self.base + path, data=data, headers={
+                **self.headers, "Content-Type": "application/json"}) as resp:
+            raw = await resp.read()
+        with contextlib.suppress(orjson.JSONDecodeError):
+            return resp.status, orjson.loads(raw) if raw else {}
+        return resp.status, {}
+
+    async def _register(self) -> None:
+        self.attempts += 1
+        try:
+            status, reply = await self._call("POST", "/v1/nodes", self._body())
+        except (OSError, aiohttp.ClientError, TimeoutError) as e:
+            self._set(self.state, f"cannot reach the head at {self.head}:{self.rpc_port} "
+                                  f"({type(e).__name__}: {e or 'timeout'}; attempt {self.attempts})")
+            return
+        if status == 200:
+            self.reply = reply or {"accepted": True}
+            self.interval_s = float(reply.get("heartbeat_interval_s", self.interval_s))
+            self.lease_s = float(reply.get("lease_s", self.lease_s))
+            self._last_ok = time.monotonic()
+            self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
+            return
+        message = str((reply.get("error") or {}).get("message") or f"the head answered {status}")
+        if status in (400, 401, 409):
+            self._set(REJECTED, f"the head refused this node: {message}")
+            self.on_rejected(message)
+            return
+        self._set(self.state, f"the head answered {status}: {message} (attempt {self.attempts})")
+
+    async def _heartbeat(self) -> None:
+        try:
+            status, _ = await self._call("PUT", f"/v1/nodes/{self.node_id}", self._body())
+        except (OSError, aiohttp.ClientError, TimeoutError) as e:
+            if time.monotonic() - self._last_ok > self.lease_s:
+                self._set(DISCONNECTED, f"no heartbeat reached the head at {self.head}:{self.rpc_port} for "
+                                        f"{time.monotonic() - self._last_ok:.1f} s ({type(e).__name__})")
+            return
+        if status == 200:
+            self._last_ok = time.monotonic()
+            self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
+        elif status == 404:  # the head restarted and forgot us
+            self.reply = {}
+            self._set(CONNECTING, "the head does not know this node any more: registering again")
+        elif status in (400, 401, 409):
+            self.reply = {}
+            self._set(CONNECTING, f"the head refused a heartbeat ({status}): registering again")
+
+    async def leave(self) -> None:
+        """Best effort: tell the head this node is going (its ranks then leave the group at once)."""
+        if self.state != REGISTERED:
+            return
+        with contextlib.suppress(OSError, aiohttp.ClientError, TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+                async with session.delete(f"{self.base}/v1/nodes/{self.node_id}", headers=self.headers):
+                    pass

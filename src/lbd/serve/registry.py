@@ -1,0 +1,131 @@
+"""The head's registration service on ``--data-parallel-rpc-port`` (HTTP/JSON): nodes join the DP group here.
+
+POST   /v1/nodes        register: {node_id, address, hostname, health_url, data_parallel_size,
+                        data_parallel_size_local, data_parallel_start_rank, models, ranks: [...]}
+                        -> 200 {accepted, node_id, lease_s, heartbeat_interval_s, data_parallel_size,
+                        rendezvous}; 409 (or 400) with an OpenAI-style error naming the flag to fix
+PUT    /v1/nodes/{id}   heartbeat with the same body (its ``ranks`` replace the last ones) -> 200; 404:
+                        unknown node (the head restarted): register again
+DELETE /v1/nodes/{id}   leave (graceful shutdown of that node)
+GET    /v1/group        the group: nodes, their ranges and lease state, missing ranks, recent refusals,
+                        rendezvous (see ``lbd.serve.group``)
+GET    /status          every rank of the group in the supervisor's /status shape (a router can follow
+                        ``supervisor://head:rpc-port`` to route over the whole group)
+GET    /health          200
+
+With ``LBD_CLUSTER_TOKEN`` set on the head, every call but /health needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from lbd.serve.group import Group, Rejected, rendezvous, span
+from lbd.supervisor.health import AppServer, error_response, json_errors
+
+log = logging.getLogger("lbd.serve")
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+class Registry(AppServer):
+    def __init__(self, group: Group, address: str | None, rpc_port: int, heartbeat_s: float,
+                 token: str | None, group_status: Callable[[], dict[str, Any]]) -> None:
+        self.group = group
+        self.rendezvous = rendezvous(address, rpc_port)
+        self.heartbeat_s = heartbeat_s
+        self.token = token
+        self.group_status = group_status
+        self.app = web.Application(middlewares=[json_errors, self._auth], client_max_size=4 << 20)
+        self.app.add_routes([
+            web.post("/v1/nodes", self.register), web.put("/v1/nodes/{node_id}", self.heartbeat),
+            web.delete("/v1/nodes/{node_id}", self.leave), web.get("/v1/group", self.describe),
+            web.get("/status", self.status), web.get("/health", self.health)])
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.token and request.path != "/health":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "replace"),
+                                                                    self.token.encode()):
+                return error_response(401, "missing or wrong cluster token: start every node with the same "
+                                           "LBD_CLUSTER_TOKEN")
+        return await handler(request)
+
+    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        return body
+
+    def _answer(self, node_id: str) -> dict[str, object]:
+        return {"accepted": True, "node_id": node_id, "lease_s": self.group.lease_s,
+                "heartbeat_interval_s": self.heartbeat_s, "data_parallel_size": self.group.dp_size,
+                "rendezvous": self.rendezvous}
+
+    async def register(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            member = self.group.register(body, time.monotonic(), time.time())
+        except Rejected as e:
+            log.error("registry: refused a node: %s", e.message)
+            return error_response(e.status, e.message, e.param)
+        log.info("registry: node %s (%s) registered ranks %s", member.address, member.hostname or "?",
+                 span(list(member.rank_ids)))
+        return _json(self._answer(member.node_id))
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        node_id = request.match_info["node_id"]
+        was_lost = (m := self.group.members.get(node_id)) is not None and m.lost
+        member = self.group.heartbeat(node_id, list(body.get("ranks") or []), time.monotonic())
+        if member is None:
+            return error_response(404, f"node {node_id} is not registered (the head restarted?): "
+                                       "register again")
+        if was_lost:
+            log.info("registry: node %s is back (ranks %s)", member.address, span(list(member.rank_ids)))
+        return _json(self._answer(node_id))
+
+    async def leave(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node_id"]
+        member = self.group.members.get(node_id)
+        if not self.group.leave(node_id):
+            return error_response(404, f"node {node_id} is not registered")
+        log.info("registry: node %s left (ranks %s)", member.address if member else node_id,
+                 span(list(member.rank_ids)) if member else "?")
+        return _json({"left": True, "node_id": node_id})
+
+    async def describe(self, request: web.Request) -> web.Response:
+        return _json({**self.group.describe(time.monotonic()), "rendezvous": self.rendezvous})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _json(self.group_status())
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    def watch_losses(self) -> None:
+        """Log nodes whose lease just ran out (called on the health port's poll)."""
+        now = time.monotonic()
+        for m in self.group.members.values():
+            lost = now - m.last_seen > self.group.lease_s
+            if lost and not m.lost:
+                log.warning("registry: node %s missed its heartbeats for %.1f s: ranks %s are unreachable",
+                            m.address, now - m.last_seen, span(list(m.rank_ids)))
+            m.lost = lost

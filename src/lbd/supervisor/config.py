@@ -1,0 +1,532 @@
+"""`lbd supervise` flags, their validation and the launch spec of every local rank.
+
+Everything here runs before anything is started: a bad command line exits 2 with one line that names the
+flag and the fix, binds no port and spawns nothing. Engine flags come from `lbd.engine.config.args`: each
+engine flag is accepted, validated and passed through to each rank; the TP/PP flags are checked against the
+model's config.json and the devices with `lbd.engine.config.parallel` / `.placement` (json and the standard
+library only: the supervisor imports no torch).
+
+Placement: on CUDA each rank gets TP x PP devices of the inherited CUDA_VISIBLE_DEVICES; on the CPU each rank
+gets a contiguous slice of the supervisor's CPUs in ``LBD_RANK_CPUS`` (one CPU each, round robin, when there
+are more ranks than CPUs), which the rank pins itself to and splits again between its TP x PP workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from lbd.common.auth import engine_secrets
+from lbd.common.limits import Limits, limits_from
+from lbd.engine.config.args import add_engine_arguments, engine_args_from_namespace, validate
+from lbd.engine.config.layout import parse_partition
+from lbd.engine.config.parallel import ParallelConfigError, check_model, model_facts
+from lbd.engine.config.placement import format_cpus, split_cpus, visible_cuda_devices
+from lbd.supervisor.engines import (
+    ENGINES,
+    EngineFlagError,
+    Placement,
+    check_executable,
+    key_env,
+    rank_command,
+    translate,
+)
+from lbd.supervisor.moe import GroupFlagError, GroupSpec, plan_group
+
+PROG = "lbd supervise"
+ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
+# Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
+RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
+                            "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port"})
+# Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
+ENV_ONLY = frozenset({"api_key"})
+FAILURE_POLICIES = ("restart-group", "restart-rank", "restart", "exit")
+DP_BACKENDS = ("mp", "ray")
+RAY_PACK_STRATEGIES = ("strict", "fill", "span")
+WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
+
+
+class SupervisorArgError(Exception):
+    """A command-line problem found after argparse (ports, devices): one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports an error as one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+@dataclass(slots=True)
+class RankSpec:
+    """How to start one local rank: its identity, its port and its command line."""
+
+    rank: int
+    local_rank: int
+    port: int
+    argv: list[str]
+    env: dict[str, str]  # overrides on top of the supervisor's environment
+    devices: str | None  # CUDA_VISIBLE_DEVICES of this rank, None when not on CUDA
+    cpus: str | None  # the CPU slice the rank is held to (CPU ranks; see .engines), None on CUDA
+    probe_host: str  # where the supervisor reaches the rank (loopback for wildcard binds)
+    bind_host: str | None  # the engine's --host (None: all interfaces)
+    engine: str = "lbd"  # --rank-engine ("command" for --rank-command)
+    scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
+
+    @property
+    def probe_url(self) -> str:
+        return f"{self.scheme}://{_url_host(self.probe_host)}:{self.port}"
+
+    def url(self, wildcard_host: str) -> str:
+        """The rank's base URL for others: its bind address, or ``wildcard_host`` when it binds them all."""
+        host = wildcard_host if self.bind_host in WILDCARD_HOSTS else _url_host(self.bind_host or "")
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+@dataclass(slots=True)
+class SupervisorConfig:
+    dp_size: int
+    dp_size_local: int
+    dp_start_rank: int
+    node_rank: int
+    base_port: int
+    supervisor_host: str
+    supervisor_port: int
+    probe_interval_s: float
+    probe_timeout_s: float
+    probe_failure_threshold: int
+    startup_timeout_s: float
+    ready_policy: str  # "all", "any" or a positive integer as text
+    on_rank_failure: str  # restart-rank | restart-group | exit (resolved from the model when not given)
+    admin_token: str | None
+    shutdown_timeout_s: float
+    drain_timeout_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    backoff_reset_s: float
+    ranks: list[RankSpec] = field(default_factory=list)
+    backend: str = "mp"  # mp: ranks are local processes; ray: Ray places each rank (lbd.supervisor.ray_rank)
+    ray_pack_strategy: str = "strict"
+    ranks_per_node: int = 0  # ray: --data-parallel-size-local, the ranks each Ray node takes
+    device: str = "auto"
+    devices_per_rank: int = 1  # tensor x pipeline parallel size
+    group: GroupSpec | None = None  # the MoE group of the ranks (None: independent dense ranks)
+    log_level: str = "info"
+    probe_generate_every: int = 0  # every Nth probe is a 1-token generation (0: never)
+    model_name: str = ""  # what a generation probe asks for
+    api_keys: list[str] = field(default_factory=list)  # the ranks' keys (a generation probe sends the first)
+    limits: Limits = field(default_factory=Limits)  # of the health port (the ranks get the same flags)
+    ssl_certfile: str | None = None  # the health port and the ranks serve TLS with it
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
+    ssl_cert_reqs: int = 0
+    executor_backend: str = "mp"  # ray: the rank's workers are Ray actors (lbd.engine.executor.ray_executor)
+
+    @property
+    def ready_needed(self) -> int:
+        """How many ready ranks make the node ready under --ready-policy."""
+        if self.ready_policy == "all":
+            return self.dp_size_local
+        if self.ready_policy == "any":
+            return 1
+        return int(self.ready_policy)
+
+    @property
+    def hang_detection_bound_s(self) -> float:
+        return self.probe_interval_s * self.probe_failure_threshold + self.probe_timeout_s
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _ready_policy(text: str) -> str:
+    if text in ("all", "any") or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"use all, any or a positive number of ranks, got {text!r}")
+
+
+def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("supervisor")
+    g.add_argument("--data-parallel-multi-port-external-lb", action="store_true",
+                   help="one engine server per DP rank on its own port (vLLM's mode; always on here)")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; --data-parallel-start-rank defaults to node_rank x local size")
+    g.add_argument("--data-parallel-supervisor-port", type=int, default=9256,
+                   help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
+    g.add_argument("--supervisor-host", default="0.0.0.0", help="bind address of the health port")
+    g.add_argument("--dp-supervisor-probe-interval-s", type=_positive_float, default=5.0,
+                   help="seconds between two /health probes of a rank")
+    g.add_argument("--dp-supervisor-probe-timeout-s", type=_positive_float, default=5.0,
+                   help="a probe not answered within this counts as a failure")
+    g.add_argument("--dp-supervisor-probe-failure-threshold", type=_positive_int, default=3,
+                   help="consecutive failed probes (timeouts, connection errors) that make a rank unhealthy")
+    g.add_argument("--dp-supervisor-probe-generate", type=int, default=0, metavar="N",
+                   help="every Nth probe of a ready rank is a 1-token completion instead of /health, so a "
+                        "core that no longer makes progress shows even with no traffic (0: never; a queue "
+                        "longer than the probe timeout then reads as a hang)")
+    g.add_argument("--dp-supervisor-startup-timeout-s", type=_positive_float, default=1800.0,
+                   help="a rank not ready this long after its start is restarted")
+    g.add_argument("--ready-policy", type=_ready_policy, default="all",
+                   help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
+    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
+                   help="restart-rank (dense models' default): restart the failed rank alone, with backoff, "
+                        "the others keep serving; restart-group (MoE groups' default): the group stops "
+                        "serving, only the failed member restarts, the survivors keep their processes and "
+                        "re-join a new process group; restart: the model's default; exit: stop the node, "
+                        "exit 1 (vLLM's behaviour)")
+    g.add_argument("--admin-token", default=None,
+                   help=f"bearer token of the drain/restart endpoints (or ${ADMIN_TOKEN_ENV}); "
+                        "without one they answer 404")
+    g.add_argument("--drain-timeout-s", type=_non_negative_float, default=None,
+                   help="longest wait for a draining rank's in-flight requests (default: --shutdown-timeout)")
+    g.add_argument("--restart-backoff-initial-s", type=_non_negative_float, default=1.0,
+                   help="delay before the first restart of a failed rank; doubles on each further failure")
+    g.add_argument("--restart-backoff-max-s", type=_non_negative_float, default=60.0,
+                   help="cap of the restart delay")
+    g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
+                   help="a rank ready this long gets the initial delay again on its next failure")
+    g.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default="mp",
+                   help="mp: ranks are processes on this machine; ray: every rank of the group is placed on "
+                        "the Ray cluster (RAY_ADDRESS, else the local one), one placement group per rank, "
+                        "--data-parallel-size-local ranks per Ray node")
+    g.add_argument("--ray-dp-pack-strategy", choices=RAY_PACK_STRATEGIES, default="strict",
+                   help="vLLM's VLLM_RAY_DP_PACK_STRATEGY: strict = exactly --data-parallel-size-local ranks "
+                        "on each node used (nodes with less room are skipped); fill = that many on this "
+                        "node, as many as fit on the others; span = one rank over several nodes")
+    g.add_argument("--rank-engine", choices=ENGINES, default="lbd",
+                   help="what each rank runs: lbd's engine, vLLM's OpenAI server (vllm serve) or SGLang's "
+                        "(python3 -m sglang.launch_server), each with its own flags for port, DP rank and "
+                        "devices; engine flags are translated, or refused when the engine has no equivalent")
+    g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
+                   help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
+                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {cpus} {tp} {pp}")
+
+
+def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
+    """The full parser, and the dests that belong to the engine (passed through to ranks)."""
+    # resolve: a flag defined here again (e.g. one the engine lists only to refuse it) means ours
+    parser = OneLineParser(prog=prog, allow_abbrev=False, conflict_handler="resolve",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description="Run this node's DP ranks, each an engine server on its own port; "
+                                       "probe, restart and drain them; serve one health port.")
+    add_engine_arguments(parser)
+    engine_dests = {a.dest for a in parser._actions if a.dest != "help"}
+    add_supervisor_arguments(parser)
+    # a flag both list belongs to the supervisor (see conflict_handler): it is not passed on to ranks
+    return parser, engine_dests & {a.dest for a in parser._actions if a.option_strings} - _supervisor_dests()
+
+
+def _supervisor_dests() -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)
+    add_supervisor_arguments(probe)
+    return {a.dest for a in probe._actions}
+
+
+def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests: set[str]) -> list[str]:
+    """Rebuild the engine flags the user changed from their defaults, in parser order."""
+    out: list[str] = []
+    for action in parser._actions:
+        if action.dest not in dests or action.dest in RANK_OVERRIDES | ENV_ONLY or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true / store_false / store_const
+            if value == action.const:
+                out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *map(str, value)]
+        else:
+            out.append(f"{flag}={value}")  # one token: a value that starts with "-" stays a value
+    return out
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def probe_host_for(bind_host: str | None) -> str:
+    """Where to reach a server bound to ``bind_host`` from this machine."""
+    if bind_host in (None, "", "0.0.0.0"):
+        return "127.0.0.1"
+    if bind_host == "::":
+        return "::1"
+    return bind_host
+
+
+def port_in_use(host: str | None, port: int) -> str | None:
+    """Why ``port`` cannot be bound on ``host`` (None when it can); the test socket is closed at once."""
+    bind = host if host not in (None, "") else "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve {bind!r} ({e})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers set SO_REUSEADDR too: a port in TIME_WAIT is no conflict, a listening one is.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return f"port {port} on {bind} is already in use ({e.strerror})"
+    return None
+
+
+def bind_health_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on the health port now, so nothing can take it between validation and serving."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {port} on {host} is already in use "
+                                 f"({e.strerror}): pick a free port") from e
+    return sock
+
+
+def _check_topology(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """(N, L, S) after the DP-size checks; raises SupervisorArgError naming the flag."""
+    n = ns.data_parallel_size
+    local = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
+    if local <= 0:
+        raise SupervisorArgError(f"--data-parallel-size-local must be a positive number, got {local}")
+    if local > n:
+        raise SupervisorArgError(f"--data-parallel-size-local {local} is larger than --data-parallel-size "
+                                 f"{n}: a node cannot run more ranks than the whole group")
+    if n % local:
+        raise SupervisorArgError(f"--data-parallel-size {n} is not divisible by --data-parallel-size-local "
+                                 f"{local}: every node must run the same number of ranks")
+    if ns.node_rank < 0:
+        raise SupervisorArgError(f"--node-rank must be >= 0, got {ns.node_rank}")
+    start = ns.data_parallel_start_rank if ns.data_parallel_start_rank is not None else ns.node_rank * local
+    if ns.data_parallel_start_rank is None and start + local > n:
+        raise SupervisorArgError(f"--node-rank {ns.node_rank} puts this node's ranks at {start}.."
+                                 f"{start + local - 1} but --data-parallel-size is {n}: use a node rank "
+                                 f"below {n // local}")
+    if start < 0 or start + local > n:
+        raise SupervisorArgError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} "
+                                 f"exceeds --data-parallel-size {n}: use a start rank in 0..{n - local}")
+    if ns.data_parallel_rank is not None:
+        raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it "
+                                 "(use --data-parallel-start-rank)")
+    return n, local, start
+
+
+def _check_ports(ns: argparse.Namespace, local: int) -> None:
+    last = ns.port + local - 1
+    if last > 65535:
+        raise SupervisorArgError(f"--port {ns.port} + {local} ranks runs past 65535: lower --port")
+    sport = ns.data_parallel_supervisor_port
+    if not 0 < sport <= 65535:
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {sport} is out of range: use 1..65535")
+    if ns.port <= sport <= last:
+        raise SupervisorArgError(f"--data-parallel-supervisor-port {sport} is inside the rank ports "
+                                 f"{ns.port}..{last}: move it (or --port) out of that range")
+    for i, port in enumerate(range(ns.port, last + 1)):
+        problem = port_in_use(ns.host, port)
+        if problem:
+            raise SupervisorArgError(f"--port {ns.port}: local rank {i}'s {problem}: pick a free --port")
+
+
+def _check_kv_events(ns: argparse.Namespace, start: int, local: int) -> None:
+    """Each rank offsets the KV-event ports by its DP rank (vLLM's rule): an endpoint that cannot be offset
+    (ipc://) works for rank 0 only."""
+    if ns.kv_events_config is None:
+        return
+    from lbd.engine.config.kv_events import offset_endpoint_port, parse_kv_events_config
+
+    cfg = parse_kv_events_config(ns.kv_events_config)  # already validated by lbd.engine.config.args
+    if not cfg.active:
+        return
+    for rank in range(start, start + local):
+        try:
+            offset_endpoint_port(cfg.endpoint, rank)
+            offset_endpoint_port(cfg.replay_endpoint, rank)
+        except ValueError as e:
+            raise SupervisorArgError(f"--kv-events-config: {e}") from None
+
+
+def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> list[str | None]:
+    per_rank = ns.tensor_parallel_size * ns.pipeline_parallel_size
+    ids = visible_cuda_devices(env, ns.device)
+    if ids is None or ns.distributed_executor_backend == "ray":  # Ray gives the workers their devices
+        return [None] * local
+    need = local * per_rank
+    if len(ids) < need:
+        raise SupervisorArgError(
+            f"--data-parallel-size-local {local} x --tensor-parallel-size {ns.tensor_parallel_size} x "
+            f"--pipeline-parallel-size {ns.pipeline_parallel_size} needs {need} CUDA devices but {len(ids)} "
+            f"are visible (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+            "lower the sizes or expose more devices")
+    return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
+
+
+def changed_engine_options(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                           dests: set[str]) -> dict[str, object]:
+    """Engine options the user set to something else than their default (rank-assigned ones excluded)."""
+    return {a.dest: getattr(ns, a.dest) for a in parser._actions
+            if a.dest in dests and a.dest not in RANK_OVERRIDES | ENV_ONLY and a.option_strings
+            and getattr(ns, a.dest) != a.default}
+
+
+def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
+    """(N, ranks per Ray node): one supervisor places the whole group, so no node rank or start rank."""
+    n = ns.data_parallel_size
+    per_node = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
+    if not 0 < per_node <= n:
+        raise SupervisorArgError(f"--data-parallel-size-local {per_node} (ranks per Ray node) must be in "
+                                 f"1..{n} with --data-parallel-backend ray")
+    if ns.node_rank or ns.data_parallel_start_rank:
+        raise SupervisorArgError("--data-parallel-backend ray places every rank of the group from this one "
+                                 "command: drop --node-rank and --data-parallel-start-rank")
+    if ns.ray_dp_pack_strategy == "span":
+        raise SupervisorArgError("--ray-dp-pack-strategy span (one rank's bundles over several nodes) is not "
+                                 "implemented: use strict or fill; a rank that must span nodes runs without "
+                                 "--data-parallel-backend ray, with --distributed-executor-backend ray")
+    if ns.data_parallel_rank is not None:
+        raise SupervisorArgError("--data-parallel-rank is assigned to each rank by lbd supervise: drop it")
+    return n, per_node
+
+
+def _check_model(ns: argparse.Namespace) -> None:
+    """The model against the flags (TP/PP support and sizes, the KV-cache dtype), when its config.json can
+    be read without converting anything (a GGUF never converted is checked by the ranks, which exit 2
+    before binding their ports, and the supervisor exits 2 too)."""
+    if ns.device == "sim":
+        return
+    facts = model_facts(ns.model)
+    if facts is not None:
+        try:
+            check_model(ns.tensor_parallel_size, ns.pipeline_parallel_size,
+                        parse_partition(ns.pp_layer_partition), facts, ns.kv_cache_dtype)
+        except ParallelConfigError as e:
+            raise SupervisorArgError(str(e)) from e
+
+
+def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
+    if cuda:
+        return [None] * local
+    return [format_cpus(part) for part in split_cpus(sorted(os.sched_getaffinity(0)), local)]
+
+
+def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
+               env: dict[str, str], local_devices: bool = True,
+               changed: dict[str, object] | None = None) -> list[RankSpec]:
+    """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
+    (its devices nor its CPUs)."""
+    slices = _device_slices(ns, local, env) if local_devices else [None] * local
+    keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
+    visible = visible_cuda_devices(env, ns.device) if local_devices else None
+    cpus = _cpu_slices(local, visible is not None) if local_devices else [None] * local
+    changed = {} if changed is None else changed
+    try:
+        flags = translate(ns.rank_engine, changed, passthrough) if ns.rank_command is None else []
+        secrets = key_env(ns.rank_engine, ns.rank_command, keys)
+    except EngineFlagError as e:
+        raise SupervisorArgError(str(e)) from None
+    specs = []
+    for i in range(local):
+        devices = slices[i].split(",") if slices[i] is not None else None
+        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i])
+        try:
+            argv, child_env = rank_command(ns.rank_engine, ns.rank_command, ns, flags, place, changed)
+        except EngineFlagError as e:
+            raise SupervisorArgError(str(e)) from None
+        child_env.update(secrets)
+        specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
+                              devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
+                              probe_host=probe_host_for(ns.host), bind_host=ns.host,
+                              engine="command" if ns.rank_command else ns.rank_engine,
+                              scheme="https" if ns.ssl_certfile else "http"))
+    return specs
+
+
+def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
+    """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
+    env = dict(os.environ) if env is None else env
+    parser, engine_dests = make_parser(prog)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
+                     "lists them)")
+    engine_args = engine_args_from_namespace(ns)
+    # the rendezvous flags are the supervisor's to check (lbd.supervisor.moe: a port alone is fine here, the
+    # address defaults); each rank validates the pair it is given
+    validate(engine_args_from_namespace(argparse.Namespace(
+        **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
+    if ns.dp_supervisor_probe_generate < 0:
+        parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
+    ray = ns.data_parallel_backend == "ray"
+    try:
+        if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
+            (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
+        else:
+            n, local, start = _check_topology(ns)
+            per_node = local
+        if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
+            raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
+                                     f"{local} of this node: use at most {local}, or all")
+        _check_model(ns)
+        group, on_failure = plan_group(ns, n, local, start)
+        if not ray:
+            _check_ports(ns, local)
+        elif ns.rank_engine != "lbd" or ns.rank_command is not None:
+            raise SupervisorArgError("--data-parallel-backend ray places lbd engine ranks only: drop "
+                                     "--rank-engine/--rank-command, or use --data-parallel-backend mp")
+        problem = check_executable(ns.rank_engine, ns.rank_command)
+        if problem:
+            raise SupervisorArgError(problem)
+        _check_kv_events(ns, start, local)
+        passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
+        specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
+                           changed_engine_options(parser, ns, engine_dests))
+    except (SupervisorArgError, GroupFlagError) as e:
+        parser.error(str(e))
+    return SupervisorConfig(
+        dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
+        supervisor_host=ns.supervisor_host, supervisor_port=ns.data_parallel_supervisor_port,
+        probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
+        probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
+        startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,
+        on_rank_failure=on_failure, admin_token=ns.admin_token or env.get(ADMIN_TOKEN_ENV) or None,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        drain_timeout_s=ns.drain_timeout_s if ns.drain_timeout_s is not None else ns.shutdown_timeout,
+        backoff_initial_s=ns.restart_backoff_initial_s, backoff_max_s=ns.restart_backoff_max_s,
+        backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
+        ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
+        devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size,
+        probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
+        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
+        ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
+        ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend, group=group,
+        log_level=ns.log_level)

@@ -1,0 +1,207 @@
+"""An MoE group of DP ranks, as one node's supervisor runs it: readiness, healing, /status and metrics.
+
+The members' expert layers span every rank, so the group serves or it does not: it is ready when the
+coordinator reports the current generation formed (every member joined) and every member this node runs
+answers its probes (a member whose group is re-forming answers 503 with ``X-lbd-dp-state``: alive, not
+serving). Until then no member is routable and the node's /readyz is 503 with the reason.
+
+Healing (``--on-rank-failure restart-group``): when a member dies or hangs (its probes time out), its process
+tree is SIGKILLed at once (a stopped process cannot be asked to exit, and its peers wait on it), the
+coordinator is told (``POST /members/{rank}/failed``) so the survivors fail their in-flight requests (503
+before the first byte: a router retries them; streams already started end with an error) and wait for a new
+generation, and only that member is started again. The survivors keep their processes and loaded weights and
+re-join the new process group. The time from the failure to the group being ready again is kept
+(``last_recovery`` in /status, ``lbd_supervisor_group_recovery_seconds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lbd.supervisor.coordinator import Coordinator
+from lbd.supervisor.moe import GroupSpec
+from lbd.supervisor.rank import RankState, RankWorker
+
+log = logging.getLogger("lbd.supervisor")
+
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(slots=True)
+class Recovery:
+    rank: int
+    why: str
+    at: float  # monotonic
+    at_wall: float
+    generation: int | None  # the generation in service when the member failed
+
+    def describe(self, now: float) -> dict[str, object]:
+        return {"rank": self.rank, "why": self.why, "failed_at": self.at_wall, "generation": self.generation,
+                "for_s": round(now - self.at, 3)}
+
+
+class GroupMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ready = Gauge("lbd_supervisor_group_ready", "1 when the MoE group serves: the coordinator "
+                           "reports its generation formed, every local member healthy.", registry=registry)
+        self.generation = Gauge("lbd_supervisor_group_generation", "The group's process-group generation "
+                                "(grows by one each time it re-forms).", registry=registry)
+        self.wave_active = Gauge("lbd_supervisor_group_wave_active", "1 while the group runs a wave (every "
+                                 "member steps, idle ones with dummy passes).", registry=registry)
+        self.joined = Gauge("lbd_supervisor_group_member_joined", "1 when the member is in the current "
+                            "generation.", ["rank"], registry=registry)
+        self.waiting = Gauge("lbd_supervisor_group_requests_waiting", "Waiting requests of the member, as "
+                             "the coordinator last heard (~100 ms old).", ["rank"], registry=registry)
+        self.running = Gauge("lbd_supervisor_group_requests_running", "Running requests of the member, as "
+                             "the coordinator last heard.", ["rank"], registry=registry)
+        self.failures = Counter("lbd_supervisor_group_member_failures_total", "Members that died or hung and "
+                                "were replaced.", ["rank"], registry=registry)
+        self.recovery = Histogram("lbd_supervisor_group_recovery_seconds", "From a member's failure to the "
+                                  "group being ready again.", buckets=_RECOVERY_BUCKETS, registry=registry)
+        self.coordinator_up = Gauge("lbd_supervisor_coordinator_up", "1 when the coordinator's /status "
+                                    "answers.", registry=registry)
+        self.coordinator_restarts = Gauge("lbd_supervisor_coordinator_restarts", "Restarts of the "
+                                          "coordinator process this node runs.", registry=registry)
+
+
+class MoeGroup:
+    def __init__(self, spec: GroupSpec, workers: list[RankWorker], registry: CollectorRegistry,
+                 policy: str, log_level: str, on_fatal: Callable[[str], None]) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.members = {w.spec.rank: w for w in workers}
+        self.coordinator = Coordinator(spec, log_level, on_fatal)
+        self.coordinator.on_poll = self._on_poll
+        self.metrics = GroupMetrics(registry)
+        self.recovering: dict[int, Recovery] = {}
+        self.last_recovery: dict[str, object] | None = None
+        self.recoveries = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        for w in workers:
+            w.after_stop = self._member_stopped
+        for rank in range(spec.size):
+            self.metrics.joined.labels(rank=str(rank)).set(0)
+
+    async def start(self) -> None:
+        await self.coordinator.start()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.coordinator.stop()
+
+    # ---- failures -------------------------------------------------------------------------------------
+    def member_failed(self, worker: RankWorker, why: str) -> None:
+        """A member died or hangs: the group is not ready (its worker kills it, then _member_stopped)."""
+        rank = worker.spec.rank
+        status = self.coordinator.fresh_status() or {}
+        if rank not in self.recovering:
+            self.recovering[rank] = Recovery(rank, why, time.monotonic(), time.time(),
+                                             status.get("generation"))
+        self.metrics.failures.labels(rank=str(rank)).inc()
+        log.warning("MoE group: member %d failed (%s): the group stops serving; only rank %d restarts, the "
+                    "others re-join a new generation", rank, why, rank)
+
+    def _member_stopped(self, worker: RankWorker, why: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.coordinator.member_failed(worker.spec.rank, why))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- readiness ------------------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        head = f"MoE group ({self.spec.moe.describe()}, {self.spec.size} ranks"
+        head += ", expert parallel)" if self.spec.expert_parallel else ")"
+        status = self.coordinator.fresh_status()
+        if status is None:
+            return False, f"{head}: the DP coordinator does not answer ({self.coordinator.error})"
+        gen, state = status.get("generation"), status.get("state")
+        if state != "ready":
+            why = status.get("reason") or "waiting for its members"
+            return False, f"{head}: generation {gen} {state}: {why}"
+        waiting = [f"rank {r} {w.state.value}" if w.state is not RankState.READY else f"rank {r} "
+                   f"{w.group_wait}" for r, w in self.members.items()
+                   if w.state is not RankState.READY or w.group_wait is not None]
+        if waiting:
+            return False, f"{head}: generation {gen} formed, but " + ", ".join(waiting)
+        return True, f"{head}: generation {gen} ready"
+
+    def _on_poll(self) -> None:
+        """After each coordinator poll: metrics, and the end of a recovery."""
+        status = self.coordinator.fresh_status()
+        ready, _ = self.readiness()
+        m = self.metrics
+        m.ready.set(1 if ready else 0)
+        m.coordinator_up.set(0 if status is None else 1)
+        m.coordinator_restarts.set(self.coordinator.restarts)
+        if status is not None:
+            m.generation.set(float(status.get("generation") or 0))
+            m.wave_active.set(1 if (status.get("wave") or {}).get("active") else 0)
+            for member in status.get("members") or []:
+                rank = str(member.get("rank"))
+                m.joined.labels(rank=rank).set(1 if member.get("joined") else 0)
+                m.waiting.labels(rank=rank).set(float(member.get("waiting") or 0))
+                m.running.labels(rank=rank).set(float(member.get("running") or 0))
+        self._settle(ready, status)
+
+    def _settle(self, ready: bool, status: dict[str, Any] | None) -> None:
+        """A recovery ends the first time the group is seen ready again (after a poll or on /status)."""
+        if ready and self.recovering:
+            m = self.metrics
+            now = time.monotonic()
+            first = min(self.recovering.values(), key=lambda r: r.at)
+            took = now - first.at
+            self.last_recovery = {**first.describe(now), "ready_after_s": round(took, 3),
+                                  "ranks": sorted(self.recovering), "ready_generation": status and
+                                  status.get("generation")}
+            self.recoveries += 1
+            m.recovery.observe(took)
+            log.info("MoE group: ready again %.1f s after member %s failed (generation %s)", took,
+                     first.rank, status and status.get("generation"))
+            self.recovering.clear()
+
+    def routable(self) -> bool:
+        return self.readiness()[0]
+
+    # ---- /status --------------------------------------------------------------------------------------
+    def status(self, ranks: list[dict[str, Any]]) -> dict[str, object]:
+        """The group's /status entry; ``ranks``: this node's rank entries, made unroutable while the group
+        is not ready."""
+        ready, reason = self.readiness()
+        self._settle(ready, self.coordinator.fresh_status())
+        for r in ranks:
+            if r.get("rank") in self.members:
+                r["routable"] = bool(r.get("routable")) and ready
+                r["group"] = 0
+        status = self.coordinator.fresh_status() or {}
+        by_rank = {m.get("rank"): m for m in status.get("members") or []}
+        members = []
+        for rank in range(self.spec.size):
+            seen = by_rank.get(rank, {})
+            w = self.members.get(rank)
+            members.append({
+                "rank": rank, "local": w is not None,
+                "state": w.state.value if w is not None else None, "pid": w.pid if w is not None else None,
+                "group_wait": w.group_wait if w is not None else None,
+                "core_pid": seen.get("pid"), "joined": seen.get("joined"), "waiting": seen.get("waiting"),
+                "running": seen.get("running"), "last_report_age_s": seen.get("last_report_age_s"),
+                "wave_active": seen.get("wave_active")})
+        now = time.monotonic()
+        spec = self.spec
+        return {
+            "group": 0, "kind": "moe", "model": spec.moe.architecture, "num_experts": spec.moe.num_experts,
+            "size": spec.size, "local_ranks": list(spec.local_ranks), "expert_parallel": spec.expert_parallel,
+            "on_rank_failure": self.policy, "ready": ready, "reason": reason,
+            "generation": status.get("generation"), "state": status.get("state"),
+            "wave": status.get("wave"), "generation_aborts": status.get("generation_aborts"),
+            "rendezvous": spec.rendezvous(), "coordinator": self.coordinator.describe(),
+            "members": members, "recovering": [r.describe(now) for r in self.recovering.values()],
+            "recoveries": self.recoveries, "last_recovery": self.last_recovery,
+        }

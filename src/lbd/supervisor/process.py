@@ -1,0 +1,196 @@
+"""One rank's OS process: spawn it in its own process group tied to our life, relay its log, end its tree.
+
+The child calls prctl(PR_SET_PDEATHSIG, SIGKILL) before exec, so a SIGKILL of the supervisor (which runs no
+cleanup) still takes the rank's launcher down; the engine's own children do the same towards the launcher.
+Because the signal follows the parent *thread*, ranks are spawned from the event-loop (main) thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import BinaryIO
+
+import psutil
+
+from lbd.common.redact import redact_text
+from lbd.supervisor.config import RankSpec
+
+log = logging.getLogger("lbd.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+WORKER_MODULE = "lbd.engine.executor.worker"  # how a rank's TP/PP workers show in their command line
+_LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
+TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
+_TAIL_LINE_CHARS = 500
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
+_ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
+_LIBC: ctypes.CDLL | None = None
+with contextlib.suppress(OSError):
+    _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
+
+
+def child_setup(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn of a child that must die with this process (also lbd serve's router and supervisor)."""
+
+    def setup() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:  # we died before prctl took effect: the signal will never come
+            os._exit(1)
+
+    return setup
+
+
+class RankProcess:
+    """A started rank: its launcher pid (also its process group id) and the relay of its output."""
+
+    def __init__(self, spec: RankSpec, proc: asyncio.subprocess.Process) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.pid: int = proc.pid
+        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)  # redacted, for /status
+        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank)),
+                        asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank,
+                                                   self.stderr_tail))]
+
+    def error_line(self) -> str | None:
+        """The line that says why: a traceback's last line (the exception), else the last line that mentions
+        an error, else the last line."""
+        for pattern in (_EXCEPTION_LINE, _ERROR_LINE):
+            for line in reversed(self.stderr_tail):
+                if pattern.search(line):
+                    return line
+        return self.stderr_tail[-1] if self.stderr_tail else None
+
+    @classmethod
+    async def start(cls, spec: RankSpec) -> RankProcess:
+        env = {**os.environ, **spec.env}
+        env.pop("LBD_ADMIN_TOKEN", None)  # ranks have no use for the supervisor's secret
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=child_setup(os.getpid()),
+            limit=_LINE_LIMIT)
+        return cls(spec, proc)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM the launcher only (it drains its front ends, then stops its core); SIGCONT the whole
+        tree in case it was stopped, so the signal can be acted on."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            for p in _descendants(self.pid):
+                with contextlib.suppress(psutil.Error):
+                    p.resume()
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM, wait up to ``grace_s`` for the launcher to exit, then SIGKILL the whole tree."""
+        self.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s)
+        await self.kill_tree()
+        return self.proc.returncode
+
+    async def kill_tree(self) -> None:
+        """SIGKILL the launcher, every descendant and the process group; wait until they are gone."""
+        procs = _descendants(self.pid) if self.proc.returncode is None else []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # the group outlives a dead launcher while members live
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.proc.wait()), 5.0)
+        await _wait_gone(procs, 5.0)
+        await self.close_relays()
+
+    def workers(self) -> list[dict[str, object]]:
+        """The rank's TP/PP worker processes, found in its tree by their command line
+        (``-m lbd.engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus C``)."""
+        found = []
+        for p in _descendants(self.pid)[1:]:
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                if WORKER_MODULE in cmd:
+                    found.append({"pid": p.pid, "rank": int(_flag(cmd, "--rank") or -1),
+                                  "tp_rank": int(_flag(cmd, "--tp-rank") or -1),
+                                  "pp_rank": int(_flag(cmd, "--pp-rank") or -1),
+                                  "cpus": _flag(cmd, "--cpus")})
+        return sorted(found, key=lambda w: w["rank"])
+
+    async def close_relays(self) -> None:
+        """Let the relays drain what is left in the pipes (they end at EOF), but never hang on them."""
+        _, pending = await asyncio.wait(self._relays, timeout=1.0)
+        for task in pending:
+            task.cancel()
+
+
+def _flag(cmd: list[str], flag: str) -> str | None:
+    i = cmd.index(flag) if flag in cmd else -1
+    return cmd[i + 1] if 0 <= i < len(cmd) - 1 else None
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while procs and loop.time() < deadline:
+        procs = [p for p in procs if _alive(p)]
+        if procs:
+            await asyncio.sleep(0.02)
+    for p in procs:
+        log.warning("process %d still alive after SIGKILL", p.pid)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
+                 tail: deque[str] | None = None) -> None:
+    """Copy the child's output line by line, each line prefixed with its rank; keep the last lines (secrets
+    masked) in ``tail``."""
+    if stream is None:
+        return
+    prefix = f"[rank {rank}] ".encode()
+    while True:
+        try:
+            line = await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as e:
+            line = e.partial  # EOF: the last line had no newline
+        except asyncio.LimitOverrunError as e:
+            line = await stream.readexactly(e.consumed) + b"\n"
+        if not line:
+            return
+        if tail is not None and line.strip():
+            tail.append(redact_text(line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]))
+        try:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our own stdout is gone (closed pipe): keep draining so the child never blocks
