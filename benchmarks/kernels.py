@@ -275,7 +275,7 @@ def main() -> int:
                         help="time the torch references and the C kernels on this CPU instead")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for --cpu")
     parser.add_argument("--no-pool", action="store_true",
-                        help="--cpu: the C kernels on OpenMP threads, not on their pool (kernels/cpu/pool.c)")
+                        help="--cpu: the C kernels on OpenMP threads, not on their pool (cpu/pool.c)")
     args = parser.parse_args()
     if args.cpu:
         cpu_references(args.threads, pool=not args.no_pool)

@@ -29,8 +29,9 @@ def _contracts() -> list[dict]:
 def test_import_contracts_hold() -> None:
     lint = Path(sys.executable).with_name("lint-imports")
     run = subprocess.run([str(lint), "--no-cache", "--config", str(ROOT / "pyproject.toml")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, capture_output=True,
-                         text=True, timeout=120)
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])},
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert f"{len(_contracts())} kept, 0 broken" in run.stdout, run.stdout[-3000:]
 

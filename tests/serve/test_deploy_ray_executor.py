@@ -1,7 +1,7 @@
 """`--data-parallel-backend ray` with `--distributed-executor-backend ray`: the rank's placement group (placed
 by the supervisor) is handed to the rank's engine, whose TP=2 workers become Ray actors in its bundles.
 
-On the Ray cluster of tests/deploy/test_deploy_ray.py (its own network namespace, 4 CPUs): the rank's group
+On the Ray cluster of tests/serve/test_deploy_ray.py (its own network namespace, 4 CPUs): the rank's group
 has two CPU bundles; its host actor takes none of them, each worker actor takes one, so the rank holds
 exactly two CPUs of the cluster. After SIGTERM no lbd process and no actor (host or worker) is left.
 Cost: ~60-120 s on a loaded 2-core machine, hence slow.

@@ -1,5 +1,5 @@
 """`lbd serve`: one engine rank, or (``--data-parallel-size N`` without ``--data-parallel-rank``) this node's
-part of a data-parallel deployment (see lbd/deploy/__init__.py for the topologies).
+part of a data-parallel deployment (see lbd/serve/__init__.py for the topologies).
 
 Exit codes: 0 after SIGTERM/SIGINT; 2 on a bad command line (one line on stderr, nothing started, no port
 left bound), when the head refuses this node, or when a rank cannot start for a usage error; 1 (or the

@@ -7,7 +7,7 @@ tensor-parallel workers. A worker's world rank is::
 
 so the TP ranks of one stage are adjacent (they talk most), the stages of one DP rank follow each other, and
 DP ranks are the outermost blocks. Today every group is one DP rank (``dp_size`` 1, ``dp_rank`` 0): the
-executor of a rank (``lbd.engine.executor``) starts TP x PP workers and joins them here. The DP dimension is in
+executor of a rank (``..executor``) starts TP x PP workers and joins them here. The DP dimension is in
 the layout already so a process group spanning DP ranks (MoE expert parallelism) is the same call with
 ``dp_size > 1``.
 
