@@ -30,11 +30,11 @@ from pathlib import Path
 
 import httpx
 
+from lbd.bench.node import SupervisorNode
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "supervisor")]
-
-from supervisor_harness import SupervisorNode  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from support import (  # noqa: E402
     exit_on_sigterm,

@@ -29,9 +29,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-sys.path.append(str(Path(__file__).parent))  # last: benchmarks/supervisor.py must not shadow the package
 
 from lbd.bench.node import SupervisorNode  # noqa: E402
 from lbd.bench.procs import exit_on_sigterm  # noqa: E402

@@ -1,7 +1,8 @@
 """`lbd supervise` on a tiny model: start-to-ready for 1, 2 and 4 ranks, hung-rank detection against its
 bound (interval x threshold + timeout), restart-to-ready, and health-port latency while a rank hangs.
 
-    python benchmarks/supervisor.py [--model DIR] [--repeats 3] [--interval 0.2 --timeout 0.5 --threshold 2]
+    python benchmarks/supervisor_timings.py [--model DIR] [--repeats 3]
+                                           [--interval 0.2 --timeout 0.5 --threshold 2]
 
 Ranks start in parallel, so a node is ready close to its slowest rank, not the sum of the ranks' start
 times: the table shows both. Every process started here is stopped before the script exits.
@@ -20,14 +21,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-# This file's folder comes first on sys.path and its name would shadow the `supervisor` package.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
-
-from lbd.bench.node import SupervisorNode  # noqa: E402
-from lbd.bench.procs import exit_on_sigterm  # noqa: E402
-from lbd.bench.tiny import make_tiny_llama  # noqa: E402
+from lbd.bench.node import SupervisorNode
+from lbd.bench.procs import exit_on_sigterm
+from lbd.bench.tiny import make_tiny_llama
 
 
 def pct(values: list[float], q: float) -> float:

@@ -5,9 +5,9 @@ bandwidth; for prefill attention and the fused MoE block, TFLOP/s as a fraction 
 rate; and for every case the Triton kernel's speed-up over the torch reference. Without CUDA it says so and
 exits 0.
 
-    .venv/bin/python benchmarks/kernels.py                      # print the table
-    .venv/bin/python benchmarks/kernels.py --write benchmarks/RESULTS.md
-    .venv/bin/python benchmarks/kernels.py --cpu                # this CPU: torch refs vs lbd.kernels.cpu
+    .venv/bin/python benchmarks/kernel_timings.py          # print the table
+    .venv/bin/python benchmarks/kernel_timings.py --write benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/kernel_timings.py --cpu    # this CPU: torch refs vs lbd.kernels.cpu
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def main() -> int:
         cpu_references(args.threads, pool=not args.no_pool)
         return 0
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device; none is visible, so nothing was measured.")
+        print("benchmarks/kernel_timings.py needs a CUDA device; none is visible, so nothing was measured.")
         return 0
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
@@ -292,7 +292,7 @@ def main() -> int:
     text = table(rows, device, copy_bw, mm_rate)
     print(text)
     if args.write:
-        args.write.write_text("# Kernel benchmark (benchmarks/kernels.py)\n\n" + text + "\n")
+        args.write.write_text("# Kernel benchmark (benchmarks/kernel_timings.py)\n\n" + text + "\n")
     return 0
 
 
