@@ -118,3 +118,15 @@ def test_programs_import_without_heavy_modules(program: str) -> None:
     code = f"import sys, {program}; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_no_script_or_test_module_shadows_another_package() -> None:
+    """A script's folder comes first on sys.path (and pytest puts each test folder there): a file named like
+    an installed package, the standard library, or supervisord's and Hugging Face's packages (which users
+    have beside lbd) hides that package from everything the script imports."""
+    import importlib.metadata
+
+    taken = {*importlib.metadata.packages_distributions(), *sys.stdlib_module_names, "kernels", "supervisor"}
+    files = [p for folder in ("benchmarks", "scripts", "tests") for p in (ROOT / folder).rglob("*.py")]
+    clashes = sorted(str(p.relative_to(ROOT)) for p in files if p.stem in taken)
+    assert not clashes, f"rename these, their names are other packages' import names: {clashes}"
