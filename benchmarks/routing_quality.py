@@ -486,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             args.parser.error(f"--only: unknown targets {unknown}; available: {', '.join(targets)}")
         targets = [t if t in targets else f"lbd:{t}" for t in wanted]
     if args.model is None:
-        from lbd.engine.loader import converted_path, default_gguf, resolve_model
+        from lbd.engine.config.model_files import converted_path, default_gguf
+        from lbd.engine.loader import resolve_model
 
         done = (converted_path(default_gguf()) / "config.json").exists()
         args.model = str(converted_path(default_gguf())) if done else str(resolve_model(None))

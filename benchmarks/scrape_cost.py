@@ -50,7 +50,8 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: the default model's converted folder")
     args = p.parse_args()
     if args.model is None:
-        from lbd.engine.loader import converted_path, default_gguf, resolve_model
+        from lbd.engine.config.model_files import converted_path, default_gguf
+        from lbd.engine.loader import resolve_model
 
         done = (converted_path(default_gguf()) / "config.json").exists()
         args.model = str(converted_path(default_gguf())) if done else str(resolve_model(None))

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.model_files import ModelNotFoundError, converted_path
 from lbd.engine.core.runner import ModelRunner
-from lbd.engine.loader import ModelNotFoundError, converted_path, load_weights, resolve_model
+from lbd.engine.loader import load_weights, resolve_model
 
 
 def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -179,7 +180,8 @@ def test_missing_default_model_says_how_to_get_it(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2] / "src"
     code = ("import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]\n"
             "sys.path.insert(0, sys.argv[1])\n"
-            "from lbd.engine.loader import ModelNotFoundError, resolve_model\n"
+            "from lbd.engine.config.model_files import ModelNotFoundError\n"
+            "from lbd.engine.loader import resolve_model\n"
             "try:\n    resolve_model(None)\nexcept ModelNotFoundError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(repo)], capture_output=True, text=True,
                          timeout=60)

@@ -9,7 +9,8 @@ import random
 
 from tokenizers import Tokenizer, models, trainers
 
-from lbd.engine.loader import converted_path, default_gguf, resolve_model
+from lbd.engine.config.model_files import converted_path, default_gguf
+from lbd.engine.loader import resolve_model
 from lbd.router.kv.cold import HEAD_CHARS, ColdStart, estimate_tokens
 from lbd.router.kv.tokenize import RouterTokenizer, load_local
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lbd.engine.config.model_files import ModelNotFoundError, cache_root, converted_path, default_gguf
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -31,16 +33,11 @@ AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(
 """
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("LBD_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "lbd"
-
-
 def _from_gguf(gguf: Path) -> Path:
     """A tokenizer folder extracted from ``gguf`` (once, in a child process) and cached."""
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = _cache_root() / "tokenizers" / f"{gguf.stem}-{key}"
+    out = cache_root() / "tokenizers" / f"{gguf.stem}-{key}"
     if (out / "tokenizer.json").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
@@ -59,8 +56,6 @@ def _from_gguf(gguf: Path) -> Path:
 
 
 def _default_folder() -> Path:
-    from lbd.engine.config.model_files import ModelNotFoundError, converted_path, default_gguf
-
     try:
         gguf = default_gguf()
     except ModelNotFoundError as e:

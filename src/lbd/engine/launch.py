@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Runtime.create()
     configure_logging(args.rank, args.log_level, "Launcher")
     try:
-        from lbd.engine.loader import ModelNotFoundError, resolve_model
+        from lbd.engine.config.model_files import ModelNotFoundError
+        from lbd.engine.loader import resolve_model
 
         try:
             model_path = str(resolve_model(args.model))
