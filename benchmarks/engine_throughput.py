@@ -34,7 +34,8 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lbd.bench.procs import EngineServer, exit_on_sigterm  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
+from support.procs import EngineServer, exit_on_sigterm  # noqa: E402
 
 
 @dataclass(slots=True)

@@ -30,8 +30,9 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
-from lbd.bench.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from peers import lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from support.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
 
 KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 

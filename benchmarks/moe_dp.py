@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from lbd.bench.node import SupervisorNode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
+from support.node import SupervisorNode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]

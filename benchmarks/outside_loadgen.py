@@ -25,9 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
-from lbd.bench.node import SupervisorNode  # noqa: E402
-from lbd.bench.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from peers import lbd_route_argv  # noqa: E402
+from support.node import SupervisorNode  # noqa: E402
+from support.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
 
 GUIDELLM = ROOT / ".venv-loadgen" / "bin" / "guidellm"
 FORMATS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")

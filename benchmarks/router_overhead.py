@@ -36,8 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 from http_load import STREAM_CHUNKS, Load, large_body, make_loader, small_body, stream_body  # noqa: E402
-from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
+from support.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
 SCENARIOS = {"small": small_body, "16KiB": large_body, "stream": stream_body}
 # policy family -> each router's own policy name (None: the router has no such policy)

@@ -36,9 +36,11 @@ from http_load import (  # noqa: E402,F401
     post_request,
     run_wrk,
 )
-from lbd.bench.procs import exit_on_sigterm, tree_usage  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from peers import PEER_KINDS, lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 from router_overhead import _median, free_port, nginx_conf, start, stop, wait_port  # noqa: E402
+from support.procs import exit_on_sigterm, tree_usage  # noqa: E402
 
 BODY = b'{"model": "stub-model", "prompt": "Say hello to the router benchmark.", "max_tokens": 1}'
 

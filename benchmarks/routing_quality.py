@@ -59,15 +59,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from lbd.bench.client import RequestRecord, Target  # noqa: E402
 from lbd.bench.oracle import block_hashes, prompt_ids  # noqa: E402
-from lbd.bench.procs import (  # noqa: E402
-    exit_on_sigterm,
-    free_port,
-    free_port_run,
-    spawn,
-    stop,
-    tree_usage,
-    wait_http,
-)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from lbd.bench.runner import BenchConfig, run_target  # noqa: E402
 from lbd.bench.stats import percentile, summarize  # noqa: E402
 from lbd.bench.tokenizer import load_tokenizer  # noqa: E402
@@ -83,6 +76,15 @@ from routing_report import (  # noqa: E402
     step_table,
     table,
     verdicts,
+)
+from support.procs import (  # noqa: E402
+    exit_on_sigterm,
+    free_port,
+    free_port_run,
+    spawn,
+    stop,
+    tree_usage,
+    wait_http,
 )
 
 PY = sys.executable

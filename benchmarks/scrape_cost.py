@@ -23,8 +23,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lbd.bench.procs import EngineServer, tree_usage  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
 from lbd.router.telemetry import parse_metrics, parse_telemetry  # noqa: E402
+from support.procs import EngineServer, tree_usage  # noqa: E402
 
 
 def cpu_of(server: EngineServer, fn) -> tuple[float, float]:

@@ -31,11 +31,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from lbd.bench.node import SupervisorNode  # noqa: E402
-from lbd.bench.procs import exit_on_sigterm  # noqa: E402
-from lbd.bench.tiny import make_tiny_llama  # noqa: E402
 from soak_chaos import Chaos, Sampler, flatness, wait_for  # noqa: E402
 from support import RouterServer, metric_value  # noqa: E402
+from support.node import SupervisorNode  # noqa: E402
+from support.procs import exit_on_sigterm  # noqa: E402
+from support.tiny import make_tiny_llama  # noqa: E402
 
 TOKEN = "soak-admin-token"
 

@@ -22,7 +22,7 @@ class Chaos:
     """Cycles through ACTIONS, alternating the target rank; only acts while every rank is ready (taking down
     the last ready rank would lose requests by construction, whatever the software did)."""
 
-    node: object  # lbd.bench.node.SupervisorNode
+    node: object  # support.node.SupervisorNode
     router: object  # support.RouterServer
     admin_token: str
     ranks: int

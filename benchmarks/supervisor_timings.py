@@ -21,9 +21,10 @@ from pathlib import Path
 
 import httpx
 
-from lbd.bench.node import SupervisorNode
-from lbd.bench.procs import exit_on_sigterm
-from lbd.bench.tiny import make_tiny_llama
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
+from support.node import SupervisorNode  # noqa: E402
+from support.procs import exit_on_sigterm  # noqa: E402
+from support.tiny import make_tiny_llama  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 # Triton's interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# The tests' own helpers (support, hostile, netns); lbd itself comes from the installed package (src layout).
+# The test-support package (tests/support); lbd itself comes from the installed package (src layout).
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support import (  # noqa: E402

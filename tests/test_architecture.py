@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lbd.bench.node import ENGINE_FLAGS
-from lbd.bench.procs import free_port, free_port_run, spawn, stop, wait_http
+from support.node import ENGINE_FLAGS
+from support.procs import free_port, free_port_run, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "triton")

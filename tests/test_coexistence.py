@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from lbd.bench.procs import free_port, spawn, stop, wait_http
+from support.procs import free_port, spawn, stop, wait_http
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from lbd.bench.node import SupervisorNode
 from support import EngineServer, RouterServer, free_port
+from support.node import SupervisorNode
 
 KEY = "malformed-suite-key"
 LIMITS = ["--header-read-timeout-s", "1", "--body-read-timeout-s", "1", "--keep-alive-timeout-s", "2",

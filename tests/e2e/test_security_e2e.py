@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from lbd.bench.node import SupervisorNode
 from support import RouterServer, make_certs
+from support.node import SupervisorNode
 
 ENGINE_KEY = "engine-secret-7f3a"
 ADMIN_TOKEN = "admin-secret-91cc"

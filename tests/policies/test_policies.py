@@ -18,30 +18,7 @@ from lbd.policies import (
     make_policy,
     queue_score,
 )
-
-
-def eps(n: int, **kw: object) -> list[EndpointSnapshot]:
-    return [EndpointSnapshot(key=f"http://e{i}", rank=i, age_s=0.05, **kw) for i in range(n)]
-
-
-def dispatch(policy, facts: RequestFacts, endpoints: list[EndpointSnapshot], n: int) -> list[str]:
-    """Route ``n`` requests back to back, accounting each dispatch the way the router does between scrapes."""
-    keys = []
-    for _ in range(n):
-        d = policy.choose(facts, endpoints)
-        charge = int(policy.charge_tokens(facts, d.endpoint))
-        policy.on_dispatch(facts, d.endpoint.key)
-        i = endpoints.index(d.endpoint)
-        e = endpoints[i]
-        endpoints[i] = replace(
-            e,
-            inflight=e.inflight + 1,
-            delta=e.delta + 1,
-            unstarted=e.unstarted + 1,
-            unstarted_tokens=e.unstarted_tokens + charge,
-        )
-        keys.append(d.endpoint.key)
-    return keys
+from support.policies import dispatch, eps, hot
 
 
 def test_registry_lists_every_policy_of_the_issue() -> None:
@@ -153,11 +130,6 @@ def test_kv_aware_avoids_near_full_unless_all_are() -> None:
     assert d.reason == "kv_all_full" and d.endpoint.key == "full"
     # Stale KV numbers are not trusted either way.
     assert p.choose(RequestFacts(), [replace(full, age_s=5.0), busy]).endpoint.key == "full"
-
-
-def hot(n_chunks: int = 8, salt: str = "") -> RequestFacts:
-    text = (salt + "You are a helpful assistant. " * 200)[: CHUNK_CHARS * n_chunks]
-    return RequestFacts(prefix_hashes=chunk_hashes(text), prompt_tokens=len(text) // 4)
 
 
 def test_prefix_affinity_sticks_to_the_holder_while_within_the_gap_then_spills() -> None:

@@ -10,7 +10,6 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hostile import PROPERTY
 from lbd.policies import (
     Decision,
     EndpointSnapshot,
@@ -21,6 +20,7 @@ from lbd.policies import (
     queue_score,
     route,
 )
+from support.hostile import PROPERTY
 
 MODELS = ["a", "b"]
 POLICIES = sorted(available())

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from test_policies import dispatch, eps, hot
-
 from lbd.policies import CHUNK_CHARS, EndpointSnapshot, RequestFacts, chunk_hashes, make_policy
 from lbd.policies.footprint import Footprint, root_of
+from support.policies import dispatch, eps, hot
 
 
 def test_cold_burst_spreads_evenly() -> None:

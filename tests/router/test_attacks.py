@@ -13,9 +13,9 @@ import time
 
 import httpx
 import psutil
-from stubs import stubs
 
 from support import free_port
+from support.router_stubs import stubs
 
 BODY = json.dumps({"model": "stub-model", "prompt": "hello there"}).encode()
 FAST_LIMITS = ("--header-read-timeout-s", "1", "--body-read-timeout-s", "1", "--keep-alive-timeout-s", "1.5")

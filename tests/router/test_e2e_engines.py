@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from lbd.bench.node import SupervisorNode
 from support import metric_value
+from support.node import SupervisorNode
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"

@@ -8,9 +8,9 @@ import asyncio
 import time
 
 import httpx
-from stubs import stubs
 
 from support import metric_value
+from support.router_stubs import stubs
 
 BODY = {"model": "stub-model", "prompt": "hello there"}
 T = 1.5  # --outlier-first-byte-timeout-s

@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
-from stubs import StubUpstream, stubs
 
 from support import metric_value
+from support.router_stubs import StubUpstream, stubs
 
 BODY = {"model": "stub-model", "prompt": "hello there"}
 
@@ -298,7 +298,7 @@ async def test_burst_between_scrapes_spreads_and_ipv6_upstreams_work(start_route
 
 
 async def test_supervisor_upstream_follows_ranks_drains_and_restarts(start_router) -> None:
-    from stubs import StubSupervisor
+    from support.router_stubs import StubSupervisor
 
     async with stubs(2) as ups:
         sup = await StubSupervisor().start()

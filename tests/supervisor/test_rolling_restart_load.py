@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lbd.bench.node import SupervisorNode
 from support import RouterServer
+from support.node import SupervisorNode
 
 TOKEN = "rolling-token"
 

@@ -4,7 +4,7 @@ Tensor/pipeline parallelism: a model class that handles it declares ``supports_p
 ``parallel`` keyword (an ``lbd.engine.distributed.context.ParallelContext``: its TP slice and pipeline stage);
 every other class is refused with TP or PP > 1, by ``lbd.engine.config.architectures.unsupported_flags``, the
 one place that decides it from names alone (the launcher and the supervisor call it before anything starts).
-The names there say what the classes declare; tests/engine/test_moe_loading.py keeps them in agreement.
+The names there say what the classes declare; tests/engine/models/test_weights.py keeps them in agreement.
 """
 
 from __future__ import annotations
