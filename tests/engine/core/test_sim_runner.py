@@ -176,7 +176,7 @@ def test_sim_modules_do_not_import_torch() -> None:
         "import sys, lbd.engine.core.sim_runner, lbd.engine.sim_profiles; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
-    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[3]).returncode == 0
 
 
 # ---- whole engines ---------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_sim_engine_latencies_follow_the_profile(tiny_llama: Path, tmp_path: Pat
             ],
             capture_output=True,
             text=True,
-            cwd=Path(__file__).parents[2],
+            cwd=Path(__file__).parents[3],
             timeout=120,
         )
     assert proc.returncode == 0, proc.stderr

@@ -120,7 +120,7 @@ def compile_all(arch: int, plan: dict) -> None:
 
 
 def _run_child(*argv: str) -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, __file__, *argv], cwd=root, env=env, capture_output=True, text=True,
                          timeout=900)
