@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from lbd.common.auth import PUBLIC_PATHS
+from lbd.common.internal_key import IdsSigner
 from lbd.common.limits import raise_open_files_limit
 from lbd.common.tls import server_context
 from lbd.router.auth import Gate
@@ -79,7 +80,8 @@ class RouterApp:
             local = await asyncio.get_running_loop().run_in_executor(None, load_local, path)
         return ExactView(self.cfg.kv_events, self.monitor._get, self.cfg.stale_after_s,
                          max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None),
-                         self.cfg.forward_prompt_ids)
+                         self.cfg.forward_prompt_ids,
+                         IdsSigner(self.cfg.internal_key) if self.cfg.internal_key else None)
 
     async def close(self) -> None:
         if self.state.exact is not None:
