@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from lbd.common.auth import ApiKey
+from lbd.common.limits import PeerReadTooLarge, read_upstream
 from lbd.policies import Decision, Refusal, RequestFacts, route
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
@@ -355,8 +356,8 @@ class Proxy:
         health signal, and retryable (the request never started there)."""
         try:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
-                data = await upstream.read()
-        except (TimeoutError, UpstreamError):
+                data = await read_upstream(upstream, what=f"{ep.url}'s 503 answer")
+        except (TimeoutError, UpstreamError, PeerReadTooLarge):
             data = b""
         self.state.metrics.upstream_errors.labels(ep.url, "503").inc()
         ctype = upstream.content_type or "application/json"
