@@ -118,6 +118,7 @@ class RouterConfig:
     forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
     dns_refresh_interval_s: float = 5.0
     min_ready_endpoints: int = 1
+    serving_health: bool = False  # /health and /v1/models 503 until a request would be served
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
     max_num_queued_tokens: int | None = None
     shutdown_timeout_s: float = 5.0
@@ -290,6 +291,14 @@ def make_parser() -> OneLineParser:
         default=3,
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
     )
+    g.add_argument(
+        "--serving-health",
+        action="store_true",
+        help="/health and /v1/models answer 503 with the reason until a request would be served (an endpoint "
+        "is ready and its models are known), and a worker holds requests that arrive before then for up to "
+        "--retry-budget-s: what /health means on the vLLM server this router stands in for (lbd serve sets "
+        "it); without it /health is liveness. /readyz keeps its meaning (--min-ready-endpoints)",
+    )
     add_outlier_arguments(g)
     g = p.add_argument_group("timeouts and retries")
     g.add_argument("--connect-timeout-s", type=float, default=5.0,
@@ -408,6 +417,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         ssl_cert_reqs=ns.ssl_cert_reqs,
         dns_refresh_interval_s=ns.dns_refresh_interval_s,
         min_ready_endpoints=ns.min_ready_endpoints,
+        serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
         shutdown_timeout_s=ns.shutdown_timeout,

@@ -387,7 +387,8 @@ def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
             "--health-check-timeout-s", str(ns.dp_supervisor_probe_timeout_s),
             "--health-failure-threshold", str(ns.dp_supervisor_probe_failure_threshold),
             "--supervisor-poll-interval-s", str(min(0.5, interval)),
-            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level]
+            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level,
+            "--serving-health"]  # the API port stands in for a vLLM server: /health means a request is served
     for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
                         ("--ssl-ca-certs", ns.ssl_ca_certs)):
         if value is not None:
