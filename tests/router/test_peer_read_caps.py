@@ -97,3 +97,35 @@ async def test_endless_metrics_and_status_leave_the_router_bounded_and_the_rank_
     assert peak - base < RSS_GROWTH_BOUND, (peak - base, rank.sent, supervisor.sent)
     assert r.proc.poll() is None
     assert "unreachable" in r.log_text() and "cap" in r.log_text()  # the supervisor's, logged once
+
+
+async def test_an_oversized_kv_event_message_drops_the_publisher_unread(tmp_path) -> None:
+    """A stand-in publisher sends one message over PEER_MESSAGE_MAX_BYTES: ZMQ drops the connection before
+    the message is buffered, so the feed sees a disconnection (the endpoint's cache is taken as empty),
+    never the payload."""
+    import zmq
+    import zmq.asyncio
+
+    from lbd.common.limits import PEER_MESSAGE_MAX_BYTES
+    from lbd.router.kv.feed import EventFeed, Source
+    from lbd.router.kv.index import BlockIndex
+
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/stand-in-pub")
+    feed = EventFeed("stand-in", Source(f"ipc://{tmp_path}/stand-in-pub", None), BlockIndex().endpoint())
+    feed.start()
+    try:
+        deadline = time.monotonic() + 10
+        while feed.stats.state != "live":
+            assert time.monotonic() < deadline, feed.stats
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the subscription reaches the publisher
+        await pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\0" * (PEER_MESSAGE_MAX_BYTES + 1)])
+        while feed.stats.state != "disconnected":
+            assert time.monotonic() < deadline + 10, feed.stats
+            await asyncio.sleep(0.02)
+        assert feed.stats.batches == 0 and not feed.stats.error, feed.stats  # the payload was never read
+    finally:
+        await feed.close()
+        pub.close(linger=0)

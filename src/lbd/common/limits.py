@@ -106,6 +106,7 @@ def raise_open_files_limit(max_connections: int, reserve: int = 1024) -> int:
 # reports the peer's state.
 PEER_READ_MAX_BYTES = 8 << 20  # metrics, status, health, model lists: a large vLLM /metrics is ~1 MiB
 PEER_FILE_MAX_BYTES = 64 << 20  # a tokenizer.json (the largest vocabularies' are ~20 MiB)
+PEER_MESSAGE_MAX_BYTES = 64 << 20  # one ZMQ message of a peer's stream (a KV-event batch); zmq.MAXMSGSIZE
 
 
 class PeerReadTooLarge(ConnectionError):
