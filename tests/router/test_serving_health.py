@@ -29,7 +29,7 @@ async def test_health_and_models_say_503_until_a_request_would_be_served(start_r
                      "--health-check-interval-s", "0.2", "--kv-events", "off")
     live = start_router("--upstreams", stub.url, "--kv-events", "off")
     first = await _listening(r.url)
-    assert first.status_code == 503 and "not serving yet" in first.json()["error"]["message"], first.text
+    assert first.status_code == 503 and "would be served" in first.json()["error"]["message"], first.text
     assert "models not known yet" in first.json()["error"]["message"]
     assert (await _listening(live.url)).status_code == 200  # without the flag: the process is alive
     async with httpx.AsyncClient(timeout=30.0) as c:

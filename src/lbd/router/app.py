@@ -147,7 +147,7 @@ class RouterApp:
         if why is None:
             self.starting = False
             return False
-        send_error(out, 503, f"not serving yet: {why}", "ServiceUnavailableError")
+        send_error(out, 503, f"no request would be served now: {why}", "ServiceUnavailableError")
         return True
 
     async def readyz(self, request: Request, out: Response) -> None:
