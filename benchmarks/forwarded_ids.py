@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-support helpers
+from lbd.common.internal_key import INTERNAL_KEY_ENV  # noqa: E402
 from peers import lbd_route_argv, peer_argv, peer_installed  # noqa: E402
 from support.procs import exit_on_sigterm, free_port, spawn, stop, wait_http  # noqa: E402
 
@@ -77,9 +79,10 @@ def ttft_ms(c: httpx.Client, url: str, body: dict) -> float:
 
 def run(args: argparse.Namespace, logs: Path) -> dict:
     port = free_port()
+    key = {INTERNAL_KEY_ENV: secrets.token_hex(16)}  # the rank takes ids signed with it
     rank = spawn([sys.executable, "-m", "lbd", "serve", "--device", "sim", "--sim-profile", "h100-llama3-8b",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                  "--disable-log-requests", "--kv-events-config", KV_EVENTS], log=logs / "rank.log")
+                  "--disable-log-requests", "--kv-events-config", KV_EVENTS], env=key, log=logs / "rank.log")
     procs = [rank]
     try:
         direct = f"http://127.0.0.1:{port}"
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace, logs: Path) -> dict:
         for name, extra in routers:
             p = free_port()
             argv, ready = lbd_route_argv(p, direct, *extra)
-            procs.append(spawn(argv, log=logs / f"{name.split(',')[0]}-{len(procs)}.log"))
+            procs.append(spawn(argv, env=key, log=logs / f"{name.split(',')[0]}-{len(procs)}.log"))
             wait_http(f"http://127.0.0.1:{p}{ready}", timeout=60, proc=procs[-1])
             targets[name] = f"http://127.0.0.1:{p}"
         if peer_installed("sglang-router"):

@@ -46,9 +46,10 @@ def test_redaction() -> None:
             "--port", "8000"]
     assert redact_argv(argv) == ["python", "-m", "lbd.engine", "--api-key", MASK, f"--admin-token={MASK}",
                                  "--ssl-keyfile", "/k.pem", "--port", "8000"]
-    line = "Authorization: Bearer abc.def --upstream-api-key=xyz VLLM_API_KEY=zzz ok"
+    line = "Authorization: Bearer abc.def --upstream-api-key=xyz VLLM_API_KEY=zzz LBD_INTERNAL_KEY=iii ok"
     out = redact_text(line)
     assert "abc.def" not in out and "xyz" not in out and "zzz" not in out and out.endswith("ok")
+    assert "iii" not in out
 
 
 def test_tls_and_limit_flags_are_checked_up_front(tmp_path: Path) -> None:

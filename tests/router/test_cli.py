@@ -33,6 +33,7 @@ LBD = [sys.executable, "-m", "lbd", "route"]
         (["--upstreams", "http://h:1", "--evict-weight", "-1"], "--evict-weight"),
         (["--upstreams", "http://h:1", "--tokenizer", "/nonexistent"], "--tokenizer"),
         (["--upstreams", "http://h:1", "--kv-events", "off", "--forward-prompt-ids"], "--forward-prompt-ids"),
+        (["--upstreams", "http://h:1", "--forward-prompt-ids"], "LBD_INTERNAL_KEY"),  # nothing to sign with
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args: list[str], flag: str) -> None:

@@ -209,11 +209,20 @@ def test_keys_and_limits_reach_both_children() -> None:
     assert plan.limits.max_headers == 50  # the node's own health port too
     from lbd.serve.node import key_env
 
-    assert key_env(plan, "supervisor") == {"LBD_API_KEYS": "k-one\nk-two\nk-env"}
+    internal = {"LBD_INTERNAL_KEY": plan.internal_key}  # made per deployment: signs the router's ids
+    assert len(plan.internal_key) == 64 and plan.internal_key not in repr(plan)
+    assert key_env(plan, "supervisor") == {"LBD_API_KEYS": "k-one\nk-two\nk-env", **internal}
     assert key_env(plan, "router") == {"LBD_ROUTER_API_KEYS": "k-one\nk-two\nk-env",
-                                       "LBD_UPSTREAM_API_KEY": "k-one"}
+                                       "LBD_UPSTREAM_API_KEY": "k-one", **internal}
     open_plan = parse([*_ports(), "--data-parallel-size", "2"], {})
-    assert open_plan is not None and key_env(open_plan, "router") == {}
+    assert open_plan is not None
+    assert key_env(open_plan, "router") == {"LBD_INTERNAL_KEY": open_plan.internal_key}
+    assert open_plan.internal_key != plan.internal_key  # none given: each node makes its own
+    given = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_INTERNAL_KEY": "mine"})
+    token = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": "t"})
+    again = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": "t"})
+    assert given is not None and given.internal_key == "mine"
+    assert token is not None and again is not None and token.internal_key == again.internal_key != "t"
 
 
 def test_multi_node_plans() -> None:

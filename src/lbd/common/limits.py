@@ -1,13 +1,16 @@
 """Connection and request limits, one set of flags with one meaning on every server (engine front end and
 supervisor health port on aiohttp, the router on its own httptools server). The README's limits table lists
-them with what a client sees when it hits one.
+them with what a client sees when it hits one. Also the caps on what this process reads from its peers
+(``read_capped`` and its aiohttp and router-client forms).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,3 +97,65 @@ def raise_open_files_limit(max_connections: int, reserve: int = 1024) -> int:
         log.warning("open-file limit %d is below --max-connections %d + %d: connections may fail with "
                     "EMFILE before the cap answers 503 (raise ulimit -n)", soft, max_connections, reserve)
     return soft
+
+
+# ---- reading answers from peers -------------------------------------------------------------------------
+# Every answer read from another process (a rank's /metrics, /health, /v1/models, /tokenizer_info; a
+# supervisor's or node's /status; a probe) is capped in size as well as in time: a peer that answers with an
+# endless or huge body costs the reader at most the cap in memory, and its reason shows where the reader
+# reports the peer's state.
+PEER_READ_MAX_BYTES = 8 << 20  # metrics, status, health, model lists: a large vLLM /metrics is ~1 MiB
+PEER_FILE_MAX_BYTES = 64 << 20  # a tokenizer.json (the largest vocabularies' are ~20 MiB)
+PEER_MESSAGE_MAX_BYTES = 64 << 20  # one ZMQ message of a peer's stream (a KV-event batch); zmq.MAXMSGSIZE
+
+
+class PeerReadTooLarge(ConnectionError):
+    """A peer's answer went over its cap; the connection is dropped (an OSError, so every reader that
+    handles a failed connection handles this too)."""
+
+
+def peer_read_cap(path: str) -> int:
+    """The size cap of an answer from ``path`` of a peer: tokenizer files get the larger one."""
+    return PEER_FILE_MAX_BYTES if path.split("?", 1)[0].endswith("/tokenizer.json") else PEER_READ_MAX_BYTES
+
+
+async def read_capped(read_chunk: Callable[[], Awaitable[bytes]], max_bytes: int,
+                      declared: int | None = None, what: str = "answer") -> bytes:
+    """The body that ``read_chunk`` yields (b"" ends it), refused with PeerReadTooLarge as soon as its
+    declared length or the bytes read so far pass ``max_bytes``."""
+    if declared is not None and declared > max_bytes:
+        raise PeerReadTooLarge(f"{what} declares {declared} bytes, over the {max_bytes}-byte cap")
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await read_chunk():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PeerReadTooLarge(f"{what} is over the {max_bytes}-byte cap")
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def read_aiohttp(resp: Any, max_bytes: int = PEER_READ_MAX_BYTES, timeout_s: float | None = None,
+                       what: str | None = None) -> bytes:
+    """An aiohttp ``ClientResponse``'s body within ``max_bytes`` and ``timeout_s`` (None: the session's
+    own total timeout alone); an answer over the cap closes the connection."""
+    label = what or f"the answer of {resp.url}"
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await read_capped(resp.content.readany, max_bytes, resp.content_length, label)
+    except PeerReadTooLarge:
+        resp.close()
+        raise
+
+
+async def read_upstream(resp: Any, max_bytes: int = PEER_READ_MAX_BYTES, timeout_s: float | None = None,
+                        what: str = "answer") -> bytes:
+    """The router's own client (lbd.router.upstream ``Response``): its body within ``max_bytes``, each wait
+    for more bytes within ``timeout_s``; the caller closes ``resp`` (a body not read to its end closes the
+    connection)."""
+    whole = resp.take_whole() if resp.content_length is None or resp.content_length <= max_bytes else None
+    if whole is not None:  # all of it has arrived (the usual small answer): no coroutine
+        if len(whole) > max_bytes:
+            raise PeerReadTooLarge(f"{what} is over the {max_bytes}-byte cap")
+        return whole
+    return await read_capped(lambda: resp.read_chunk(timeout_s), max_bytes, resp.content_length, what)

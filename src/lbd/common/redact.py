@@ -13,7 +13,8 @@ _IN_TEXT = [
     (re.compile(r"(?i)\b(bearer)\s+[^\s\"',;]+"), r"\1 " + MASK),
     (re.compile(r"(?i)(--?[\w-]*(?:api[-_]key|token|secret|password)[\w-]*)(=|\s+)[^\s\"',;]+"),
      r"\1\2" + MASK),
-    (re.compile(r"(?i)\b([A-Z0-9_]*(?:API_KEY|TOKEN|SECRET|PASSWORD)[A-Z0-9_]*)=[^\s\"',;]+"), r"\1=" + MASK),
+    (re.compile(r"(?i)\b([A-Z0-9_]*(?:API_KEY|INTERNAL_KEY|TOKEN|SECRET|PASSWORD)[A-Z0-9_]*)=[^\s\"',;]+"),
+     r"\1=" + MASK),
 ]
 
 

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from lbd.common.auth import PUBLIC_PATHS
+from lbd.common.auth import PUBLIC_PATHS, ApiKey
+from lbd.common.internal_key import IdsSigner
 from lbd.common.limits import raise_open_files_limit
 from lbd.common.tls import server_context
 from lbd.router.auth import Gate
@@ -35,6 +36,7 @@ log = logging.getLogger("lbd.router")
 FORWARDED_PREFIX = "/v1/"  # and every path under it, except the router's own GET /v1/models
 FORWARDED = frozenset({"/tokenize", "/detokenize"})
 _JSON = b"Content-Type: application/json\r\n"
+_START_POLL_S = 0.02  # a request held before the first endpoint serves looks this often
 _TEXT_METRICS = b"Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
 
 
@@ -55,6 +57,7 @@ class RouterApp:
         self.gate = Gate(cfg.api_keys, cfg.api_key_file, cfg.rate_limit_rps, cfg.rate_limit_tps,
                          cfg.rate_limit_burst_s, cfg.workers)
         self.proxy = Proxy(self.state, self.gate, self.tracer)
+        self.starting = cfg.serving_health  # until this worker first sees an endpoint serve
         self.monitor = Monitor(self.state)
         if cfg.kv_events != "off":
             self.state.exact = await self._exact_view()
@@ -79,7 +82,8 @@ class RouterApp:
             local = await asyncio.get_running_loop().run_in_executor(None, load_local, path)
         return ExactView(self.cfg.kv_events, self.monitor._get, self.cfg.stale_after_s,
                          max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None),
-                         self.cfg.forward_prompt_ids)
+                         self.cfg.forward_prompt_ids,
+                         IdsSigner(self.cfg.internal_key) if self.cfg.internal_key else None)
 
     async def close(self) -> None:
         if self.state.exact is not None:
@@ -107,8 +111,20 @@ class RouterApp:
             if own is not None:
                 return own(request, out)
         if path.startswith(FORWARDED_PREFIX) or path in FORWARDED:
+            if self.starting:
+                return self._when_serving(request, out, key)
             return self.proxy.handle(request, out, key)
         return self.not_found(request, out)
+
+    async def _when_serving(self, request: Request, out: Response, key: ApiKey | None) -> None:
+        """--serving-health, before this worker first saw an endpoint serve: another worker (or the health
+        port) may have said it serves, so the request waits for this one, within --retry-budget-s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.retry_budget_s
+        while self.state.not_serving() is not None and loop.time() < deadline:
+            await asyncio.sleep(_START_POLL_S)
+        self.starting = self.state.not_serving() is not None
+        await self.proxy.handle(request, out, key)
 
     async def unauthorized(self, request: Request, out: Response) -> None:
         self.state.metrics.request("none", "401", None)
@@ -119,7 +135,20 @@ class RouterApp:
         send_error(out, 404, f"no route for {request.method} {request.path}", "NotFoundError")
 
     async def health(self, request: Request, out: Response) -> None:
-        out.send(200, _JSON, b'{"status":"ok"}')
+        if not self._refused_not_serving(out):
+            out.send(200, _JSON, b'{"status":"ok"}')
+
+    def _refused_not_serving(self, out: Response) -> bool:
+        """--serving-health: /health and /v1/models answer 503 with the reason while no request would be
+        served (True: answered so)."""
+        if not self.cfg.serving_health:
+            return False
+        why = self.state.not_serving()
+        if why is None:
+            self.starting = False
+            return False
+        send_error(out, 503, f"no request would be served now: {why}", "ServiceUnavailableError")
+        return True
 
     async def readyz(self, request: Request, out: Response) -> None:
         if self.state.ready():
@@ -130,7 +159,8 @@ class RouterApp:
             send_error(out, 503, why, "ServiceUnavailableError")
 
     async def models(self, request: Request, out: Response) -> None:
-        out.send(200, _JSON, orjson.dumps({"object": "list", "data": self.state.models()}))
+        if not self._refused_not_serving(out):
+            out.send(200, _JSON, orjson.dumps({"object": "list", "data": self.state.models()}))
 
     async def metrics(self, request: Request, out: Response) -> None:
         out.send(200, _TEXT_METRICS, self.state.metrics.render())

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from lbd import policies
 from lbd.common.auth import key_lines, read_key_file
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, add_limit_arguments, check_limits, limits_from
 from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import add_tls_arguments, check_tls
@@ -117,6 +118,7 @@ class RouterConfig:
     forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
     dns_refresh_interval_s: float = 5.0
     min_ready_endpoints: int = 1
+    serving_health: bool = False  # /health and /v1/models 503 until a request would be served
     max_num_queued_reqs: int | None = None  # over every endpoint (see lbd.router.admission)
     max_num_queued_tokens: int | None = None
     shutdown_timeout_s: float = 5.0
@@ -128,6 +130,7 @@ class RouterConfig:
     api_key_file: Path | None = None
     forward_authorization: bool = False
     upstream_api_key: str | None = None
+    internal_key: str | None = field(default=None, repr=False)  # $LBD_INTERNAL_KEY: signs forwarded ids
     rate_limit_rps: float = 0.0
     rate_limit_tps: float = 0.0
     rate_limit_burst_s: float = 1.0
@@ -257,7 +260,8 @@ def make_parser() -> OneLineParser:
         default=None,
         help="send each request's token ids (the router tokenized it for the exact view) to the ranks that "
         "advertise they take ids of the same tokenizer and template, so they skip rendering and tokenizing "
-        "the prompt again (default: on with the exact view; needs --kv-events auto or on)",
+        "the prompt again (default: on with the exact view and $LBD_INTERNAL_KEY, the ranks' internal key "
+        "the ids are signed with; needs --kv-events auto or on)",
     )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(
@@ -286,6 +290,14 @@ def make_parser() -> OneLineParser:
         type=int,
         default=3,
         help="consecutive failures (probes, scrapes, connect errors, 5xx; never 4xx) that eject",
+    )
+    g.add_argument(
+        "--serving-health",
+        action="store_true",
+        help="/health and /v1/models answer 503 with the reason until a request would be served (an endpoint "
+        "is ready and its models are known), and a worker holds requests that arrive before then for up to "
+        "--retry-budget-s: what /health means on the vLLM server this router stands in for (lbd serve sets "
+        "it); without it /health is liveness. /readyz keeps its meaning (--min-ready-endpoints)",
     )
     add_outlier_arguments(g)
     g = p.add_argument_group("timeouts and retries")
@@ -391,6 +403,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         api_key_file=ns.api_key_file,
         forward_authorization=ns.forward_authorization,
         upstream_api_key=ns.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None,
+        internal_key=os.environ.get(INTERNAL_KEY_ENV, "").strip() or None,
         rate_limit_rps=ns.rate_limit_rps,
         rate_limit_tps=ns.rate_limit_tps,
         rate_limit_burst_s=ns.rate_limit_burst_s,
@@ -404,6 +417,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         ssl_cert_reqs=ns.ssl_cert_reqs,
         dns_refresh_interval_s=ns.dns_refresh_interval_s,
         min_ready_endpoints=ns.min_ready_endpoints,
+        serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
         shutdown_timeout_s=ns.shutdown_timeout,
@@ -454,6 +468,9 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
             p.error(f"{flag} must be >= 0, got {value}")
     if ns.forward_prompt_ids and ns.kv_events == "off":
         p.error("--forward-prompt-ids needs the exact view, which --kv-events off turns off: drop one")
+    if ns.forward_prompt_ids and not os.environ.get(INTERNAL_KEY_ENV, "").strip():
+        p.error(f"--forward-prompt-ids needs the ranks' internal key in ${INTERNAL_KEY_ENV} (the ids go "
+                "signed with it; ranks take no others): set it, the same as the ranks', or drop the flag")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port {ns.port} is out of range: use 0..65535")
     if not 0 <= ns.outlier_max_ejection_percent <= 100:

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from lbd.common.limits import peer_read_cap, read_upstream
 from lbd.router.config import Upstream, read_upstreams_file
 from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
@@ -148,7 +149,7 @@ class Monitor:
         async with asyncio.timeout(timeout):
             resp = await pool.request("GET", slash + path, headers, b"", timeout)
             try:
-                return resp.status, resp.raw_headers, await resp.read()
+                return resp.status, resp.raw_headers, await read_upstream(resp, peer_read_cap(path), what=url)
             finally:
                 resp.close()
 

@@ -24,12 +24,15 @@ from typing import TYPE_CHECKING
 import orjson
 
 from lbd.common.auth import ApiKey
+from lbd.common.limits import PeerReadTooLarge, read_upstream
 from lbd.policies import Decision, Refusal, RequestFacts, route
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
+from lbd.router.kv.forward import FIELD as FORWARDED_IDS
+from lbd.router.kv.forward import strip_client_copy
 from lbd.router.messages import Request, Response, serialize_headers
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
@@ -136,6 +139,8 @@ class Proxy:
                 facts, data = path_facts(request.path, request.headers), None
         except BadRequest as e:
             return self._refuse(out, 400, e.message, "BadRequestError", rid_header, e.param)
+        if data is not None and FORWARDED_IDS in data:  # only the router's own (signed) ids reach a rank
+            body = strip_client_copy(data)
         if key is not None and self.gate is not None and self.gate.limits_on:
             tokens = facts.prompt_tokens + (requested_tokens(body) if self.gate.counts_tokens else 0)
             wait = self.gate.admit(key, tokens, t0)
@@ -351,8 +356,8 @@ class Proxy:
         health signal, and retryable (the request never started there)."""
         try:
             async with asyncio.timeout(self.cfg.connect_timeout_s):
-                data = await upstream.read()
-        except (TimeoutError, UpstreamError):
+                data = await read_upstream(upstream, what=f"{ep.url}'s 503 answer")
+        except (TimeoutError, UpstreamError, PeerReadTooLarge):
             data = b""
         self.state.metrics.upstream_errors.labels(ep.url, "503").inc()
         ctype = upstream.content_type or "application/json"

@@ -139,6 +139,18 @@ class RouterState:
         """At least --min-ready-endpoints endpoints take traffic (/readyz)."""
         return self.ready_count() >= self.cfg.min_ready_endpoints
 
+    def not_serving(self) -> str | None:
+        """Why a request would not be served now (--serving-health), or None: an endpoint takes traffic and
+        its models are known (so /v1/models lists what a client may ask for)."""
+        if not self.order:
+            return "no endpoint is known yet"
+        for e in self.order:
+            if e.healthy and e.routable and not e.draining and (e.model_cards or e.models):
+                return None
+        states = ", ".join(f"{e.url} {e.state()}" + ("" if e.models else " (models not known yet)")
+                           for e in self.order[:8])
+        return f"no endpoint serves yet: {states}"
+
     def live_rows(self) -> Iterable[tuple[str, int, bool, float]]:
         now = self.loop.time()
         for ep in self.order:

@@ -29,6 +29,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from lbd.common.limits import read_aiohttp
 from lbd.common.tls import server_context
 from lbd.serve.group import Group, rendezvous, span
 from lbd.serve.member import REGISTERED, Membership, url_host
@@ -66,9 +67,10 @@ class LocalSupervisor:
         while True:
             try:
                 async with self.session().get(self.base + "/status") as resp:
-                    self.status, self.at, self.error = orjson.loads(await resp.read()), time.monotonic(), None
+                    body = await read_aiohttp(resp, timeout_s=2.0)
+                    self.status, self.at, self.error = orjson.loads(body), time.monotonic(), None
             except (OSError, aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as e:
-                self.error = f"the node's supervisor does not answer ({type(e).__name__})"
+                self.error = f"the node's supervisor does not answer ({type(e).__name__}: {e})"
             await asyncio.sleep(self.interval_s)
 
     def fresh(self) -> bool:
@@ -77,7 +79,7 @@ class LocalSupervisor:
     async def forward(self, method: str, path: str, headers: dict[str, str]) -> web.Response:
         try:
             async with self.session().request(method, self.base + path, headers=headers) as resp:
-                return web.Response(status=resp.status, body=await resp.read(),
+                return web.Response(status=resp.status, body=await read_aiohttp(resp, timeout_s=2.0),
                                     content_type=resp.content_type or "application/json")
         except (OSError, aiohttp.ClientError, TimeoutError) as e:
             return error_response(503, f"the node's supervisor does not answer: {type(e).__name__}")
@@ -86,7 +88,7 @@ class LocalSupervisor:
         with contextlib.suppress(OSError, aiohttp.ClientError, TimeoutError):
             async with self.session().get(self.base + "/metrics") as resp:
                 if resp.status == 200:
-                    return await resp.read()
+                    return await read_aiohttp(resp, timeout_s=2.0)
         return b""
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from lbd.common.auth import API_KEYS_ENV
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.tls import client_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.serve.group import Group
@@ -45,12 +46,13 @@ def free_loopback_port() -> int:
 def key_env(plan: Plan, child: str) -> dict[str, str]:
     """The API keys for a child's environment. The supervisor hands them to its ranks; the router asks its
     clients for the same keys and sends the first to the ranks (it does not forward the client's own)."""
+    internal = {INTERNAL_KEY_ENV: plan.internal_key} if plan.internal_key else {}
     if not plan.api_keys:
-        return {}
+        return internal
     keys = "\n".join(plan.api_keys)
     if child == "supervisor":
-        return {API_KEYS_ENV: keys}
-    return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0]}
+        return {API_KEYS_ENV: keys, **internal}
+    return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0], **internal}
 
 
 class Child:

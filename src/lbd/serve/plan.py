@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.internal_key import INTERNAL_KEY_ENV, derive_key
 from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
@@ -68,6 +70,9 @@ class Plan:
     # --api-key values, $VLLM_API_KEY and $LBD_API_KEYS: handed to the supervisor (its ranks) and the router
     # (its clients' keys, and the one it authenticates to the ranks with) in their environments
     api_keys: list[str] = field(default_factory=list, repr=False)
+    # signs the router's forwarded prompt ids for the ranks (lbd.common.internal_key): $LBD_INTERNAL_KEY, else
+    # derived from the cluster token (every node alike), else this node's own
+    internal_key: str = field(default="", repr=False)
     limits: Limits = field(default_factory=Limits)  # of the node's health port, as of every server of ours
     ssl_certfile: str | None = None  # TLS on every port of the node (one-node deployments only)
     ssl_keyfile: str | None = None
@@ -312,10 +317,18 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         + (_group_argv(ns, address, rpc_port) if moe_group else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
-        api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
+        api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env),
+        limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)
     return plan
+
+
+def _internal_key(env: dict[str, str]) -> str:
+    """The deployment's internal key: given, derived from the cluster token, or made here."""
+    given = env.get(INTERNAL_KEY_ENV, "").strip()
+    token = env.get(CLUSTER_TOKEN_ENV)
+    return given or (derive_key(token) if token else secrets.token_hex(32))
 
 
 def _check_ports(ns: argparse.Namespace, role: str, local: int, rank_port: int, rank_host: str | None,
@@ -374,7 +387,8 @@ def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
             "--health-check-timeout-s", str(ns.dp_supervisor_probe_timeout_s),
             "--health-failure-threshold", str(ns.dp_supervisor_probe_failure_threshold),
             "--supervisor-poll-interval-s", str(min(0.5, interval)),
-            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level]
+            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level,
+            "--serving-health"]  # the API port stands in for a vLLM server: /health means a request is served
     for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
                         ("--ssl-ca-certs", ns.ssl_ca_certs)):
         if value is not None:

@@ -20,10 +20,17 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, limits_from
+from lbd.engine.config.architectures import is_moe
 from lbd.engine.config.args import add_engine_arguments, engine_args_from_namespace, validate
 from lbd.engine.config.layout import parse_partition
-from lbd.engine.config.parallel import ParallelConfigError, check_model, model_facts
+from lbd.engine.config.parallel import (
+    ParallelConfigError,
+    check_model,
+    dense_model_flags_problem,
+    model_facts,
+)
 from lbd.engine.config.placement import format_cpus, split_cpus, visible_cuda_devices
 from lbd.supervisor.engines import (
     ENGINES,
@@ -422,9 +429,13 @@ def _check_model(ns: argparse.Namespace) -> None:
     """The model against the flags (TP/PP support and sizes, the KV-cache dtype), when its config.json can
     be read without converting anything (a GGUF never converted is checked by the ranks, which exit 2
     before binding their ports, and the supervisor exits 2 too)."""
+    facts = model_facts(ns.model)
+    if facts is not None and not is_moe(facts.architectures):
+        problem = dense_model_flags_problem(ns.all2all_backend, ns.dp_idle_check_steps, facts.name)
+        if problem:
+            raise SupervisorArgError(problem)
     if ns.device == "sim":
         return
-    facts = model_facts(ns.model)
     if facts is not None:
         try:
             check_model(ns.tensor_parallel_size, ns.pipeline_parallel_size,
@@ -463,6 +474,8 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         except EngineFlagError as e:
             raise SupervisorArgError(str(e)) from None
         child_env.update(secrets)
+        if ns.rank_engine == "lbd" and ns.rank_command is None and env.get(INTERNAL_KEY_ENV):
+            child_env[INTERNAL_KEY_ENV] = env[INTERNAL_KEY_ENV]  # a Ray-placed rank inherits nothing of ours
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
                               probe_host=probe_host_for(ns.host), bind_host=ns.host,
@@ -488,6 +501,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
     ray = ns.data_parallel_backend == "ray"
     try:
+        if not ray and ns.ray_dp_pack_strategy != "strict":
+            raise SupervisorArgError(f"--ray-dp-pack-strategy {ns.ray_dp_pack_strategy} places ranks on Ray "
+                                     "nodes and does nothing with --data-parallel-backend mp: add "
+                                     "--data-parallel-backend ray, or drop the flag")
         if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
             (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
         else:

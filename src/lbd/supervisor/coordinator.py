@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from lbd.common.limits import read_aiohttp
 from lbd.supervisor.moe import GroupSpec
 from lbd.supervisor.process import child_setup
 
@@ -126,7 +127,7 @@ class Coordinator:
         while True:
             try:
                 async with self._client().get(self.url + "/status") as resp:
-                    body = await resp.read()
+                    body = await read_aiohttp(resp)
                     if resp.status != 200:
                         raise ValueError(f"/status answered {resp.status}")
                     self.status, self.status_at, self.error = orjson.loads(body), time.monotonic(), None
@@ -159,7 +160,7 @@ class Coordinator:
                         f"{self.url}/members/{rank}/failed", data=body,
                         headers={"Content-Type": "application/json"},
                         timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)) as resp:
-                    answer = await resp.read()
+                    answer = await read_aiohttp(resp)
                     if resp.status == 200:
                         log.info("DP coordinator: member %d reported failed: %s", rank, answer.decode()[:200])
                         return True

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from lbd.common.limits import PeerReadTooLarge, read_aiohttp
+
 # (running, waiting) gauges of the engines a rank may run: vLLM's names (lbd's too), SGLang's
 _IN_FLIGHT = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
               ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
@@ -55,12 +57,12 @@ class Prober:
         start = time.perf_counter()
         try:
             async with self._client().request(method, url, **kw) as resp:
-                body = await resp.read()
+                body = await read_aiohttp(resp)
                 return resp.status, body, time.perf_counter() - start, resp.headers.get(GROUP_STATE_HEADER)
         except TimeoutError:
             return ProbeResult(False, time.perf_counter() - start, None, timeout_reason,
                                f"{timeout_what} within {self.timeout.total:g} s")
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, PeerReadTooLarge) as e:
             return ProbeResult(False, time.perf_counter() - start, None, CONNECTION, _short(e))
 
     async def health(self, base_url: str) -> ProbeResult:
@@ -97,9 +99,9 @@ class Prober:
         try:
             async with self._client().get(base_url + "/kv_event_sources") as resp:
                 if resp.status == 200:
-                    body = orjson.loads(await resp.read())
+                    body = orjson.loads(await read_aiohttp(resp))
                     return body if isinstance(body, dict) else None
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError):
             pass
         return None
 
@@ -109,17 +111,18 @@ class Prober:
         try:
             async with self._client().get(base_url + "/load") as resp:
                 if resp.status == 200:
-                    return int(orjson.loads(await resp.read())["server_load"])
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+                    return int(orjson.loads(await read_aiohttp(resp))["server_load"])
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
+                orjson.JSONDecodeError):
             pass
         try:
             async with self._client().get(base_url + "/metrics") as resp:
                 if resp.status == 200:
-                    text = await resp.text()
+                    text = (await read_aiohttp(resp)).decode("utf-8", "replace")
                     for running, waiting in _IN_FLIGHT:
                         if running in text:
                             return int(_metric_sum(text, running) + _metric_sum(text, waiting))
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             pass
         return None
 

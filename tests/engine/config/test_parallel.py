@@ -73,6 +73,10 @@ CASES = [
     ("ray-executor-sim", "tiny", ["--device", "sim", "--distributed-executor-backend", "ray"],
      ["--distributed-executor-backend ray places real devices", "--device cpu"]),
     ("expert-parallel", "tiny", ["--enable-expert-parallel"], ["--enable-expert-parallel", "dense"]),
+    ("all2all-dense", "tiny", ["--all2all-backend", "allgather_reducescatter"],
+     ["--all2all-backend allgather_reducescatter", "dense model", "drop the flag"]),
+    ("idle-check-dense", "tiny", ["--dp-idle-check-steps", "8"],
+     ["--dp-idle-check-steps 8", "dense model", "drop the flag"]),
     ("timeout", "tiny", ["--distributed-timeout-s", "0"], ["--distributed-timeout-s must be > 0"]),
     ("sim-device", "tiny", ["--device", "sim", "--pipeline-parallel-size", "2"],
      ["--device sim simulates one device"]),
@@ -267,6 +271,7 @@ def _walk_all2all_backend(model: Path) -> None:
     from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
 
     _exit_2(_one_rank("--all2all-backend", "alltoall"))  # without --enable-expert-parallel
+    _dense_refuses(model, "--all2all-backend", "allgather_reducescatter")
     def all_to_all(*argv: str) -> bool:
         plan = ExpertPlan.from_args(_moe_rank(*argv))
         return ExpertDispatcher(plan, plan.shard(8), torch.device("cpu")).uses_all_to_all
@@ -276,10 +281,21 @@ def _walk_all2all_backend(model: Path) -> None:
     assert not all_to_all()  # tensor-parallel experts always gather
 
 
+def _dense_refuses(model: Path, *flags: str) -> None:
+    """An MoE-only flag on a dense model: refused by one rank, lbd supervise and an lbd serve deployment."""
+    from lbd.engine.config.parallel import ParallelConfigError, check_rank, model_facts
+
+    with pytest.raises(ParallelConfigError, match=flags[0]):
+        check_rank(_serve("--model", str(model), *flags), model_facts(str(model)), {})
+    _exit_2(lambda: _supervise("--model", str(model), *flags),
+             lambda: _deploy("--model", str(model), "--data-parallel-size", "2", *flags))
+
+
 def _walk_idle_check_steps(model: Path) -> None:
     from lbd.engine.dp.wave import Wave
 
     _exit_2(_one_rank("--dp-idle-check-steps", "0"))
+    _dense_refuses(model, "--dp-idle-check-steps", "8")
     wave = Wave(_moe_rank("--dp-idle-check-steps", "3").dp_idle_check_steps)
     wave.start()
     assert [wave.stepped(dummy=False) for _ in range(6)] == [False, False, True] * 2  # all-reduce each 3rd
@@ -330,6 +346,15 @@ def _walk_backend(model: Path) -> None:
     assert _supervise("--data-parallel-size", "2", "--data-parallel-backend", "ray").backend == "ray"
     assert "--data-parallel-backend=ray" in _deploy("--data-parallel-size", "2", "--data-parallel-backend",
                                                     "ray").supervise_argv  # ranks placed through Ray
+
+
+def _walk_ray_pack(model: Path) -> None:
+    ray = ["--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+    assert _supervise(*ray, "--ray-dp-pack-strategy", "fill").ray_pack_strategy == "fill"  # Ray placement
+    assert "--ray-dp-pack-strategy=fill" in _deploy(*ray, "--ray-dp-pack-strategy", "fill").supervise_argv
+    _exit_2(lambda: _supervise("--data-parallel-size", "2", "--ray-dp-pack-strategy", "fill"),  # no Ray
+             lambda: _deploy("--data-parallel-size", "2", "--ray-dp-pack-strategy", "fill"),
+             lambda: _deploy("--ray-dp-pack-strategy", "fill"))  # one rank
 
 
 def _walk_headless(model: Path) -> None:
@@ -386,6 +411,7 @@ WALK: dict[str, Callable[[Path], None]] = {
     "--data-parallel-supervisor-port": _walk_supervisor_port,
     "--data-parallel-multi-port-external-lb": _walk_external_lb,
     "--data-parallel-backend": _walk_backend,
+    "--ray-dp-pack-strategy": _walk_ray_pack,
     "--headless": _walk_headless,
     "--data-parallel-hybrid-lb": _walk_hybrid,
     "--data-parallel-advertise-address": _walk_advertise,
@@ -402,7 +428,7 @@ def _parallelism_flags(parser: argparse.ArgumentParser) -> set[str]:
         for action in group._group_actions:
             for flag in action.option_strings:
                 if ("parallel" in (group.title or "") or "parallel" in flag
-                        or flag in ("--node-rank", "--rank-port", "--headless")):
+                        or flag in ("--node-rank", "--rank-port", "--headless", "--ray-dp-pack-strategy")):
                     flags.add(flag)
     return flags - {"--no-data-parallel-hybrid-lb"}
 

@@ -2,6 +2,8 @@
 the tiny Llama.
 
 - /tokenizer_info advertises the field and the fingerprint: the sha256 of the rest of that answer;
+- the field is taken only signed with the rank's internal key (lbd.common.internal_key): unsigned, forged or
+  at a rank without a key, it is a 400 that changes nothing (no counter, forwarding stays on);
 - ids with the right fingerprint are run as sent (the answer is the one the rank's own tokenization gives);
   ids with another fingerprint are ignored; a malformed field or ids outside the vocabulary are a 400;
 - the first prompts are verified against the rank's own tokenization: a mismatch runs the rank's ids and
@@ -20,8 +22,10 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from lbd.common.internal_key import INTERNAL_KEY_ENV, IdsSigner
 from lbd.engine.metrics import FORWARD_OUTCOMES
 from lbd.engine.server import forwarded
+from lbd.engine.server.errors import APIError
 from lbd.engine.server.forwarded import FIELD, ForwardedPrompts
 from support import EngineServer, metric_value
 
@@ -29,12 +33,20 @@ MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "Name a river."}]
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+KEY = "internal-key-of-this-test"
+SIGNER = IdsSigner(KEY)
+
+
+def signed(ids: list[int], fp: str, signer: IdsSigner = SIGNER) -> dict:
+    """The field as a router holding ``signer``'s key sends it."""
+    return {"ids": ids, "tokenizer": fp, "sig": signer.sign(orjson.dumps(ids), fp)}
 
 
 @pytest.fixture(scope="module")
 def http(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     log = tmp_path_factory.mktemp("forwarded") / "server.log"
-    srv = EngineServer(tiny_llama, "--kv-cache-memory-bytes", "32MiB", "--served-model-name", MODEL, log=log)
+    srv = EngineServer(tiny_llama, "--kv-cache-memory-bytes", "32MiB", "--served-model-name", MODEL, log=log,
+                       env={INTERNAL_KEY_ENV: KEY})
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60) as c:
             yield c
@@ -55,14 +67,14 @@ def chat(http: httpx.Client, extra: dict | None = None, messages: list | None = 
 def test_forwarded_ids_are_run_checked_and_verified(http: httpx.Client) -> None:
     info = http.get("/tokenizer_info").json()
     entry = info.pop("prompt_token_ids")
-    assert entry["field"] == FIELD
+    assert entry["field"] == FIELD and entry["key_id"] == SIGNER.key_id
     fp = entry["fingerprint"]
     assert fp == hashlib.sha256(orjson.dumps(info, option=orjson.OPT_SORT_KEYS)).hexdigest()
     ids = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()["tokens"]
     plain = chat(http).json()
 
     # right fingerprint: run as sent, same answer as the rank's own tokenization (verified: among the first)
-    sent = chat(http, {FIELD: {"ids": ids, "tokenizer": fp}})
+    sent = chat(http, {FIELD: signed(ids, fp)})
     assert sent.status_code == 200, sent.text
     assert sent.json()["choices"][0]["message"] == plain["choices"][0]["message"]
     assert sent.json()["usage"]["prompt_tokens"] == len(ids)
@@ -71,35 +83,59 @@ def test_forwarded_ids_are_run_checked_and_verified(http: httpx.Client) -> None:
     text = "The capital of France is"
     text_ids = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, **GREEDY,
-                                           FIELD: {"ids": text_ids, "tokenizer": fp}})
+                                           FIELD: signed(text_ids, fp)})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(text_ids), r.text
     assert outcomes(http)["used"] == 2
 
     # another fingerprint: ignored, the rank tokenizes
-    other = chat(http, {FIELD: {"ids": [5, 6, 7], "tokenizer": "0" * 64}})
+    other = chat(http, {FIELD: signed([5, 6, 7], "0" * 64)})
     assert other.status_code == 200 and other.json()["usage"]["prompt_tokens"] == len(ids), other.text
     assert outcomes(http)["other_tokenizer"] == 1
 
     # malformed: a 400 that names the field; nothing else is harmed
-    for bad in ({"ids": "1,2,3", "tokenizer": fp}, [1, 2, 3], {"ids": [1, 10**9], "tokenizer": fp},
-                {"ids": [], "tokenizer": fp}, {"ids": [1, "2"], "tokenizer": fp}):
+    for bad in ({"ids": "1,2,3", "tokenizer": fp}, [1, 2, 3], signed([1, 10**9], fp), signed([], fp),
+                {"ids": [1, "2"], "tokenizer": fp}):
         r = chat(http, {FIELD: bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == FIELD, (bad, r.text)
     assert chat(http).status_code == 200
 
+    # unsigned, forged, signed with another key, or signed for other ids: a 400 naming the field, which
+    # changes nothing (wrong ids among the first verified ones: taken, they would turn forwarding off)
+    before = outcomes(http)
+    forged = {**signed(ids, fp), "ids": ids[:-2]}
+    for bad in ({"ids": ids[:-2], "tokenizer": fp}, {**signed(ids[:-2], fp), "sig": "0" * 64}, forged,
+                signed(ids[:-2], fp, IdsSigner("a client's guess"))):
+        r = chat(http, {FIELD: bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == FIELD, (bad, r.text)
+        assert "internal key" in r.json()["error"]["message"]
+    assert outcomes(http) == before
+    assert chat(http, {FIELD: signed(ids, fp)}).status_code == 200 and outcomes(http)["used"] == 3
+
     # a mismatch among the verified ones: the rank's own ids are run, and forwarding goes off
-    wrong = chat(http, {FIELD: {"ids": ids[:-2], "tokenizer": fp}})
+    wrong = chat(http, {FIELD: signed(ids[:-2], fp)})
     assert wrong.status_code == 200 and wrong.json()["usage"]["prompt_tokens"] == len(ids), wrong.text
     assert wrong.json()["choices"][0]["message"] == plain["choices"][0]["message"]
     assert outcomes(http)["mismatch"] == 1
-    after = chat(http, {FIELD: {"ids": ids, "tokenizer": fp}})
+    after = chat(http, {FIELD: signed(ids, fp)})
     assert after.status_code == 200 and outcomes(http)["disabled"] == 1
+
+
+def test_a_rank_without_an_internal_key_refuses_the_field() -> None:
+    registry = CollectorRegistry()
+    c = Counter("fwd", "test", ("outcome",), registry=registry)
+    fwd = ForwardedPrompts("f" * 64, 100, {o: c.labels(outcome=o) for o in FORWARD_OUTCOMES})
+    assert fwd.key_id is None  # /tokenizer_info advertises no key: no router sends it ids
+    for sent in ({"ids": [1, 2], "tokenizer": "f" * 64}, signed([1, 2], "f" * 64)):
+        with pytest.raises(APIError) as e:
+            fwd.take({FIELD: sent})
+        assert e.value.status == 400 and e.value.param == FIELD and INTERNAL_KEY_ENV in e.value.message
+    assert fwd.enabled and fwd.take({"messages": []}) is None
 
 
 def test_later_prompts_are_sampled_and_a_mismatch_turns_forwarding_off() -> None:
     registry = CollectorRegistry()
     c = Counter("fwd", "test", ("outcome",), registry=registry)
-    fwd = ForwardedPrompts("f" * 64, 100, {o: c.labels(outcome=o) for o in FORWARD_OUTCOMES})
+    fwd = ForwardedPrompts("f" * 64, 100, {o: c.labels(outcome=o) for o in FORWARD_OUTCOMES}, SIGNER)
     checked: list[int] = []
 
     async def run() -> None:
@@ -110,11 +146,11 @@ def test_later_prompts_are_sampled_and_a_mismatch_turns_forwarding_off() -> None
                 checked.append(n)
                 return [1, 2, 3]
 
-            assert fwd.take({FIELD: {"ids": ids, "tokenizer": "f" * 64}}) == ids
+            assert fwd.take({FIELD: signed(ids, "f" * 64)}) == ids
             assert await fwd.resolve(ids, own) == ids  # past the first few, the ids run as sent
         await asyncio.gather(*fwd._tasks)
 
     asyncio.run(run())
     assert checked == [*range(1, forwarded.VERIFY_FIRST + 1), forwarded.VERIFY_EVERY]
     assert not fwd.enabled and registry.get_sample_value("fwd_total", {"outcome": "mismatch"}) == 1
-    assert fwd.take({FIELD: {"ids": [1], "tokenizer": "f" * 64}}) is None  # off: the rank tokenizes again
+    assert fwd.take({FIELD: signed([1], "f" * 64)}) is None  # off: the rank tokenizes again

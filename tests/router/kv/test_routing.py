@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.router.kv.tokenize import RouterTokenizer
 from support import metric_value
 from support.node import SupervisorNode
@@ -51,6 +53,16 @@ FAST = (
     "--debug-headers",
 )
 SYSTEM = "You are a careful assistant who answers questions about rivers, lakes and the sea. " * 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def internal_key() -> Iterator[None]:
+    """The ranks and the routers share an internal key (inherited), so the routers' ids are taken."""
+    os.environ[INTERNAL_KEY_ENV] = "kv-routing-internal-key"
+    try:
+        yield
+    finally:
+        os.environ.pop(INTERNAL_KEY_ENV, None)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,20 @@ import msgspec
 import orjson
 import pytest
 
+from lbd.common.internal_key import IdsSigner
 from lbd.engine.config.kv_events import KVEventsConfig
 from lbd.engine.kv_events.publisher import ZmqEventPublisher
 from lbd.engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.forward import FIELD, ExactPrompt, _JsonMemo, advertised, forwardable, with_ids
+from lbd.router.kv.forward import (
+    FIELD,
+    ExactPrompt,
+    _JsonMemo,
+    advertised,
+    forwardable,
+    strip_client_copy,
+    with_ids,
+)
 from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys
 from lbd.router.kv.view import EndpointView, ExactView, subscribe_address
 from lbd.router.kv.wire import decode_batch
@@ -225,18 +234,23 @@ def test_shared_pending_checkpoints_cross_workers() -> None:
     assert expired.slots(1) == []
 
 
-def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> None:
+def test_prompt_ids_are_spliced_in_signed_for_endpoints_of_their_tokenizer_and_key_only() -> None:
     prompt = ExactPrompt([[1, 2], array("i", [3, 4])], "ab12")
-    bodies = (b'{"model": "m", "messages": []}', b'{"messages": [], "lbd_prompt_token_ids": 7}  \n', b"{}")
+    signer, other = IdsSigner("internal"), IdsSigner("another")
+    sig = signer.sign(b"[1,2,3,4]", "ab12")
+    assert signer.verify(b"[1,2,3,4]", "ab12", sig) and not other.verify(b"[1,2,3,4]", "ab12", sig)
+    assert not signer.verify(b"[1,2,3,5]", "ab12", sig) and not signer.verify(b"[1,2,3,4]", "cd34", sig)
+    assert signer.key_id != other.key_id and "internal" not in signer.key_id
+    bodies = (b'{"model": "m", "messages": []}', b'{"messages": [], "n": 7}  \n', b"{}")
     for body in bodies:
-        out = with_ids(body, prompt)
+        out = with_ids(body, prompt, signer)
         assert out is not None
-        data = orjson.loads(out)  # still one JSON object; the client's own copy of the field is overridden
-        assert data[FIELD] == {"ids": [1, 2, 3, 4], "tokenizer": "ab12"}
-        assert {k: v for k, v in data.items() if k != FIELD} == {
-            k: v for k, v in orjson.loads(body).items() if k != FIELD
-        }
-    assert with_ids(b"[1, 2]", prompt) is None
+        data = orjson.loads(out)  # still one JSON object
+        assert data[FIELD] == {"ids": [1, 2, 3, 4], "tokenizer": "ab12", "sig": sig}
+        assert {k: v for k, v in data.items() if k != FIELD} == orjson.loads(body)
+    assert with_ids(b"[1, 2]", prompt, signer) is None
+    client = {"messages": [], FIELD: {"ids": [9], "tokenizer": "ab12"}}
+    assert orjson.loads(strip_client_copy(client)) == {"messages": []}
     # long pieces keep their JSON text (by piece object, LRU by bytes): the same ids however often it is used
     memo = _JsonMemo(max_bytes=600)
     long_a, long_b = array("i", range(100, 200)), array("i", range(300, 400))
@@ -245,10 +259,11 @@ def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> No
     assert memo.bytes <= 600 and len(memo._memo) == 1  # 400 bytes a piece: the older one went
     long_prompt = ExactPrompt([[1], long_a, [], long_b], "ab12")
     for _ in range(2):
-        assert orjson.loads(with_ids(b"{}", long_prompt))[FIELD]["ids"] == [1, *long_a, *long_b]
+        assert orjson.loads(with_ids(b"{}", long_prompt, signer))[FIELD]["ids"] == [1, *long_a, *long_b]
 
-    info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12"}}
-    assert advertised(info) == "ab12"
+    info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12", "key_id": signer.key_id}}
+    assert advertised(info) == "ab12" and advertised(info, signer.key_id) == "ab12"
+    assert advertised(info, other.key_id) is None  # a rank of another key: no ids (it would refuse them)
     for bad in ({}, {"prompt_token_ids": {"field": "other", "fingerprint": "ab12"}},
                 {"prompt_token_ids": {"field": FIELD, "fingerprint": 'x"}'}}, []):
         assert advertised(bad) is None
@@ -258,7 +273,8 @@ def test_prompt_ids_are_spliced_in_for_endpoints_of_their_tokenizer_only() -> No
         assert not forwardable(body), body
 
     CHAT = "/v1/chat/completions"  # noqa: N806
-    view = ExactView("auto", None, 1.0, 1.0)  # type: ignore[arg-type]
+    assert ExactView("auto", None, 1.0, 1.0).signer is None  # type: ignore[arg-type]  # no key: no ids
+    view = ExactView("auto", None, 1.0, 1.0, signer=signer)  # type: ignore[arg-type]
     for url, fp in (("http://a:1", "ab12"), ("http://b:1", "cd34"), ("http://c:1", None)):
         view.views[url] = EndpointView(url, frozenset, EndpointBlocks(view.index, 0), takes_ids=fp)
     body = b'{"prompt": "hi"}'

@@ -165,6 +165,21 @@ def check_rank(args: EngineArgs, facts: ModelFacts | None, env: dict[str, str]) 
     return check_devices(tp, pp, cuda, env.get("CUDA_VISIBLE_DEVICES", "<unset>"), cpus)
 
 
+# the MoE-only flags' defaults (lbd.engine.config.args): a dense model refuses anything else
+MOE_ONLY_DEFAULTS = {"--all2all-backend": "auto", "--dp-idle-check-steps": 32}
+
+
+def dense_model_flags_problem(all2all_backend: str, dp_idle_check_steps: int, name: str) -> str | None:
+    """An MoE-only flag set on a dense model, where it has no effect (no experts to move tokens to, no DP
+    group whose waves end): the refusal, naming the flag and the fix; None when both are at their defaults."""
+    given = {"--all2all-backend": all2all_backend, "--dp-idle-check-steps": dp_idle_check_steps}
+    for flag, value in given.items():
+        if value != MOE_ONLY_DEFAULTS[flag]:
+            return (f"{flag} {value}: {name} is a dense model (no experts, no MoE DP group), so it would do "
+                    "nothing: drop the flag")
+    return None
+
+
 def check_dp_group(args: EngineArgs, facts: ModelFacts) -> None:
     """The MoE DP-group flags against the model: a dense model has no group (and no experts to spread); an
     MoE model served by N > 1 ranks needs the group's address; tensor-parallel experts must split evenly."""
@@ -173,6 +188,9 @@ def check_dp_group(args: EngineArgs, facts: ModelFacts) -> None:
     moe = is_moe(facts.architectures)
     grouped = args.data_parallel_address is not None
     if not moe:
+        problem = dense_model_flags_problem(args.all2all_backend, args.dp_idle_check_steps, facts.name)
+        if problem:
+            raise ParallelConfigError(problem)
         if args.enable_expert_parallel:
             raise ParallelConfigError(
                 f"--enable-expert-parallel: {facts.name} is a dense model (no experts): drop the flag")

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from lbd.common.aio_guard import GuardedAppRunner
 from lbd.common.auth import PUBLIC_PATHS, KeyRing, engine_keys
+from lbd.common.internal_key import signer_from
 from lbd.common.limits import limits_from, raise_open_files_limit
 from lbd.common.tls import server_context
 from lbd.engine.config.args import EngineArgs
@@ -106,7 +107,7 @@ class Frontend:
         info = await self.client.hello(hello_timeout)
         metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
         forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
-                                     metrics.forwarded_prompts)
+                                     metrics.forwarded_prompts, signer_from(os.environ))
         self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
                                    self._response_store(), forwarded, self.index)
         if self.args.otlp_traces_endpoint:

@@ -76,7 +76,8 @@ def tokenizer_info_body(tok: Tokenizer) -> dict[str, Any]:
 async def tokenizer_info(request: web.Request) -> web.Response:
     state = state_of(request)
     body = tokenizer_info_body(state.tokenizer)
-    body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint}
+    body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint,
+                                "key_id": state.forwarded.key_id}  # ids must be signed with that key
     return json_response(body)
 
 

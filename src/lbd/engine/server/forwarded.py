@@ -15,8 +15,14 @@ template) are ignored and the rank tokenizes as usual. The ids are checked like 
 ``VERIFY_FIRST`` forwarded prompts are also rendered and tokenized here and compared before use, then one in
 ``VERIFY_EVERY`` after its request has started; a mismatch turns forwarding off in this front end (an error
 in the log, ``lbd:forwarded_prompts_total{outcome="mismatch"}``) and that request, when checked before use,
-runs on the rank's own ids. A client may send the field itself: it can do nothing /v1/completions with a token
-prompt does not already allow.
+runs on the rank's own ids.
+
+Only the router may send the field: a client's ids, wrong on purpose, would turn forwarding off for every
+tenant. The router signs the ids with the rank's internal key (lbd.common.internal_key: ``"sig"``, an
+HMAC over the ids and the fingerprint) and strips any copy a client put in its own body; the rank refuses
+the field with a 400 when the signature is missing or wrong, and when it holds no internal key at all
+(``$LBD_INTERNAL_KEY`` unset: no router's ids can be told from a client's). ``/tokenizer_info`` advertises
+the key's id (None without a key), so a router holding another key sends no ids rather than refused ones.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 import orjson
 from prometheus_client import Counter
 
+from lbd.common.internal_key import INTERNAL_KEY_ENV, IdsSigner
 from lbd.engine.server.errors import bad_request
 from lbd.engine.server.fields import is_int_list
 
@@ -48,8 +55,11 @@ def fingerprint(tokenizer_info: dict[str, Any]) -> str:
 class ForwardedPrompts:
     """One front end's use of forwarded ids: the fingerprint it accepts, verification, counters."""
 
-    def __init__(self, tokenizer_fingerprint: str, vocab_size: int, counters: dict[str, Counter]) -> None:
+    def __init__(self, tokenizer_fingerprint: str, vocab_size: int, counters: dict[str, Counter],
+                 signer: IdsSigner | None = None) -> None:
         self.fingerprint = tokenizer_fingerprint
+        self.signer = signer  # the internal key: ids without its signature are refused
+        self.key_id = signer.key_id if signer is not None else None
         self.vocab_size = vocab_size
         self.enabled = True
         self.accepted = 0
@@ -66,6 +76,7 @@ class ForwardedPrompts:
         if not isinstance(sent, dict) or not isinstance(sent.get("ids"), list):
             raise bad_request(f"'{FIELD}' must be an object with 'ids' (a list of token ids) and 'tokenizer' "
                               "(the fingerprint from GET /tokenizer_info)", FIELD)
+        self._check_signature(sent)
         if sent.get("tokenizer") != self.fingerprint:
             self._count["other_tokenizer"].inc()
             return None
@@ -78,6 +89,20 @@ class ForwardedPrompts:
             raise bad_request(f"'{FIELD}.ids' must be a non-empty list of token ids below the vocabulary "
                               f"size ({vocab})", FIELD)
         return ids
+
+    def _check_signature(self, sent: dict[str, Any]) -> None:
+        """A 400 unless the field is signed with this rank's internal key (only its router holds it)."""
+        if self.signer is None:
+            raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, and "
+                              f"this rank has none (${INTERNAL_KEY_ENV}): drop the field", FIELD)
+        ids, fp = sent["ids"], sent.get("tokenizer")
+        try:
+            text = orjson.dumps(ids) if is_int_list(ids) else None
+        except orjson.JSONEncodeError:  # an integer beyond 64 bits
+            text = None
+        if text is None or not isinstance(fp, str) or not self.signer.verify(text, fp, sent.get("sig")):
+            raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key "
+                              "(its signature is missing or wrong): drop the field", FIELD)
 
     async def resolve(self, ids: list[int], own: Callable[[], Awaitable[list[int]]]) -> list[int]:
         """The ids to run: ``ids``, checked against ``own()`` (the rank's tokenization) first for the first

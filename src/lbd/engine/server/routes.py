@@ -27,6 +27,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 async def models(request: web.Request) -> web.Response:
     state = state_of(request)
+    state.check_available()  # as /health: listed only when a request for them would be served
     data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "lbd",
              "root": state.info.model_path, "parent": None, "max_model_len": state.info.max_model_len,
              "permission": []} for name in state.args.model_names]

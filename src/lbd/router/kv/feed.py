@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from lbd.common.limits import PEER_MESSAGE_MAX_BYTES
 from lbd.router.kv.index import EndpointBlocks
 from lbd.router.kv.wire import BadPayload, decode_batch
 
@@ -89,6 +90,7 @@ class EventFeed:
     async def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_MAX_BYTES)  # a larger one drops the publisher
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         if "[" in self.source.endpoint:
             sub.setsockopt(zmq.IPV6, 1)
@@ -187,6 +189,7 @@ class EventFeed:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_MAX_BYTES)
         first = None
         try:
             dealer.connect(self.source.replay_endpoint)

@@ -7,14 +7,16 @@ would render and tokenize the whole prompt again before its prefill. A rank of l
 template they must come from. The router learns its tokenizer from that same answer, so it sends the ids to
 a rank only when the rank's fingerprint is the one its tokenizer was built from (any other rank, or a vLLM
 one, gets the body unchanged), and the rank checks the fingerprint again (and verifies the first few prompts
-and a sample after them against its own tokenization).
+and a sample after them against its own tokenization). The ids go signed with the internal key
+(lbd.common.internal_key), and only to ranks that advertise that key's id: a rank takes no unsigned ids, and
+the router strips a client's own copy of the field from every body (``strip_client_copy``), so no client can
+make a rank run, or distrust, ids of its choosing.
 
 Only generation requests (``PATHS``: /tokenize and the rest tokenize for themselves), and only prompts the
 router renders exactly as Hugging Face's ``apply_chat_template`` does go: chat requests
 without tools, template kwargs or ``continue_final_message`` (the router renders those too, for routing, where
 a small difference costs a cache hit, not a different prompt), and completions with one text prompt. The body
-is not parsed again: the field is spliced in before its closing brace (a JSON object's last key wins, so a
-client's own copy of the field is overridden).
+is not parsed again: the field is spliced in before its closing brace.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from lbd.common.internal_key import IdsSigner
 
 FIELD = "lbd_prompt_token_ids"  # the engine's name for it (lbd.engine.server.forwarded.FIELD)
 _FIELD = FIELD.encode()
@@ -41,10 +45,13 @@ class ExactPrompt:
     fingerprint: str
 
 
-def advertised(info: Any) -> str | None:
-    """The fingerprint a rank's /tokenizer_info says forwarded ids must carry (None: it takes none)."""
+def advertised(info: Any, key_id: str | None = None) -> str | None:
+    """The fingerprint a rank's /tokenizer_info says forwarded ids must carry (None: it takes none); with
+    ``key_id``, only when the rank's internal key is the one of that id."""
     entry = info.get("prompt_token_ids") if isinstance(info, dict) else None
     if not isinstance(entry, dict) or entry.get("field") != FIELD:
+        return None
+    if key_id is not None and entry.get("key_id") != key_id:
         return None
     fp = entry.get("fingerprint")
     return fp if isinstance(fp, str) and fp.isascii() and fp.isalnum() else None
@@ -88,12 +95,21 @@ class _JsonMemo:
 _memo = _JsonMemo(MEMO_BYTES)
 
 
-def with_ids(body: bytes, prompt: ExactPrompt) -> bytes | None:
-    """``body`` with the field added, or None when it does not end as a JSON object."""
+def with_ids(body: bytes, prompt: ExactPrompt, signer: IdsSigner) -> bytes | None:
+    """``body`` with the field added (signed), or None when it does not end as a JSON object."""
     end = body.rstrip()
     if not end.endswith(b"}"):
         return None
     inner = end[:-1].rstrip()
-    ids = b",".join(t for t in map(_memo.text, prompt.pieces) if t)
-    field = b'"%s":{"ids":[%s],"tokenizer":"%s"}}' % (_FIELD, ids, prompt.fingerprint.encode())
+    ids = b"[%s]" % b",".join(t for t in map(_memo.text, prompt.pieces) if t)
+    fp = prompt.fingerprint
+    field = b'"%s":{"ids":%s,"tokenizer":"%s","sig":"%s"}}' % (_FIELD, ids, fp.encode(),
+                                                               signer.sign(ids, fp).encode())
     return inner + (b"" if inner.endswith(b"{") else b",") + field
+
+
+def strip_client_copy(data: dict[str, Any]) -> bytes:
+    """The body of a request whose client sent the field itself, without it (only the router's own ids may
+    reach a rank); called only when ``FIELD in data``, so other bodies are passed on byte for byte."""
+    del data[FIELD]
+    return orjson.dumps(data)

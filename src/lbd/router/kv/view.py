@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from lbd.common.internal_key import IdsSigner
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, with_ids
 from lbd.router.kv.index import BlockIndex, EndpointBlocks
@@ -92,9 +93,12 @@ class ExactView:
         local_tokenizer: RouterTokenizer | None = None,
         shared: SharedPending | None = None,
         forward_ids: bool = True,
+        signer: IdsSigner | None = None,
     ) -> None:
         self.mode = mode
-        self.forward_ids = forward_ids  # --forward-prompt-ids
+        # --forward-prompt-ids, with the internal key that ranks check the ids' signature with
+        self.signer = signer if forward_ids else None
+        self.forward_ids = self.signer is not None
         self.shared = shared  # other workers' pending prefixes (--workers > 1)
         self._by_slot: dict[int, EndpointView] = {}
         self.get = get
@@ -233,7 +237,7 @@ class ExactView:
 
     async def _tokenizer(self, view: EndpointView) -> RouterTokenizer | None:
         info = await self._json(view.url + "/tokenizer_info")
-        view.takes_ids = advertised(info)
+        view.takes_ids = advertised(info, self.signer.key_id if self.signer is not None else None)
         sha = info.get("tokenizer_json_sha256") if isinstance(info, dict) else None
         if not sha:
             return self.local_tokenizer
@@ -257,12 +261,13 @@ class ExactView:
 
     def body_for(self, url: str, path: str, prompt: ExactPrompt | None, body: bytes) -> bytes:
         """The body to send ``url``: with the prompt's ids where that endpoint takes ids of its tokenizer."""
-        if prompt is None or not self.forward_ids or path not in PATHS:
+        signer = self.signer
+        if prompt is None or signer is None or path not in PATHS:
             return body
         view = self.views.get(url)
         if view is None or view.takes_ids != prompt.fingerprint:
             return body
-        spliced = with_ids(body, prompt)
+        spliced = with_ids(body, prompt, signer)
         if spliced is None:
             return body
         view.forwarded += 1
