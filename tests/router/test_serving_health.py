@@ -9,7 +9,8 @@ import asyncio
 import time
 
 import httpx
-from stubs import StubUpstream
+
+from support.router_stubs import StubUpstream
 
 
 async def _listening(url: str, timeout: float = 30.0) -> httpx.Response:

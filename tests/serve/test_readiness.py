@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_harness import SIM_FLAGS, ServeNode
 
 from support import free_port_run
+from support.deploy_harness import SIM_FLAGS, ServeNode
 
 pytestmark = pytest.mark.slow
 
