@@ -20,6 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
+from lbd.wire.status import RankState, RankStatus, rank_statuses
+
 STORE_OFFSET, COORDINATOR_OFFSET, COORDINATOR_HTTP_OFFSET = 1, 2, 3
 MAX_REJECTIONS_KEPT = 10
 
@@ -58,7 +62,7 @@ class Member:
     count: int
     health_url: str | None
     models: list[str]
-    ranks: list[dict[str, Any]]  # the node's last reported rank entries (URLs reachable from the head)
+    ranks: list[RankStatus]  # the node's last reported rank entries (URLs reachable from the head)
     registered_at: float
     last_seen: float
     lost: bool = False
@@ -104,7 +108,7 @@ class Group:
         for other in [m for m in self.members.values() if set(m.rank_ids) & set(range(start, start + count))]:
             del self.members[other.node_id]  # lost, or that node restarted: this registration takes over
         member = Member(node_id, address, start, count, reg.get("health_url"), list(reg.get("models") or []),
-                        list(reg.get("ranks") or []), now, now, hostname=str(reg.get("hostname", "")))
+                        rank_statuses(reg.get("ranks")), now, now, hostname=str(reg.get("hostname", "")))
         self.members[node_id] = member
         return member
 
@@ -137,7 +141,7 @@ class Group:
                                f"(heartbeat {now - other.last_seen:.1f} s ago): start node {address} with "
                                "another --data-parallel-start-rank", "data_parallel_start_rank")
 
-    def heartbeat(self, node_id: str, ranks: list[dict[str, Any]], now: float) -> Member | None:
+    def heartbeat(self, node_id: str, ranks: list[RankStatus], now: float) -> Member | None:
         """Renew a lease with the node's current ranks; None: not registered (any more): register again."""
         member = self.members.get(node_id)
         if member is None:
@@ -153,26 +157,24 @@ class Group:
             m.lost = now - m.last_seen > self.lease_s
 
     # ---- views ------------------------------------------------------------------------------------------
-    def ranks(self, head_entries: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    def ranks(self, head_entries: list[RankStatus], now: float) -> list[RankStatus]:
         """Every rank 0..N-1 in /status form: the head's, the members' (lost ones not routable), and a
         placeholder (state ``missing``, no URL) for each rank no node has registered."""
         self.expire(now)
-        by_rank: dict[int, dict[str, Any]] = {}
-        for entry in head_entries:
-            by_rank[int(entry["rank"])] = entry
+        by_rank = {e.rank: e for e in head_entries if e.rank is not None}
         for m in self.members.values():
-            reported = {int(e["rank"]): e for e in m.ranks if isinstance(e.get("rank"), int)}
+            reported = {e.rank: e for e in m.ranks if e.rank is not None}
             for r in m.rank_ids:
-                e = {**reported.get(r, {"rank": r, "url": "", "state": "starting", "routable": False,
-                                        "pid": None}), "node": m.address}
+                e = replace(reported.get(r) or RankStatus(rank=r, state=RankState.STARTING, routable=False),
+                            node=m.address)
                 if m.lost:
                     silent = now - m.last_seen
-                    e.update(state="unreachable", routable=False,
-                             last_probe_error=f"node {m.address} sent no heartbeat for {silent:.1f} s")
+                    e = replace(e, state=RankState.UNREACHABLE, routable=False,
+                                last_probe_error=f"node {m.address} sent no heartbeat for {silent:.1f} s")
                 by_rank[r] = e
         for r in self.missing(now):
-            by_rank[r] = {"rank": r, "url": "", "state": "missing", "routable": False, "pid": None,
-                          "last_probe_error": "no node has registered this rank"}
+            by_rank[r] = RankStatus(rank=r, state=RankState.MISSING, routable=False,
+                                    last_probe_error="no node has registered this rank")
         return [by_rank[r] for r in sorted(by_rank)]
 
     def missing(self, now: float) -> list[int]:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 
 log = logging.getLogger("lbd.serve")
@@ -100,7 +101,7 @@ class Membership:
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
         assert self._session is not None
-        data = orjson.dumps(body) if body is not None else None
+        data = msgspec.json.encode(body) if body is not None else None
         async with self._session.request(method, self.base + path, data=data, headers={
                 **self.headers, "Content-Type": "application/json"}) as resp:
             raw = await resp.read()

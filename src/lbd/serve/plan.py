@@ -27,6 +27,7 @@ from lbd.supervisor.config import (
     port_in_use,
 )
 from lbd.supervisor.moe import model_moe
+from lbd.wire.roles import NodeRole
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
@@ -39,7 +40,7 @@ _OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "
 
 @dataclass(slots=True)
 class Plan:
-    role: str  # "head" (runs a router) | "headless" (ranks only) | "hybrid" (its own router)
+    role: NodeRole  # head (runs a router) | headless (ranks only) | hybrid (its own router)
     dp_size: int
     dp_size_local: int  # ranks this node's supervisor runs (all N with Ray)
     dp_start_rank: int
@@ -168,7 +169,7 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Plan | None:
     raise AssertionError("unreachable")
 
 
-def _role(ns: argparse.Namespace) -> str:
+def _role(ns: argparse.Namespace) -> NodeRole:
     if ns.headless and ns.data_parallel_hybrid_lb:
         raise SupervisorArgError("--headless and --data-parallel-hybrid-lb exclude each other: a hybrid node "
                                  "runs its own router, a headless one none")
@@ -180,7 +181,9 @@ def _role(ns: argparse.Namespace) -> str:
             if given:
                 raise SupervisorArgError(f"--data-parallel-backend ray places every rank from this one "
                                          f"command (no registering nodes): drop {flag}")
-    return "headless" if ns.headless else "hybrid" if ns.data_parallel_hybrid_lb else "head"
+    if ns.headless:
+        return NodeRole.HEADLESS
+    return NodeRole.HYBRID if ns.data_parallel_hybrid_lb else NodeRole.HEAD
 
 
 def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:

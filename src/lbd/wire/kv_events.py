@@ -105,9 +105,9 @@ def _event(ev: Any) -> Event | None:
     if isinstance(ev, dict):
         kind = ev.get("type")
         if kind == "BlockStored":
-            return BlockStored(ev.get("block_hashes") or [], ev.get("parent_block_hash"), ev.get("token_ids") or [],
-                               _int(ev.get("block_size")), ev.get("lora_id"), ev.get("medium"),
-                               ev.get("lora_name"), ev.get("extra_keys"))
+            return BlockStored(ev.get("block_hashes") or [], ev.get("parent_block_hash"),
+                               ev.get("token_ids") or [], _int(ev.get("block_size")), ev.get("lora_id"),
+                               ev.get("medium"), ev.get("lora_name"), ev.get("extra_keys"))
         if kind == "BlockRemoved":
             return BlockRemoved(ev.get("block_hashes") or [], ev.get("medium"))
         if kind == "AllBlocksCleared":

@@ -233,7 +233,8 @@ class EventFeed:
             kind = type(ev)
             if kind is BlockStored:
                 counts["stored"] += 1
-                blocks.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.extra_keys)
+                blocks.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                              ev.extra_keys)
                 st.block_size = ev.block_size or st.block_size
             elif kind is BlockRemoved:
                 counts["removed"] += 1
