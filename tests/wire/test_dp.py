@@ -27,8 +27,11 @@ def test_state_is_its_wire_string_and_tolerates_new_ones() -> None:
 
 def test_rank_dp_status_round_trips_through_the_core_message() -> None:
     status = DPStatus(state=DPState.READY, generation=3, reason=None, expert_parallel=True)
-    message = msgpack.unpackb(msgpack.packb(dataclasses.asdict(status)))  # as the core sends it
-    assert dp_status(message) == status
+    body = dataclasses.asdict(status)
+    body.update(wave_active=True, waves=2, steps=10, dummy_steps=4)  # as the core sends it
+    message = msgpack.unpackb(msgpack.packb(body))
+    expected = dataclasses.replace(status, wave_active=True, waves=2, steps=10, dummy_steps=4)
+    assert dp_status(message) == expected
     assert dp_status({**message, "state": "new", "extra": 1}).state is DPState.UNKNOWN
     forming = DPStatus(state=DPState.FORMING, reason="waiting")
     assert forming.unavailable == "data-parallel group is forming: waiting"

@@ -93,7 +93,8 @@ def test_engine_status_round_trips() -> None:
     body = encode(status)
     assert decode_engine_status(body) == status
     assert orjson.loads(body)["dp"] == {"state": "reforming", "generation": 2, "reason": "rank 1 failed",
-                                        "expert_parallel": False, "all2all_backend": "alltoall"}
+                                        "expert_parallel": False, "all2all_backend": "alltoall",
+                                        "wave_active": False, "waves": 0, "steps": 0, "dummy_steps": 0}
     assert decode_engine_status(b'{"rank": 0, "pid": 1, "core_pid": 2, "ready": true, "dp": null}').dp is None
 
 

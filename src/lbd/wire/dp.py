@@ -25,13 +25,18 @@ class DPState(TolerantEnum):
 @dataclass(slots=True)
 class DPStatus:
     """One rank's view of its group (the core sends it to its front ends on every change; /status shows it
-    as ``dp``). A slots dataclass: the core's loop updates it in place."""
+    as ``dp``). A slots dataclass: the core's loop updates it in place; the wave counters are the core's
+    wave bookkeeping, filled in as it sends the status."""
 
     state: DPState = DPState.FORMING
     generation: int = 0  # the generation this rank is in (ready) or last was in
     reason: str | None = "waiting for the coordinator to form generation 1"
     expert_parallel: bool = False
     all2all_backend: str = "alltoall"
+    wave_active: bool = False
+    waves: int = 0  # waves this rank ran
+    steps: int = 0  # steps it ran in waves
+    dummy_steps: int = 0  # of which dummy passes (idle in a wave)
 
     @property
     def unavailable(self) -> str:
