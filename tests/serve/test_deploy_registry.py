@@ -93,7 +93,7 @@ async def test_refusals_name_the_flag(
     assert r.status_code == 409
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == param and error["code"] == 409
-    assert reg.group.rejected[-1]["reason"] == error["message"]
+    assert reg.group.rejected[-1].reason == error["message"]
 
 
 async def test_token_join_overlap_lease_and_takeover(registry: tuple[Registry, str]) -> None:

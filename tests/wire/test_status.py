@@ -7,20 +7,28 @@ import msgspec
 import orjson
 
 from lbd.wire.dp import DPState, DPStatus, Wave
+from lbd.wire.roles import NodeRole
 from lbd.wire.status import (
     CoordinatorInfo,
+    Deployment,
     EngineStatus,
     GroupMember,
     GroupRendezvous,
     GroupStatus,
+    GroupView,
     LastRecovery,
+    NodeInfo,
     NodePhase,
     ProbeSettings,
     RankState,
     RankStatus,
     Recovery,
+    Registration,
+    RegistryRendezvous,
+    Rejection,
     RollingRestart,
     RollingState,
+    RouterInfo,
     SupervisorStatus,
     WorkerProcess,
     decode_engine_status,
@@ -100,3 +108,23 @@ def test_engine_status_round_trips() -> None:
 
 def test_structs_are_plain_msgspec() -> None:
     assert msgspec.json.decode(msgspec.json.encode(_full()), type=SupervisorStatus) == _full()
+
+
+def test_serve_status_with_its_deployment_round_trips() -> None:
+    met = RegistryRendezvous("10.0.0.1", 29550, 29551, 29552, 29553)
+    group = GroupView(data_parallel_size=4, lease_s=3.0, models=["m"], head_ranks=[0, 1],
+                      nodes=[NodeInfo(node_id="n1", address="10.0.0.2", ranks=[2, 3], state="lost")],
+                      rejected=[Rejection(at=1.0, address="10.0.0.3", ranks="2-3", reason="x")])
+    deployment = Deployment(role=NodeRole.HEAD, data_parallel_size=4, data_parallel_size_local=2,
+                            registry=True, group=group, rendezvous=met, router=RouterInfo(8000, 1, True))
+    status = SupervisorStatus(ready=True, supervisor_pid=5, deployment=deployment,
+                              ranks=[RankStatus(rank=2, state=RankState.UNREACHABLE, routable=False,
+                                                node="10.0.0.2")])
+    body = encode(status)
+    assert decode_supervisor_status(body) == status
+    data = orjson.loads(body)
+    assert data["deployment"]["role"] == "head" and data["deployment"]["rendezvous"]["store_port"] == 29551
+    assert "registration" not in data["deployment"] and data["supervisor_pid"] == 5
+    assert data["ranks"][0]["node"] == "10.0.0.2" and data["ranks"][0]["state"] == "unreachable"
+    member = Deployment(role=NodeRole.HEADLESS, registration=Registration(state="registered", rendezvous=met))
+    assert msgspec.json.decode(msgspec.json.encode(member), type=Deployment) == member

@@ -22,17 +22,25 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from lbd.wire.status import RankState, RankStatus, rank_statuses
+from lbd.wire.status import (
+    GroupView,
+    NodeInfo,
+    RankState,
+    RankStatus,
+    RegistryRendezvous,
+    Rejection,
+    rank_statuses,
+)
 
 STORE_OFFSET, COORDINATOR_OFFSET, COORDINATOR_HTTP_OFFSET = 1, 2, 3
 MAX_REJECTIONS_KEPT = 10
 
 
-def rendezvous(address: str | None, rpc_port: int) -> dict[str, object]:
+def rendezvous(address: str | None, rpc_port: int) -> RegistryRendezvous:
     """Where the group's collective layers meet (see the module docstring)."""
-    return {"address": address, "registry_port": rpc_port, "store_port": rpc_port + STORE_OFFSET,
-            "coordinator_port": rpc_port + COORDINATOR_OFFSET,
-            "coordinator_http_port": rpc_port + COORDINATOR_HTTP_OFFSET}
+    return RegistryRendezvous(address=address, registry_port=rpc_port, store_port=rpc_port + STORE_OFFSET,
+                              coordinator_port=rpc_port + COORDINATOR_OFFSET,
+                              coordinator_http_port=rpc_port + COORDINATOR_HTTP_OFFSET)
 
 
 def span(ranks: list[int]) -> str:
@@ -72,12 +80,11 @@ class Member:
     def rank_ids(self) -> range:
         return range(self.start, self.start + self.count)
 
-    def describe(self, now: float) -> dict[str, object]:
-        return {"node_id": self.node_id, "address": self.address, "hostname": self.hostname,
-                "health_url": self.health_url, "ranks": list(self.rank_ids),
-                "state": "lost" if self.lost else "registered",
-                "last_heartbeat_s_ago": round(now - self.last_seen, 3),
-                "models": self.models}
+    def describe(self, now: float) -> NodeInfo:
+        return NodeInfo(node_id=self.node_id, address=self.address, hostname=self.hostname,
+                        health_url=self.health_url, ranks=list(self.rank_ids),
+                        state="lost" if self.lost else "registered",
+                        last_heartbeat_s_ago=round(now - self.last_seen, 3), models=self.models)
 
 
 @dataclass(slots=True)
@@ -87,7 +94,7 @@ class Group:
     head_ranks: range  # the head's own ranks (empty on a router-only head)
     lease_s: float
     members: dict[str, Member] = field(default_factory=dict)
-    rejected: list[dict[str, object]] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
 
     # ---- registrations ------------------------------------------------------------------------------
     def register(self, reg: dict[str, Any], now: float, wall: float) -> Member:
@@ -102,8 +109,9 @@ class Group:
             self._check(node_id, address, str(reg.get("health_url")), size, start, count,
                         list(reg.get("models") or []), now)
         except Rejected as e:
-            self.rejected = [*self.rejected, {"at": wall, "address": address, "ranks": span(
-                list(range(start, start + count))), "reason": e.message}][-MAX_REJECTIONS_KEPT:]
+            refused = Rejection(at=wall, address=address, ranks=span(list(range(start, start + count))),
+                                reason=e.message)
+            self.rejected = [*self.rejected, refused][-MAX_REJECTIONS_KEPT:]
             raise
         for other in [m for m in self.members.values() if set(m.rank_ids) & set(range(start, start + count))]:
             del self.members[other.node_id]  # lost, or that node restarted: this registration takes over
@@ -183,9 +191,9 @@ class Group:
             have |= set(m.rank_ids)
         return [r for r in range(self.dp_size) if r not in have]
 
-    def describe(self, now: float) -> dict[str, object]:
+    def describe(self, now: float) -> GroupView:
         self.expire(now)
-        return {"data_parallel_size": self.dp_size, "lease_s": self.lease_s, "models": self.models,
-                "head_ranks": list(self.head_ranks),
-                "nodes": [m.describe(now) for m in sorted(self.members.values(), key=lambda m: m.start)],
-                "missing_ranks": self.missing(now), "rejected": self.rejected}
+        nodes = [m.describe(now) for m in sorted(self.members.values(), key=lambda m: m.start)]
+        return GroupView(data_parallel_size=self.dp_size, lease_s=self.lease_s, models=self.models,
+                         head_ranks=list(self.head_ranks), nodes=nodes, missing_ranks=self.missing(now),
+                         rejected=list(self.rejected))

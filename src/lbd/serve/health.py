@@ -33,10 +33,13 @@ from lbd.serve.group import Group, rendezvous, span
 from lbd.serve.member import REGISTERED, Membership, url_host
 from lbd.serve.plan import Plan
 from lbd.supervisor.health import AppServer, error_response, json_errors
+from lbd.wire.roles import NodeRole
 from lbd.wire.status import (
+    Deployment,
     NodePhase,
     RankState,
     RankStatus,
+    RouterInfo,
     SupervisorStatus,
     decode_supervisor_status,
     encode,
@@ -170,21 +173,21 @@ class NodeHealth(AppServer):
             return False, "the node's supervisor gave up: " + status.reason
         return True, f"lbd serve {self.plan.role} {self.phase}"
 
-    def deployment(self) -> dict[str, object]:
+    def deployment(self) -> Deployment:
         plan = self.plan
-        info: dict[str, object] = {
-            "role": plan.role, "load_balancing": "hybrid" if plan.role == "hybrid" else "internal",
-            "data_parallel_size": plan.dp_size, "data_parallel_size_local": plan.dp_size_local,
-            "data_parallel_start_rank": plan.dp_start_rank, "address": plan.address,
-            "rpc_port": plan.rpc_port, "registry": plan.registry}
+        info = Deployment(
+            role=plan.role, load_balancing="hybrid" if plan.role is NodeRole.HYBRID else "internal",
+            data_parallel_size=plan.dp_size, data_parallel_size_local=plan.dp_size_local,
+            data_parallel_start_rank=plan.dp_start_rank, address=plan.address, rpc_port=plan.rpc_port,
+            registry=plan.registry)
         if self.group is not None:
-            info["group"] = self.group.describe(time.monotonic())
-            info["rendezvous"] = rendezvous(plan.address, plan.rpc_port)
+            info.group = self.group.describe(time.monotonic())
+            info.rendezvous = rendezvous(plan.address, plan.rpc_port)
         if self.membership is not None:
-            info["registration"] = self.membership.describe()
+            info.registration = self.membership.describe()
         alive = self.router_alive()
         if alive is not None:
-            info["router"] = {"port": plan.router_port, "workers": plan.router_workers, "alive": alive}
+            info.router = RouterInfo(port=plan.router_port, workers=plan.router_workers, alive=alive)
         return info
 
     def status_body(self) -> SupervisorStatus:
@@ -229,14 +232,12 @@ class NodeHealth(AppServer):
                  "# TYPE lbd_serve_ranks gauge"]
         lines += [f'lbd_serve_ranks{{state="{s}"}} {n}' for s, n in sorted(states.items())]
         if self.group is not None:
-            desc = self.group.describe(time.monotonic())
-            nodes = desc["nodes"]
-            assert isinstance(nodes, list)
+            nodes = self.group.describe(time.monotonic()).nodes
             lines += ["# HELP lbd_serve_group_nodes Nodes registered with this head, by lease state.",
                       "# TYPE lbd_serve_group_nodes gauge"]
             for state in ("registered", "lost"):
                 lines.append(f'lbd_serve_group_nodes{{state="{state}"}} '
-                             f"{sum(n['state'] == state for n in nodes)}")
+                             f"{sum(n.state == state for n in nodes)}")
         if self.membership is not None:
             lines += ["# HELP lbd_serve_registered 1 while this node is registered with the head.",
                       "# TYPE lbd_serve_registered gauge",

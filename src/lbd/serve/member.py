@@ -23,6 +23,8 @@ import aiohttp
 import msgspec
 import orjson
 
+from lbd.wire.status import Registration, RegistryRendezvous
+
 log = logging.getLogger("lbd.serve")
 
 CONNECTING, REGISTERED, DISCONNECTED, REJECTED = "connecting", "registered", "disconnected", "rejected"
@@ -63,10 +65,14 @@ class Membership:
         self._last_ok = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
 
-    def describe(self) -> dict[str, object]:
-        return {"state": self.state, "reason": self.reason, "since": self.since, "head": f"{self.head}:"
-                f"{self.rpc_port}", "node_id": self.node_id, "attempts": self.attempts,
-                "advertise_address": self.advertise, "rendezvous": self.reply.get("rendezvous")}
+    def describe(self) -> Registration:
+        met = self.reply.get("rendezvous")
+        with contextlib.suppress(msgspec.ValidationError):
+            met = msgspec.convert(met, RegistryRendezvous | None)
+        return Registration(state=self.state, reason=self.reason, since=self.since,
+                            head=f"{self.head}:{self.rpc_port}", node_id=self.node_id, attempts=self.attempts,
+                            advertise_address=self.advertise,
+                            rendezvous=met if isinstance(met, RegistryRendezvous) else None)
 
     def _set(self, state: str, reason: str) -> None:
         if state != self.state or reason != self.reason:

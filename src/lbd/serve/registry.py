@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import orjson
 from aiohttp import web
+from msgspec.structs import replace
 
 from lbd.serve.group import Group, Rejected, rendezvous, span
 from lbd.supervisor.health import AppServer, error_response, json_errors
@@ -114,7 +115,7 @@ class Registry(AppServer):
         return _json({"left": True, "node_id": node_id})
 
     async def describe(self, request: web.Request) -> web.Response:
-        return _json({**self.group.describe(time.monotonic()), "rendezvous": self.rendezvous})
+        return _json(replace(self.group.describe(time.monotonic()), rendezvous=self.rendezvous))
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(self.group_status())

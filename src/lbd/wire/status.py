@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, UnsetType, field
 
 from lbd.wire.dp import DPState, DPStatus, Wave
+from lbd.wire.roles import NodeRole
 from lbd.wire.tolerant import TolerantEnum
 
 
@@ -194,6 +195,89 @@ class GroupStatus(msgspec.Struct):
     last_recovery: LastRecovery | None = None
 
 
+class RegistryRendezvous(msgspec.Struct):
+    """Where an ``lbd serve`` group meets: the head's registration port P, the store P+1, the coordinator
+    P+2 and its HTTP port P+3 (the head sends it in every registration answer too)."""
+
+    address: str | None = None
+    registry_port: int | None = None
+    store_port: int | None = None
+    coordinator_port: int | None = None
+    coordinator_http_port: int | None = None
+
+
+class NodeInfo(msgspec.Struct):
+    """A node registered with the head."""
+
+    node_id: str
+    address: str = ""
+    hostname: str = ""
+    health_url: str | None = None
+    ranks: list[int] = field(default_factory=list)
+    state: str = "registered"  # registered | lost (its lease ran out)
+    last_heartbeat_s_ago: float | None = None
+    models: list[str] = field(default_factory=list)
+
+
+class Rejection(msgspec.Struct):
+    """A registration the head refused (the last few are kept)."""
+
+    at: float
+    address: str
+    ranks: str  # e.g. "2-3"
+    reason: str
+
+
+class GroupView(msgspec.Struct):
+    """The DP group as the head knows it (``deployment.group``, and GET /v1/group with ``rendezvous``)."""
+
+    data_parallel_size: int = 0
+    lease_s: float = 0.0
+    models: list[str] = field(default_factory=list)
+    head_ranks: list[int] = field(default_factory=list)
+    nodes: list[NodeInfo] = field(default_factory=list)
+    missing_ranks: list[int] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    rendezvous: RegistryRendezvous | UnsetType = UNSET
+
+
+class Registration(msgspec.Struct):
+    """A member node's registration with the head."""
+
+    state: str = "connecting"  # connecting | registered | disconnected | rejected
+    reason: str = ""
+    since: float | None = None
+    head: str = ""
+    node_id: str = ""
+    attempts: int = 0
+    advertise_address: str | None = None
+    rendezvous: RegistryRendezvous | None = None  # from the head's answer
+
+
+class RouterInfo(msgspec.Struct):
+    port: int | None = None
+    workers: int = 1
+    alive: bool = False
+
+
+class Deployment(msgspec.Struct):
+    """``deployment`` in an ``lbd serve`` node's /status: its role, and the group (head) or its registration
+    (member), and its router child."""
+
+    role: NodeRole = NodeRole.UNKNOWN
+    load_balancing: str = "internal"  # internal | hybrid
+    data_parallel_size: int = 0
+    data_parallel_size_local: int = 0
+    data_parallel_start_rank: int = 0
+    address: str | None = None
+    rpc_port: int | None = None
+    registry: bool = False
+    group: GroupView | UnsetType = UNSET
+    rendezvous: RegistryRendezvous | UnsetType = UNSET
+    registration: Registration | UnsetType = UNSET
+    router: RouterInfo | UnsetType = UNSET
+
+
 class SupervisorStatus(msgspec.Struct):
     """GET /status of a supervisor, or of an ``lbd serve`` node (same shape, plus its deployment)."""
 
@@ -215,7 +299,7 @@ class SupervisorStatus(msgspec.Struct):
     ranks: list[RankStatus] = field(default_factory=list)
     groups: list[GroupStatus] = field(default_factory=list)
     supervisor_pid: int | None | UnsetType = UNSET  # lbd serve: its supervisor child's pid
-    deployment: dict[str, Any] | UnsetType = UNSET  # lbd serve: role, group or registration, router
+    deployment: Deployment | UnsetType = UNSET  # lbd serve: role, group or registration, router
 
 
 class EngineStatus(msgspec.Struct):
