@@ -93,7 +93,7 @@ def stub_answers(fixture_path: str, http: Any) -> tuple[dict[bytes, bytes], Any]
     """The extra answers of a chat stub, and its publisher (kept alive by the caller)."""
     from lbd.engine.config.kv_events import KVEventsConfig
     from lbd.engine.kv_events.publisher import ZmqEventPublisher
-    from lbd.engine.kv_events.wire import BlockStored
+    from lbd.wire.kv_events import BlockStored
 
     fixture = json.loads(Path(fixture_path).read_text())
     cfg = KVEventsConfig(True, "zmq", "tcp://*:0", "tcp://*:0")

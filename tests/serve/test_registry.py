@@ -12,6 +12,7 @@ import pytest
 
 from lbd.serve.group import Group, span
 from lbd.serve.registry import Registry
+from lbd.wire.status import RankState, RankStatus, SupervisorStatus
 
 
 def _reg(
@@ -47,10 +48,9 @@ def _reg(
 @pytest.fixture
 async def registry() -> AsyncIterator[tuple[Registry, str]]:
     group = Group(4, ["m"], range(0, 2), lease_s=1.5)
-    head = [
-        {"rank": r, "url": f"http://10.0.0.1:{8001 + r}", "state": "ready", "routable": True} for r in (0, 1)
-    ]
-    reg = Registry(group, "10.0.0.1", 29550, 0.2, "tok", lambda: {"ranks": group.ranks(head, _now())})
+    head = [RankStatus(rank=r, url=f"http://10.0.0.1:{8001 + r}", state=RankState.READY) for r in (0, 1)]
+    reg = Registry(group, "10.0.0.1", 29550, 0.2, "tok",
+                   lambda: SupervisorStatus(ranks=group.ranks(head, _now())))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
@@ -93,7 +93,7 @@ async def test_refusals_name_the_flag(
     assert r.status_code == 409
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == param and error["code"] == 409
-    assert reg.group.rejected[-1]["reason"] == error["message"]
+    assert reg.group.rejected[-1].reason == error["message"]
 
 
 async def test_token_join_overlap_lease_and_takeover(registry: tuple[Registry, str]) -> None:

@@ -8,7 +8,7 @@ from aiohttp.test_utils import make_mocked_request
 from lbd.supervisor.config import parse_args
 from lbd.supervisor.health import HealthServer
 from lbd.supervisor.node import Supervisor
-from lbd.supervisor.rank import RankState
+from lbd.wire.status import ProbeSettings, RankState
 from support import free_port_run
 
 
@@ -39,13 +39,12 @@ def test_readiness_follows_the_policy(policy: str, ready_with_one: bool) -> None
 def test_status_lists_every_rank_with_its_url() -> None:
     sup = _supervisor("--host", "127.0.0.1", "--data-parallel-size-local", "2")
     status = sup.status("127.0.0.1")
-    assert [r["rank"] for r in status["ranks"]] == [0, 1]
-    first = status["ranks"][0]
-    assert first["url"] == f"http://127.0.0.1:{first['port']}" and first["state"] == "starting"
-    assert first["routable"] is False and first["restarts"] == 0 and first["pid"] is None
-    assert status["ready"] is False and status["ready_ranks"] == 0
-    assert status["probe"] == {"interval_s": 5.0, "timeout_s": 5.0, "failure_threshold": 3,
-                               "generate_every": 0}
+    assert [r.rank for r in status.ranks] == [0, 1]
+    first = status.ranks[0]
+    assert first.url == f"http://127.0.0.1:{first.port}" and first.state is RankState.STARTING
+    assert first.routable is False and first.restarts == 0 and first.pid is None
+    assert status.ready is False and status.ready_ranks == 0
+    assert status.probe == ProbeSettings(interval_s=5.0, timeout_s=5.0, failure_threshold=3, generate_every=0)
 
 
 @pytest.mark.parametrize(("bind", "host_header", "expected"), [

@@ -9,8 +9,8 @@ Front end -> core kinds:  ``add`` (EngineCoreRequest), ``abort`` ({"ids", "reaso
 Core -> front end kinds:  ``outputs`` (EngineCoreOutputs in the positional form of ``encode_outputs``; read
 it with ``outputs_from_dict(decode(payload))``), ``ready`` (CoreInfo, answer to ``hello``), ``error``
 ({"request_id", "message", "status"}), ``stats`` (SchedulerStats, sent at most every 100 ms when idle so
-gauges stay fresh), ``dp`` (a rank of an MoE DP group only: its group status, lbd.engine.dp.rank.DPStatus as a
-dict plus wave counters, sent after ``ready`` and on every change).
+gauges stay fresh), ``dp`` (a rank of an MoE DP group only: its group status, lbd.wire.dp.DPStatus as a
+dict with its wave counters, sent after ``ready`` and on every change).
 """
 
 from __future__ import annotations

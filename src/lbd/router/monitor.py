@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import orjson
 
@@ -23,6 +22,7 @@ from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
 from lbd.router.upstream import UpstreamError, UpstreamPool
+from lbd.wire.status import RankState, SupervisorStatus, decode_supervisor_status
 
 log = logging.getLogger("lbd.router")
 _GET_ERRORS = (UpstreamError, TimeoutError, OSError)  # OSError: refused, reset, TLS, DNS
@@ -273,7 +273,7 @@ class Monitor:
                 )
                 if status != 200:
                     raise ValueError(f"/status answered {status}")
-                self.apply_status(up.url, orjson.loads(body))
+                self.apply_status(up.url, decode_supervisor_status(body))
                 warned = False
             except (*_GET_ERRORS, ValueError) as e:
                 if not warned:
@@ -281,30 +281,27 @@ class Monitor:
                     warned = True
             await asyncio.sleep(self.cfg.supervisor_poll_interval_s)
 
-    def apply_status(self, source: str, data: dict[str, Any]) -> None:
+    def apply_status(self, source: str, status: SupervisorStatus) -> None:
         """Mirror a supervisor's /status: ranks appear, leave, drain, restart (new pid)."""
-        ranks = data.get("ranks") or []
         seen: set[str] = set()
-        for r in ranks:
-            url = str(r.get("url", "")).rstrip("/")
+        for r in status.ranks:
+            url = r.url.rstrip("/")
             if not url:
                 continue
             seen.add(url)
-            rank = r.get("rank")
-            ep = self.state.add(url, source, int(rank) if isinstance(rank, int) else None)
-            state = str(r.get("state", ""))
-            routable = bool(r.get("routable", state == "ready"))
-            ep.draining = state == "draining"
-            pid = r.get("pid")
-            new_pid = isinstance(pid, int) and ep.pid is not None and pid != ep.pid
+            ep = self.state.add(url, source, r.rank)
+            routable = bool(r.routable)
+            ep.draining = r.state is RankState.DRAINING
+            pid = r.pid
+            new_pid = pid is not None and ep.pid is not None and pid != ep.pid
             if new_pid:  # seen while it starts, too: nothing the old process cached is there any more
                 self.state.restarted(ep, f"supervisor reports a new pid {pid}")
             if routable and (not ep.routable or new_pid):
                 # a (re)started process the supervisor found ready: start clean
-                self.state.readmit(ep, f"supervisor reports {state} (pid {pid})")
+                self.state.readmit(ep, f"supervisor reports {r.state.value} (pid {pid})")
                 self._refetch_models(ep)
             ep.routable = routable or ep.draining
-            ep.pid = pid if isinstance(pid, int) else ep.pid
+            ep.pid = pid if pid is not None else ep.pid
         for url in [u for u, e in self.state.endpoints.items() if e.source == source and u not in seen]:
             self.state.remove(url)
 

@@ -20,15 +20,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
+from lbd.wire.status import (
+    GroupView,
+    NodeInfo,
+    RankState,
+    RankStatus,
+    RegistryRendezvous,
+    Rejection,
+    rank_statuses,
+)
+
 STORE_OFFSET, COORDINATOR_OFFSET, COORDINATOR_HTTP_OFFSET = 1, 2, 3
 MAX_REJECTIONS_KEPT = 10
 
 
-def rendezvous(address: str | None, rpc_port: int) -> dict[str, object]:
+def rendezvous(address: str | None, rpc_port: int) -> RegistryRendezvous:
     """Where the group's collective layers meet (see the module docstring)."""
-    return {"address": address, "registry_port": rpc_port, "store_port": rpc_port + STORE_OFFSET,
-            "coordinator_port": rpc_port + COORDINATOR_OFFSET,
-            "coordinator_http_port": rpc_port + COORDINATOR_HTTP_OFFSET}
+    return RegistryRendezvous(address=address, registry_port=rpc_port, store_port=rpc_port + STORE_OFFSET,
+                              coordinator_port=rpc_port + COORDINATOR_OFFSET,
+                              coordinator_http_port=rpc_port + COORDINATOR_HTTP_OFFSET)
 
 
 def span(ranks: list[int]) -> str:
@@ -58,7 +70,7 @@ class Member:
     count: int
     health_url: str | None
     models: list[str]
-    ranks: list[dict[str, Any]]  # the node's last reported rank entries (URLs reachable from the head)
+    ranks: list[RankStatus]  # the node's last reported rank entries (URLs reachable from the head)
     registered_at: float
     last_seen: float
     lost: bool = False
@@ -68,12 +80,11 @@ class Member:
     def rank_ids(self) -> range:
         return range(self.start, self.start + self.count)
 
-    def describe(self, now: float) -> dict[str, object]:
-        return {"node_id": self.node_id, "address": self.address, "hostname": self.hostname,
-                "health_url": self.health_url, "ranks": list(self.rank_ids),
-                "state": "lost" if self.lost else "registered",
-                "last_heartbeat_s_ago": round(now - self.last_seen, 3),
-                "models": self.models}
+    def describe(self, now: float) -> NodeInfo:
+        return NodeInfo(node_id=self.node_id, address=self.address, hostname=self.hostname,
+                        health_url=self.health_url, ranks=list(self.rank_ids),
+                        state="lost" if self.lost else "registered",
+                        last_heartbeat_s_ago=round(now - self.last_seen, 3), models=self.models)
 
 
 @dataclass(slots=True)
@@ -83,7 +94,7 @@ class Group:
     head_ranks: range  # the head's own ranks (empty on a router-only head)
     lease_s: float
     members: dict[str, Member] = field(default_factory=dict)
-    rejected: list[dict[str, object]] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
 
     # ---- registrations ------------------------------------------------------------------------------
     def register(self, reg: dict[str, Any], now: float, wall: float) -> Member:
@@ -98,13 +109,14 @@ class Group:
             self._check(node_id, address, str(reg.get("health_url")), size, start, count,
                         list(reg.get("models") or []), now)
         except Rejected as e:
-            self.rejected = [*self.rejected, {"at": wall, "address": address, "ranks": span(
-                list(range(start, start + count))), "reason": e.message}][-MAX_REJECTIONS_KEPT:]
+            refused = Rejection(at=wall, address=address, ranks=span(list(range(start, start + count))),
+                                reason=e.message)
+            self.rejected = [*self.rejected, refused][-MAX_REJECTIONS_KEPT:]
             raise
         for other in [m for m in self.members.values() if set(m.rank_ids) & set(range(start, start + count))]:
             del self.members[other.node_id]  # lost, or that node restarted: this registration takes over
         member = Member(node_id, address, start, count, reg.get("health_url"), list(reg.get("models") or []),
-                        list(reg.get("ranks") or []), now, now, hostname=str(reg.get("hostname", "")))
+                        rank_statuses(reg.get("ranks")), now, now, hostname=str(reg.get("hostname", "")))
         self.members[node_id] = member
         return member
 
@@ -137,7 +149,7 @@ class Group:
                                f"(heartbeat {now - other.last_seen:.1f} s ago): start node {address} with "
                                "another --data-parallel-start-rank", "data_parallel_start_rank")
 
-    def heartbeat(self, node_id: str, ranks: list[dict[str, Any]], now: float) -> Member | None:
+    def heartbeat(self, node_id: str, ranks: list[RankStatus], now: float) -> Member | None:
         """Renew a lease with the node's current ranks; None: not registered (any more): register again."""
         member = self.members.get(node_id)
         if member is None:
@@ -153,26 +165,24 @@ class Group:
             m.lost = now - m.last_seen > self.lease_s
 
     # ---- views ------------------------------------------------------------------------------------------
-    def ranks(self, head_entries: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    def ranks(self, head_entries: list[RankStatus], now: float) -> list[RankStatus]:
         """Every rank 0..N-1 in /status form: the head's, the members' (lost ones not routable), and a
         placeholder (state ``missing``, no URL) for each rank no node has registered."""
         self.expire(now)
-        by_rank: dict[int, dict[str, Any]] = {}
-        for entry in head_entries:
-            by_rank[int(entry["rank"])] = entry
+        by_rank = {e.rank: e for e in head_entries if e.rank is not None}
         for m in self.members.values():
-            reported = {int(e["rank"]): e for e in m.ranks if isinstance(e.get("rank"), int)}
+            reported = {e.rank: e for e in m.ranks if e.rank is not None}
             for r in m.rank_ids:
-                e = {**reported.get(r, {"rank": r, "url": "", "state": "starting", "routable": False,
-                                        "pid": None}), "node": m.address}
+                e = replace(reported.get(r) or RankStatus(rank=r, state=RankState.STARTING, routable=False),
+                            node=m.address)
                 if m.lost:
                     silent = now - m.last_seen
-                    e.update(state="unreachable", routable=False,
-                             last_probe_error=f"node {m.address} sent no heartbeat for {silent:.1f} s")
+                    e = replace(e, state=RankState.UNREACHABLE, routable=False,
+                                last_probe_error=f"node {m.address} sent no heartbeat for {silent:.1f} s")
                 by_rank[r] = e
         for r in self.missing(now):
-            by_rank[r] = {"rank": r, "url": "", "state": "missing", "routable": False, "pid": None,
-                          "last_probe_error": "no node has registered this rank"}
+            by_rank[r] = RankStatus(rank=r, state=RankState.MISSING, routable=False,
+                                    last_probe_error="no node has registered this rank")
         return [by_rank[r] for r in sorted(by_rank)]
 
     def missing(self, now: float) -> list[int]:
@@ -181,9 +191,9 @@ class Group:
             have |= set(m.rank_ids)
         return [r for r in range(self.dp_size) if r not in have]
 
-    def describe(self, now: float) -> dict[str, object]:
+    def describe(self, now: float) -> GroupView:
         self.expire(now)
-        return {"data_parallel_size": self.dp_size, "lease_s": self.lease_s, "models": self.models,
-                "head_ranks": list(self.head_ranks),
-                "nodes": [m.describe(now) for m in sorted(self.members.values(), key=lambda m: m.start)],
-                "missing_ranks": self.missing(now), "rejected": self.rejected}
+        nodes = [m.describe(now) for m in sorted(self.members.values(), key=lambda m: m.start)]
+        return GroupView(data_parallel_size=self.dp_size, lease_s=self.lease_s, models=self.models,
+                         head_ranks=list(self.head_ranks), nodes=nodes, missing_ranks=self.missing(now),
+                         rejected=list(self.rejected))

@@ -22,12 +22,11 @@ import os
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 from aiohttp import web
+from msgspec.structs import replace
 
 from lbd.common.limits import read_aiohttp
 from lbd.common.tls import server_context
@@ -35,8 +34,19 @@ from lbd.serve.group import Group, rendezvous, span
 from lbd.serve.member import REGISTERED, Membership, url_host
 from lbd.serve.plan import Plan
 from lbd.supervisor.health import AppServer, error_response, json_errors
+from lbd.wire.roles import NodeRole
+from lbd.wire.status import (
+    Deployment,
+    NodePhase,
+    RankState,
+    RankStatus,
+    RouterInfo,
+    SupervisorStatus,
+    decode_supervisor_status,
+    encode,
+)
 
-RUNNING, STOPPING, FAILED = "running", "stopping", "failed"
+RUNNING, STOPPING, FAILED = NodePhase.RUNNING, NodePhase.STOPPING, NodePhase.FAILED
 _STALE_S = 5.0  # a supervisor status older than this is not trusted for readiness
 
 
@@ -52,7 +62,7 @@ class LocalSupervisor:
         self.base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         self.tls = tls  # verifies the supervisor's certificate (a TLS deployment)
         self.interval_s = interval_s
-        self.status: dict[str, Any] | None = None
+        self.status: SupervisorStatus | None = None
         self.at = 0.0
         self.error: str | None = "not polled yet"
         self._session: aiohttp.ClientSession | None = None
@@ -67,9 +77,11 @@ class LocalSupervisor:
         while True:
             try:
                 async with self.session().get(self.base + "/status") as resp:
-                    body = await read_aiohttp(resp, timeout_s=2.0)
-                    self.status, self.at, self.error = orjson.loads(body), time.monotonic(), None
-            except (OSError, aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as e:
+                    if resp.status != 200:
+                        raise ValueError(f"/status answered {resp.status}")
+                    self.status = decode_supervisor_status(await read_aiohttp(resp, timeout_s=2.0))
+                    self.at, self.error = time.monotonic(), None
+            except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as e:
                 self.error = f"the node's supervisor does not answer ({type(e).__name__}: {e})"
             await asyncio.sleep(self.interval_s)
 
@@ -116,22 +128,21 @@ class NodeHealth(AppServer):
             web.post("/rolling-restart", self.admin_node)])
 
     # ---- the view -----------------------------------------------------------------------------------------
-    def local_ranks(self, advertised: bool) -> list[dict[str, Any]]:
+    def local_ranks(self, advertised: bool) -> list[RankStatus]:
         """This node's ranks as its supervisor last reported them; ``advertised``: URLs others can reach."""
         if self.local is None or self.local.status is None:
             return []
-        ranks = [dict(r) for r in self.local.status.get("ranks") or []]
+        ranks = list(self.local.status.ranks)
         host = self.plan.advertise or (self.membership.advertise if self.membership else None)
         if advertised and host and self.plan.rank_host in (None, "", "0.0.0.0", "::"):
-            for r in ranks:
-                r["url"] = with_host(str(r.get("url", "")), host)
+            ranks = [replace(r, url=with_host(r.url, host)) for r in ranks]
         return ranks
 
-    def group_ranks(self) -> list[dict[str, Any]]:
+    def group_ranks(self) -> list[RankStatus]:
         own = self.local_ranks(advertised=True)
         return self.group.ranks(own, time.monotonic()) if self.group is not None else own
 
-    def view_ranks(self) -> list[dict[str, Any]]:
+    def view_ranks(self) -> list[RankStatus]:
         if self.plan.view_is_group:
             return self.group_ranks()
         return self.local_ranks(advertised=self.plan.member or self.plan.registry)
@@ -151,47 +162,47 @@ class NodeHealth(AppServer):
         head = f"{ready}/{total} ranks ready (policy {self.plan.ready_policy}"
         if ready >= need:
             return True, head + ")"
-        groups = (self.local.status or {}).get("groups") or [] if self.local is not None else []
-        why = "; ".join(str(g.get("reason")) for g in groups if not g.get("ready")) or _not_ready(ranks)
+        groups = self.local.status.groups if self.local is not None and self.local.status is not None else []
+        why = "; ".join(g.reason for g in groups if not g.ready) or _not_ready(ranks)
         return False, f"{head} needs {need}): {why}"
 
     def liveness(self) -> tuple[bool, str]:
         if self.phase == FAILED:
             return False, f"gave up: {self.failure}"
         status = self.local.status if self.local is not None else None
-        if status is not None and not status.get("live", True):
-            return False, "the node's supervisor gave up: " + str(status.get("reason"))
+        if status is not None and not status.live:
+            return False, "the node's supervisor gave up: " + status.reason
         return True, f"lbd serve {self.plan.role} {self.phase}"
 
-    def deployment(self) -> dict[str, object]:
+    def deployment(self) -> Deployment:
         plan = self.plan
-        info: dict[str, object] = {
-            "role": plan.role, "load_balancing": "hybrid" if plan.role == "hybrid" else "internal",
-            "data_parallel_size": plan.dp_size, "data_parallel_size_local": plan.dp_size_local,
-            "data_parallel_start_rank": plan.dp_start_rank, "address": plan.address,
-            "rpc_port": plan.rpc_port, "registry": plan.registry}
+        info = Deployment(
+            role=plan.role, load_balancing="hybrid" if plan.role is NodeRole.HYBRID else "internal",
+            data_parallel_size=plan.dp_size, data_parallel_size_local=plan.dp_size_local,
+            data_parallel_start_rank=plan.dp_start_rank, address=plan.address, rpc_port=plan.rpc_port,
+            registry=plan.registry)
         if self.group is not None:
-            info["group"] = self.group.describe(time.monotonic())
-            info["rendezvous"] = rendezvous(plan.address, plan.rpc_port)
+            info.group = self.group.describe(time.monotonic())
+            info.rendezvous = rendezvous(plan.address, plan.rpc_port)
         if self.membership is not None:
-            info["registration"] = self.membership.describe()
+            info.registration = self.membership.describe()
         alive = self.router_alive()
         if alive is not None:
-            info["router"] = {"port": plan.router_port, "workers": plan.router_workers, "alive": alive}
+            info.router = RouterInfo(port=plan.router_port, workers=plan.router_workers, alive=alive)
         return info
 
-    def status_body(self) -> dict[str, Any]:
+    def status_body(self) -> SupervisorStatus:
+        """The supervisor's /status over this node's view, with the node's own answers and deployment."""
         ready, reason = self.readiness()
         live, _ = self.liveness()
-        base = dict(self.local.status) if self.local is not None and self.local.status else {}
+        base = self.local.status if self.local is not None else None
         ranks = self.view_ranks()
-        return {**base, "ready": ready, "live": live, "reason": reason, "phase": self.phase,
-                "pid": os.getpid(), "supervisor_pid": base.get("pid"),
-                "data_parallel_size": self.plan.dp_size,
-                "data_parallel_size_local": self.plan.dp_size_local,
-                "data_parallel_start_rank": self.plan.dp_start_rank, "ready_policy": self.plan.ready_policy,
-                "ready_ranks": sum(map(_serving, ranks)),
-                "uptime_s": time.monotonic() - self.started, "ranks": ranks, "deployment": self.deployment()}
+        return replace(base or SupervisorStatus(), ready=ready, live=live, reason=reason, phase=self.phase,
+                       pid=os.getpid(), supervisor_pid=base.pid if base is not None else None,
+                       data_parallel_size=self.plan.dp_size, data_parallel_size_local=self.plan.dp_size_local,
+                       data_parallel_start_rank=self.plan.dp_start_rank, ready_policy=self.plan.ready_policy,
+                       ready_ranks=sum(map(_serving, ranks)), uptime_s=time.monotonic() - self.started,
+                       ranks=ranks, deployment=self.deployment())
 
     # ---- endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -203,7 +214,7 @@ class NodeHealth(AppServer):
         return web.Response(status=200 if ok else 503, text=reason + "\n")
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps(self.status_body()), content_type="application/json")
+        return web.Response(body=encode(self.status_body()), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
         own = await self.local.metrics() if self.local is not None else b""
@@ -214,7 +225,7 @@ class NodeHealth(AppServer):
         ranks = self.view_ranks()
         states: dict[str, int] = {}
         for r in ranks:
-            states[str(r.get("state"))] = states.get(str(r.get("state")), 0) + 1
+            states[r.state.value] = states.get(r.state.value, 0) + 1
         lines = ["# HELP lbd_serve_ready 1 when this node's /readyz answers 200.",
                  "# TYPE lbd_serve_ready gauge",
                  f"lbd_serve_ready {int(self.readiness()[0])}",
@@ -222,14 +233,12 @@ class NodeHealth(AppServer):
                  "# TYPE lbd_serve_ranks gauge"]
         lines += [f'lbd_serve_ranks{{state="{s}"}} {n}' for s, n in sorted(states.items())]
         if self.group is not None:
-            desc = self.group.describe(time.monotonic())
-            nodes = desc["nodes"]
-            assert isinstance(nodes, list)
+            nodes = self.group.describe(time.monotonic()).nodes
             lines += ["# HELP lbd_serve_group_nodes Nodes registered with this head, by lease state.",
                       "# TYPE lbd_serve_group_nodes gauge"]
             for state in ("registered", "lost"):
                 lines.append(f'lbd_serve_group_nodes{{state="{state}"}} '
-                             f"{sum(n['state'] == state for n in nodes)}")
+                             f"{sum(n.state == state for n in nodes)}")
         if self.membership is not None:
             lines += ["# HELP lbd_serve_registered 1 while this node is registered with the head.",
                       "# TYPE lbd_serve_registered gauge",
@@ -241,7 +250,7 @@ class NodeHealth(AppServer):
             rank = int(request.match_info["rank"])
         except ValueError:
             return error_response(400, f"rank must be an integer, got {request.match_info['rank']!r}", "rank")
-        local = {r.get("rank") for r in self.local_ranks(advertised=False)}
+        local = {r.rank for r in self.local_ranks(advertised=False)}
         if rank not in local and self.group is not None:
             owner = next((m for m in self.group.members.values() if rank in m.rank_ids), None)
             if owner is not None:
@@ -256,17 +265,17 @@ class NodeHealth(AppServer):
         return await self.local.forward("POST", request.path, headers)
 
 
-def _serving(rank: dict[str, Any]) -> bool:
+def _serving(rank: RankStatus) -> bool:
     """Ready and routable (a member of an MoE group that is re-forming is ready but not routable)."""
-    return rank.get("state") == "ready" and bool(rank.get("routable", True))
+    return rank.state is RankState.READY and bool(rank.routable)
 
 
-def _not_ready(ranks: list[dict[str, Any]]) -> str:
+def _not_ready(ranks: list[RankStatus]) -> str:
     """'rank 1 starting, ranks 2-3 missing (no node has registered them)'."""
     by_state: dict[str, list[int]] = {}
     for r in ranks:
-        if r.get("state") != "ready":
-            by_state.setdefault(str(r.get("state")), []).append(int(r["rank"]))
+        if r.state is not RankState.READY and r.rank is not None:
+            by_state.setdefault(r.state.value, []).append(r.rank)
     parts = []
     for state, ids in by_state.items():
         label = f"rank {ids[0]}" if len(ids) == 1 else f"ranks {span(ids)}"

@@ -20,7 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
+
+from lbd.wire.status import Registration, RegistryRendezvous
 
 log = logging.getLogger("lbd.serve")
 
@@ -62,10 +65,14 @@ class Membership:
         self._last_ok = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
 
-    def describe(self) -> dict[str, object]:
-        return {"state": self.state, "reason": self.reason, "since": self.since, "head": f"{self.head}:"
-                f"{self.rpc_port}", "node_id": self.node_id, "attempts": self.attempts,
-                "advertise_address": self.advertise, "rendezvous": self.reply.get("rendezvous")}
+    def describe(self) -> Registration:
+        met = self.reply.get("rendezvous")
+        with contextlib.suppress(msgspec.ValidationError):
+            met = msgspec.convert(met, RegistryRendezvous | None)
+        return Registration(state=self.state, reason=self.reason, since=self.since,
+                            head=f"{self.head}:{self.rpc_port}", node_id=self.node_id, attempts=self.attempts,
+                            advertise_address=self.advertise,
+                            rendezvous=met if isinstance(met, RegistryRendezvous) else None)
 
     def _set(self, state: str, reason: str) -> None:
         if state != self.state or reason != self.reason:
@@ -100,7 +107,7 @@ class Membership:
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
         assert self._session is not None
-        data = orjson.dumps(body) if body is not None else None
+        data = msgspec.json.encode(body) if body is not None else None
         async with self._session.request(method, self.base + path, data=data, headers={
                 **self.headers, "Content-Type": "application/json"}) as resp:
             raw = await resp.read()

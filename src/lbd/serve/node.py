@@ -20,6 +20,8 @@ import socket
 import sys
 from typing import Any
 
+from msgspec.structs import replace
+
 from lbd.common.auth import API_KEYS_ENV
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.tls import client_context
@@ -30,6 +32,7 @@ from lbd.serve.member import CONNECTING, Membership
 from lbd.serve.plan import CLUSTER_TOKEN_ENV, Plan
 from lbd.serve.registry import Registry
 from lbd.supervisor.process import child_setup
+from lbd.wire.status import SupervisorStatus
 
 log = logging.getLogger("lbd.serve")
 STOP_EXTRA_S = 10.0  # after --shutdown-timeout (+ the supervisor's own 5 s), children are killed
@@ -197,11 +200,9 @@ class DeploymentNode:
                 return
             await asyncio.sleep(0.02)
 
-    def _group_status(self) -> dict[str, Any]:
+    def _group_status(self) -> SupervisorStatus:
         assert self.health is not None
-        body = self.health.status_body()
-        body["ranks"] = self.health.group_ranks()
-        return body
+        return replace(self.health.status_body(), ranks=self.health.group_ranks())
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1

@@ -29,6 +29,7 @@ from lbd.supervisor.config import (
     port_in_use,
 )
 from lbd.supervisor.moe import model_moe
+from lbd.wire.roles import NodeRole
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
@@ -41,7 +42,7 @@ _OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "
 
 @dataclass(slots=True)
 class Plan:
-    role: str  # "head" (runs a router) | "headless" (ranks only) | "hybrid" (its own router)
+    role: NodeRole  # head (runs a router) | headless (ranks only) | hybrid (its own router)
     dp_size: int
     dp_size_local: int  # ranks this node's supervisor runs (all N with Ray)
     dp_start_rank: int
@@ -81,7 +82,7 @@ class Plan:
     @property
     def view_is_group(self) -> bool:
         """The health port lists the whole group (an internal-LB head) rather than this node's ranks."""
-        return self.role == "head"
+        return self.role == NodeRole.HEAD
 
 
 def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +174,7 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> Plan | None:
     raise AssertionError("unreachable")
 
 
-def _role(ns: argparse.Namespace) -> str:
+def _role(ns: argparse.Namespace) -> NodeRole:
     if ns.headless and ns.data_parallel_hybrid_lb:
         raise SupervisorArgError("--headless and --data-parallel-hybrid-lb exclude each other: a hybrid node "
                                  "runs its own router, a headless one none")
@@ -185,10 +186,12 @@ def _role(ns: argparse.Namespace) -> str:
             if given:
                 raise SupervisorArgError(f"--data-parallel-backend ray places every rank from this one "
                                          f"command (no registering nodes): drop {flag}")
-    return "headless" if ns.headless else "hybrid" if ns.data_parallel_hybrid_lb else "head"
+    if ns.headless:
+        return NodeRole.HEADLESS
+    return NodeRole.HYBRID if ns.data_parallel_hybrid_lb else NodeRole.HEAD
 
 
-def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
+def _topology(ns: argparse.Namespace, role: NodeRole) -> tuple[int, int, int]:
     """(N, L, S) of this node; the supervisor re-checks the rest (divisibility, ranges)."""
     n = ns.data_parallel_size
     local = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else n
@@ -202,12 +205,12 @@ def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
     if local > n:
         raise SupervisorArgError(f"--data-parallel-size-local {local} is larger than --data-parallel-size "
                                  f"{n}: a node cannot run more ranks than the whole group")
-    if local == 0 and role != "head":
-        raise SupervisorArgError(f"a {'--headless' if role == 'headless' else 'hybrid'} node with "
+    if local == 0 and role != NodeRole.HEAD:
+        raise SupervisorArgError(f"a {'--headless' if role is NodeRole.HEADLESS else 'hybrid'} node with "
                                  "--data-parallel-size-local 0 would have nothing to run: give it ranks")
     start = (ns.data_parallel_start_rank if ns.data_parallel_start_rank is not None
              else ns.node_rank * local)
-    if role == "head" and start != 0:
+    if role == NodeRole.HEAD and start != 0:
         raise SupervisorArgError(f"the head (no --headless) runs ranks 0..{max(local, 1) - 1}; a node whose "
                                  f"ranks start at {start} runs with --headless")
     if local and not 0 <= start <= n - local:
@@ -216,7 +219,7 @@ def _topology(ns: argparse.Namespace, role: str) -> tuple[int, int, int]:
     return n, local, start
 
 
-def _check_unused(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) -> None:
+def _check_unused(ns: argparse.Namespace, role: NodeRole, remote: bool, moe_group: bool) -> None:
     """Flags this node would not use are refused rather than ignored (an MoE group on one node meets at
     --data-parallel-address:--data-parallel-rpc-port too)."""
     unused = []
@@ -227,7 +230,7 @@ def _check_unused(ns: argparse.Namespace, role: str, remote: bool, moe_group: bo
             unused.append((flag, "it applies to groups spanning nodes"))
     if ns.rank_port is not None and ns.data_parallel_backend == "ray":
         unused.append(("--rank-port", "Ray-placed ranks take a free port on their node"))
-    if ns.route_policy is not None and role == "headless":
+    if ns.route_policy is not None and role == NodeRole.HEADLESS:
         unused.append(("--route-policy", "a --headless node runs no router"))
     for flag, why in unused:
         raise SupervisorArgError(f"{flag} does nothing here ({why}): drop it")
@@ -244,7 +247,7 @@ def _ready_needed(policy: str, view: int) -> int:
     return int(policy)
 
 
-def _check_tls(ns: argparse.Namespace, role: str, remote: bool) -> None:
+def _check_tls(ns: argparse.Namespace, role: NodeRole, remote: bool) -> None:
     """TLS covers one node's deployment: its API port (the router), its health port, its supervisor and
     ranks, all on this machine, so each part verifies the others over loopback against --ssl-ca-certs.
     Groups that span nodes (their registration and cross-node links), Ray-placed ranks and client
@@ -253,7 +256,7 @@ def _check_tls(ns: argparse.Namespace, role: str, remote: bool) -> None:
                                       ("--ssl-ca-certs", ns.ssl_ca_certs)) if value is not None]
     if not given:
         return
-    where = ("a group that spans nodes" if remote or role != "head" else
+    where = ("a group that spans nodes" if remote or role != NodeRole.HEAD else
              "--data-parallel-backend ray" if ns.data_parallel_backend == "ray" else None)
     if where is not None:
         raise SupervisorArgError(f"{given[0]}: TLS is not implemented for {where} yet: serve TLS with lbd "
@@ -271,19 +274,19 @@ def _check_tls(ns: argparse.Namespace, role: str, remote: bool) -> None:
 def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: dict[str, str]) -> Plan:
     role = _role(ns)
     n, local, start = _topology(ns, role)
-    head_of_group = start == 0 and role != "headless"
+    head_of_group = start == 0 and role != NodeRole.HEADLESS
     address = ns.data_parallel_address
-    if role == "headless" and ns.api_server_count != 1:
+    if role == NodeRole.HEADLESS and ns.api_server_count != 1:
         raise SupervisorArgError("--api-server-count is the router's worker count and a --headless node runs "
                                  "no router: drop it (give it to the head)")
-    if role == "headless":
+    if role == NodeRole.HEADLESS:
         for flag, value in (("--max-num-queued-reqs", ns.max_num_queued_reqs),
                             ("--max-num-queued-tokens", ns.max_num_queued_tokens)):
             if value is not None:
                 raise SupervisorArgError(f"{flag} applies to the whole deployment and is enforced by the "
                                          "head's router: give it to the head, not to a --headless node")
-    remote = ns.data_parallel_backend == "mp" and (local < n or role == "headless"
-                                                   or (role == "head" and address is not None))
+    remote = ns.data_parallel_backend == "mp" and (local < n or role == NodeRole.HEADLESS
+                                                   or (role == NodeRole.HEAD and address is not None))
     registry, member = remote and head_of_group, remote and not head_of_group
     moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
     _check_unused(ns, role, remote, moe_group)
@@ -295,12 +298,12 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
                                  "pass --data-parallel-address <the head's address> (and "
                                  "--data-parallel-rpc-port, default 29550)")
     rpc_port = ns.data_parallel_rpc_port if ns.data_parallel_rpc_port is not None else DEFAULT_RPC_PORT
-    runs_router = role != "headless"
+    runs_router = role != NodeRole.HEADLESS
     rank_port = ns.rank_port if ns.rank_port is not None else ns.port + (1 if runs_router else 0)
     # one node: ranks only on loopback (the router is beside them); several: reachable from the head
-    rank_host = (ns.host if role == "headless" else None if remote or ns.data_parallel_backend == "ray"
+    rank_host = (ns.host if role == NodeRole.HEADLESS else None if remote or ns.data_parallel_backend == "ray"
                  else "127.0.0.1")
-    view = n if role == "head" else local
+    view = n if role == NodeRole.HEAD else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
     plan = Plan(
@@ -331,11 +334,11 @@ def _internal_key(env: dict[str, str]) -> str:
     return given or (derive_key(token) if token else secrets.token_hex(32))
 
 
-def _check_ports(ns: argparse.Namespace, role: str, local: int, rank_port: int, rank_host: str | None,
+def _check_ports(ns: argparse.Namespace, role: NodeRole, local: int, rank_port: int, rank_host: str | None,
                  rpc_port: int | None) -> None:
     if not 0 < rank_port <= 65535 - max(local - 1, 0):
         raise SupervisorArgError(f"--rank-port {rank_port} + {local} ranks is out of range: use 1..65535")
-    if role != "headless":
+    if role != NodeRole.HEADLESS:
         if rank_port <= ns.port < rank_port + local:
             raise SupervisorArgError(f"--port {ns.port} (the router) is inside the rank ports {rank_port}.."
                                      f"{rank_port + local - 1}: move --rank-port")
@@ -379,7 +382,7 @@ def _group_argv(ns: argparse.Namespace, address: str | None, rpc_port: int) -> l
     return []
 
 
-def _route_argv(ns: argparse.Namespace, role: str, needed: int) -> list[str]:
+def _route_argv(ns: argparse.Namespace, role: NodeRole, needed: int) -> list[str]:
     """`lbd route` flags: the node's API port, workers, probes like the supervisor's, the queue limits."""
     interval = ns.dp_supervisor_probe_interval_s
     argv = ["--host", ns.host or "0.0.0.0", "--port", str(ns.port), "--workers", str(ns.api_server_count),

@@ -24,22 +24,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import orjson
 from aiohttp import web
+from msgspec.structs import replace
 
 from lbd.serve.group import Group, Rejected, rendezvous, span
 from lbd.supervisor.health import AppServer, error_response, json_errors
+from lbd.wire.status import SupervisorStatus, rank_statuses
 
 log = logging.getLogger("lbd.serve")
 
 
 def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+    return web.Response(status=status, body=msgspec.json.encode(data), content_type="application/json")
 
 
 class Registry(AppServer):
     def __init__(self, group: Group, address: str | None, rpc_port: int, heartbeat_s: float,
-                 token: str | None, group_status: Callable[[], dict[str, Any]]) -> None:
+                 token: str | None, group_status: Callable[[], SupervisorStatus]) -> None:
         self.group = group
         self.rendezvous = rendezvous(address, rpc_port)
         self.heartbeat_s = heartbeat_s
@@ -94,7 +97,7 @@ class Registry(AppServer):
             return body
         node_id = request.match_info["node_id"]
         was_lost = (m := self.group.members.get(node_id)) is not None and m.lost
-        member = self.group.heartbeat(node_id, list(body.get("ranks") or []), time.monotonic())
+        member = self.group.heartbeat(node_id, rank_statuses(body.get("ranks")), time.monotonic())
         if member is None:
             return error_response(404, f"node {node_id} is not registered (the head restarted?): "
                                        "register again")
@@ -112,7 +115,7 @@ class Registry(AppServer):
         return _json({"left": True, "node_id": node_id})
 
     async def describe(self, request: web.Request) -> web.Response:
-        return _json({**self.group.describe(time.monotonic()), "rendezvous": self.rendezvous})
+        return _json(replace(self.group.describe(time.monotonic()), rendezvous=self.rendezvous))
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(self.group_status())

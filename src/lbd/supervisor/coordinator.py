@@ -22,7 +22,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import orjson
@@ -30,6 +29,8 @@ import orjson
 from lbd.common.limits import read_aiohttp
 from lbd.supervisor.moe import GroupSpec
 from lbd.supervisor.process import child_setup
+from lbd.wire.dp import CoordinatorStatus, decode_coordinator_status
+from lbd.wire.status import CoordinatorInfo
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -52,7 +53,7 @@ class Coordinator:
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self.last_exit_code: int | None = None
-        self.status: dict[str, Any] | None = None
+        self.status: CoordinatorStatus | None = None
         self.status_at: float | None = None  # monotonic time of the last good /status
         self.error: str | None = "not polled yet"
         self.on_poll: Callable[[], None] = lambda: None
@@ -72,7 +73,7 @@ class Coordinator:
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
             preexec_fn=child_setup(os.getpid()))
         log.info("DP coordinator: started pid %d (store :%d, ZMQ :%d, HTTP %s)", self.proc.pid,
-                 self.spec.rendezvous()["store_port"], self.spec.rendezvous()["coordinator_port"], self.url)
+                 self.spec.rendezvous().store_port, self.spec.rendezvous().coordinator_port, self.url)
 
     async def _keep_alive(self) -> None:
         delay = RESTART_INITIAL_S
@@ -130,14 +131,15 @@ class Coordinator:
                     body = await read_aiohttp(resp)
                     if resp.status != 200:
                         raise ValueError(f"/status answered {resp.status}")
-                    self.status, self.status_at, self.error = orjson.loads(body), time.monotonic(), None
+                    self.status = decode_coordinator_status(body)
+                    self.status_at, self.error = time.monotonic(), None
             except (OSError, aiohttp.ClientError, TimeoutError, ValueError) as e:
                 self.error = f"{self.url}/status: {type(e).__name__}: {e}".rstrip(": ")
                 self.status_at = None  # what it said last is kept for /status, never trusted for readiness
             self.on_poll()
             await asyncio.sleep(POLL_S)
 
-    def fresh_status(self) -> dict[str, Any] | None:
+    def fresh_status(self) -> CoordinatorStatus | None:
         """The coordinator's word, if its last poll answered (recently) and the process we run is alive."""
         if self.status is None or self.status_at is None or time.monotonic() - self.status_at > STALE_S:
             return None
@@ -173,9 +175,10 @@ class Coordinator:
                 await asyncio.sleep(0.2 * (attempt + 1))
         return False
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> CoordinatorInfo:
         age = time.monotonic() - self.status_at if self.status_at is not None else None
-        return {"url": self.url, "local": self.spec.runs_coordinator,
-                "pid": self.proc.pid if self.proc is not None and self.proc.returncode is None else None,
-                "alive": self.alive(), "restarts": self.restarts, "last_exit_code": self.last_exit_code,
-                "status_age_s": round(age, 3) if age is not None else None, "error": self.error}
+        return CoordinatorInfo(
+            url=self.url, local=self.spec.runs_coordinator,
+            pid=self.proc.pid if self.proc is not None and self.proc.returncode is None else None,
+            alive=self.alive(), restarts=self.restarts, last_exit_code=self.last_exit_code,
+            status_age_s=round(age, 3) if age is not None else None, error=self.error)

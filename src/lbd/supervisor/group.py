@@ -27,7 +27,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lbd.supervisor.coordinator import Coordinator
 from lbd.supervisor.moe import GroupSpec
-from lbd.supervisor.rank import RankState, RankWorker
+from lbd.supervisor.rank import RankWorker
+from lbd.wire.dp import CoordinatorStatus, DPState
+from lbd.wire.status import GroupMember, GroupStatus, LastRecovery, RankState, RankStatus
+from lbd.wire.status import Recovery as RecoveryEntry
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -42,9 +45,9 @@ class Recovery:
     at_wall: float
     generation: int | None  # the generation in service when the member failed
 
-    def describe(self, now: float) -> dict[str, object]:
-        return {"rank": self.rank, "why": self.why, "failed_at": self.at_wall, "generation": self.generation,
-                "for_s": round(now - self.at, 3)}
+    def describe(self, now: float) -> RecoveryEntry:
+        return RecoveryEntry(rank=self.rank, why=self.why, failed_at=self.at_wall, generation=self.generation,
+                             for_s=round(now - self.at, 3))
 
 
 class GroupMetrics:
@@ -81,7 +84,7 @@ class MoeGroup:
         self.coordinator.on_poll = self._on_poll
         self.metrics = GroupMetrics(registry)
         self.recovering: dict[int, Recovery] = {}
-        self.last_recovery: dict[str, object] | None = None
+        self.last_recovery: LastRecovery | None = None
         self.recoveries = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         for w in workers:
@@ -102,10 +105,10 @@ class MoeGroup:
     def member_failed(self, worker: RankWorker, why: str) -> None:
         """A member died or hangs: the group is not ready (its worker kills it, then _member_stopped)."""
         rank = worker.spec.rank
-        status = self.coordinator.fresh_status() or {}
+        status = self.coordinator.fresh_status()
         if rank not in self.recovering:
             self.recovering[rank] = Recovery(rank, why, time.monotonic(), time.time(),
-                                             status.get("generation"))
+                                             status.generation if status is not None else None)
         self.metrics.failures.labels(rank=str(rank)).inc()
         log.warning("MoE group: member %d failed (%s): the group stops serving; only rank %d restarts, the "
                     "others re-join a new generation", rank, why, rank)
@@ -122,10 +125,10 @@ class MoeGroup:
         status = self.coordinator.fresh_status()
         if status is None:
             return False, f"{head}: the DP coordinator does not answer ({self.coordinator.error})"
-        gen, state = status.get("generation"), status.get("state")
-        if state != "ready":
-            why = status.get("reason") or "waiting for its members"
-            return False, f"{head}: generation {gen} {state}: {why}"
+        gen, state = status.generation, status.state
+        if state is not DPState.READY:
+            why = status.reason or "waiting for its members"
+            return False, f"{head}: generation {gen} {state.value}: {why}"
         waiting = [f"rank {r} {w.state.value}" if w.state is not RankState.READY else f"rank {r} "
                    f"{w.group_wait}" for r, w in self.members.items()
                    if w.state is not RankState.READY or w.group_wait is not None]
@@ -142,66 +145,71 @@ class MoeGroup:
         m.coordinator_up.set(0 if status is None else 1)
         m.coordinator_restarts.set(self.coordinator.restarts)
         if status is not None:
-            m.generation.set(float(status.get("generation") or 0))
-            m.wave_active.set(1 if (status.get("wave") or {}).get("active") else 0)
-            for member in status.get("members") or []:
-                rank = str(member.get("rank"))
-                m.joined.labels(rank=rank).set(1 if member.get("joined") else 0)
-                m.waiting.labels(rank=rank).set(float(member.get("waiting") or 0))
-                m.running.labels(rank=rank).set(float(member.get("running") or 0))
+            m.generation.set(float(status.generation))
+            m.wave_active.set(1 if status.wave.active else 0)
+            for member in status.members:
+                rank = str(member.rank)
+                m.joined.labels(rank=rank).set(1 if member.joined else 0)
+                m.waiting.labels(rank=rank).set(float(member.waiting))
+                m.running.labels(rank=rank).set(float(member.running))
         self._settle(ready, status)
 
-    def _settle(self, ready: bool, status: dict[str, Any] | None) -> None:
+    def _settle(self, ready: bool, status: CoordinatorStatus | None) -> None:
         """A recovery ends the first time the group is seen ready again (after a poll or on /status)."""
         if ready and self.recovering:
             m = self.metrics
             now = time.monotonic()
             first = min(self.recovering.values(), key=lambda r: r.at)
             took = now - first.at
-            self.last_recovery = {**first.describe(now), "ready_after_s": round(took, 3),
-                                  "ranks": sorted(self.recovering), "ready_generation": status and
-                                  status.get("generation")}
+            entry = first.describe(now)
+            self.last_recovery = LastRecovery(
+                rank=entry.rank, why=entry.why, failed_at=entry.failed_at, generation=entry.generation,
+                for_s=entry.for_s, ready_after_s=round(took, 3), ranks=sorted(self.recovering),
+                ready_generation=status.generation if status is not None else None)
             self.recoveries += 1
             m.recovery.observe(took)
             log.info("MoE group: ready again %.1f s after member %s failed (generation %s)", took,
-                     first.rank, status and status.get("generation"))
+                     first.rank, status.generation if status is not None else None)
             self.recovering.clear()
 
     def routable(self) -> bool:
         return self.readiness()[0]
 
     # ---- /status --------------------------------------------------------------------------------------
-    def status(self, ranks: list[dict[str, Any]]) -> dict[str, object]:
+    def status(self, ranks: list[RankStatus]) -> GroupStatus:
         """The group's /status entry; ``ranks``: this node's rank entries, made unroutable while the group
         is not ready."""
         ready, reason = self.readiness()
         self._settle(ready, self.coordinator.fresh_status())
         for r in ranks:
-            if r.get("rank") in self.members:
-                r["routable"] = bool(r.get("routable")) and ready
-                r["group"] = 0
-        status = self.coordinator.fresh_status() or {}
-        by_rank = {m.get("rank"): m for m in status.get("members") or []}
+            if r.rank in self.members:
+                r.routable = bool(r.routable) and ready
+                r.group = 0
+        status = self.coordinator.fresh_status()
+        by_rank = {m.rank: m for m in status.members} if status is not None else {}
         members = []
         for rank in range(self.spec.size):
-            seen = by_rank.get(rank, {})
+            seen = by_rank.get(rank)
             w = self.members.get(rank)
-            members.append({
-                "rank": rank, "local": w is not None,
-                "state": w.state.value if w is not None else None, "pid": w.pid if w is not None else None,
-                "group_wait": w.group_wait if w is not None else None,
-                "core_pid": seen.get("pid"), "joined": seen.get("joined"), "waiting": seen.get("waiting"),
-                "running": seen.get("running"), "last_report_age_s": seen.get("last_report_age_s"),
-                "wave_active": seen.get("wave_active")})
+            member = GroupMember(rank=rank, local=w is not None)
+            if w is not None:
+                member.state, member.pid, member.group_wait = w.state, w.pid, w.group_wait
+            if seen is not None:
+                member.core_pid, member.joined, member.waiting, member.running = (
+                    seen.pid, seen.joined, seen.waiting, seen.running)
+                member.last_report_age_s, member.wave_active = seen.last_report_age_s, seen.wave_active
+            members.append(member)
         now = time.monotonic()
         spec = self.spec
-        return {
-            "group": 0, "kind": "moe", "model": spec.moe.architecture, "num_experts": spec.moe.num_experts,
-            "size": spec.size, "local_ranks": list(spec.local_ranks), "expert_parallel": spec.expert_parallel,
-            "on_rank_failure": self.policy, "ready": ready, "reason": reason,
-            "generation": status.get("generation"), "state": status.get("state"),
-            "wave": status.get("wave"), "generation_aborts": status.get("generation_aborts"),
-            "rendezvous": spec.rendezvous(), "coordinator": self.coordinator.describe(),
-            "members": members, "recovering": [r.describe(now) for r in self.recovering.values()],
-            "recoveries": self.recoveries, "last_recovery": self.last_recovery,
-        }
+        return GroupStatus(
+            group=0, kind="moe", model=spec.moe.architecture, num_experts=spec.moe.num_experts,
+            size=spec.size, local_ranks=list(spec.local_ranks), expert_parallel=spec.expert_parallel,
+            on_rank_failure=self.policy, ready=ready, reason=reason,
+            generation=status.generation if status is not None else None,
+            state=status.state if status is not None else None,
+            wave=status.wave if status is not None else None,
+            generation_aborts=status.generation_aborts if status is not None else None,
+            rendezvous=spec.rendezvous(), coordinator=self.coordinator.describe(),
+            members=members, recovering=[r.describe(now) for r in self.recovering.values()],
+            recoveries=self.recoveries, last_recovery=self.last_recovery,
+        )

@@ -10,7 +10,8 @@ GET /readyz   readiness. 200 when the ready ranks meet ``--ready-policy`` (all |
               code 1: ValueError: model.safetensors: invalid header``. The ranks of an MoE model form one
               group (supervisor/group.py): 200 when it serves, e.g. ``MoE group (MixtralForCausalLM with 8
               experts, 2 ranks, expert parallel): generation 2 reforming: waiting for ranks [1] ...``.
-GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256``) and people::
+GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256``) and people; the type is
+              ``lbd.wire.status.SupervisorStatus``::
 
     {
       "ready": true,                 # same answer as /readyz
@@ -118,6 +119,7 @@ from lbd.common.tls import server_context
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from lbd.supervisor.rank import Command
+from lbd.wire import status as wire_status
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 409: "ConflictError"}
@@ -194,7 +196,8 @@ class HealthServer(AppServer):
         return _text(*self.sup.readiness())
 
     async def status(self, request: web.Request) -> web.Response:
-        return _json(self.sup.status(self._url_host(request)))
+        return web.Response(body=wire_status.encode(self.sup.status(self._url_host(request))),
+                            content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
         m = self.sup.metrics

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from lbd.wire.status import GroupRendezvous
+
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 # transformers' defaults of the expert count where config.json may omit it
 MOE_ARCHITECTURE_DEFAULTS = {"MixtralForCausalLM": 8, "Qwen3MoeForCausalLM": 128, "Qwen2MoeForCausalLM": 60,
@@ -84,11 +86,11 @@ class GroupSpec:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"http://{host}:{self.rpc_port + HTTP_OFFSET}"
 
-    def rendezvous(self) -> dict[str, object]:
-        return {"address": self.address, "rpc_port": self.rpc_port,
-                "store_port": self.rpc_port + STORE_OFFSET,
-                "coordinator_port": self.rpc_port + ZMQ_OFFSET,
-                "coordinator_http_port": self.rpc_port + HTTP_OFFSET}
+    def rendezvous(self) -> GroupRendezvous:
+        return GroupRendezvous(address=self.address, rpc_port=self.rpc_port,
+                               store_port=self.rpc_port + STORE_OFFSET,
+                               coordinator_port=self.rpc_port + ZMQ_OFFSET,
+                               coordinator_http_port=self.rpc_port + HTTP_OFFSET)
 
     def rank_flags(self) -> list[str]:
         """What every member gets on top of the passed-through engine flags."""

@@ -16,11 +16,19 @@ from lbd.supervisor.group import MoeGroup
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import Prober
 from lbd.supervisor.process import RankProcess
-from lbd.supervisor.rank import Command, FailureAction, RankState, RankWorker, StartRank
+from lbd.supervisor.rank import Command, FailureAction, RankWorker, StartRank
+from lbd.wire.status import (
+    NodePhase,
+    ProbeSettings,
+    RankState,
+    RollingRestart,
+    RollingState,
+    SupervisorStatus,
+)
 
 log = logging.getLogger("lbd.supervisor")
 
-RUNNING, STOPPING, FAILED = "running", "stopping", "failed"
+RUNNING, STOPPING, FAILED = NodePhase.RUNNING, NodePhase.STOPPING, NodePhase.FAILED
 PHASES = (RUNNING, STOPPING, FAILED)
 SHUTDOWN_EXTRA_S = 5.0  # on SIGTERM ranks get --shutdown-timeout plus this before their trees are killed
 ROLLING_POLL_S = 0.1
@@ -48,7 +56,7 @@ class Supervisor:
         self.phase = RUNNING
         self.exit_code = 0
         self.failure: str | None = None
-        self.rolling: dict[str, object] | None = None  # the last rolling restart, shown in /status
+        self.rolling: RollingRestart | None = None  # the last rolling restart, shown in /status
         self._rolling_task: asyncio.Task[None] | None = None
         self._started_mono = time.monotonic()
         self._stop: asyncio.Event | None = None
@@ -80,25 +88,25 @@ class Supervisor:
             return False, f"gave up: {self.failure}"
         return True, f"supervisor {self.phase}"
 
-    def status(self, url_host: str) -> dict[str, object]:
+    def status(self, url_host: str) -> SupervisorStatus:
         ready, reason = self.readiness()
         live, _ = self.liveness()
         cfg = self.cfg
         ranks = [w.status(url_host) for w in self.workers]
-        return {
-            "ready": ready, "live": live, "reason": reason, "phase": self.phase, "pid": os.getpid(),
-            "node_rank": cfg.node_rank, "data_parallel_size": cfg.dp_size,
-            "data_parallel_size_local": cfg.dp_size_local, "data_parallel_start_rank": cfg.dp_start_rank,
-            "ready_policy": cfg.ready_policy, "ready_ranks": self.ready_count(),
-            "on_rank_failure": cfg.on_rank_failure,
-            "probe": {"interval_s": cfg.probe_interval_s, "timeout_s": cfg.probe_timeout_s,
-                      "failure_threshold": cfg.probe_failure_threshold,
-                      "generate_every": cfg.probe_generate_every},
-            "uptime_s": time.monotonic() - self._started_mono,
-            "rolling_restart": self.rolling,
-            "ranks": ranks,
-            "groups": [self.group.status(ranks)] if self.group is not None else [],
-        }
+        return SupervisorStatus(
+            ready=ready, live=live, reason=reason, phase=self.phase, pid=os.getpid(),
+            node_rank=cfg.node_rank, data_parallel_size=cfg.dp_size,
+            data_parallel_size_local=cfg.dp_size_local, data_parallel_start_rank=cfg.dp_start_rank,
+            ready_policy=cfg.ready_policy, ready_ranks=self.ready_count(),
+            on_rank_failure=cfg.on_rank_failure,
+            probe=ProbeSettings(interval_s=cfg.probe_interval_s, timeout_s=cfg.probe_timeout_s,
+                                failure_threshold=cfg.probe_failure_threshold,
+                                generate_every=cfg.probe_generate_every),
+            uptime_s=time.monotonic() - self._started_mono,
+            rolling_restart=self.rolling,
+            ranks=ranks,
+            groups=[self.group.status(ranks)] if self.group is not None else [],
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def run(self, server: HealthPort, health_sock: socket.socket) -> int:
@@ -188,33 +196,30 @@ class Supervisor:
             return f"supervisor is {self.phase}"
         if self._rolling_task is not None and not self._rolling_task.done():
             return "a rolling restart is already running"
-        self.rolling = {"state": "running", "started_at": time.time(), "finished_at": None,
-                        "current_rank": None, "done_ranks": [], "error": None}
+        self.rolling = RollingRestart(state=RollingState.RUNNING, started_at=time.time())
         self._rolling_task = asyncio.create_task(self._rolling_restart(self.rolling))
         return None
 
-    async def _rolling_restart(self, record: dict[str, object]) -> None:
-        done: list[int] = []
-        record["done_ranks"] = done
+    async def _rolling_restart(self, record: RollingRestart) -> None:
         limit = (self.cfg.drain_timeout_s + self.cfg.shutdown_timeout_s + SHUTDOWN_EXTRA_S
                  + self.cfg.startup_timeout_s)
         try:
             for w in self.workers:
-                record["current_rank"] = w.spec.rank
+                record.current_rank = w.spec.rank
                 await asyncio.wait_for(self._restart_and_wait(w), limit)
-                done.append(w.spec.rank)
-            record["state"] = "done"
+                record.done_ranks.append(w.spec.rank)
+            record.state = RollingState.DONE
         except TimeoutError:
-            record["state"] = "failed"
-            record["error"] = f"rank {record['current_rank']} not ready within {limit:g} s"
+            record.state = RollingState.FAILED
+            record.error = f"rank {record.current_rank} not ready within {limit:g} s"
         except _Abort as e:
-            record["state"], record["error"] = "failed", str(e)
+            record.state, record.error = RollingState.FAILED, str(e)
         finally:
-            record["current_rank"] = None
-            record["finished_at"] = time.time()
-            if record["state"] == "running":
-                record["state"] = "cancelled"
-            log.info("rolling restart %s", record["state"])
+            record.current_rank = None
+            record.finished_at = time.time()
+            if record.state is RollingState.RUNNING:
+                record.state = RollingState.CANCELLED
+            log.info("rolling restart %s", record.state.value)
 
     async def _restart_and_wait(self, w: RankWorker) -> None:
         while w.operation is not None:  # an admin command on that rank is still being carried out

@@ -23,6 +23,7 @@ import psutil
 
 from lbd.common.redact import redact_text
 from lbd.supervisor.config import RankSpec
+from lbd.wire.status import WorkerProcess
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -119,7 +120,7 @@ class RankProcess:
         await _wait_gone(procs, 5.0)
         await self.close_relays()
 
-    def workers(self) -> list[dict[str, object]]:
+    def workers(self) -> list[WorkerProcess]:
         """The rank's TP/PP worker processes, found in its tree by their command line
         (``-m lbd.engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus C``)."""
         found = []
@@ -127,11 +128,11 @@ class RankProcess:
             with contextlib.suppress(psutil.Error):
                 cmd = p.cmdline()
                 if WORKER_MODULE in cmd:
-                    found.append({"pid": p.pid, "rank": int(_flag(cmd, "--rank") or -1),
-                                  "tp_rank": int(_flag(cmd, "--tp-rank") or -1),
-                                  "pp_rank": int(_flag(cmd, "--pp-rank") or -1),
-                                  "cpus": _flag(cmd, "--cpus")})
-        return sorted(found, key=lambda w: w["rank"])
+                    found.append(WorkerProcess(pid=p.pid, rank=int(_flag(cmd, "--rank") or -1),
+                                               tp_rank=int(_flag(cmd, "--tp-rank") or -1),
+                                               pp_rank=int(_flag(cmd, "--pp-rank") or -1),
+                                               cpus=_flag(cmd, "--cpus")))
+        return sorted(found, key=lambda w: w.rank)
 
     async def close_relays(self) -> None:
         """Let the relays drain what is left in the pipes (they end at EOF), but never hang on them."""

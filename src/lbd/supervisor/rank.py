@@ -23,6 +23,8 @@ from lbd.supervisor.config import RankSpec, SupervisorConfig
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
 from lbd.supervisor.process import RankProcess
+from lbd.wire.events import RankEvent, RankEventKind
+from lbd.wire.status import RankState, RankStatus, WorkerProcess
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -47,14 +49,9 @@ class RankHandle(Protocol):
 StartRank = Callable[[RankSpec], Awaitable[RankHandle]]
 
 
-class RankState(enum.StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    UNHEALTHY = "unhealthy"
-    RESTARTING = "restarting"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
+# the states a supervisor puts its ranks in (lbd.wire.status.RankState also names lbd serve's placeholders)
+SUPERVISED_STATES = (RankState.STARTING, RankState.READY, RankState.UNHEALTHY, RankState.RESTARTING,
+                     RankState.DRAINING, RankState.STOPPED, RankState.FAILED)
 
 
 class FailureAction(enum.StrEnum):
@@ -89,13 +86,6 @@ class Backoff:
         return min(delay, self.maximum)
 
 
-@dataclass(slots=True)
-class _Event:
-    generation: int | None  # None: a command, valid for whichever process is current
-    kind: str  # exited | unhealthy | startup_timeout | command
-    detail: str
-
-
 class RankWorker:
     def __init__(self, spec: RankSpec, cfg: SupervisorConfig, prober: Prober, metrics: SupervisorMetrics,
                  on_failure: Callable[[RankWorker, str, bool], FailureAction],
@@ -112,7 +102,7 @@ class RankWorker:
         self.generation = 0
         self.restarts = 0
         self.pid: int | None = None
-        self.workers: list[dict[str, object]] = []  # TP/PP worker processes, read when the rank got ready
+        self.workers: list[WorkerProcess] = []  # TP/PP worker processes, read when the rank got ready
         self.consecutive_failures = 0
         self.generate_failures = 0  # consecutive failed generation probes (--dp-supervisor-probe-generate)
         self.last_probe_latency_s: float | None = None
@@ -136,11 +126,11 @@ class RankWorker:
         self._ever_ready = False
         self._proc: RankHandle | None = None
         self._spawn_task: asyncio.Future[RankHandle] | None = None
-        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._events: asyncio.Queue[RankEvent] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
-        metrics.add_rank(spec.rank, tuple(s.value for s in RankState))
+        metrics.add_rank(spec.rank, tuple(s.value for s in SUPERVISED_STATES))
         metrics.set_state(spec.rank, RankState.STARTING.value, RankState.STARTING.value)
 
     # ---- public, called by the node and the health server -------------------------------------------------
@@ -154,7 +144,7 @@ class RankWorker:
         if self.operation is not None:
             return f"rank {self.spec.rank} is already carrying out {self.operation!r}"
         self.operation = command.value
-        self._events.put_nowait(_Event(None, "command", command.value))
+        self._events.put_nowait(RankEvent(None, RankEventKind.COMMAND, command.value))
         return None
 
     async def shutdown(self, grace_s: float) -> None:
@@ -176,30 +166,30 @@ class RankWorker:
         if self._proc is not None:
             await self._proc.kill_tree()
 
-    def status(self, url_host: str) -> dict[str, object]:
+    def status(self, url_host: str) -> RankStatus:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
         live = getattr(self._proc, "stderr_tail", None)
         tail = list(live) if live is not None and self.state is not RankState.READY else self.stderr_tail
-        return {
-            "rank": self.spec.rank, "local_rank": self.spec.local_rank,
-            "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
-            "state": self.state.value,
-            "routable": self.state is RankState.READY and self.group_wait is None,
-            "state_since": self.state_since, "consecutive_failures": self.consecutive_failures,
-            "restarts": self.restarts, "last_probe_latency_s": self.last_probe_latency_s,
-            "last_probe_at": self.last_probe_at, "last_probe_error": self.last_probe_error,
-            "uptime_s": now - self._started_mono if self._started_mono is not None else None,
-            "ready_for_s": now - self._ready_mono if self._ready_mono is not None else None,
-            "last_failure": self.last_failure, "last_failure_at": self.last_failure_at,
-            "last_exit_code": self.last_exit_code,
-            "next_start_in_s": max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
-            "operation": self.operation, "group_wait": self.group_wait,
-            "devices": self.spec.devices, "cpus": self.spec.cpus,
-            "engine": self.spec.engine, "workers": self.workers, "attempts": self.attempts,
-            "backoff_s": self.backoff_s, "stderr_tail": tail, "command": redact_argv(self.spec.argv),
-            "kv_event_sources": self.kv_event_sources,
-        }
+        return RankStatus(
+            rank=self.spec.rank, local_rank=self.spec.local_rank,
+            url=self.spec.url(url_host), port=self.spec.port, pid=self.pid,
+            state=self.state,
+            routable=self.state is RankState.READY and self.group_wait is None,
+            state_since=self.state_since, consecutive_failures=self.consecutive_failures,
+            restarts=self.restarts, last_probe_latency_s=self.last_probe_latency_s,
+            last_probe_at=self.last_probe_at, last_probe_error=self.last_probe_error,
+            uptime_s=now - self._started_mono if self._started_mono is not None else None,
+            ready_for_s=now - self._ready_mono if self._ready_mono is not None else None,
+            last_failure=self.last_failure, last_failure_at=self.last_failure_at,
+            last_exit_code=self.last_exit_code,
+            next_start_in_s=max(0.0, self.next_start_at - time.time()) if self.next_start_at else None,
+            operation=self.operation, group_wait=self.group_wait,
+            devices=self.spec.devices, cpus=self.spec.cpus,
+            engine=self.spec.engine, workers=list(self.workers), attempts=self.attempts,
+            backoff_s=self.backoff_s, stderr_tail=list(tail), command=redact_argv(self.spec.argv),
+            kv_event_sources=self.kv_event_sources,
+        )
 
     def why_not_ready(self) -> str:
         """One clause for /readyz: the state, a crash loop's attempt and delay, the last failure."""
@@ -261,11 +251,11 @@ class RankWorker:
                 ev = await self._events.get()
                 if ev.generation is not None and ev.generation != gen:
                     continue  # about a process that is already gone
-                if ev.kind == "startup_timeout" and self.state is RankState.STARTING:
+                if ev.kind is RankEventKind.STARTUP_TIMEOUT and self.state is RankState.STARTING:
                     return "failure", ev.detail
-                if ev.kind in ("exited", "unhealthy"):
+                if ev.kind in (RankEventKind.EXITED, RankEventKind.UNHEALTHY):
                     return "failure", ev.detail
-                if ev.kind == "command":
+                if ev.kind is RankEventKind.COMMAND:
                     await self._planned_stop(gen, Command(ev.detail))
                     return "planned", ev.detail
         finally:
@@ -304,7 +294,7 @@ class RankWorker:
                 return
             with contextlib.suppress(TimeoutError):
                 ev = await asyncio.wait_for(self._events.get(), DRAIN_POLL_S)
-                if ev.generation == gen and ev.kind in ("exited", "unhealthy"):
+                if ev.generation == gen and ev.kind in (RankEventKind.EXITED, RankEventKind.UNHEALTHY):
                     return
         log.warning("rank %d: still busy after the %.0f s drain timeout; restarting anyway", self.spec.rank,
                     self.cfg.drain_timeout_s)
@@ -322,7 +312,7 @@ class RankWorker:
             while (left := deadline - loop.time()) > 0:
                 with contextlib.suppress(TimeoutError):
                     ev = await asyncio.wait_for(self._events.get(), left)
-                    if ev.kind == "command":
+                    if ev.kind is RankEventKind.COMMAND:
                         return
         finally:
             self.next_start_at = None
@@ -349,11 +339,11 @@ class RankWorker:
         why = f"exited with code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
         if self.state in (RankState.STARTING, RankState.READY):  # not one we are stopping on purpose
             log.warning("rank %d: pid %d %s", self.spec.rank, proc.pid, why)
-        self._events.put_nowait(_Event(gen, "exited", why))
+        self._events.put_nowait(RankEvent(gen, RankEventKind.EXITED, why))
 
     def _startup_timeout(self, gen: int) -> None:
-        self._events.put_nowait(_Event(gen, "startup_timeout",
-                                       f"not ready {self.cfg.startup_timeout_s:g} s after its start"))
+        self._events.put_nowait(RankEvent(gen, RankEventKind.STARTUP_TIMEOUT,
+                                          f"not ready {self.cfg.startup_timeout_s:g} s after its start"))
 
     async def _probe_loop(self, gen: int) -> None:
         """Probe on a fixed cadence, overlapping if need be: a hang shows in interval*threshold + timeout."""
@@ -433,7 +423,7 @@ class RankWorker:
             why = f"{res.detail} ({failures} consecutive failed {'generation ' if generate else ''}probes)"
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
-            self._events.put_nowait(_Event(gen, "unhealthy", why))
+            self._events.put_nowait(RankEvent(gen, RankEventKind.UNHEALTHY, why))
 
     async def _learn_sources(self, gen: int) -> None:
         """Copy the ready rank's KV-event sources into /status (routers and operators read them there)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from lbd.supervisor.config import RankSpec, SupervisorConfig
 from lbd.supervisor.process import RankProcess
+from lbd.wire.status import WorkerProcess
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -146,7 +147,7 @@ class RayRank:
     def __init__(self, actor: Any, leases: list[Any], pid: int) -> None:
         self.actor, self.leases, self.pid = actor, leases, pid
 
-    def workers(self) -> list[dict[str, object]]:
+    def workers(self) -> list[WorkerProcess]:
         """The rank's TP/PP worker processes for /status: none listed here (they run on the rank's Ray node,
         or as Ray actors with --distributed-executor-backend ray, not in this machine's process tree)."""
         return []

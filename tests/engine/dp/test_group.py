@@ -217,8 +217,8 @@ def test_coordinator_forms_aborts_and_re_forms() -> None:
     assert c.on_message(b"a", {"kind": M.LOST, "rank": 0, "generation": 3, "reason": "x"}, 0.0)
     assert c.generation == 4 and c.aborts == 3
     c.on_message(b"a", {"kind": M.REPORT, "rank": 0, "waiting": 2, "running": 1}, 1.0)
-    member = c.status(1.5)["members"][0]
-    assert (member["waiting"], member["running"], member["last_report_age_s"]) == (2, 1, 0.5)
+    member = c.status(1.5).members[0]
+    assert (member.waiting, member.running, member.last_report_age_s) == (2, 1, 0.5)
 
 
 def test_a_restarted_coordinator_sends_ranks_out_of_its_predecessors_group() -> None:

@@ -18,7 +18,6 @@ import pytest
 from lbd.common.internal_key import IdsSigner
 from lbd.engine.config.kv_events import KVEventsConfig
 from lbd.engine.kv_events.publisher import ZmqEventPublisher
-from lbd.engine.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.forward import (
     FIELD,
@@ -31,7 +30,15 @@ from lbd.router.kv.forward import (
 )
 from lbd.router.kv.index import BlockIndex, EndpointBlocks, chain_keys
 from lbd.router.kv.view import EndpointView, ExactView, subscribe_address
-from lbd.router.kv.wire import decode_batch
+from lbd.wire.kv_events import (
+    AllBlocksCleared,
+    BadPayload,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 BS = 4
 
@@ -80,9 +87,8 @@ def test_decode_current_and_older_payloads() -> None:
         events=[stored([1], None, [1, 2, 3, 4]), BlockRemoved([1], "GPU"), AllBlocksCleared()],
         data_parallel_rank=2,
     )
-    ts, events, rank, unknown = decode_batch(msgspec.msgpack.encode(batch))
-    assert (ts, rank, unknown) == (1.5, 2, 0)
-    assert events == [("stored", [1], None, [1, 2, 3, 4], BS, None), ("removed", [1]), ("cleared",)]
+    got, unknown = decode_batch(encode_batch(batch))
+    assert got == batch and unknown == 0
 
     class Old(msgspec.Struct, array_like=True, tag=True):  # vLLM <= 0.10: events were arrays too
         pass
@@ -95,8 +101,9 @@ def test_decode_current_and_older_payloads() -> None:
         lora_id: int | None
 
     old = msgspec.msgpack.encode([2.0, [OldStored([5], 4, [9, 9, 9, 9], BS, None), ["Mystery", 1]]])
-    ts, events, rank, unknown = decode_batch(old)
-    assert events == [("stored", [5], 4, [9, 9, 9, 9], BS, None)] and unknown == 1 and rank is None
+    got, unknown = decode_batch(old)
+    assert got.events == [BlockStored([5], 4, [9, 9, 9, 9], BS, None, None, None)] and unknown == 1
+    assert got.data_parallel_rank is None and got.ts == 2.0
 
 
 def test_subscribe_addresses() -> None:
@@ -183,8 +190,6 @@ async def test_feed_marks_partial_when_the_replay_buffer_lost_the_start(tmp_path
 
 @pytest.mark.parametrize("form", ["dict", "list"])
 def test_decode_rejects_non_batches(form: str) -> None:
-    from lbd.router.kv.wire import BadPayload
-
     with pytest.raises(BadPayload):
         decode_batch(msgspec.msgpack.encode({"nope": 1} if form == "dict" else [1]))
     with pytest.raises(BadPayload):

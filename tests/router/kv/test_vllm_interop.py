@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.index import BlockIndex, chain_keys
-from lbd.router.kv.wire import decode_batch
+from lbd.wire.kv_events import BlockStored, decode_batch, encode_batch
 
 DATA = msgspec.msgpack.decode((Path(__file__).parent / "data" / "vllm_kv_events.msgpack").read_bytes())
 BS = DATA["block_size"]
@@ -75,14 +75,16 @@ def test_recorded_payloads_decode_completely() -> None:
     assert DATA["vllm"].startswith("0.")
     kinds = []
     for topic, seq, payload in DATA["live"]:
-        ts, events, rank, unknown = decode_batch(payload)
-        assert topic == b"kv" and len(seq) == 8 and ts > 0 and rank == 0 and unknown == 0
-        kinds += [e[0] for e in events]
-        for e in events:
-            if e[0] == "stored":
-                assert all(isinstance(h, bytes) and len(h) == 32 for h in e[1])  # vLLM's sha256 keys
-                assert e[4] == BS and len(e[3]) == BS * len(e[1])
-    assert kinds == ["stored", "stored", "removed", "cleared", "stored"]
+        batch, unknown = decode_batch(payload)
+        assert topic == b"kv" and len(seq) == 8 and batch.ts > 0 and batch.data_parallel_rank == 0
+        assert unknown == 0
+        assert encode_batch(batch) == payload  # our structs encode vLLM's batch to vLLM's bytes
+        kinds += [type(e).__name__ for e in batch.events]
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                assert all(isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes)  # vLLM's sha256
+                assert e.block_size == BS and len(e.token_ids) == BS * len(e.block_hashes)
+    assert kinds == ["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockStored"]
     # the replay answer: vLLM's 4-frame form ['', topic, seq, payload], the live payloads byte for byte
     assert [f[3] for f in DATA["replay"][:-1]] == [f[2] for f in DATA["live"]]
     assert DATA["replay"][-1][2] == (-1).to_bytes(8, "big", signed=True)

@@ -25,8 +25,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
 from lbd.engine.dp import messages as M
+from lbd.wire.dp import CoordinatorMember, CoordinatorStatus, DPState, Wave
 
 logger = logging.getLogger("lbd.engine.dp.coordinator")
 Outgoing = list[tuple[bytes, bytes]]  # (rank identity, message)
@@ -49,7 +52,7 @@ class MemberInfo:
 class Coordinator:
     size: int
     generation: int = 1
-    state: str = "forming"  # forming | ready | reforming
+    state: DPState = DPState.FORMING
     form_sent: bool = False
     wave_active: bool = False
     wave_id: int = 0
@@ -85,12 +88,12 @@ class Coordinator:
         if kind == M.JOINED and gen == self.generation and self.form_sent and m.pending:
             m.joined = True
             if all(x.joined for x in self.members):
-                self.state = "ready"
+                self.state = DPState.READY
                 logger.info("generation %d ready: %d members", self.generation, self.size)
             return []
         if kind == M.LOST and gen == self.generation:
             return self.abort(f"rank {rank} lost generation {gen}: {msg.get('reason')}")
-        if kind == M.WAVE_START and gen == self.generation and self.state == "ready":
+        if kind == M.WAVE_START and gen == self.generation and self.state is DPState.READY:
             return self._wave_start(msg.get("wave"))
         if kind == M.WAVE_END and gen == self.generation and msg.get("wave") == self.wave_id:
             if self.wave_active:
@@ -134,7 +137,7 @@ class Coordinator:
         msg = M.pack(M.ABORT, generation=old, reason=reason)
         out = [(x.ident, msg) for x in self.members if x.ident is not None]
         self.generation += 1
-        self.state, self.form_sent, self.aborts = "reforming", False, self.aborts + 1
+        self.state, self.form_sent, self.aborts = DPState.REFORMING, False, self.aborts + 1
         self.wave_active, self.wave_id, self.waves_ended = False, 0, -1
         for x in self.members:
             x.pending = x.joined = x.wave_active = False
@@ -150,23 +153,22 @@ class Coordinator:
     # ---- views --------------------------------------------------------------------------------------------
     @property
     def reason(self) -> str | None:
-        if self.state == "ready":
+        if self.state is DPState.READY:
             return None
         missing = [m.rank for m in self.members if not (m.joined if self.form_sent else m.pending)]
         what = "form" if self.form_sent else "join"
         return f"waiting for ranks {missing} to {what} generation {self.generation}"
 
-    def status(self, now: float) -> dict:
-        return {
-            "size": self.size, "generation": self.generation, "state": self.state, "reason": self.reason,
-            "wave": {"active": self.wave_active, "id": self.wave_id, "count": self.waves_total},
-            "generation_aborts": self.aborts,
-            "members": [{"rank": m.rank, "pid": m.pid, "joined": m.joined, "waiting": m.waiting,
-                         "running": m.running, "wave_active": m.wave_active,
-                         "last_report_age_s": (None if m.last_report is None
-                                               else round(now - m.last_report, 3))}
-                        for m in self.members],
-        }
+    def status(self, now: float) -> CoordinatorStatus:
+        return CoordinatorStatus(
+            size=self.size, generation=self.generation, state=self.state, reason=self.reason,
+            wave=Wave(active=self.wave_active, id=self.wave_id, count=self.waves_total),
+            generation_aborts=self.aborts,
+            members=[CoordinatorMember(rank=m.rank, pid=m.pid, joined=m.joined, waiting=m.waiting,
+                                       running=m.running, wave_active=m.wave_active,
+                                       last_report_age_s=(None if m.last_report is None
+                                                          else round(now - m.last_report, 3)))
+                     for m in self.members])
 
 
 # ---- the process ------------------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class CoordinatorMetrics:
             self.joined.labels(r).set(int(m.joined))
             self.age.labels(r).set(-1 if m.last_report is None else now - m.last_report)
         self.generation.set(c.generation)
-        self.ready.set(int(c.state == "ready"))
+        self.ready.set(int(c.state is DPState.READY))
         self.wave_active.set(int(c.wave_active))
         self.waves.set(c.waves_total)
         self.aborts.set(c.aborts)
@@ -237,7 +239,8 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
             await sock.send_multipart([ident, msg])
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(coord.status(time.monotonic()))
+        return web.Response(body=msgspec.json.encode(coord.status(time.monotonic())),
+                            content_type="application/json")
 
     async def metrics_text(request: web.Request) -> web.Response:
         return web.Response(body=metrics.render(coord, time.monotonic()),

@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,19 +38,9 @@ from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, 
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
 from lbd.engine.dp.wave import Wave
 from lbd.engine.models.config import load_hf_config
+from lbd.wire.dp import DPState, DPStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DPStatus:
-    """What front ends show on /health and /status (sent to them as a ``dp`` message on every change)."""
-
-    state: str = "forming"  # forming | ready | reforming
-    generation: int = 0  # the generation this rank is in (ready) or last was in
-    reason: str | None = "waiting for the coordinator to form generation 1"
-    expert_parallel: bool = False
-    all2all_backend: str = "alltoall"
 
 
 class DPMetrics:
@@ -115,7 +104,7 @@ class Member:
             return str(e)
         self.dispatcher.group = self.group
         self.wave.reset()
-        self.status.state, self.status.generation, self.status.reason = "ready", generation, None
+        self.status.state, self.status.generation, self.status.reason = DPState.READY, generation, None
         self.metrics.generation.set(generation)
         self.metrics.ready.set(1)
         self.send(M.JOINED, generation=generation)
@@ -129,7 +118,7 @@ class Member:
             self.group.close()
         self.group = self.dispatcher.group = None
         self.wave.reset()
-        self.status.state, self.status.reason = "reforming", reason
+        self.status.state, self.status.reason = DPState.REFORMING, reason
         self.metrics.ready.set(0)
         self.last_join = 0.0  # join the next generation at once
 
@@ -323,5 +312,4 @@ class MemberServer(CoreServer):
 
 
 def unavailable_message(status: DPStatus) -> str:
-    verb = "forming" if status.state == "forming" else "re-forming"
-    return f"data-parallel group is {verb}: {status.reason or 'waiting for every rank'}"
+    return status.unavailable

@@ -1,7 +1,7 @@
 """vLLM's ZMQ publisher, made so the engine's step never waits on it.
 
 Wire: a PUB socket sends ``[topic, seq (8-byte big-endian), payload]`` per step that changed the cache, the
-payload a msgpack ``KVEventBatch`` (``lbd.engine.kv_events.wire``). Sequence numbers start at 0 with each
+payload a msgpack ``KVEventBatch`` (``lbd.wire.kv_events``). Sequence numbers start at 0 with each
 process. An optional ROUTER replay socket answers a request frame holding a start sequence (8 bytes,
 big-endian; from a REQ socket or a DEALER that sends an empty delimiter first) with every retained batch from
 there on, each as ``[topic, seq, payload]``, then vLLM's end marker ``["", -1 (8 bytes, signed), ""]``. The
@@ -23,12 +23,11 @@ import threading
 import time
 from collections import deque
 
-import msgspec
 import zmq
 
 from lbd.engine.config.kv_events import KVEventsConfig, offset_endpoint_port
 from lbd.engine.kv_events.recorder import EventRecorder
-from lbd.engine.kv_events.wire import KVEventBatch
+from lbd.wire.kv_events import KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +109,6 @@ class ZmqEventPublisher:
 
     # ---- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        encode = msgspec.msgpack.Encoder().encode
         pub, replay, topic = self._pub, self._replay, self._topic
         while True:
             if replay is not None and replay.poll(0):
@@ -125,7 +123,7 @@ class ZmqEventPublisher:
             if item is None:
                 break
             seq, batch = item
-            payload = encode(batch)
+            payload = encode_batch(batch)
             seq_bytes = seq.to_bytes(8, "big")
             try:
                 pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)

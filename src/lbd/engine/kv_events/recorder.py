@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lbd.engine.core.block_hash import BlockKey, external_key_fn
-from lbd.engine.kv_events.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from lbd.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class EventRecorder:

@@ -26,6 +26,7 @@ from lbd.engine.server.responses_store import RESPONSES_DIR_ENV, ResponseStore
 from lbd.engine.server.routes import add_routes
 from lbd.engine.server.state import FrontendState
 from lbd.engine.tokenizer import Tokenizer
+from lbd.wire.dp import DPState
 
 logger = logging.getLogger(__name__)
 PID_HEADER = "x-lbd-frontend-pid"
@@ -73,8 +74,8 @@ def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Applicat
     async def tag(request: web.Request, response: web.StreamResponse) -> None:
         response.headers[PID_HEADER] = pid  # shows which front end served it (--api-server-count > 1)
         dp_state = state.dp_state
-        if dp_state is not None and dp_state != "ready":  # alive, waiting for its MoE DP group
-            response.headers[DP_STATE_HEADER] = dp_state
+        if dp_state is not None and dp_state is not DPState.READY:  # alive, waiting for its MoE DP group
+            response.headers[DP_STATE_HEADER] = dp_state.value
 
     app.on_response_prepare.append(tag)
     add_routes(app)

@@ -36,6 +36,7 @@ from lbd.engine.protocol import (
     encode,
     outputs_from_dict,
 )
+from lbd.wire.dp import DPStatus, dp_status
 
 logger = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.2
@@ -79,7 +80,7 @@ class CoreClient:
         # core answers anything within a second (an idle one still sends stats every second), so this
         # growing old is a stall too, also once the requests that were waiting have been given up.
         self.pending_since: float | None = None
-        self.dp: dict | None = None  # the core's DP-group status (dp.rank.DPStatus); None: no group
+        self.dp: DPStatus | None = None  # the core's DP-group status; None: no group
 
     @property
     def core_pid(self) -> int | None:
@@ -188,7 +189,7 @@ class CoreClient:
         elif kind == STATS:
             self.stats = SchedulerStats(**msg)
         elif kind == DP:
-            self.dp = msg
+            self.dp = dp_status(msg)
         elif kind == ERROR:
             queue = self._routes.get(msg.get("request_id") or "")
             if queue is not None:

@@ -16,6 +16,8 @@ from lbd.engine.server.openai_protocol import check_prompt_chars, parse_message
 from lbd.engine.server.request_io import read_json, state_of
 from lbd.engine.server.streaming import json_response
 from lbd.engine.tokenizer import ChatTemplateError
+from lbd.wire.dp import DPState
+from lbd.wire.status import EngineStatus, encode
 
 MAX_DETOKENIZE_CONTEXTS = 4  # /detokenize takes up to this many contexts' worth of ids
 
@@ -43,9 +45,10 @@ async def status(request: web.Request) -> web.Response:
     """This rank at a glance; ``dp`` is its MoE DP group's status (null for an independent rank)."""
     state = state_of(request)
     client = state.client
-    ready = client.alive and not state.draining and state.dp_state in (None, "ready")
-    return json_response({"rank": state.args.rank, "pid": state.pid, "core_pid": client.core_pid,
-                          "ready": ready, "dp": client.dp})
+    ready = client.alive and not state.draining and state.dp_state in (None, DPState.READY)
+    body = EngineStatus(rank=state.args.rank, pid=state.pid, core_pid=client.core_pid, ready=ready,
+                        dp=client.dp)
+    return web.Response(body=encode(body), content_type="application/json")
 
 
 async def version_info(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from lbd.engine.server.offload import Offload
 from lbd.engine.server.openai_protocol import Limits
 from lbd.engine.server.responses_store import ResponseStore
 from lbd.engine.tokenizer import Tokenizer
+from lbd.wire.dp import DPState
 
 if TYPE_CHECKING:
     from lbd.engine.server.forwarded import ForwardedPrompts
@@ -59,10 +60,10 @@ class FrontendState:
         return model
 
     @property
-    def dp_state(self) -> str | None:
-        """forming | ready | reforming for a rank of an MoE DP group; None for an independent rank."""
+    def dp_state(self) -> DPState | None:
+        """The state of this rank's MoE DP group; None for an independent rank."""
         dp = self.client.dp
-        return dp.get("state") if dp else None
+        return dp.state if dp is not None else None
 
     def check_available(self) -> None:
         if self.draining:
@@ -70,10 +71,8 @@ class FrontendState:
         if not self.client.alive:
             raise APIError(f"The engine core is not running: {self.client.dead_reason}", 503)
         dp = self.client.dp
-        if dp and dp.get("state") != "ready":
-            verb = "forming" if dp.get("state") == "forming" else "re-forming"
-            raise APIError(f"data-parallel group is {verb}: {dp.get('reason') or 'waiting for every rank'}",
-                           503)
+        if dp is not None and dp.state is not DPState.READY:
+            raise APIError(dp.unavailable, 503)
 
     def check_healthy(self) -> None:
         """/health: available, and the core not stalled. A core with work sends outputs or stats at least

@@ -26,7 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lbd.common.limits import PEER_MESSAGE_MAX_BYTES
 from lbd.router.kv.index import EndpointBlocks
-from lbd.router.kv.wire import BadPayload, decode_batch
+from lbd.wire.kv_events import AllBlocksCleared, BadPayload, BlockRemoved, BlockStored, decode_batch
 
 log = logging.getLogger("lbd.router")
 END_SEQ = -1
@@ -222,7 +222,7 @@ class EventFeed:
         st = self.stats
         st.last_seq = seq
         try:
-            ts, events, _, _ = decode_batch(payload)
+            batch, _ = decode_batch(payload)
         except BadPayload as e:
             st.error = f"batch {seq}: {e}"
             return
@@ -230,15 +230,18 @@ class EventFeed:
         now = time.time()
         st.last_batch_at = now
         if live:
-            st.lag_s = max(0.0, now - ts)
+            st.lag_s = max(0.0, now - batch.ts)
         blocks, counts = self.blocks, st.events
-        for ev in events:
-            kind = ev[0]
-            counts[kind] += 1
-            if kind == "stored":
-                blocks.stored(ev[1], ev[2], ev[3], ev[4], ev[5])
-                st.block_size = ev[4] or st.block_size
-            elif kind == "removed":
-                blocks.removed(ev[1])
-            else:
+        for ev in batch.events:
+            kind = type(ev)
+            if kind is BlockStored:
+                counts["stored"] += 1
+                blocks.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                              ev.extra_keys)
+                st.block_size = ev.block_size or st.block_size
+            elif kind is BlockRemoved:
+                counts["removed"] += 1
+                blocks.removed(ev.block_hashes)
+            elif kind is AllBlocksCleared:
+                counts["cleared"] += 1
                 blocks.clear()
