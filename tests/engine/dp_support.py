@@ -47,7 +47,7 @@ class Group:
     def start_core(self, model: Path, rank: int, *flags: str) -> tuple[object, str]:
         """A bare core process of ``rank`` (no HTTP front end): (process, its ZMQ address)."""
         address = f"ipc://{self.tmp}/core{rank}-{time.monotonic_ns()}.sock"
-        proc = spawn([sys.executable, "-m", "lbd.engine.core.process", "--model-path", str(model),
+        proc = spawn([sys.executable, "-m", "lbd.engine.rank_core", "--model-path", str(model),
                       "--input-address", address, "--kv-cache-memory-bytes", "16MiB",
                       "--max-model-len", "256", "--log-level", "warning", *self.flags(rank), *flags],
                      log=self.tmp / f"core{rank}.log")

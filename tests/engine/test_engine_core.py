@@ -178,7 +178,7 @@ class CoreProc:
         self.metrics_dir = self.dir / "prom"
         self.metrics_dir.mkdir()
         self.log = self.dir / "core.log"
-        argv = [sys.executable, "-m", "lbd.engine.core.process", "--device", "sim",
+        argv = [sys.executable, "-m", "lbd.engine.rank_core", "--device", "sim",
                 "--model-path", str(model),
                 "--input-address", self.address, *flags]
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1"}
@@ -308,7 +308,7 @@ def test_core_process_dies_with_its_parent(tiny_llama: Path) -> None:
     d = Path(tempfile.mkdtemp(prefix="lbd-core-", dir="/tmp"))
     parent_code = (
         "import subprocess, sys, time\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'lbd.engine.core.process', '--device', 'sim',"
+        "p = subprocess.Popen([sys.executable, '-m', 'lbd.engine.rank_core', '--device', 'sim',"
         f" '--model-path', {str(tiny_llama)!r}, '--input-address', 'ipc://{d}/core.sock'])\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(120)\n")

@@ -25,6 +25,7 @@ from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.step_profile import parse_line
 from lbd.engine.executor.mp import WorkerFailure
 from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine.rank_core import build_core
 from support import make_tiny_llama
 
 BLOCKS = 20  # the 16 requests need more: preemptions (max_model_len 256 needs 16)
@@ -49,7 +50,7 @@ def _core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = None, **
     rank_kv_heads = max(1, cfg.num_key_value_heads // tp) * tp  # replicated heads cost their memory
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_block = 2 * cfg.num_hidden_layers * 16 * rank_kv_heads * head_dim * 4
-    return EngineCore(engine_args(path, kv_cache_memory_bytes=BLOCKS * per_block, max_model_len=256,
+    return build_core(engine_args(path, kv_cache_memory_bytes=BLOCKS * per_block, max_model_len=256,
                                   max_num_batched_tokens=32, tensor_parallel_size=tp,
                                   pipeline_parallel_size=pp, pp_layer_partition=partition, **kw), str(path))
 
@@ -159,7 +160,7 @@ def test_default_model_tp3_equals_tp1() -> None:
     params = [greedy(24)] * len(prompts)
     kw = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
     ref = run_engine(EngineCore(engine_args(path, **kw), str(path)), prompts, params)
-    core = EngineCore(engine_args(path, tensor_parallel_size=3, **kw), str(path))
+    core = build_core(engine_args(path, tensor_parallel_size=3, **kw), str(path))
     try:
         ours = run_engine(core, prompts, params)
     finally:

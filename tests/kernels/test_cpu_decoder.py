@@ -11,8 +11,9 @@ import torch
 
 from lbd.bench.tiny import make_tiny_llama
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.device_batch import device_batch
 from lbd.engine.core.host_batch import HostBatch
-from lbd.engine.core.runner import ModelRunner, device_batch
+from lbd.engine.core.runner import ModelRunner
 from lbd.kernels import cpu, ops
 from lbd.kernels.cpu import PREFILL_IN_C_MAX_LEN, packed
 from lbd.kernels.cpu import decoder as fused

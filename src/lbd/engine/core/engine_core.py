@@ -1,10 +1,11 @@
 """The engine core in one process, without ZMQ: scheduler + model runner, stepped by the caller.
 
 ``process.py`` wraps it in the core process's busy loop; tests and parity checks use it directly.
-No torch import here: the runner (which imports torch, or not for ``--device sim``) is loaded in
-``make_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
-processes; with PP > 1 it takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue
-full so the stages overlap (vLLM V1's batch queue).
+No torch import here: a one-device runner (which imports torch, or not for ``--device sim``) is loaded in
+``make_local_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
+processes; it is made above this package (``lbd.engine.rank_core.build_core``) and handed in. With PP > 1 it
+takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue full so the stages overlap
+(vLLM V1's batch queue).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineCore", "RequestRejected", "make_runner"]
+__all__ = ["EngineCore", "RequestRejected", "make_local_runner", "needs_executor"]
 
 # vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
 _GPU_DEFAULTS = (256, 8192)
@@ -63,13 +64,18 @@ class PipelinedRunner(Runner, Protocol):
     def close(self) -> None: ...
 
 
-def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
-    """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
+def needs_executor(args: EngineArgs) -> bool:
+    """Whether the rank's runner drives worker processes (TP x PP > 1, or Ray) rather than one device."""
     parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
-    if parallel or args.distributed_executor_backend == "ray":
-        from lbd.engine.executor import make_executor
+    return parallel or args.distributed_executor_backend == "ray"
 
-        return make_executor(args, model_path, **executor_options)
+
+def make_local_runner(args: EngineArgs, model_path: str) -> Runner:
+    """The runner of a one-device rank (``sim`` or the model runner), imported lazily so the core stays light
+    for ``sim``. A TP/PP rank's runner is the executor, made by ``lbd.engine.rank_core.make_runner``."""
+    if needs_executor(args):
+        raise ValueError("a tensor/pipeline-parallel (or Ray) rank's runner is the executor: build the core "
+                         "with lbd.engine.rank_core.build_core")
     if args.device == "sim":
         module, name = "lbd.engine.core.sim_runner", "SimRunner"
     else:
@@ -115,11 +121,11 @@ def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
-                 runner: Runner | None = None, **executor_options: Any) -> None:
+                 runner: Runner | None = None) -> None:
         self.args = args
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
-        self.runner = runner if runner is not None else make_runner(args, model_path, **executor_options)
+        self.runner = runner if runner is not None else make_local_runner(args, model_path)
         try:
             self.config = scheduler_config(args, self.runner)
             self._check_capacity()

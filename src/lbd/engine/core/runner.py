@@ -17,7 +17,6 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import rank_threads
 from lbd.engine.core import kv_alloc
+from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.sampler import Sampler, SampleRow
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
@@ -33,24 +33,13 @@ from lbd.engine.distributed.context import ParallelContext
 from lbd.engine.loader import load_weights, read_kv_scales
 from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
+from lbd.engine.models.kv_spec import KVSpec
 from lbd.engine.models.parallel import kv_heads_per_rank
 from lbd.kernels import ops
-from lbd.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """One step's flat batch on the device plus what sampling needs."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: list[int]  # row in the flat batch of each sampling sequence's last token
-    is_decode_only: bool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,31 +137,6 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
     return eos
 
 
-def device_batch(host: HostBatch, block_size: int, dev: torch.device) -> StepBatch:
-    """The device tensors of a step from its host lists: per-token index tensors (positions, slots) come from
-    a few vectorised ops on the device, never from Python loops over tokens."""
-    bs = block_size
-    num_seqs, num_tokens = len(host.starts), host.num_tokens
-    block_tables = torch.tensor(host.tables, dtype=torch.int32, device=dev)
-    ids_t = torch.tensor(host.input_ids, dtype=torch.int64, device=dev)
-    per_seq = torch.tensor([host.starts, host.query_lens, host.seq_lens], dtype=torch.int32, device=dev)
-    start_t, qlen_t, seqlen_t = per_seq[0], per_seq[1], per_seq[2]
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(qlen_t, 0, out=qsl[1:])
-    if num_tokens == num_seqs:  # decode-only: one token per sequence
-        seq_idx = torch.arange(num_tokens, device=dev)
-        positions = start_t.long()
-    else:
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=dev), qlen_t, output_size=num_tokens)
-        positions = (torch.arange(num_tokens, device=dev) - qsl[seq_idx] + start_t[seq_idx]).long()
-    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-    meta = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=seqlen_t, block_tables=block_tables, slot_mapping=slots,
-        max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens), num_decodes=host.num_decodes,
-        num_decode_tokens=host.num_decodes, query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens)
-    return StepBatch(ids_t, positions, meta, host.sample_rows, num_tokens == num_seqs)
-
-
 class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
 
@@ -228,13 +192,13 @@ class ModelRunner:
         ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)
         return model.eval()
 
-    def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
+    def _kv_spec(self, dtype: torch.dtype) -> KVSpec:
         """This process's K/V caches: its stage's layers, its TP rank's KV heads; unless the model has a cache
         of its own (MLA's latents)."""
         model, cfg = self.model, self.model.cfg
         if not hasattr(model, "kv_cache_spec"):
             start, end = self.parallel.layer_range(cfg.num_layers)
-            return kv_alloc.KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
+            return KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
                                    cfg.head_dim, self.block_size, dtype)
         if dtype == torch.float8_e4m3fn:
             raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "

@@ -14,8 +14,9 @@ import time
 import torch
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
-from lbd.engine.core.runner import ModelRunner, StepBatch, device_batch
+from lbd.engine.core.runner import ModelRunner
 from lbd.engine.core.sampler import SampleRow
 from lbd.engine.distributed.context import ParallelContext
 from lbd.engine.executor import messages as M
