@@ -41,8 +41,8 @@ os.environ["LBD_PROFILE_COLLECTIVES"] = "1"  # time collectives on CUDA too (syn
 
 from lbd.engine.config.args import EngineArgs  # noqa: E402
 from lbd.engine.core.engine_core import EngineCore  # noqa: E402
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams  # noqa: E402
 from lbd.engine.rank_core import build_core  # noqa: E402
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams  # noqa: E402
 
 
 @dataclass(slots=True)

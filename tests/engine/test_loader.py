@@ -97,7 +97,7 @@ def tiny_gguf(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     from lbd.engine.core.request import Request
     from lbd.engine.core.sched_output import ScheduledSeq
-    from lbd.engine.protocol import SamplingParams
+    from lbd.wire.core_messages import SamplingParams
 
     req = Request("x", ids, SamplingParams(), None, 0.0)
     req.block_ids = list(range(-(-len(ids) // runner.block_size)))

@@ -14,7 +14,7 @@ from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.request import Request
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.core.sched_output import ScheduledSeq
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 
 ATOL = 2e-4
 RTOL = 1e-4

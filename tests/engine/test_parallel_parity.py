@@ -24,8 +24,8 @@ from test_parity import Run, assert_all_close, engine_args, greedy, run_engine
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.step_profile import parse_line
 from lbd.engine.executor.mp import WorkerFailure
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
 from lbd.engine.rank_core import build_core
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 from support import make_tiny_llama
 
 BLOCKS = 20  # the 16 requests need more: preemptions (max_model_len 256 needs 16)

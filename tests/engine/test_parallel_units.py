@@ -21,7 +21,7 @@ from lbd.engine.loader import load_weights
 from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
 from lbd.engine.models.parallel import Absent, qkv_sources
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 from support import make_tiny_llama
 
 

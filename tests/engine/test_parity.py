@@ -18,7 +18,7 @@ import torch
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 
 TOP = 5
 NEAR_TIE = 1e-3

@@ -30,7 +30,7 @@ from test_parity import assert_all_close, greedy
 
 from lbd.engine.executor import ray_plan as RP
 from lbd.engine.executor.mp import WorkerFailure
-from lbd.engine.protocol import EngineCoreRequest
+from lbd.wire.core_messages import EngineCoreRequest
 from support import make_tiny_llama
 
 _CLONE_NEWNET = 0x40000000

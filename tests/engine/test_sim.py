@@ -14,8 +14,8 @@ from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import ScheduledSeq, SchedulerOutput
 from lbd.engine.core.sim_runner import SimRunner, read_model_facts, step_shape
-from lbd.engine.protocol import SamplingParams
 from lbd.engine.sim_profiles import PROFILES, StepShape, UnknownProfileError, get_profile
+from lbd.wire.core_messages import SamplingParams
 
 H100 = PROFILES["h100-llama3-8b"]
 
@@ -285,7 +285,7 @@ def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, 
 def test_prefix_cache_hits_shorten_the_simulated_prefill(tiny_llama: Path) -> None:
     """With the real scheduler and prefix cache: a repeated prompt's prefill step only computes the miss."""
     from lbd.engine.core.engine_core import EngineCore
-    from lbd.engine.protocol import EngineCoreRequest
+    from lbd.wire.core_messages import EngineCoreRequest
 
     args = EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", max_num_batched_tokens=8192)
     core = EngineCore(args, str(tiny_llama))

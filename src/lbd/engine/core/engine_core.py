@@ -21,7 +21,7 @@ from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from lbd.engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
-from lbd.engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
     from lbd.engine.kv_events.publisher import KVEvents

@@ -1,9 +1,10 @@
 """The core process: an EngineCore behind a ZMQ ROUTER socket, driven by a busy loop.
 
-Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]`` (``engine/protocol.py``).
-The loop drains incoming messages without blocking while there is work, steps the core, and sends each front
-end one ``outputs`` message per step with its own requests' outputs. When idle it blocks in ``poll`` (so an
-idle core costs nothing) and keeps every front end's gauges fresh with ``stats`` at most every 100 ms.
+Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]``, the messages of
+``lbd.wire.core_messages``. The loop drains incoming messages without blocking while there is work, steps
+the core, and sends each front end one ``outputs`` message per step with its own requests' outputs. When idle
+it blocks in ``poll`` (so an idle core costs nothing) and keeps every front end's gauges fresh with ``stats``
+at most every 100 ms.
 It never waits on a front end: sends never block (unlimited high-water mark, unknown peers dropped).
 
 ``run_core`` serves one ``CoreLoop``: ``PlainCore`` here, or a member of an MoE DP group
@@ -27,11 +28,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from lbd.engine import protocol as P
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import pin_to_rank_cpus
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
 from lbd.engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
+from lbd.wire import core_messages as CM
 
 if TYPE_CHECKING:
     from lbd.engine.metrics import CoreMetrics
@@ -46,7 +47,7 @@ IDLE_POLL_MS = 100
 @dataclass(slots=True)
 class _Peer:
     last_sent: float = 0.0
-    last_stats: P.SchedulerStats | None = None
+    last_stats: CM.SchedulerStats | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +69,7 @@ class CoreServer:
         self.sock = sock
         self.shutdown_timeout = shutdown_timeout
         self.state = state or LoopState()
-        self._info = P.encode(core.core_info())
+        self._info = CM.encode(core.core_info())
 
     # ---- incoming -------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -87,53 +88,43 @@ class CoreServer:
         ident, kind = frames[0], frames[1]
         payload = frames[2] if len(frames) > 2 else b""
         self.state.peers.setdefault(ident, _Peer())
-        if kind == P.HELLO:
-            self.sock.send_multipart([ident, P.READY, self._info])
+        if kind == CM.HELLO:
+            self.sock.send_multipart([ident, CM.READY, self._info])
             return
-        if kind == P.RESET:
-            self._reset(ident, payload)
-            return
-        if kind not in (P.ADD, P.ABORT):
+        if kind not in (CM.ADD, CM.ABORT, CM.RESET):
             logger.warning("dropping a message of unknown kind %r", kind[:32])
             return
         try:
-            body = P.decode(payload)
-            if kind == P.ADD:
-                body = P.request_from_dict(body)
-            else:
-                body = P.abort_from_payload(body)
-        except Exception as e:  # a bad payload must not take the core down
+            msg = CM.decode(kind, payload)
+        except ValueError as e:  # a bad payload must not take the core down
             logger.warning("dropping a bad %r message: %s", kind, e)
             return
-        if kind == P.ADD:
-            self._add(ident, body)
-        else:
-            ids, reason = body
-            for rid in self.core.abort(ids, reason):
+        if kind == CM.ADD:
+            self._add(ident, msg)
+        elif kind == CM.ABORT:
+            for rid in self.core.abort(msg.ids, msg.reason):
                 self.state.owner.pop(rid, None)
+        else:
+            ok = self.core.reset_prefix_cache()
+            self.sock.send_multipart([ident, CM.RESET_DONE, CM.encode(CM.ResetDone(msg.id, ok))])
 
-    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+    def _add(self, ident: bytes, req: CM.EngineCoreRequest) -> None:
         try:
             self.core.add_request(req, ident)
         except RequestRejected as e:
-            err = {"request_id": req.request_id, "message": e.message, "status": e.status}
-            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            self.send_error(ident, req.request_id, e.message, e.status)
             return
         self.state.owner[req.request_id] = ident
 
-    def _reset(self, ident: bytes, payload: bytes) -> None:
-        try:
-            rid = P.decode(payload)["id"]
-        except Exception as e:
-            logger.warning("dropping a bad reset_prefix_cache message: %s", e)
-            return
-        ok = self.core.reset_prefix_cache()
-        self.sock.send_multipart([ident, P.RESET_DONE, P.encode({"id": rid, "ok": ok})])
+    def send_error(self, ident: bytes, request_id: str, message: str, status: int) -> None:
+        """An ``error`` for one request to the front end that sent it."""
+        msg = CM.encode(CM.RequestError(request_id, message, status))
+        self.sock.send_multipart([ident, CM.ERROR, msg])
 
     # ---- outgoing -------------------------------------------------------------------------------------
-    def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
+    def send_outputs(self, outputs: list[CM.EngineCoreOutput], now: float) -> None:
         owner = self.state.owner
-        by_peer: dict[bytes, list[P.EngineCoreOutput]] = {}
+        by_peer: dict[bytes, list[CM.EngineCoreOutput]] = {}
         for o in outputs:
             ident = owner.get(o.request_id)
             if ident is None:
@@ -146,8 +137,8 @@ class CoreServer:
         stats = self.core.stats()
         wall = time.time()
         for ident, outs in by_peer.items():
-            msg = P.encode_outputs(P.EngineCoreOutputs(outs, stats, wall))
-            self.sock.send_multipart([ident, P.OUTPUTS, msg])
+            msg = CM.encode(CM.EngineCoreOutputs(outs, stats, wall))
+            self.sock.send_multipart([ident, CM.OUTPUTS, msg])
             peer = self.state.peers.setdefault(ident, _Peer())
             peer.last_sent, peer.last_stats = now, stats
 
@@ -163,7 +154,7 @@ class CoreServer:
             stats = stats or self.core.stats()
             if not busy and stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
                 continue
-            self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
+            self.sock.send_multipart([ident, CM.STATS, CM.encode(stats)])
             peer.last_sent, peer.last_stats = now, stats
 
     # ---- loop -----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from lbd.engine.core.kv_cache import CacheListener, KVCacheManager
 from lbd.engine.core.request import Request, RequestStatus
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
-from lbd.engine.protocol import EngineCoreOutput, SchedulerStats
+from lbd.wire.core_messages import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
-from lbd.engine.protocol import TokenLogprobs
 from lbd.engine.sim_profiles import SimProfile, StepShape, get_profile
+from lbd.wire.core_messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import zmq
 
-from lbd.engine import protocol as P
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, LoopState
@@ -40,13 +39,15 @@ from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, 
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
 from lbd.engine.dp.wave import Wave
 from lbd.engine.models.config import load_hf_config
+from lbd.wire import core_messages as CM
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class DPStatus:
-    """What front ends show on /health and /status (sent to them as a ``dp`` message on every change)."""
+    """What front ends show on /health and /status (sent to them as a ``dp`` message, ``DPGroupStatus``
+    with the wave counters, on every change)."""
 
     state: str = "forming"  # forming | ready | reforming
     generation: int = 0  # the generation this rank is in (ready) or last was in
@@ -199,25 +200,22 @@ class MemberServer(CoreServer):
     # ---- front ends -----------------------------------------------------------------------------------
     def handle(self, frames: list[bytes]) -> None:
         super().handle(frames)
-        if len(frames) >= 2 and frames[1] == P.HELLO:
+        if len(frames) >= 2 and frames[1] == CM.HELLO:
             self._send_status(frames[0])
 
-    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+    def _add(self, ident: bytes, req: CM.EngineCoreRequest) -> None:
         status = self.member.status
         if status.state != "ready":
-            err = {"request_id": req.request_id, "message": unavailable_message(status), "status": 503}
-            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            self.send_error(ident, req.request_id, unavailable_message(status), 503)
             return
         super()._add(ident, req)
 
     def _send_status(self, ident: bytes | None = None) -> None:
-        m = self.member
-        body = dataclasses.asdict(m.status)
-        body.update(wave_active=m.wave.active, waves=m.wave.waves, steps=m.wave.steps,
-                    dummy_steps=m.wave.dummy_steps)
-        msg = P.encode(body)
+        wave = self.member.wave
+        msg = CM.encode(CM.DPGroupStatus(**dataclasses.asdict(self.member.status), wave_active=wave.active,
+                                         waves=wave.waves, steps=wave.steps, dummy_steps=wave.dummy_steps))
         for peer in [ident] if ident is not None else list(self.state.peers):
-            self.sock.send_multipart([peer, P.DP, msg])
+            self.sock.send_multipart([peer, CM.DP, msg])
 
     def _fail_all(self, reason: str) -> None:
         """Every request in the core fails with 503 (its front end answers before the first byte, or ends
@@ -228,8 +226,7 @@ class MemberServer(CoreServer):
         for rid in ids:
             ident = owner.pop(rid, None)
             if ident is not None:
-                err = {"request_id": rid, "message": message, "status": 503}
-                self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+                self.send_error(ident, rid, message, 503)
         core.abort(ids)
         core.scheduler.in_flight.clear()
         if ids:

@@ -20,7 +20,7 @@ from lbd.engine.core.runner import ModelRunner
 from lbd.engine.core.sampler import SampleRow
 from lbd.engine.distributed.context import ParallelContext
 from lbd.engine.executor import messages as M
-from lbd.engine.protocol import TokenLogprobs
+from lbd.wire.core_messages import TokenLogprobs
 
 
 class StageRunner(ModelRunner):

@@ -7,13 +7,13 @@ are found here in the detokenized text; a hit aborts the core request and trims 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+import msgspec
+
 from lbd.engine.server.core_client import CoreError
 from lbd.engine.server.errors import APIError
 from lbd.engine.server.openai_protocol import CommonParams
@@ -21,6 +21,7 @@ from lbd.engine.server.request_metrics import record_finished, record_prompt_don
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.tokenizer import IncrementalDetokenizer
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 
 
 @dataclass(slots=True)
@@ -60,7 +61,7 @@ class Generation:
                                                         state.eos_token_id, time.time()))
 
     def _sampling(self, prompt: PromptInput, i: int) -> SamplingParams:
-        sp = dataclasses.replace(self.common.sampling, max_tokens=prompt.max_tokens, n=1)
+        sp = msgspec.structs.replace(self.common.sampling, max_tokens=prompt.max_tokens, n=1)
         if sp.seed is not None and i:
             sp.seed += i  # n choices with one seed must still differ, reproducibly
         return sp

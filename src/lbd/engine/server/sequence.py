@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lbd.engine.protocol import EngineCoreOutput, TokenLogprobs
 from lbd.engine.tokenizer import IncrementalDetokenizer
+from lbd.wire.core_messages import EngineCoreOutput, TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""Messages on lbd's wires (standard library and msgspec only)."""
