@@ -16,6 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import EngineConfig, device_kind, engine_config
 from lbd.engine.core.metrics_recorder import MetricsRecorder
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
@@ -30,15 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "RequestRejected", "make_local_runner", "needs_executor"]
-
-# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
-_GPU_DEFAULTS = (256, 8192)
-_CPU_DEFAULTS = (128, 2048)
-# Prefill tokens a step may carry once decoding requests outnumber waiting ones (Scheduler's docstring). CPU
-# only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence
-# decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along.
-_CPU_MIXED_PREFILL_TOKENS = 128
-
 
 class Runner(Protocol):
     num_blocks: int
@@ -84,24 +76,11 @@ def make_local_runner(args: EngineArgs, model_path: str) -> Runner:
     return cls(args, model_path)
 
 
-def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
-    """Flags win; else the runner's limits (it may size CUDA graphs by them); else vLLM's defaults."""
-    cpu = runner.device == "cpu"
-    seqs, tokens = _CPU_DEFAULTS if cpu else _GPU_DEFAULTS
-    budget = args.max_num_batched_tokens or getattr(runner, "max_num_batched_tokens", None) or tokens
-    mixed = args.max_prefill_tokens_with_decodes or (_CPU_MIXED_PREFILL_TOKENS if cpu else None)
-    return SchedulerConfig(
-        max_num_seqs=args.max_num_seqs or getattr(runner, "max_num_seqs", None) or seqs,
-        max_num_batched_tokens=budget,
-        max_prefill_tokens_with_decodes=min(mixed, budget) if mixed is not None else None,
-        max_model_len=runner.max_model_len,
-        num_blocks=runner.num_blocks,
-        block_size=runner.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_queued_reqs=args.max_num_queued_reqs,
-        max_num_queued_tokens=args.max_num_queued_tokens,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-    )
+def scheduler_config(config: EngineConfig, runner: Runner) -> SchedulerConfig:
+    """The scheduler's slices (device defaults applied there, the same the runner sized its CUDA graphs
+    by) and what the runner found: the blocks that fit, the context length."""
+    return SchedulerConfig.from_slices(config.scheduler, config.cache, num_blocks=runner.num_blocks,
+                                       max_model_len=runner.max_model_len)
 
 
 def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
@@ -127,7 +106,8 @@ class EngineCore:
         self.kv_events: KVEvents | None = None
         self.runner = runner if runner is not None else make_local_runner(args, model_path)
         try:
-            self.config = scheduler_config(args, self.runner)
+            self.engine_config = engine_config(args, device_kind(self.runner.device))
+            self.config = scheduler_config(self.engine_config, self.runner)
             self._check_capacity()
             self.kv_events = make_kv_events(args, self.config.block_size)
         except Exception:
@@ -187,11 +167,11 @@ class EngineCore:
 
     def cache_config_info(self) -> dict[str, object]:
         """The CacheConfig fields vLLM exports in vllm:cache_config_info that lbd has."""
-        a, cfg = self.args, self.config
-        return {"block_size": cfg.block_size, "cache_dtype": a.kv_cache_dtype,
+        cache, cfg = self.engine_config.cache, self.config
+        return {"block_size": cfg.block_size, "cache_dtype": cache.kv_cache_dtype,
                 "enable_prefix_caching": cfg.enable_prefix_caching,
-                "gpu_memory_utilization": a.gpu_memory_utilization,
-                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "num_cpu_blocks": None,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "kv_cache_memory_bytes": cache.kv_cache_memory_bytes, "num_cpu_blocks": None,
                 "num_gpu_blocks": cfg.num_blocks, "num_gpu_blocks_override": None,
                 "sliding_window": None, "is_attention_free": False}
 

@@ -23,6 +23,7 @@ import torch
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import rank_threads
+from lbd.engine.config.slices import resolved_dtype, scheduler_limits
 from lbd.engine.core import kv_alloc
 from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
@@ -51,9 +52,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """``--dtype`` on ``device`` (auto: lbd.engine.config.slices.resolved_dtype)."""
+    return _DTYPES[resolved_dtype(name, device.type)]
 
 
 def cpu_threads(args: EngineArgs) -> int:
@@ -167,9 +167,8 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = _eos_token_id(Path(model_path), hf_config)
         self.block_size = args.block_size
-        self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
-        self.max_num_batched_tokens = args.max_num_batched_tokens or (
-            8192 if self.torch_device.type == "cuda" else 2048)
+        limits = scheduler_limits(args, self.torch_device.type)  # the core's scheduler gets the same
+        self.max_num_seqs, self.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
         self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
         # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
         rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size
