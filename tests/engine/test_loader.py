@@ -126,8 +126,8 @@ def test_gguf_converts_once_and_loads_identically(tiny_llama: Path, tiny_gguf: P
     assert hit < first / 5, (hit, first)
 
     args = dict(kv_cache_memory_bytes=1 << 20)
-    ours = ModelRunner(EngineArgs(model=str(folder), **args), str(folder))
-    src = ModelRunner(EngineArgs(model=str(tiny_llama), **args), str(tiny_llama))
+    ours = ModelRunner.from_args(EngineArgs(model=str(folder), **args), str(folder))
+    src = ModelRunner.from_args(EngineArgs(model=str(tiny_llama), **args), str(tiny_llama))
     ids = list(range(3, 60))
     assert torch.equal(_logits(ours, ids), _logits(src, ids))
     assert ours.eos_token_id == src.eos_token_id

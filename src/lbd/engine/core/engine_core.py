@@ -72,8 +72,7 @@ def make_local_runner(args: EngineArgs, model_path: str) -> Runner:
         module, name = "lbd.engine.core.sim_runner", "SimRunner"
     else:
         module, name = "lbd.engine.core.runner", "ModelRunner"
-    cls = getattr(importlib.import_module(module), name)
-    return cls(args, model_path)
+    return getattr(importlib.import_module(module), name).from_args(args, model_path)
 
 
 def scheduler_config(config: EngineConfig, runner: Runner) -> SchedulerConfig:

@@ -18,12 +18,21 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import rank_threads
-from lbd.engine.config.slices import resolved_dtype, scheduler_limits
+from lbd.engine.config.slices import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerLimits,
+    engine_config,
+    resolved_dtype,
+)
 from lbd.engine.core import kv_alloc
 from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
@@ -51,14 +60,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``--dtype`` on ``device`` (auto: lbd.engine.config.slices.resolved_dtype)."""
-    return _DTYPES[resolved_dtype(name, device.type)]
+def resolve_config(args: EngineArgs) -> EngineConfig:
+    """``args`` in slices for this process's device: the one place ``--device auto`` is resolved (torch)."""
+    return engine_config(args, resolve_device(args.device).type)
 
 
-def cpu_threads(args: EngineArgs) -> int:
+def cpu_threads(parallel: ParallelConfig) -> int:
     """This process's compute threads (lbd.engine.config.placement; a worker gets OMP_NUM_THREADS)."""
-    return rank_threads(args.data_parallel_size_local, args.data_parallel_size)
+    return rank_threads(parallel.data_parallel_size_local, parallel.data_parallel_size)
 
 
 def cpu_has_bf16() -> bool:
@@ -140,22 +149,27 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
 class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
 
-    def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None, *,
+    def __init__(self, model_path: str, model: ModelConfig, cache: CacheConfig, limits: SchedulerLimits,
+                 parallel: ParallelContext | None = None, *, threads: int | None = None,
                  allocate: bool = True, model_options: dict | None = None) -> None:
+        """``model.device`` and ``model.dtype`` resolved (``resolve_config``; ``from_args`` does it); the
+        budgets in ``limits`` size the CUDA graphs and the activation reserve; ``threads`` (CPU) defaults to
+        this process's share (``OMP_NUM_THREADS``, ``LBD_RANK_CPUS``, else every CPU)."""
         self._t0 = time.monotonic()
         self.model_options = model_options or {}  # for build_model, e.g. a DP member's expert_shard
-        self.args = args
         self.model_path = model_path
+        self.cache_config = cache
+        self.enforce_eager = model.enforce_eager
         self.parallel = parallel or ParallelContext.single()
-        self.torch_device = resolve_device(args.device)
+        self.torch_device = torch.device(model.device)
         self.device = str(self.torch_device)
-        self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
+        self.torch_dtype = _DTYPES[resolved_dtype(model.dtype, self.torch_device.type)]
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         if self.torch_device.type == "cpu":
             warn_emulated_bf16(self.torch_dtype)
-            setup_cpu_threads(cpu_threads(args), self.torch_dtype)
+            setup_cpu_threads(threads or rank_threads(None), self.torch_dtype)
         hf_config = load_hf_config(model_path)
-        self.max_model_len = args.max_model_len or hf_config.max_position_embeddings
+        self.max_model_len = model.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {hf_config.max_position_embeddings}")
@@ -166,20 +180,27 @@ class ModelRunner:
                              f"supported: pass --max-model-len {cfg.sliding_window} or less")
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = _eos_token_id(Path(model_path), hf_config)
-        self.block_size = args.block_size
-        limits = scheduler_limits(args, self.torch_device.type)  # the core's scheduler gets the same
+        self.block_size = cache.block_size
         self.max_num_seqs, self.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
-        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(cache.kv_cache_dtype, self.torch_dtype))
         # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
         rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size
         self.rank_kv_spec = dataclasses.replace(self.kv_spec, num_layers=cfg.num_layers,
                                                 num_kv_heads=rank_heads)
-        self.sampler = Sampler(self.torch_device, args.seed)
+        self.sampler = Sampler(self.torch_device, model.seed)
         self.graphs = None
         self.num_blocks = 0
         self.kv_caches: list = []
         if allocate:
             self.allocate_kv(self.measure_num_blocks())
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None,
+                  **options: Any) -> ModelRunner:
+        """From the command line: the slices of ``resolve_config`` and this process's CPU share."""
+        cfg = resolve_config(args)
+        return cls(model_path, cfg.model, cfg.cache, cfg.scheduler, parallel,
+                   threads=cpu_threads(cfg.parallel), **options)
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -200,7 +221,7 @@ class ModelRunner:
             return KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
                                    cfg.head_dim, self.block_size, dtype)
         if dtype == torch.float8_e4m3fn:
-            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "
+            raise ValueError(f"--kv-cache-dtype {self.cache_config.kv_cache_dtype} is not supported for "
                              f"{type(model).__name__}: pass --kv-cache-dtype auto")
         spec = model.kv_cache_spec(self.block_size, dtype)
         if hasattr(model, "mha_kv_elements_per_token"):
@@ -216,9 +237,9 @@ class ModelRunner:
         ``--gpu-memory-utilization`` are per device."""
         per_block = self.kv_spec.bytes_per_block
         if self.torch_device.type == "cpu":
-            blocks = kv_alloc.cpu_num_blocks(self.rank_kv_spec, self.args.kv_cache_memory_bytes)
-        elif self.args.kv_cache_memory_bytes:
-            blocks = self.args.kv_cache_memory_bytes // per_block
+            blocks = kv_alloc.cpu_num_blocks(self.rank_kv_spec, self.cache_config.kv_cache_memory_bytes)
+        elif self.cache_config.kv_cache_memory_bytes:
+            blocks = self.cache_config.kv_cache_memory_bytes // per_block
         else:
             blocks = self._profile_cuda_blocks()
         if blocks < 1:
@@ -232,7 +253,7 @@ class ModelRunner:
         self.kv_caches = kv_alloc.allocate(self.kv_spec, num_blocks, self.torch_device)
         if self.kv_spec.dtype == torch.float8_e4m3fn:
             self._set_kv_scales()
-        if self.torch_device.type == "cuda" and not self.args.enforce_eager:
+        if self.torch_device.type == "cuda" and not self.enforce_eager:
             self.graphs = self._capture_graphs()
         logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
                     Path(self.model_path).name, self.device, self.dtype, time.monotonic() - self._t0,
@@ -257,9 +278,9 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         others = total - free - torch.cuda.memory_reserved(self.torch_device)  # other processes, CUDA context
-        graph_reserve = 0 if self.args.enforce_eager else 512 << 20
+        graph_reserve = 0 if self.enforce_eager else 512 << 20
         activations = peak - scratch_bytes  # weights + the largest step's activations
-        budget = int(total * self.args.gpu_memory_utilization) - others - activations - graph_reserve
+        budget = int(total * self.cache_config.gpu_memory_utilization) - others - activations - graph_reserve
         logger.info("profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
                     others / 2**30, budget / 2**30)
         return max(0, budget) // self.kv_spec.bytes_per_block

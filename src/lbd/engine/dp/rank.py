@@ -167,8 +167,8 @@ class GroupMember:
         args = self.args
         plan = ExpertPlan.from_args(args)
         shard = plan.shard(routed_experts(load_hf_config(self.model_path)))
-        self.runner = ModelRunner(dataclasses.replace(args, enforce_eager=True), self.model_path,
-                                  model_options={"expert_shard": shard})
+        self.runner = ModelRunner.from_args(dataclasses.replace(args, enforce_eager=True), self.model_path,
+                                            model_options={"expert_shard": shard})
         self.dispatcher = ExpertDispatcher(plan, shard, self.runner.torch_device)
         self.blocks = attach(self.runner.model, self.dispatcher)
         logger.info("DP member %d of %d holds %s", args.rank, args.data_parallel_size,

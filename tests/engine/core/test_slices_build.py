@@ -1,15 +1,18 @@
-"""A scheduler built from the configuration slices it uses (the scheduler's budgets and the cache's), in a
-few lines and without an EngineArgs, a model or a device; and the core builds its scheduler the same way."""
+"""Core components built from the configuration slices they use, in a few lines and without an EngineArgs:
+a scheduler (the scheduler's budgets and the cache's), the sim runner (model and cache) and the model runner
+(model, cache, budgets); and the core builds its scheduler from the slices it resolved."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from lbd.engine.config.args import EngineArgs
-from lbd.engine.config.slices import CacheConfig, SchedulerLimits, engine_config
+from lbd.engine.config.slices import CacheConfig, ModelConfig, SchedulerLimits, engine_config
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
+from lbd.engine.core.runner import ModelRunner
 from lbd.engine.core.scheduler import Scheduler, SchedulerConfig
+from lbd.engine.core.sim_runner import SimRunner
 from lbd.wire.core_messages import SamplingParams
 
 
@@ -39,3 +42,14 @@ def test_the_core_schedules_by_the_resolved_slices(tiny_llama: Path) -> None:
         assert cfg.max_prefill_tokens_with_decodes is None
     finally:
         core.close()
+
+
+def test_runners_from_their_slices(tiny_llama: Path) -> None:
+    sim = SimRunner(tiny_llama, ModelConfig(device="sim", max_model_len=256), CacheConfig(block_size=32))
+    assert (sim.device, sim.block_size, sim.max_model_len) == ("sim", 32, 256)
+    runner = ModelRunner(str(tiny_llama), ModelConfig(device="cpu", dtype="float32", max_model_len=128),
+                         CacheConfig(block_size=8, kv_cache_memory_bytes=1 << 20),
+                         SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64))
+    assert (runner.device, runner.dtype, runner.block_size) == ("cpu", "float32", 8)
+    assert runner.max_model_len == 128
+    assert (runner.max_num_seqs, runner.num_blocks > 0) == (4, True)
