@@ -82,25 +82,27 @@ def scheduler_config(config: EngineConfig, runner: Runner) -> SchedulerConfig:
                                        max_model_len=runner.max_model_len)
 
 
-def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
+def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
     """The KV-event publisher of ``--kv-events-config`` (None when off); binds its sockets now."""
-    if args.kv_events_config is None:
+    if config.observability.kv_events_config is None:
         return None
     from lbd.engine.config.kv_events import parse_kv_events_config
 
-    cfg = parse_kv_events_config(args.kv_events_config)
+    cfg = parse_kv_events_config(config.observability.kv_events_config)
     if not cfg.active:
         return None
     from lbd.engine.kv_events.publisher import KVEvents
 
-    host = args.host if args.host not in (None, "", "0.0.0.0", "::") else None
-    return KVEvents(cfg, args.rank, block_size, host)
+    host = config.server.host
+    return KVEvents(cfg, config.parallel.rank, block_size,
+                    host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
                  runner: Runner | None = None) -> None:
-        self.args = args
+        """``args`` are cut into slices once the runner's device is known (``engine_config``); the core
+        reads only those."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
         self.runner = runner if runner is not None else make_local_runner(args, model_path)
@@ -108,7 +110,7 @@ class EngineCore:
             self.engine_config = engine_config(args, device_kind(self.runner.device))
             self.config = scheduler_config(self.engine_config, self.runner)
             self._check_capacity()
-            self.kv_events = make_kv_events(args, self.config.block_size)
+            self.kv_events = make_kv_events(self.engine_config, self.config.block_size)
         except Exception:
             self.close()
             raise
@@ -117,8 +119,8 @@ class EngineCore:
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
         self.profiler: NullProfiler = NO_PROFILE
-        if args.profile_steps:
-            self.start_profiling(args.profile_steps)
+        if self.engine_config.observability.profile_steps:
+            self.start_profiling(self.engine_config.observability.profile_steps)
         self._log_capacity()
         self.recorder: MetricsRecorder | None = None
         if metrics is not None:
@@ -182,7 +184,7 @@ class EngineCore:
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         device=r.device, dtype=r.dtype,
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
-                               "kv_cache_dtype": self.args.kv_cache_dtype,
+                               "kv_cache_dtype": self.engine_config.cache.kv_cache_dtype,
                                "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
                                "kv_events": self.kv_events.advertised() if self.kv_events else None})
 
