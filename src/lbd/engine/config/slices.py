@@ -134,6 +134,11 @@ def _cut(cls: type, args: EngineArgs, **resolved: object) -> object:
     return cls(**{f.name: resolved.get(f.name, getattr(args, f.name)) for f in dataclasses.fields(cls)})
 
 
+def parallel_config(args: EngineArgs) -> ParallelConfig:
+    """The parallel slice alone (it has no device defaults): what the executor plans workers by."""
+    return _cut(ParallelConfig, args)
+
+
 def scheduler_limits(args: EngineArgs, device: str) -> SchedulerLimits:
     """The flags' budgets, else ``device``'s defaults (cuda, cpu or sim; vLLM's)."""
     seqs, tokens = DEVICE_BUDGETS[device]
@@ -163,5 +168,5 @@ def engine_config(args: EngineArgs, device: str) -> EngineConfig:
     return EngineConfig(
         model=_cut(ModelConfig, args, device=device, dtype=resolved_dtype(args.dtype, device)),
         cache=_cut(CacheConfig, args), scheduler=scheduler_limits(args, device),
-        parallel=_cut(ParallelConfig, args), server=_cut(ServerConfig, args),
+        parallel=parallel_config(args), server=_cut(ServerConfig, args),
         observability=_cut(ObservabilityConfig, args))
