@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lbd.engine.core.kv_cache import KVCacheManager  # noqa: E402
 from lbd.engine.core.request import Request  # noqa: E402
 from lbd.engine.kv_events.recorder import EventRecorder  # noqa: E402
-from lbd.engine.protocol import SamplingParams  # noqa: E402
+from lbd.wire.core_messages import SamplingParams  # noqa: E402
 
 BS = 16
 

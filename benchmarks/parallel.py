@@ -41,7 +41,8 @@ os.environ["LBD_PROFILE_COLLECTIVES"] = "1"  # time collectives on CUDA too (syn
 
 from lbd.engine.config.args import EngineArgs  # noqa: E402
 from lbd.engine.core.engine_core import EngineCore  # noqa: E402
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams  # noqa: E402
+from lbd.engine.rank_core import build_core  # noqa: E402
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -152,7 +153,7 @@ def build(cfg: Config, paths: dict[str, Path], kv_bytes: int, threads: int) -> E
     if cfg.gloo_only:
         os.environ["LBD_SHM_ALLREDUCE"] = "0"  # inherited by the workers
     try:
-        return EngineCore(args, str(paths[cfg.model]))
+        return build_core(args, str(paths[cfg.model]))
     finally:
         os.environ.pop("OMP_NUM_THREADS", None)
         os.environ.pop("LBD_SHM_ALLREDUCE", None)

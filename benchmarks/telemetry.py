@@ -34,9 +34,9 @@ from lbd.engine.config.args import EngineArgs  # noqa: E402
 from lbd.engine.core.engine_core import EngineCore  # noqa: E402
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput  # noqa: E402
 from lbd.engine.metrics import CoreMetrics, FrontendMetrics, render  # noqa: E402
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams  # noqa: E402
 from lbd.engine.server.request_metrics import record_finished, record_prompt_done  # noqa: E402
 from lbd.router.telemetry import parse_metrics  # noqa: E402
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams  # noqa: E402
 
 SCRAPE_INTERVAL_S = 0.1
 ENDPOINTS = 16

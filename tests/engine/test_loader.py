@@ -97,7 +97,7 @@ def tiny_gguf(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     from lbd.engine.core.request import Request
     from lbd.engine.core.sched_output import ScheduledSeq
-    from lbd.engine.protocol import SamplingParams
+    from lbd.wire.core_messages import SamplingParams
 
     req = Request("x", ids, SamplingParams(), None, 0.0)
     req.block_ids = list(range(-(-len(ids) // runner.block_size)))
@@ -126,8 +126,8 @@ def test_gguf_converts_once_and_loads_identically(tiny_llama: Path, tiny_gguf: P
     assert hit < first / 5, (hit, first)
 
     args = dict(kv_cache_memory_bytes=1 << 20)
-    ours = ModelRunner(EngineArgs(model=str(folder), **args), str(folder))
-    src = ModelRunner(EngineArgs(model=str(tiny_llama), **args), str(tiny_llama))
+    ours = ModelRunner.from_args(EngineArgs(model=str(folder), **args), str(folder))
+    src = ModelRunner.from_args(EngineArgs(model=str(tiny_llama), **args), str(tiny_llama))
     ids = list(range(3, 60))
     assert torch.equal(_logits(ours, ids), _logits(src, ids))
     assert ours.eos_token_id == src.eos_token_id

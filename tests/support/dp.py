@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import zmq
 
-from lbd.engine import protocol as P
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.wire import core_messages as CM
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 from support import free_port_run, spawn, stop, wait_http
 from support.parity import Run
 
@@ -47,7 +48,7 @@ class Group:
     def start_core(self, model: Path, rank: int, *flags: str) -> tuple[object, str]:
         """A bare core process of ``rank`` (no HTTP front end): (process, its ZMQ address)."""
         address = f"ipc://{self.tmp}/core{rank}-{time.monotonic_ns()}.sock"
-        proc = spawn([sys.executable, "-m", "lbd.engine.core.process", "--model-path", str(model),
+        proc = spawn([sys.executable, "-m", "lbd.engine.rank_core", "--model-path", str(model),
                       "--input-address", address, "--kv-cache-memory-bytes", "16MiB",
                       "--max-model-len", "256", "--log-level", "warning", *self.flags(rank), *flags],
                      log=self.tmp / f"core{rank}.log")
@@ -69,12 +70,12 @@ class CoreConn:
         self._ready = False
 
     def hello(self, timeout: float = 120.0) -> None:
-        self.sock.send_multipart([P.HELLO, b""])
+        self.sock.send_multipart([CM.HELLO, CM.encode(CM.Hello())])
         self._until(lambda: self._ready, timeout, "ready")
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> None:
         self.runs[rid] = Run()
-        self.sock.send_multipart([P.ADD, P.encode(EngineCoreRequest(rid, prompt, sampling, None, 0.0))])
+        self.sock.send_multipart([CM.ADD, CM.encode(EngineCoreRequest(rid, prompt, sampling, None, 0.0))])
 
     def wait_done(self, ids: list[str], timeout: float = 120.0) -> None:
         self._until(lambda: all(i in self.finished or i in self.errors for i in ids), timeout, "requests")
@@ -98,15 +99,15 @@ class CoreConn:
 
     def _handle(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[1] if len(frames) > 1 else b""
-        if kind == P.READY:
+        if kind == CM.READY:
             self._ready = True
-        elif kind == P.DP:
-            self.dp = P.decode(payload)
-        elif kind == P.ERROR:
-            msg = P.decode(payload)
-            self.errors[msg["request_id"]] = (msg["status"], msg["message"])
-        elif kind == P.OUTPUTS:
-            for out in P.outputs_from_dict(P.decode(payload)).outputs:
+        elif kind == CM.DP:
+            self.dp = dataclasses.asdict(CM.decode(kind, payload))
+        elif kind == CM.ERROR:
+            msg = CM.decode(kind, payload)
+            self.errors[msg.request_id] = (msg.status, msg.message)
+        elif kind == CM.OUTPUTS:
+            for out in CM.decode(kind, payload).outputs:
                 run = self.runs[out.request_id]
                 run.tokens += out.new_token_ids
                 for lp in out.new_logprobs or []:

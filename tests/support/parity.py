@@ -11,7 +11,8 @@ import torch
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine.rank_core import build_core
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 
 TOP = 5
 NEAR_TIE = 1e-3
@@ -124,7 +125,7 @@ def parallel_core(path: Path, tp: int = 1, pp: int = 1, partition: str | None = 
     rank_kv_heads = max(1, cfg.num_key_value_heads // tp) * tp  # replicated heads cost their memory
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_block = 2 * cfg.num_hidden_layers * 16 * rank_kv_heads * head_dim * 4
-    return EngineCore(engine_args(path, kv_cache_memory_bytes=PARALLEL_BLOCKS * per_block, max_model_len=256,
+    return build_core(engine_args(path, kv_cache_memory_bytes=PARALLEL_BLOCKS * per_block, max_model_len=256,
                                   max_num_batched_tokens=32, tensor_parallel_size=tp,
                                   pipeline_parallel_size=pp, pp_layer_partition=partition, **kw), str(path))
 

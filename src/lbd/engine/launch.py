@@ -99,9 +99,9 @@ def _core_entry(args: EngineArgs, model_path: str, address: str, parent_pid: int
     os.setpgrp()
     set_process_name(CORE_PROCESS_NAME)
     configure_logging(args.rank, args.log_level, "EngineCore")
-    from lbd.engine.core.process import run_core
+    from lbd.engine.rank_core import run
 
-    run_core(args, model_path, address)
+    run(args, model_path, address)
     _exit_now(0)
 
 

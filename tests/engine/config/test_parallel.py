@@ -19,6 +19,7 @@ import torch
 
 from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser
 from lbd.engine.config.placement import rank_threads
+from lbd.engine.config.slices import parallel_config
 from lbd.engine.executor.mp import worker_config
 from lbd.engine.executor.plan import plan_workers
 from lbd.supervisor.config import parse_args, port_in_use
@@ -154,6 +155,11 @@ def test_supervise_refuses(case: str, model: str, flags: list[str], needles: lis
 # ---- the flag walk ---------------------------------------------------------------------------------------
 
 
+def _plans(*argv: str, layers: int) -> list:
+    """The worker plans of one engine rank started with ``argv``."""
+    return plan_workers(parallel_config(_serve(*argv)), layers)
+
+
 def _serve(*argv: str) -> EngineArgs:
     """One engine rank's arguments (python -m lbd.engine, or lbd serve with --data-parallel-rank)."""
     return engine_args_from_namespace(make_parser().parse_args(list(argv)))
@@ -195,19 +201,19 @@ def _one_rank(*argv: str) -> Callable[[], None]:
 
 
 def _walk_tensor_parallel(model: Path) -> None:
-    assert len(plan_workers(_serve("--tensor-parallel-size", "2"), 2)) == 2  # two worker processes
+    assert len(_plans("--tensor-parallel-size", "2", layers=2)) == 2  # two worker processes
     cuda = _supervise("--model", str(model), "--device", "cuda", "--data-parallel-size", "2",
                       "--tensor-parallel-size", "2", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert [r.devices for r in cuda.ranks] == ["0,1", "2,3"]  # each rank gets TP devices
 
 
 def _walk_pipeline_parallel(model: Path) -> None:
-    plans = plan_workers(_serve("--pipeline-parallel-size", "2"), 4)
+    plans = _plans("--pipeline-parallel-size", "2", layers=4)
     assert [p.layers for p in plans] == [(0, 2), (2, 4)]  # two stages, two processes
 
 
 def _walk_partition(model: Path) -> None:
-    plans = plan_workers(_serve("--pipeline-parallel-size", "2", "--pp-layer-partition", "1,3"), 4)
+    plans = _plans("--pipeline-parallel-size", "2", "--pp-layer-partition", "1,3", layers=4)
     assert [p.layers for p in plans] == [(0, 1), (1, 4)]
 
 

@@ -23,10 +23,10 @@ import psutil
 import pytest
 import zmq
 
-from lbd.engine import protocol as P
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.wire import core_messages as CM
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 from support import metric_value  # tests/ is on sys.path (conftest)
 
 BLOCK_BYTES = 8192  # tiny Llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B x 16 tokens
@@ -130,17 +130,17 @@ class FrontEnd:
         self.reasons: dict[str, str] = {}
 
     def send(self, kind: bytes, obj: object) -> None:
-        if kind == P.ADD:
+        if kind == CM.ADD:
             self.sent.add(obj.request_id)
-        self.sock.send_multipart([kind, P.encode(obj)])
+        self.sock.send_multipart([kind, CM.encode(obj)])
 
     def recv(self, timeout: float = 30.0) -> tuple[bytes, object]:
         if not self.sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"{self.ident!r}: nothing from the core in {timeout}s")
         kind, payload = self.sock.recv_multipart()
-        body = P.decode(payload)
-        if kind == P.OUTPUTS:
-            for o in P.outputs_from_dict(body).outputs:
+        body = CM.decode(kind, payload)
+        if kind == CM.OUTPUTS:
+            for o in body.outputs:
                 assert o.request_id in self.sent, f"{self.ident!r} got {o.request_id}, not its own"
                 assert o.request_id not in self.reasons, f"output after the end of {o.request_id}"
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -156,9 +156,9 @@ class FrontEnd:
             if kind == want:
                 return body
 
-    def hello(self, timeout: float = 60.0) -> P.CoreInfo:
-        self.send(P.HELLO, None)
-        return P.CoreInfo(**self.recv_kind(P.READY, timeout))
+    def hello(self, timeout: float = 60.0) -> CM.CoreInfo:
+        self.send(CM.HELLO, CM.Hello())
+        return self.recv_kind(CM.READY, timeout)
 
     def collect(self, ids: set[str], timeout: float = 60.0) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Receive until every id in ``ids`` finished; their tokens and finish reasons."""
@@ -178,7 +178,7 @@ class CoreProc:
         self.metrics_dir = self.dir / "prom"
         self.metrics_dir.mkdir()
         self.log = self.dir / "core.log"
-        argv = [sys.executable, "-m", "lbd.engine.core.process", "--device", "sim",
+        argv = [sys.executable, "-m", "lbd.engine.rank_core", "--device", "sim",
                 "--model-path", str(model),
                 "--input-address", self.address, *flags]
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1"}
@@ -222,18 +222,18 @@ def test_core_process_serves_two_front_ends(core_proc: CoreProc) -> None:
         assert (info.device, info.max_model_len, info.block_size) == ("sim", 512, 16)
         assert fe1.hello(10).num_blocks == info.num_blocks
         prefix = list(range(3, 67))  # 64 tokens = 4 blocks
-        fe0.send(P.ADD, core_request("p0", prefix + [70, 71], max_tokens=5))
+        fe0.send(CM.ADD, core_request("p0", prefix + [70, 71], max_tokens=5))
         assert fe0.collect({"p0"})[1] == {"p0": "length"}
         for i in range(3):
-            fe0.send(P.ADD, core_request(f"a{i}", prefix + [80 + i] * 3, max_tokens=20 + i))
-            fe1.send(P.ADD, core_request(f"b{i}", [90 + i] * 30, max_tokens=10 + i))
+            fe0.send(CM.ADD, core_request(f"a{i}", prefix + [80 + i] * 3, max_tokens=20 + i))
+            fe1.send(CM.ADD, core_request(f"b{i}", [90 + i] * 30, max_tokens=10 + i))
         tok0, why0 = fe0.collect({"a0", "a1", "a2"})
         tok1, why1 = fe1.collect({"b0", "b1", "b2"})
         assert {k: len(v) for k, v in tok0.items()} == {"a0": 20, "a1": 21, "a2": 22}
         assert {k: len(v) for k, v in tok1.items()} == {"b0": 10, "b1": 11, "b2": 12}
         assert set(why0.values()) == set(why1.values()) == {"length"}
         # Idle: stats reach every front end and show an empty core.
-        stats = P.SchedulerStats(**fe1.recv_kind(P.STATS, 5))
+        stats = fe1.recv_kind(CM.STATS, 5)
         assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
         # An idle core sleeps in poll: it must not spin.
         cpu = psutil.Process(core_proc.proc.pid)
@@ -260,20 +260,21 @@ def test_core_process_abort_and_bad_messages(core_proc: CoreProc) -> None:
     fe = core_proc.front_end(b"fe")
     try:
         fe.hello()
-        fe.send(P.ADD, core_request("long", list(range(3, 50)), max_tokens=400))
-        assert P.outputs_from_dict(fe.recv_kind(P.OUTPUTS)).stats.num_running == 1
-        fe.sock.send_multipart([P.ADD, b"\xc1garbage"])  # undecodable: dropped, core lives
-        fe.sock.send_multipart([P.ADD, msgpack.packb({"request_id": "x"})])  # missing fields
+        fe.send(CM.ADD, core_request("long", list(range(3, 50)), max_tokens=400))
+        assert fe.recv_kind(CM.OUTPUTS).stats.num_running == 1
+        fe.sock.send_multipart([CM.ADD, b"\xc1garbage"])  # undecodable: dropped, core lives
+        fe.sock.send_multipart([CM.ADD, msgpack.packb({"request_id": "x"})])  # missing fields
         fe.sock.send_multipart([b"bogus", b""])
-        fe.send(P.ABORT, ["long", "never-seen"])
+        fe.sock.send_multipart([CM.ABORT, msgpack.packb(["long"])])  # not an Abort: dropped
+        fe.send(CM.ABORT, CM.Abort(["long", "never-seen"]))
         deadline = time.monotonic() + 10
         while True:  # outputs already sent may still arrive, then stats show the core empty
             kind, body = fe.recv(max(deadline - time.monotonic(), 0.01))
-            stats = P.outputs_from_dict(body).stats if kind == P.OUTPUTS else P.SchedulerStats(**body)
+            stats = body.stats if kind == CM.OUTPUTS else body
             if stats.num_running == 0 and stats.kv_cache_usage == 0.0:
                 break
         assert "long" not in fe.reasons and len(fe.tokens["long"]) < 400  # no output after an abort
-        fe.send(P.ADD, core_request("short", [5, 6, 7], max_tokens=3))
+        fe.send(CM.ADD, core_request("short", [5, 6, 7], max_tokens=3))
         assert fe.collect({"short"})[1] == {"short": "length"}
         assert core_proc.proc.poll() is None
         text = core_proc.metrics()
@@ -287,13 +288,13 @@ def test_core_process_admission_503_and_sigterm_drain(tiny_llama: Path) -> None:
     fe = core.front_end(b"fe")
     try:
         fe.hello()
-        fe.send(P.ADD, core_request("r1", [5] * 20, max_tokens=150))  # ~1 s of simulated decode
-        fe.recv_kind(P.OUTPUTS)  # r1 runs
-        fe.send(P.ADD, core_request("r2", [6] * 20, max_tokens=5))  # waits (max_num_seqs 1)
-        fe.send(P.ADD, core_request("r3", [7] * 20, max_tokens=5))  # the queue is full
-        body = fe.recv_kind(P.ERROR)
-        assert body["request_id"] == "r3" and body["status"] == 503
-        assert "Scheduler waiting queue is full" in body["message"]
+        fe.send(CM.ADD, core_request("r1", [5] * 20, max_tokens=150))  # ~1 s of simulated decode
+        fe.recv_kind(CM.OUTPUTS)  # r1 runs
+        fe.send(CM.ADD, core_request("r2", [6] * 20, max_tokens=5))  # waits (max_num_seqs 1)
+        fe.send(CM.ADD, core_request("r3", [7] * 20, max_tokens=5))  # the queue is full
+        body = fe.recv_kind(CM.ERROR)
+        assert body.request_id == "r3" and body.status == 503
+        assert "Scheduler waiting queue is full" in body.message
         core.proc.send_signal(signal.SIGTERM)  # drain: r1 and r2 finish, then exit 0
         tokens, reasons = fe.collect({"r1", "r2"})
         assert len(tokens["r2"]) == 5 and len(tokens["r1"]) >= 140
@@ -308,7 +309,7 @@ def test_core_process_dies_with_its_parent(tiny_llama: Path) -> None:
     d = Path(tempfile.mkdtemp(prefix="lbd-core-", dir="/tmp"))
     parent_code = (
         "import subprocess, sys, time\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'lbd.engine.core.process', '--device', 'sim',"
+        "p = subprocess.Popen([sys.executable, '-m', 'lbd.engine.rank_core', '--device', 'sim',"
         f" '--model-path', {str(tiny_llama)!r}, '--input-address', 'ipc://{d}/core.sock'])\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(120)\n")
@@ -340,16 +341,3 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def test_protocol_round_trips() -> None:
-    lp = P.TokenLogprobs(-0.25, [5, 9], [-0.25, -2.0])
-    msg = P.EngineCoreOutputs(
-        [P.EngineCoreOutput("a", [5], [lp], None, None, 32, (1.0, 2.0, 0), timestamp=1234.5),
-         P.EngineCoreOutput("b", [7, 8], None, "stop", 8, timestamp=1234.5)],
-        P.SchedulerStats(3, 1, 0.5, 100, 16), 1234.5)
-    assert P.outputs_from_dict(P.decode(P.encode_outputs(msg))) == msg  # the core's compact form
-    assert P.outputs_from_dict(P.decode(P.encode(msg))) == msg  # the generic field-name form
-    req = core_request("r", [1, 2, 3], max_tokens=7, stop_token_ids=[4], seed=3)
-    assert P.request_from_dict(P.decode(P.encode(req))) == req
-    assert P.SchedulerStats(**P.decode(P.encode(msg.stats))) == msg.stats

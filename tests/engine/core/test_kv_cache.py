@@ -6,7 +6,7 @@ import pytest
 
 from lbd.engine.core.kv_cache import KVCacheManager
 from lbd.engine.core.request import Request
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 
 BS = 4
 

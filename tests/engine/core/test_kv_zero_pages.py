@@ -11,12 +11,13 @@ CODE = """
 import ctypes
 import torch
 from lbd.engine.core import kv_alloc
+from lbd.engine.models.kv_spec import KVSpec
 libc = ctypes.CDLL(None)
 libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: freed memory stays in the heap (the core keeps it too)
 libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large requests come from the heap as well
 junk = [torch.full((16 << 20,), 0x7F, dtype=torch.uint8) for _ in range(12)]  # 0x7f: NaN in float8_e4m3fn
 del junk
-spec = kv_alloc.KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float8_e4m3fn)
+spec = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float8_e4m3fn)
 blocks = (kv_alloc.ZERO_PAGES_BYTES * 2) // spec.bytes_per_block
 caches = kv_alloc.allocate(spec, blocks, torch.device("cpu"))
 k, v = caches[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lbd.engine.core.sampler import Sampler, SampleRow
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 
 V = 50
 

@@ -18,7 +18,7 @@ import pytest
 from lbd.engine.core.request import Request, RequestStatus
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from lbd.engine.protocol import EngineCoreOutput, SamplingParams
+from lbd.wire.core_messages import EngineCoreOutput, SamplingParams
 
 VOCAB = 1000
 

@@ -14,8 +14,8 @@ from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import ScheduledSeq, SchedulerOutput
 from lbd.engine.core.sim_runner import SimRunner, read_model_facts, step_shape
-from lbd.engine.protocol import SamplingParams
 from lbd.engine.sim_profiles import PROFILES, StepShape, UnknownProfileError, get_profile
+from lbd.wire.core_messages import SamplingParams
 
 H100 = PROFILES["h100-llama3-8b"]
 
@@ -94,7 +94,7 @@ def test_step_shape_counts_prefill_decode_and_kv() -> None:
 
 def test_runner_attributes_and_deterministic_words(tiny_llama: Path) -> None:
     args = EngineArgs(device="sim", sim_profile="h100-llama3-8b", seed=0)
-    runner = SimRunner(args, tiny_llama)
+    runner = SimRunner.from_args(args, tiny_llama)
     facts = read_model_facts(tiny_llama)
     config = json.loads((tiny_llama / "config.json").read_text())
     assert runner.vocab_size == config["vocab_size"] and runner.eos_token_id == config["eos_token_id"]
@@ -114,14 +114,14 @@ def test_runner_attributes_and_deterministic_words(tiny_llama: Path) -> None:
         return req.output_token_ids
 
     fast = EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01")
-    first = generate(SimRunner(fast, tiny_llama), "x", [5, 6, 7, 8], 40)
-    again = generate(SimRunner(fast, tiny_llama), "y", [5, 6, 7, 8], 40)
-    other = generate(SimRunner(fast, tiny_llama), "z", [5, 6, 7, 9], 40)
+    first = generate(SimRunner.from_args(fast, tiny_llama), "x", [5, 6, 7, 8], 40)
+    again = generate(SimRunner.from_args(fast, tiny_llama), "y", [5, 6, 7, 8], 40)
+    other = generate(SimRunner.from_args(fast, tiny_llama), "z", [5, 6, 7, 9], 40)
     assert first == again  # same prompt, same text, whatever the request id or the process
     assert first != other
     assert all(t in facts.word_ids for t in first) and len(set(first)) > 5
     reseeded = generate(
-        SimRunner(EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", seed=1), tiny_llama),
+        SimRunner.from_args(EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", seed=1), tiny_llama),
         "x",
         [5, 6, 7, 8],
         40,
@@ -130,7 +130,7 @@ def test_runner_attributes_and_deterministic_words(tiny_llama: Path) -> None:
 
 
 def test_runner_logprobs(tiny_llama: Path) -> None:
-    runner = SimRunner(EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01"), tiny_llama)
+    runner = SimRunner.from_args(EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01"), tiny_llama)
     req = _request("lp", [5, 6, 7], logprobs=3)
     (tok,) = runner.execute(SchedulerOutput(seqs=[ScheduledSeq(req, 3, True)]))
     assert tok.logprobs is not None and tok.logprobs.top_ids[0] == tok.token_id
@@ -140,7 +140,7 @@ def test_runner_logprobs(tiny_llama: Path) -> None:
 
 def test_step_times_follow_the_profile_within_10_percent(tiny_llama: Path) -> None:
     # Dilate time 10x so every step is >= 65 ms: timer and scheduling noise stay far below 10%.
-    runner = SimRunner(EngineArgs(device="sim", sim_profile="h100-llama3-8b*10"), tiny_llama)
+    runner = SimRunner.from_args(EngineArgs(device="sim", sim_profile="h100-llama3-8b*10"), tiny_llama)
     profile = runner.profile
     prompt = list(range(3, 2003))
     cases = {
@@ -285,7 +285,7 @@ def test_sixteen_sim_ranks_fit_two_cores_under_the_supervisor(tiny_llama: Path, 
 def test_prefix_cache_hits_shorten_the_simulated_prefill(tiny_llama: Path) -> None:
     """With the real scheduler and prefix cache: a repeated prompt's prefill step only computes the miss."""
     from lbd.engine.core.engine_core import EngineCore
-    from lbd.engine.protocol import EngineCoreRequest
+    from lbd.wire.core_messages import EngineCoreRequest
 
     args = EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", max_num_batched_tokens=8192)
     core = EngineCore(args, str(tiny_llama))

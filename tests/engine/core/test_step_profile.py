@@ -11,8 +11,8 @@ import httpx
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.step_profile import NO_PROFILE, StepProfiler, parse_line
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
 from lbd.kernels import ops
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 from support import EngineServer
 
 

@@ -11,6 +11,7 @@ import torch
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.layout import ParallelLayout, parse_partition, split_layers
 from lbd.engine.config.placement import format_cpus, parse_cpus, rank_threads, split_cpus
+from lbd.engine.config.slices import ParallelConfig, parallel_config
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken
 from lbd.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -21,7 +22,7 @@ from lbd.engine.loader import load_weights
 from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
 from lbd.engine.models.parallel import Absent, qkv_sources
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 from support import make_tiny_llama
 
 
@@ -53,12 +54,12 @@ def test_cpu_placement() -> None:
 
 def test_worker_plans_split_the_rank(tiny_llama: Path) -> None:
     args = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="1,1")
-    plans = plan_workers(args, 2, env={"LBD_RANK_CPUS": "4-7"})
+    plans = plan_workers(parallel_config(args), 2, env={"LBD_RANK_CPUS": "4-7"})
     assert [(p.world_rank, p.pp_rank, p.tp_rank, p.layers) for p in plans] == [
         (0, 0, 0, (0, 1)), (1, 0, 1, (0, 1)), (2, 1, 0, (1, 2)), (3, 1, 1, (1, 2))]
     assert [p.cpu_list for p in plans] == ["4", "5", "6", "7"] and {p.threads for p in plans} == {1}
     assert [p.device_index for p in plans] == [0, 1, 2, 3]
-    two = plan_workers(EngineArgs(tensor_parallel_size=2), 2, env={"LBD_RANK_CPUS": "0-7"})
+    two = plan_workers(ParallelConfig(tensor_parallel_size=2), 2, env={"LBD_RANK_CPUS": "0-7"})
     assert [p.cpu_list for p in two] == ["0-3", "4-7"] and {p.threads for p in two} == {4}
 
 

@@ -22,7 +22,8 @@ import pytest
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.step_profile import parse_line
 from lbd.engine.executor.mp import WorkerFailure
-from lbd.engine.protocol import EngineCoreRequest
+from lbd.engine.rank_core import build_core
+from lbd.wire.core_messages import EngineCoreRequest
 from support import make_tiny_llama
 from support.parity import (
     Run,
@@ -135,7 +136,7 @@ def test_default_model_tp3_equals_tp1() -> None:
     params = [greedy(24)] * len(prompts)
     kw = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
     ref = run_engine(EngineCore(engine_args(path, **kw), str(path)), prompts, params)
-    core = EngineCore(engine_args(path, tensor_parallel_size=3, **kw), str(path))
+    core = build_core(engine_args(path, tensor_parallel_size=3, **kw), str(path))
     try:
         ours = run_engine(core, prompts, params)
     finally:

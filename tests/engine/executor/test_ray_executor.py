@@ -28,7 +28,7 @@ import pytest
 
 from lbd.engine.executor import ray_plan as RP
 from lbd.engine.executor.mp import WorkerFailure
-from lbd.engine.protocol import EngineCoreRequest
+from lbd.wire.core_messages import EngineCoreRequest
 from support import make_tiny_llama
 from support.parity import assert_all_close, greedy, parallel_core, parallel_scenario
 

@@ -21,9 +21,9 @@ import zmq
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.kv_events import offset_endpoint_port, parse_kv_events_config
-from lbd.engine.core.block_hash import external_key_fn
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.engine.kv_events.recorder import external_key_fn
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 
 BLOCK_BYTES = 2048  # tiny Llama at --block-size 4: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B x 4 tokens
 BS = 4

@@ -14,7 +14,7 @@ from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.request import Request
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.core.sched_output import ScheduledSeq
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 
 ATOL = 2e-4
 RTOL = 1e-4
@@ -89,7 +89,8 @@ class Driver:
 
 def test_paged_model_matches_transformers(checkpoint: Path) -> None:
     rng = random.Random(0)
-    runner = ModelRunner(EngineArgs(model=str(checkpoint), kv_cache_memory_bytes=1 << 20), str(checkpoint))
+    args = EngineArgs(model=str(checkpoint), kv_cache_memory_bytes=1 << 20)
+    runner = ModelRunner.from_args(args, str(checkpoint))
     vocab, bs = runner.vocab_size, runner.block_size
     decode_steps = 6
     lens = [7, 23, 40, 37]
@@ -130,7 +131,8 @@ def test_paged_model_matches_transformers(checkpoint: Path) -> None:
 
 
 def test_runner_attributes(tiny_llama: Path) -> None:
-    runner = ModelRunner(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 20), str(tiny_llama))
+    args = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=1 << 20)
+    runner = ModelRunner.from_args(args, str(tiny_llama))
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(tiny_llama)
@@ -142,9 +144,9 @@ def test_runner_attributes(tiny_llama: Path) -> None:
     per_block = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * (cfg.hidden_size // 4) * 4
     assert runner.num_blocks == (1 << 20) // per_block
     with pytest.raises(ValueError, match="--max-model-len"):
-        ModelRunner(EngineArgs(model=str(tiny_llama), max_model_len=10**6), str(tiny_llama))
+        ModelRunner.from_args(EngineArgs(model=str(tiny_llama), max_model_len=10**6), str(tiny_llama))
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
-        ModelRunner(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=100), str(tiny_llama))
+        ModelRunner.from_args(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=100), str(tiny_llama))
 
 
 
@@ -156,8 +158,8 @@ def _prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 def test_bfloat16_runner_stays_close_to_float32(tiny_llama: Path) -> None:
     args = dict(model=str(tiny_llama), kv_cache_memory_bytes=1 << 20)
-    fp32 = ModelRunner(EngineArgs(**args), str(tiny_llama))
-    bf16 = ModelRunner(EngineArgs(**args, dtype="bfloat16"), str(tiny_llama))
+    fp32 = ModelRunner.from_args(EngineArgs(**args), str(tiny_llama))
+    bf16 = ModelRunner.from_args(EngineArgs(**args, dtype="bfloat16"), str(tiny_llama))
     assert bf16.dtype == "bfloat16" and bf16.kv_caches[0][0].dtype == torch.bfloat16
     ids = list(range(3, 80))
     a, b = _prefill_logits(fp32, ids), _prefill_logits(bf16, ids)

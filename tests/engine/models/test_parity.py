@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.protocol import SamplingParams
+from lbd.wire.core_messages import SamplingParams
 from support.parity import (  # noqa: F401
     NEAR_TIE,
     TOP,
@@ -166,8 +166,8 @@ def test_fp8_kv_scales_of_each_pipeline_stage_are_its_own_layers(tiny_llama: Pat
     save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
                "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}, str(ckpt / "kv_scales.safetensors"))
     args = engine_args(ckpt, kv_cache_dtype="fp8", pipeline_parallel_size=2)
-    stages = [ModelRunner(args, str(ckpt), ParallelContext(ParallelLayout(pp_size=2), pp_rank=stage))
-              for stage in (0, 1)]
+    stages = [ModelRunner.from_args(args, str(ckpt), ParallelContext(ParallelLayout(pp_size=2),
+                                                                      pp_rank=stage)) for stage in (0, 1)]
     assert [[(a.k_scale, a.v_scale) for a in r.model.attention_layers] for r in stages] == \
         [[(0.5, 1.0)], [(2.0, 2.0)]]
 

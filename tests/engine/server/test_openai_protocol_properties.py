@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lbd.common.rank_header import RankHeaderError, parse_rank
-from lbd.engine.protocol import EngineCoreRequest, encode
 from lbd.engine.server.errors import APIError
 from lbd.engine.server.openai_protocol import Limits, parse_chat, parse_completion
+from lbd.wire.core_messages import EngineCoreRequest, encode
 from support.hostile import PROPERTY, bodies
 
 LIMITS = Limits(max_model_len=512, max_logprobs=5, vocab_size=384, max_prompt_chars=512 * 8)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.core.device_batch import device_batch
 from lbd.engine.core.host_batch import HostBatch
-from lbd.engine.core.runner import ModelRunner, device_batch
+from lbd.engine.core.runner import ModelRunner
 from lbd.kernels import cpu, ops
 from lbd.kernels.cpu import PREFILL_IN_C_MAX_LEN, packed
 from lbd.kernels.cpu import decoder as fused
@@ -30,7 +31,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = make_tiny_llama(tmp_path_factory.mktemp("fused-llama"), layers=3, hidden=256, heads=8, kv_heads=2,
                            intermediate=512, max_pos=1024)
     args = EngineArgs(model=str(path), kv_cache_memory_bytes=16 << 20, max_model_len=1024)
-    return ModelRunner(args, str(path))
+    return ModelRunner.from_args(args, str(path))
 
 
 def _both_paths(runner: ModelRunner, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +96,11 @@ def test_steps_outside_the_c_attention_take_the_layer_path() -> None:
 def test_only_plain_fp32_llama_stacks_are_fused(runner: ModelRunner, tiny_qwen3: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert runner.model.fused_decoder() is not None
-    qwen3 = ModelRunner(EngineArgs(model=str(tiny_qwen3), kv_cache_memory_bytes=1 << 20), str(tiny_qwen3))
+    qwen3 = ModelRunner.from_args(EngineArgs(model=str(tiny_qwen3), kv_cache_memory_bytes=1 << 20),
+                                  str(tiny_qwen3))
     assert qwen3.model.fused_decoder() is None  # per-head q/k norms: the layer path
     monkeypatch.setenv("LBD_FUSED_DECODER", "0")
     path = Path(runner.model_path)
-    off = ModelRunner(EngineArgs(model=str(path), kv_cache_memory_bytes=1 << 20, max_model_len=1024),
-                      str(path))
+    off = ModelRunner.from_args(EngineArgs(model=str(path), kv_cache_memory_bytes=1 << 20,
+                                           max_model_len=1024), str(path))
     assert off.model.fused_decoder() is None

@@ -249,45 +249,13 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
 
 def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     """Exit 2 (via parser.error) on impossible flag combinations, naming the flag and the fix."""
-    positive = {
-        "--port": args.port, "--block-size": args.block_size, "--api-server-count": args.api_server_count,
-        "--data-parallel-size": args.data_parallel_size, "--max-logprobs": args.max_logprobs + 1,
-        "--tensor-parallel-size": args.tensor_parallel_size,
-        "--pipeline-parallel-size": args.pipeline_parallel_size,
-        "--dp-idle-check-steps": args.dp_idle_check_steps,
-    }
+    problem = _numbers_problem(args)
+    if problem:
+        parser.error(problem)
     if args.otlp_traces_endpoint:
         problem = check_otlp_endpoint(args.otlp_traces_endpoint)
         if problem:
             parser.error(problem)
-    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
-        parser.error("--responses-store-max-entries and --responses-store-max-bytes must be >= 0")
-    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
-                 "kv_cache_memory_bytes", "max_num_queued_reqs", "max_num_queued_tokens"):
-        value = getattr(args, flag)
-        if value is not None:
-            positive["--" + flag.replace("_", "-")] = value
-    for flag, value in positive.items():
-        if value <= 0:
-            parser.error(f"{flag} must be a positive number, got {value}")
-    cap, budget = args.max_prefill_tokens_with_decodes, args.max_num_batched_tokens
-    if cap is not None and budget is not None and cap > budget:
-        parser.error(f"--max-prefill-tokens-with-decodes {cap} is above --max-num-batched-tokens {budget}: "
-                     "a step never carries more than its budget; pass a value up to the budget")
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port {args.port} is out of range: use 1..65535")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.data_parallel_rank is not None and not 0 <= args.data_parallel_rank < args.data_parallel_size:
-        last = args.data_parallel_size - 1
-        parser.error(f"--data-parallel-rank {args.data_parallel_rank} is outside 0..{last}:"
-                     " pass a rank below --data-parallel-size")
-    if args.block_size & (args.block_size - 1):
-        parser.error(f"--block-size must be a power of two, got {args.block_size}")
-    if args.shutdown_timeout < 0:
-        parser.error("--shutdown-timeout must be >= 0")
-    if args.profile_steps < 0:
-        parser.error(f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}")
     if args.kv_events_config is not None:
         from lbd.engine.config.kv_events import offset_endpoint_port, parse_kv_events_config
 
@@ -298,9 +266,6 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
                 offset_endpoint_port(cfg.replay_endpoint, args.rank)
         except ValueError as e:
             parser.error(str(e))
-    if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
-        parser.error("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
-                     "once a second")
     problem = _limits.check_limits(_limits.limits_from(args)) or check_tls(
         args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if problem:
@@ -308,6 +273,49 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     problem = parallel_flags_problem(args)
     if problem:
         parser.error(problem)
+
+
+def _numbers_problem(args: EngineArgs) -> str | None:
+    """The numeric flags on their own: signs, ranges, powers of two."""
+    positive = {
+        "--port": args.port, "--block-size": args.block_size, "--api-server-count": args.api_server_count,
+        "--data-parallel-size": args.data_parallel_size, "--max-logprobs": args.max_logprobs + 1,
+        "--tensor-parallel-size": args.tensor_parallel_size,
+        "--pipeline-parallel-size": args.pipeline_parallel_size,
+        "--dp-idle-check-steps": args.dp_idle_check_steps,
+    }
+    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
+        return "--responses-store-max-entries and --responses-store-max-bytes must be >= 0"
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
+                 "kv_cache_memory_bytes", "max_num_queued_reqs", "max_num_queued_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            positive["--" + flag.replace("_", "-")] = value
+    for flag, value in positive.items():
+        if value <= 0:
+            return f"{flag} must be a positive number, got {value}"
+    cap, budget = args.max_prefill_tokens_with_decodes, args.max_num_batched_tokens
+    if cap is not None and budget is not None and cap > budget:
+        return (f"--max-prefill-tokens-with-decodes {cap} is above --max-num-batched-tokens {budget}: "
+                "a step never carries more than its budget; pass a value up to the budget")
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port} is out of range: use 1..65535"
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        return f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+    if args.data_parallel_rank is not None and not 0 <= args.data_parallel_rank < args.data_parallel_size:
+        last = args.data_parallel_size - 1
+        return (f"--data-parallel-rank {args.data_parallel_rank} is outside 0..{last}:"
+                " pass a rank below --data-parallel-size")
+    if args.block_size & (args.block_size - 1):
+        return f"--block-size must be a power of two, got {args.block_size}"
+    if args.shutdown_timeout < 0:
+        return "--shutdown-timeout must be >= 0"
+    if args.profile_steps < 0:
+        return f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}"
+    if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
+        return ("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
+                "once a second")
+    return None
 
 
 def dp_group_flags_problem(args: EngineArgs) -> str | None:

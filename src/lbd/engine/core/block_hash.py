@@ -11,8 +11,7 @@ built on purpose. It is fine for a single trusted tenant; never use it where ten
 no request reads another prompt's blocks: the cache verifies token ids and the parent block on every hit
 (``lbd.engine.core.kv_cache``), so a collision costs a recompute, never wrong KV.
 
-Events carry keys in vLLM's external form: with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default 1) the low
-64 bits of the big-endian digest as an int, else the digest bytes.
+KV events carry these keys in vLLM's external form (``lbd.engine.kv_events.recorder.external_key_fn``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from typing import Any
 
 HASH_ALGOS = ("sha256", "builtin")
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of the first block's parent for cryptographic hashes
-_MASK64 = (1 << 64) - 1
 _BUILTIN_ROOT = 0x6C6264
 
 BlockKey = bytes | int
@@ -57,15 +55,3 @@ def make_hasher(algo: str) -> Hasher:
 
         return builtin_key
     raise ValueError(f"unknown prefix-caching hash algorithm {algo!r}; use one of {', '.join(HASH_ALGOS)}")
-
-
-def external_key_fn() -> Callable[[BlockKey], bytes | int]:
-    """How keys appear in KV events (vLLM's ``maybe_convert_block_hash``)."""
-    as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", "")
-
-    def external(key: BlockKey) -> bytes | int:
-        if isinstance(key, int):
-            return key & _MASK64
-        return int.from_bytes(key, "big") & _MASK64 if as_int else key
-
-    return external

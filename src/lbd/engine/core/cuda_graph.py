@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from lbd.engine.core.device_batch import StepBatch
 from lbd.kernels.metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from lbd.engine.core.runner import StepBatch
 
 logger = logging.getLogger(__name__)
 

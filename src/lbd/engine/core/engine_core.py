@@ -1,10 +1,11 @@
 """The engine core in one process, without ZMQ: scheduler + model runner, stepped by the caller.
 
 ``process.py`` wraps it in the core process's busy loop; tests and parity checks use it directly.
-No torch import here: the runner (which imports torch, or not for ``--device sim``) is loaded in
-``make_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
-processes; with PP > 1 it takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue
-full so the stages overlap (vLLM V1's batch queue).
+No torch import here: a one-device runner (which imports torch, or not for ``--device sim``) is loaded in
+``make_local_runner``. With TP x PP > 1 the runner is the executor (``engine/executor``), which drives worker
+processes; it is made above this package (``lbd.engine.rank_core.build_core``) and handed in. With PP > 1 it
+takes up to PP batches at once (``max_in_flight``), and ``step`` keeps its queue full so the stages overlap
+(vLLM V1's batch queue).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import EngineConfig, device_kind, engine_config
 from lbd.engine.core.metrics_recorder import MetricsRecorder
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from lbd.engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
-from lbd.engine.protocol import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
     from lbd.engine.kv_events.publisher import KVEvents
@@ -28,16 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineCore", "RequestRejected", "make_runner"]
-
-# vLLM's defaults: (max_num_seqs, max_num_batched_tokens) on a GPU and on a CPU (vLLM's CPU build: 2048).
-_GPU_DEFAULTS = (256, 8192)
-_CPU_DEFAULTS = (128, 2048)
-# Prefill tokens a step may carry once decoding requests outnumber waiting ones (Scheduler's docstring). CPU
-# only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a 32-sequence
-# decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound: a chunk rides along.
-_CPU_MIXED_PREFILL_TOKENS = 128
-
+__all__ = ["EngineCore", "RequestRejected", "make_local_runner", "needs_executor"]
 
 class Runner(Protocol):
     num_blocks: int
@@ -63,67 +56,61 @@ class PipelinedRunner(Runner, Protocol):
     def close(self) -> None: ...
 
 
-def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> Runner:
-    """The one place that picks the runner class; imported lazily so the core stays light for ``sim``."""
+def needs_executor(args: EngineArgs) -> bool:
+    """Whether the rank's runner drives worker processes (TP x PP > 1, or Ray) rather than one device."""
     parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
-    if parallel or args.distributed_executor_backend == "ray":
-        from lbd.engine.executor import make_executor
+    return parallel or args.distributed_executor_backend == "ray"
 
-        return make_executor(args, model_path, **executor_options)
+
+def make_local_runner(args: EngineArgs, model_path: str) -> Runner:
+    """The runner of a one-device rank (``sim`` or the model runner), imported lazily so the core stays light
+    for ``sim``. A TP/PP rank's runner is the executor, made by ``lbd.engine.rank_core.make_runner``."""
+    if needs_executor(args):
+        raise ValueError("a tensor/pipeline-parallel (or Ray) rank's runner is the executor: build the core "
+                         "with lbd.engine.rank_core.build_core")
     if args.device == "sim":
         module, name = "lbd.engine.core.sim_runner", "SimRunner"
     else:
         module, name = "lbd.engine.core.runner", "ModelRunner"
-    cls = getattr(importlib.import_module(module), name)
-    return cls(args, model_path)
+    return getattr(importlib.import_module(module), name).from_args(args, model_path)
 
 
-def scheduler_config(args: EngineArgs, runner: Runner) -> SchedulerConfig:
-    """Flags win; else the runner's limits (it may size CUDA graphs by them); else vLLM's defaults."""
-    cpu = runner.device == "cpu"
-    seqs, tokens = _CPU_DEFAULTS if cpu else _GPU_DEFAULTS
-    budget = args.max_num_batched_tokens or getattr(runner, "max_num_batched_tokens", None) or tokens
-    mixed = args.max_prefill_tokens_with_decodes or (_CPU_MIXED_PREFILL_TOKENS if cpu else None)
-    return SchedulerConfig(
-        max_num_seqs=args.max_num_seqs or getattr(runner, "max_num_seqs", None) or seqs,
-        max_num_batched_tokens=budget,
-        max_prefill_tokens_with_decodes=min(mixed, budget) if mixed is not None else None,
-        max_model_len=runner.max_model_len,
-        num_blocks=runner.num_blocks,
-        block_size=runner.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_queued_reqs=args.max_num_queued_reqs,
-        max_num_queued_tokens=args.max_num_queued_tokens,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-    )
+def scheduler_config(config: EngineConfig, runner: Runner) -> SchedulerConfig:
+    """The scheduler's slices (device defaults applied there, the same the runner sized its CUDA graphs
+    by) and what the runner found: the blocks that fit, the context length."""
+    return SchedulerConfig.from_slices(config.scheduler, config.cache, num_blocks=runner.num_blocks,
+                                       max_model_len=runner.max_model_len)
 
 
-def make_kv_events(args: EngineArgs, block_size: int) -> KVEvents | None:
+def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
     """The KV-event publisher of ``--kv-events-config`` (None when off); binds its sockets now."""
-    if args.kv_events_config is None:
+    if config.observability.kv_events_config is None:
         return None
     from lbd.engine.config.kv_events import parse_kv_events_config
 
-    cfg = parse_kv_events_config(args.kv_events_config)
+    cfg = parse_kv_events_config(config.observability.kv_events_config)
     if not cfg.active:
         return None
     from lbd.engine.kv_events.publisher import KVEvents
 
-    host = args.host if args.host not in (None, "", "0.0.0.0", "::") else None
-    return KVEvents(cfg, args.rank, block_size, host)
+    host = config.server.host
+    return KVEvents(cfg, config.parallel.rank, block_size,
+                    host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
-                 runner: Runner | None = None, **executor_options: Any) -> None:
-        self.args = args
+                 runner: Runner | None = None) -> None:
+        """``args`` are cut into slices once the runner's device is known (``engine_config``); the core
+        reads only those."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
-        self.runner = runner if runner is not None else make_runner(args, model_path, **executor_options)
+        self.runner = runner if runner is not None else make_local_runner(args, model_path)
         try:
-            self.config = scheduler_config(args, self.runner)
+            self.engine_config = engine_config(args, device_kind(self.runner.device))
+            self.config = scheduler_config(self.engine_config, self.runner)
             self._check_capacity()
-            self.kv_events = make_kv_events(args, self.config.block_size)
+            self.kv_events = make_kv_events(self.engine_config, self.config.block_size)
         except Exception:
             self.close()
             raise
@@ -132,8 +119,8 @@ class EngineCore:
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
         self.profiler: NullProfiler = NO_PROFILE
-        if args.profile_steps:
-            self.start_profiling(args.profile_steps)
+        if self.engine_config.observability.profile_steps:
+            self.start_profiling(self.engine_config.observability.profile_steps)
         self._log_capacity()
         self.recorder: MetricsRecorder | None = None
         if metrics is not None:
@@ -181,11 +168,11 @@ class EngineCore:
 
     def cache_config_info(self) -> dict[str, object]:
         """The CacheConfig fields vLLM exports in vllm:cache_config_info that lbd has."""
-        a, cfg = self.args, self.config
-        return {"block_size": cfg.block_size, "cache_dtype": a.kv_cache_dtype,
+        cache, cfg = self.engine_config.cache, self.config
+        return {"block_size": cfg.block_size, "cache_dtype": cache.kv_cache_dtype,
                 "enable_prefix_caching": cfg.enable_prefix_caching,
-                "gpu_memory_utilization": a.gpu_memory_utilization,
-                "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "num_cpu_blocks": None,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "kv_cache_memory_bytes": cache.kv_cache_memory_bytes, "num_cpu_blocks": None,
                 "num_gpu_blocks": cfg.num_blocks, "num_gpu_blocks_override": None,
                 "sliding_window": None, "is_attention_free": False}
 
@@ -197,7 +184,7 @@ class EngineCore:
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         device=r.device, dtype=r.dtype,
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
-                               "kv_cache_dtype": self.args.kv_cache_dtype,
+                               "kv_cache_dtype": self.engine_config.cache.kv_cache_dtype,
                                "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
                                "kv_events": self.kv_events.advertised() if self.kv_events else None})
 

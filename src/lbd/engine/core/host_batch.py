@@ -1,7 +1,7 @@
 """A step's batch as plain lists: what the scheduler decided, in the form the device batch is built from.
 
 Built once per step from the SchedulerOutput (Python per sequence, never per token beyond the token ids), then
-either turned into device tensors in the same process (``runner.device_batch``) or sent as is to every
+either turned into device tensors in the same process (``device_batch``) or sent as is to every
 tensor/pipeline-parallel worker (``engine/executor``), which builds the same device batch. No torch here: the
 core process of a multi-worker rank never loads a model.
 """

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from lbd.engine.models.kv_spec import KVSpec
 from lbd.kernels.cpu import pages as cpu_pages
 
 logger = logging.getLogger(__name__)
@@ -14,29 +14,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 4 << 30
 CPU_RAM_FRACTION = 0.5  # never take more than this share of the RAM that is free at start
 ZERO_PAGES_BYTES = 64 << 20  # larger CPU buffers come from fresh mmap (zero pages) in glibc
-
-
-@dataclass(slots=True)
-class KVSpec:
-    """Per layer ``num_tensors`` caches of [blocks, block_size, num_kv_heads, head_dim]: K and V (2), or
-    one latent cache (MLA: 1 "head" of kv_lora_rank + rope dims). A model with a cache of its own shape
-    says so in ``kv_cache_spec(block_size, dtype)``; the runner builds the K/V one for the rest."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    num_tensors: int = 2
-
-    @property
-    def bytes_per_token(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return self.num_tensors * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -1,16 +1,18 @@
 """The core process: an EngineCore behind a ZMQ ROUTER socket, driven by a busy loop.
 
-Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]`` (``engine/protocol.py``).
-The loop drains incoming messages without blocking while there is work, steps the core, and sends each front
-end one ``outputs`` message per step with its own requests' outputs. When idle it blocks in ``poll`` (so an
-idle core costs nothing) and keeps every front end's gauges fresh with ``stats`` at most every 100 ms.
+Front ends connect DEALER sockets (one identity each) and send ``[kind, payload]``, the messages of
+``lbd.wire.core_messages``. The loop drains incoming messages without blocking while there is work, steps
+the core, and sends each front end one ``outputs`` message per step with its own requests' outputs. When idle
+it blocks in ``poll`` (so an idle core costs nothing) and keeps every front end's gauges fresh with ``stats``
+at most every 100 ms.
 It never waits on a front end: sends never block (unlimited high-water mark, unknown peers dropped).
 
-Run as ``python -m lbd.engine.core.process <engine flags> --model-path DIR --input-address ipc://...`` or call
-``run_core`` in a child process. SIGTERM drains: requests already in the core finish (up to
-``--shutdown-timeout``), then the process exits 0. SIGINT exits at once. With TP x PP workers, a worker that
-dies ends this process at once with code 1 (its front ends then fail their in-flight requests and answer 503
-on /health), and the workers stop with it.
+``run_core`` serves one ``CoreLoop``: ``PlainCore`` here, or a member of an MoE DP group
+(``lbd.engine.dp.rank``), whichever the rank's launcher picked (``lbd.engine.rank_core``, which is also the
+``python -m`` entry point); this module never imports the group. SIGTERM drains: requests already in the core
+finish (up to ``--shutdown-timeout``), then the process exits 0. SIGINT exits at once. With TP x PP workers,
+a worker that dies ends this process at once with code 1 (its front ends then fail their in-flight requests
+and answer 503 on /health), and the workers stop with it.
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from lbd.engine import protocol as P
-from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser, validate
+from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import pin_to_rank_cpus
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
 from lbd.engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
+from lbd.wire import core_messages as CM
+
+if TYPE_CHECKING:
+    from lbd.engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +47,13 @@ IDLE_POLL_MS = 100
 @dataclass(slots=True)
 class _Peer:
     last_sent: float = 0.0
-    last_stats: P.SchedulerStats | None = None
+    last_stats: CM.SchedulerStats | None = None
 
 
 @dataclass(slots=True)
-class _State:
+class LoopState:
+    """What the loop and the signal handlers share: the front ends, who owns each request, the drain."""
+
     peers: dict[bytes, _Peer] = field(default_factory=dict)
     owner: dict[str, bytes] = field(default_factory=dict)  # request id -> front-end identity
     draining_since: float | None = None
@@ -56,12 +64,12 @@ class CoreServer:
     """Message handling and the loop; split from ``run_core`` so the pieces stay small."""
 
     def __init__(self, core: EngineCore, sock: zmq.Socket, shutdown_timeout: float,
-                 state: _State | None = None) -> None:
+                 state: LoopState | None = None) -> None:
         self.core = core
         self.sock = sock
         self.shutdown_timeout = shutdown_timeout
-        self.state = state or _State()
-        self._info = P.encode(core.core_info())
+        self.state = state or LoopState()
+        self._info = CM.encode(core.core_info())
 
     # ---- incoming -------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -80,53 +88,43 @@ class CoreServer:
         ident, kind = frames[0], frames[1]
         payload = frames[2] if len(frames) > 2 else b""
         self.state.peers.setdefault(ident, _Peer())
-        if kind == P.HELLO:
-            self.sock.send_multipart([ident, P.READY, self._info])
+        if kind == CM.HELLO:
+            self.sock.send_multipart([ident, CM.READY, self._info])
             return
-        if kind == P.RESET:
-            self._reset(ident, payload)
-            return
-        if kind not in (P.ADD, P.ABORT):
+        if kind not in (CM.ADD, CM.ABORT, CM.RESET):
             logger.warning("dropping a message of unknown kind %r", kind[:32])
             return
         try:
-            body = P.decode(payload)
-            if kind == P.ADD:
-                body = P.request_from_dict(body)
-            else:
-                body = P.abort_from_payload(body)
-        except Exception as e:  # a bad payload must not take the core down
+            msg = CM.decode(kind, payload)
+        except ValueError as e:  # a bad payload must not take the core down
             logger.warning("dropping a bad %r message: %s", kind, e)
             return
-        if kind == P.ADD:
-            self._add(ident, body)
-        else:
-            ids, reason = body
-            for rid in self.core.abort(ids, reason):
+        if kind == CM.ADD:
+            self._add(ident, msg)
+        elif kind == CM.ABORT:
+            for rid in self.core.abort(msg.ids, msg.reason):
                 self.state.owner.pop(rid, None)
+        else:
+            ok = self.core.reset_prefix_cache()
+            self.sock.send_multipart([ident, CM.RESET_DONE, CM.encode(CM.ResetDone(msg.id, ok))])
 
-    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+    def _add(self, ident: bytes, req: CM.EngineCoreRequest) -> None:
         try:
             self.core.add_request(req, ident)
         except RequestRejected as e:
-            err = {"request_id": req.request_id, "message": e.message, "status": e.status}
-            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+            self.send_error(ident, req.request_id, e.message, e.status)
             return
         self.state.owner[req.request_id] = ident
 
-    def _reset(self, ident: bytes, payload: bytes) -> None:
-        try:
-            rid = P.decode(payload)["id"]
-        except Exception as e:
-            logger.warning("dropping a bad reset_prefix_cache message: %s", e)
-            return
-        ok = self.core.reset_prefix_cache()
-        self.sock.send_multipart([ident, P.RESET_DONE, P.encode({"id": rid, "ok": ok})])
+    def send_error(self, ident: bytes, request_id: str, message: str, status: int) -> None:
+        """An ``error`` for one request to the front end that sent it."""
+        msg = CM.encode(CM.RequestError(request_id, message, status))
+        self.sock.send_multipart([ident, CM.ERROR, msg])
 
     # ---- outgoing -------------------------------------------------------------------------------------
-    def send_outputs(self, outputs: list[P.EngineCoreOutput], now: float) -> None:
+    def send_outputs(self, outputs: list[CM.EngineCoreOutput], now: float) -> None:
         owner = self.state.owner
-        by_peer: dict[bytes, list[P.EngineCoreOutput]] = {}
+        by_peer: dict[bytes, list[CM.EngineCoreOutput]] = {}
         for o in outputs:
             ident = owner.get(o.request_id)
             if ident is None:
@@ -139,8 +137,8 @@ class CoreServer:
         stats = self.core.stats()
         wall = time.time()
         for ident, outs in by_peer.items():
-            msg = P.encode_outputs(P.EngineCoreOutputs(outs, stats, wall))
-            self.sock.send_multipart([ident, P.OUTPUTS, msg])
+            msg = CM.encode(CM.EngineCoreOutputs(outs, stats, wall))
+            self.sock.send_multipart([ident, CM.OUTPUTS, msg])
             peer = self.state.peers.setdefault(ident, _Peer())
             peer.last_sent, peer.last_stats = now, stats
 
@@ -156,7 +154,7 @@ class CoreServer:
             stats = stats or self.core.stats()
             if not busy and stats == peer.last_stats and now - peer.last_sent < STATS_HEARTBEAT_S:
                 continue
-            self.sock.send_multipart([ident, P.STATS, P.encode(stats)])
+            self.sock.send_multipart([ident, CM.STATS, CM.encode(stats)])
             peer.last_sent, peer.last_stats = now, stats
 
     # ---- loop -----------------------------------------------------------------------------------------
@@ -193,7 +191,7 @@ class CoreServer:
                 next_stats = now + STATS_INTERVAL_S
 
 
-def _install_signals(state: _State) -> None:
+def _install_signals(state: LoopState) -> None:
     def on_term(signum: int, frame: object) -> None:
         if state.draining_since is None:
             logger.info("SIGTERM: finishing the requests in the core, then exiting")
@@ -215,8 +213,46 @@ def configure_logging(args: EngineArgs) -> None:
     )
 
 
-def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
-    """Load the model, bind ``input_address`` (a ROUTER), and serve front ends until told to stop."""
+class CoreLoop(Protocol):
+    """What ``run_core`` serves: the core it builds and the loop around it."""
+
+    def build(self, metrics: CoreMetrics) -> EngineCore:
+        """Load the model and make the core; called before the ZMQ context exists (its I/O thread inherits
+        this thread's CPU affinity)."""
+        ...
+
+    def server(self, core: EngineCore, ctx: zmq.Context, sock: zmq.Socket, state: LoopState) -> CoreServer:
+        """The loop over the bound front-end socket (``ctx`` for any socket of its own)."""
+        ...
+
+    def close(self) -> None:
+        """After the loop ended, before the core closes."""
+        ...
+
+
+class PlainCore:
+    """The loop of a rank that is only itself: ``CoreServer`` over the core ``make_core`` builds."""
+
+    def __init__(self, args: EngineArgs, make_core: Callable[[CoreMetrics], EngineCore]) -> None:
+        self.args, self.make_core = args, make_core
+
+    def build(self, metrics: CoreMetrics) -> EngineCore:
+        core = self.make_core(metrics)
+        if core.runner.device == "cpu":
+            from lbd.engine.core.runner import pin_core_thread
+
+            pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
+        return core
+
+    def server(self, core: EngineCore, ctx: zmq.Context, sock: zmq.Socket, state: LoopState) -> CoreServer:
+        return CoreServer(core, sock, self.args.shutdown_timeout, state)
+
+    def close(self) -> None:
+        pass
+
+
+def run_core(args: EngineArgs, input_address: str, loop: CoreLoop) -> None:
+    """Build the core, bind ``input_address`` (a ROUTER), and serve front ends until told to stop."""
     set_pdeathsig(signal.SIGKILL)
     keep_freed_memory()
     configure_logging(args)
@@ -225,42 +261,25 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
         logger.info("pinned to CPUs %s (LBD_RANK_CPUS)", os.environ["LBD_RANK_CPUS"])
     from lbd.engine.metrics import CoreMetrics
 
-    metrics = CoreMetrics(args.model_name, args.rank)
-    member = None
-    in_group = _in_dp_group(args, model_path)  # an MoE model's DP rank: the group's loop (engine/dp)
-    core = None if in_group else EngineCore(args, model_path, metrics=metrics, on_failure=_worker_failed)
-    if core is not None and core.runner.device == "cpu":
-        from lbd.engine.core.runner import pin_core_thread
-
-        pin_core_thread()  # before the ZMQ context: its I/O thread inherits this CPU
+    core = loop.build(CoreMetrics(args.model_name, args.rank))
     ctx = zmq.Context(io_threads=1)
-    if in_group:
-        from lbd.engine.dp.rank import build_member
-
-        core, member = build_member(args, model_path, metrics, ctx)
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow front end
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(input_address)
-    state = _State()
+    state = LoopState()
     _install_signals(state)  # only now: a signal during the model load just ends the process
     freeze_startup_heap()
     logger.info("core ready on %s (pid %d)", input_address, os.getpid())
-    if member is None:
-        server = CoreServer(core, sock, args.shutdown_timeout, state)
-    else:
-        from lbd.engine.dp.rank import MemberServer
-
-        server = MemberServer(core, sock, member, args.shutdown_timeout, state)
+    server = loop.server(core, ctx, sock, state)
     try:
         server.run()
     except Exception:
         logger.exception("core loop failed")
         raise
     finally:
-        if member is not None:
-            member.close()
+        loop.close()
         core.close()
         sock.close(linger=0)
         ctx.term()
@@ -268,18 +287,7 @@ def run_core(args: EngineArgs, model_path: str, input_address: str) -> None:
         logger.info("core exited")
 
 
-def _in_dp_group(args: EngineArgs, model_path: str) -> bool:
-    from pathlib import Path
-
-    from lbd.engine.config.parallel import ModelFacts
-    from lbd.engine.dp import needs_group
-
-    if args.data_parallel_size == 1 or args.device == "sim":
-        return False
-    return needs_group(args, ModelFacts.from_config(Path(model_path) / "config.json").architectures)
-
-
-def _worker_failed(reason: str) -> None:
+def exit_on_worker_failure(reason: str) -> None:
     """The executor's watchdog (another thread) saw a worker die: the rank cannot serve, so end the core now
     (its other workers are killed already)."""
     logger.error("%s: exiting; the front ends answer 503 and fail their in-flight requests", reason)
@@ -293,18 +301,3 @@ def _remove_ipc_file(address: str) -> None:
     if path != address and not path.startswith("@"):  # "@": Linux abstract namespace, no file
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = make_parser("python -m lbd.engine.core.process")
-    parser.add_argument("--model-path", required=True, help="local model folder (config.json + safetensors)")
-    parser.add_argument("--input-address", required=True, help="ZMQ address to bind, e.g. ipc:///tmp/core.sock")
-    ns = parser.parse_args(argv)
-    args = engine_args_from_namespace(ns)
-    validate(args, parser)
-    run_core(args, ns.model_path, ns.input_address)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from lbd.engine.protocol import EngineCoreRequest, SamplingParams
+from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 
 
 class RequestStatus(Enum):

@@ -17,14 +17,24 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.placement import rank_threads
+from lbd.engine.config.slices import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerLimits,
+    engine_config,
+    resolved_dtype,
+)
 from lbd.engine.core import kv_alloc
+from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.sampler import Sampler, SampleRow
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
@@ -33,24 +43,13 @@ from lbd.engine.distributed.context import ParallelContext
 from lbd.engine.loader import load_weights, read_kv_scales
 from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
+from lbd.engine.models.kv_spec import KVSpec
 from lbd.engine.models.parallel import kv_heads_per_rank
 from lbd.kernels import ops
-from lbd.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """One step's flat batch on the device plus what sampling needs."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: list[int]  # row in the flat batch of each sampling sequence's last token
-    is_decode_only: bool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,15 +60,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_config(args: EngineArgs) -> EngineConfig:
+    """``args`` in slices for this process's device: the one place ``--device auto`` is resolved (torch)."""
+    return engine_config(args, resolve_device(args.device).type)
 
 
-def cpu_threads(args: EngineArgs) -> int:
+def cpu_threads(parallel: ParallelConfig) -> int:
     """This process's compute threads (lbd.engine.config.placement; a worker gets OMP_NUM_THREADS)."""
-    return rank_threads(args.data_parallel_size_local, args.data_parallel_size)
+    return rank_threads(parallel.data_parallel_size_local, parallel.data_parallel_size)
 
 
 def cpu_has_bf16() -> bool:
@@ -148,50 +146,30 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
     return eos
 
 
-def device_batch(host: HostBatch, block_size: int, dev: torch.device) -> StepBatch:
-    """The device tensors of a step from its host lists: per-token index tensors (positions, slots) come from
-    a few vectorised ops on the device, never from Python loops over tokens."""
-    bs = block_size
-    num_seqs, num_tokens = len(host.starts), host.num_tokens
-    block_tables = torch.tensor(host.tables, dtype=torch.int32, device=dev)
-    ids_t = torch.tensor(host.input_ids, dtype=torch.int64, device=dev)
-    per_seq = torch.tensor([host.starts, host.query_lens, host.seq_lens], dtype=torch.int32, device=dev)
-    start_t, qlen_t, seqlen_t = per_seq[0], per_seq[1], per_seq[2]
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(qlen_t, 0, out=qsl[1:])
-    if num_tokens == num_seqs:  # decode-only: one token per sequence
-        seq_idx = torch.arange(num_tokens, device=dev)
-        positions = start_t.long()
-    else:
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=dev), qlen_t, output_size=num_tokens)
-        positions = (torch.arange(num_tokens, device=dev) - qsl[seq_idx] + start_t[seq_idx]).long()
-    slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-    meta = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=seqlen_t, block_tables=block_tables, slot_mapping=slots,
-        max_query_len=max(host.query_lens), max_seq_len=max(host.seq_lens), num_decodes=host.num_decodes,
-        num_decode_tokens=host.num_decodes, query_lens_cpu=host.query_lens, seq_lens_cpu=host.seq_lens)
-    return StepBatch(ids_t, positions, meta, host.sample_rows, num_tokens == num_seqs)
-
-
 class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
 
-    def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None, *,
+    def __init__(self, model_path: str, model: ModelConfig, cache: CacheConfig, limits: SchedulerLimits,
+                 parallel: ParallelContext | None = None, *, threads: int | None = None,
                  allocate: bool = True, model_options: dict | None = None) -> None:
+        """``model.device`` and ``model.dtype`` resolved (``resolve_config``; ``from_args`` does it); the
+        budgets in ``limits`` size the CUDA graphs and the activation reserve; ``threads`` (CPU) defaults to
+        this process's share (``OMP_NUM_THREADS``, ``LBD_RANK_CPUS``, else every CPU)."""
         self._t0 = time.monotonic()
         self.model_options = model_options or {}  # for build_model, e.g. a DP member's expert_shard
-        self.args = args
         self.model_path = model_path
+        self.cache_config = cache
+        self.enforce_eager = model.enforce_eager
         self.parallel = parallel or ParallelContext.single()
-        self.torch_device = resolve_device(args.device)
+        self.torch_device = torch.device(model.device)
         self.device = str(self.torch_device)
-        self.torch_dtype = resolve_dtype(args.dtype, self.torch_device)
+        self.torch_dtype = _DTYPES[resolved_dtype(model.dtype, self.torch_device.type)]
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         if self.torch_device.type == "cpu":
             warn_emulated_bf16(self.torch_dtype)
-            setup_cpu_threads(cpu_threads(args), self.torch_dtype)
+            setup_cpu_threads(threads or rank_threads(None), self.torch_dtype)
         hf_config = load_hf_config(model_path)
-        self.max_model_len = args.max_model_len or hf_config.max_position_embeddings
+        self.max_model_len = model.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {hf_config.max_position_embeddings}")
@@ -202,21 +180,27 @@ class ModelRunner:
                              f"supported: pass --max-model-len {cfg.sliding_window} or less")
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = _eos_token_id(Path(model_path), hf_config)
-        self.block_size = args.block_size
-        self.max_num_seqs = args.max_num_seqs or (256 if self.torch_device.type == "cuda" else 128)
-        self.max_num_batched_tokens = args.max_num_batched_tokens or (
-            8192 if self.torch_device.type == "cuda" else 2048)
-        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(args.kv_cache_dtype, self.torch_dtype))
+        self.block_size = cache.block_size
+        self.max_num_seqs, self.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+        self.kv_spec = self._kv_spec(kv_alloc.kv_dtype(cache.kv_cache_dtype, self.torch_dtype))
         # the whole rank's block: every pipeline stage's layers, every TP rank's KV heads (replicas included)
         rank_heads = self.kv_spec.num_kv_heads * self.parallel.tp_size
         self.rank_kv_spec = dataclasses.replace(self.kv_spec, num_layers=cfg.num_layers,
                                                 num_kv_heads=rank_heads)
-        self.sampler = Sampler(self.torch_device, args.seed)
+        self.sampler = Sampler(self.torch_device, model.seed)
         self.graphs = None
         self.num_blocks = 0
         self.kv_caches: list = []
         if allocate:
             self.allocate_kv(self.measure_num_blocks())
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_path: str, parallel: ParallelContext | None = None,
+                  **options: Any) -> ModelRunner:
+        """From the command line: the slices of ``resolve_config`` and this process's CPU share."""
+        cfg = resolve_config(args)
+        return cls(model_path, cfg.model, cfg.cache, cfg.scheduler, parallel,
+                   threads=cpu_threads(cfg.parallel), **options)
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -228,16 +212,16 @@ class ModelRunner:
         ops.pack_linear_weights(model)  # CPU: weights packed once for the packed GEMM (kernels/cpu/packed.py)
         return model.eval()
 
-    def _kv_spec(self, dtype: torch.dtype) -> kv_alloc.KVSpec:
+    def _kv_spec(self, dtype: torch.dtype) -> KVSpec:
         """This process's K/V caches: its stage's layers, its TP rank's KV heads; unless the model has a cache
         of its own (MLA's latents)."""
         model, cfg = self.model, self.model.cfg
         if not hasattr(model, "kv_cache_spec"):
             start, end = self.parallel.layer_range(cfg.num_layers)
-            return kv_alloc.KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
+            return KVSpec(end - start, kv_heads_per_rank(cfg.num_kv_heads, self.parallel.tp_size),
                                    cfg.head_dim, self.block_size, dtype)
         if dtype == torch.float8_e4m3fn:
-            raise ValueError(f"--kv-cache-dtype {self.args.kv_cache_dtype} is not supported for "
+            raise ValueError(f"--kv-cache-dtype {self.cache_config.kv_cache_dtype} is not supported for "
                              f"{type(model).__name__}: pass --kv-cache-dtype auto")
         spec = model.kv_cache_spec(self.block_size, dtype)
         if hasattr(model, "mha_kv_elements_per_token"):
@@ -253,9 +237,9 @@ class ModelRunner:
         ``--gpu-memory-utilization`` are per device."""
         per_block = self.kv_spec.bytes_per_block
         if self.torch_device.type == "cpu":
-            blocks = kv_alloc.cpu_num_blocks(self.rank_kv_spec, self.args.kv_cache_memory_bytes)
-        elif self.args.kv_cache_memory_bytes:
-            blocks = self.args.kv_cache_memory_bytes // per_block
+            blocks = kv_alloc.cpu_num_blocks(self.rank_kv_spec, self.cache_config.kv_cache_memory_bytes)
+        elif self.cache_config.kv_cache_memory_bytes:
+            blocks = self.cache_config.kv_cache_memory_bytes // per_block
         else:
             blocks = self._profile_cuda_blocks()
         if blocks < 1:
@@ -269,7 +253,7 @@ class ModelRunner:
         self.kv_caches = kv_alloc.allocate(self.kv_spec, num_blocks, self.torch_device)
         if self.kv_spec.dtype == torch.float8_e4m3fn:
             self._set_kv_scales()
-        if self.torch_device.type == "cuda" and not self.args.enforce_eager:
+        if self.torch_device.type == "cuda" and not self.enforce_eager:
             self.graphs = self._capture_graphs()
         logger.info("model %s loaded on %s (%s) in %.1f s; KV cache: %d blocks x %d tokens (%s)",
                     Path(self.model_path).name, self.device, self.dtype, time.monotonic() - self._t0,
@@ -294,9 +278,9 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         others = total - free - torch.cuda.memory_reserved(self.torch_device)  # other processes, CUDA context
-        graph_reserve = 0 if self.args.enforce_eager else 512 << 20
+        graph_reserve = 0 if self.enforce_eager else 512 << 20
         activations = peak - scratch_bytes  # weights + the largest step's activations
-        budget = int(total * self.args.gpu_memory_utilization) - others - activations - graph_reserve
+        budget = int(total * self.cache_config.gpu_memory_utilization) - others - activations - graph_reserve
         logger.info("profile: peak %.2f GiB, others %.2f GiB, KV budget %.2f GiB", peak / 2**30,
                     others / 2**30, budget / 2**30)
         return max(0, budget) // self.kv_spec.bytes_per_block

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lbd.engine.protocol import SamplingParams, TokenLogprobs
 from lbd.kernels import ops
+from lbd.wire.core_messages import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)

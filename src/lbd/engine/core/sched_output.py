@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lbd.engine.core.request import Request
-from lbd.engine.protocol import TokenLogprobs
+from lbd.wire.core_messages import TokenLogprobs
 
 
 @dataclass(slots=True)

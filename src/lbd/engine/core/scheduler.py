@@ -34,10 +34,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from lbd.engine.config.slices import CacheConfig, SchedulerLimits
 from lbd.engine.core.kv_cache import CacheListener, KVCacheManager
 from lbd.engine.core.request import Request, RequestStatus
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
-from lbd.engine.protocol import EngineCoreOutput, SchedulerStats
+from lbd.wire.core_messages import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,19 @@ class SchedulerConfig:
     max_num_queued_tokens: int | None = None
     prefix_caching_hash_algo: str = "sha256"
     max_prefill_tokens_with_decodes: int | None = None  # None: no cap (the whole token budget)
+
+    @classmethod
+    def from_slices(cls, limits: SchedulerLimits, cache: CacheConfig, *, num_blocks: int,
+                    max_model_len: int) -> SchedulerConfig:
+        """From the configuration's scheduler and cache slices, and what the runner found (the blocks that
+        fit, the context length)."""
+        return cls(max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
+                   max_model_len=max_model_len, num_blocks=num_blocks, block_size=cache.block_size,
+                   enable_prefix_caching=cache.enable_prefix_caching,
+                   max_num_queued_reqs=limits.max_num_queued_reqs,
+                   max_num_queued_tokens=limits.max_num_queued_tokens,
+                   prefix_caching_hash_algo=cache.prefix_caching_hash_algo,
+                   max_prefill_tokens_with_decodes=limits.max_prefill_tokens_with_decodes)
 
 
 @dataclass(slots=True)

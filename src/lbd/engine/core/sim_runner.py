@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import CacheConfig, ModelConfig, engine_config
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
-from lbd.engine.protocol import TokenLogprobs
 from lbd.engine.sim_profiles import SimProfile, StepShape, get_profile
+from lbd.wire.core_messages import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -117,18 +118,18 @@ class SimRunner:
     device = "sim"
     dtype = "bfloat16"
 
-    def __init__(self, args: EngineArgs, model_path: Path | str) -> None:
-        self.profile: SimProfile = get_profile(args.sim_profile)
+    def __init__(self, model_path: Path | str, model: ModelConfig, cache: CacheConfig) -> None:
+        self.profile: SimProfile = get_profile(model.sim_profile)
         facts = read_model_facts(Path(model_path))
         self.vocab_size = facts.vocab_size
         self.eos_token_id = facts.eos_token_id
         self._words = facts.word_ids
-        self.block_size = args.block_size
-        self.max_model_len = args.max_model_len or self.profile.max_model_len
+        self.block_size = cache.block_size
+        self.max_model_len = model.max_model_len or self.profile.max_model_len
         self.num_blocks = self.profile.num_blocks(
-            args.block_size, args.gpu_memory_utilization, args.kv_cache_memory_bytes
+            cache.block_size, cache.gpu_memory_utilization, cache.kv_cache_memory_bytes
         )
-        self._seed = _mix64(args.seed)
+        self._seed = _mix64(model.seed)
         self._keys: dict[str, int] = {}  # request id -> hash of (seed, prompt)
         self.steps = 0
         self.last_shape = StepShape()
@@ -141,6 +142,12 @@ class SimRunner:
             self.block_size,
             self.profile.time_scale,
         )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_path: Path | str) -> SimRunner:
+        """From the command line (its model and cache slices)."""
+        cfg = engine_config(args, "sim")
+        return cls(model_path, cfg.model, cfg.cache)
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         start = time.perf_counter()

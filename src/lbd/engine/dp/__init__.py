@@ -9,8 +9,8 @@ Rooms, with one-way imports (each only imports those above it):
   ``rank``            the core loop of a rank in a group: waves, dummy passes, healing
 
 A dense model never enters this package: its DP ranks are independent. This module stays light (no torch):
-the core asks ``needs_group`` before anything heavy is imported (the supervisor asks
-``lbd.engine.config.architectures`` instead).
+the rank's launcher (``lbd.engine.rank_core``) asks ``needs_group`` before anything heavy is imported (the
+supervisor asks ``lbd.engine.config.architectures`` instead).
 """
 
 from __future__ import annotations

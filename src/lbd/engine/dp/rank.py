@@ -1,8 +1,9 @@
 """The core loop of one rank of an MoE DP group: waves, dummy passes, and healing without a restart.
 
-``build_member`` makes the rank's EngineCore (its model holds this member's experts, routed through an
-``ExpertDispatcher``) and a ``Member`` (its link to the coordinator); ``MemberServer`` is the core process's
-loop (``lbd.engine.core.process.CoreServer`` plus the group):
+``GroupMember`` is the core process's ``CoreLoop`` for such a rank (``lbd.engine.rank_core`` picks it): it
+makes the rank's EngineCore (its model holds this member's experts, routed through an
+``ExpertDispatcher``), a ``Member`` (its link to the coordinator) and ``MemberServer``, the loop
+(``lbd.engine.core.process.CoreServer`` plus the group):
 
 * not ready (forming / re-forming): it answers front ends (new requests get 503), sends ``join`` to the
   coordinator every second and, on ``form g``, creates generation g's process group;
@@ -27,10 +28,9 @@ from typing import Any
 import torch
 import zmq
 
-from lbd.engine import protocol as P
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, _State
+from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, LoopState
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.dp import endpoints
 from lbd.engine.dp import messages as M
@@ -38,6 +38,7 @@ from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, 
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
 from lbd.engine.dp.wave import Wave
 from lbd.engine.models.config import load_hf_config
+from lbd.wire import core_messages as CM
 from lbd.wire.dp import DPState, DPStatus
 
 logger = logging.getLogger(__name__)
@@ -142,27 +143,41 @@ class Member:
         self.sock.close(linger=0)
 
 
-def build_member(args: EngineArgs, model_path: str, metrics: Any,
-                 ctx: zmq.Context) -> tuple[EngineCore, Member]:
-    """The rank's core, with this member's experts (CUDA graphs off: a pass runs collectives)."""
-    plan = ExpertPlan.from_args(args)
-    shard = plan.shard(routed_experts(load_hf_config(model_path)))
-    runner = ModelRunner(dataclasses.replace(args, enforce_eager=True), model_path,
-                         model_options={"expert_shard": shard})
-    dispatcher = ExpertDispatcher(plan, shard, runner.torch_device)
-    blocks = attach(runner.model, dispatcher)
-    logger.info("DP member %d of %d holds %s", args.rank, args.data_parallel_size,
-                f"experts {shard.start}..{shard.stop - 1} of {shard.num_experts}" if plan.expert_parallel
-                else f"1/{plan.size} of every expert's intermediate dim ({shard.num_experts} experts)")
-    core = EngineCore(args, model_path, metrics=metrics, runner=runner)
-    return core, Member(args, runner, dispatcher, blocks, ctx)
+class GroupMember:
+    """The ``lbd.engine.core.process.CoreLoop`` of a rank in an MoE DP group: its core holds this member's
+    experts (CUDA graphs off: a pass runs collectives), its loop is ``MemberServer``."""
+
+    def __init__(self, args: EngineArgs, model_path: str) -> None:
+        self.args, self.model_path = args, model_path
+        self.member: Member | None = None
+
+    def build(self, metrics: Any) -> EngineCore:
+        args = self.args
+        plan = ExpertPlan.from_args(args)
+        shard = plan.shard(routed_experts(load_hf_config(self.model_path)))
+        self.runner = ModelRunner.from_args(dataclasses.replace(args, enforce_eager=True), self.model_path,
+                                            model_options={"expert_shard": shard})
+        self.dispatcher = ExpertDispatcher(plan, shard, self.runner.torch_device)
+        self.blocks = attach(self.runner.model, self.dispatcher)
+        logger.info("DP member %d of %d holds %s", args.rank, args.data_parallel_size,
+                    f"experts {shard.start}..{shard.stop - 1} of {shard.num_experts}" if plan.expert_parallel
+                    else f"1/{plan.size} of every expert's intermediate dim ({shard.num_experts} experts)")
+        return EngineCore(args, self.model_path, metrics=metrics, runner=self.runner)
+
+    def server(self, core: EngineCore, ctx: zmq.Context, sock: zmq.Socket, state: LoopState) -> MemberServer:
+        self.member = Member(self.args, self.runner, self.dispatcher, self.blocks, ctx)
+        return MemberServer(core, sock, self.member, self.args.shutdown_timeout, state)
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
 
 
 class MemberServer(CoreServer):
     """CoreServer's front-end handling, with the group's loop (see the module docstring)."""
 
     def __init__(self, core: EngineCore, sock: zmq.Socket, member: Member, shutdown_timeout: float,
-                 state: _State | None = None) -> None:
+                 state: LoopState | None = None) -> None:
         super().__init__(core, sock, shutdown_timeout, state)
         self.member = member
         self.poller = zmq.Poller()
@@ -173,25 +188,22 @@ class MemberServer(CoreServer):
     # ---- front ends -----------------------------------------------------------------------------------
     def handle(self, frames: list[bytes]) -> None:
         super().handle(frames)
-        if len(frames) >= 2 and frames[1] == P.HELLO:
+        if len(frames) >= 2 and frames[1] == CM.HELLO:
             self._send_status(frames[0])
 
-    def _add(self, ident: bytes, req: P.EngineCoreRequest) -> None:
+    def _add(self, ident: bytes, req: CM.EngineCoreRequest) -> None:
         status = self.member.status
-        if status.state != "ready":
-            err = {"request_id": req.request_id, "message": unavailable_message(status), "status": 503}
-            self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+        if status.state is not DPState.READY:
+            self.send_error(ident, req.request_id, unavailable_message(status), 503)
             return
         super()._add(ident, req)
 
     def _send_status(self, ident: bytes | None = None) -> None:
-        m = self.member
-        body = dataclasses.asdict(m.status)
-        body.update(wave_active=m.wave.active, waves=m.wave.waves, steps=m.wave.steps,
-                    dummy_steps=m.wave.dummy_steps)
-        msg = P.encode(body)
+        wave = self.member.wave
+        msg = CM.encode(dataclasses.replace(self.member.status, wave_active=wave.active, waves=wave.waves,
+                                            steps=wave.steps, dummy_steps=wave.dummy_steps))
         for peer in [ident] if ident is not None else list(self.state.peers):
-            self.sock.send_multipart([peer, P.DP, msg])
+            self.sock.send_multipart([peer, CM.DP, msg])
 
     def _fail_all(self, reason: str) -> None:
         """Every request in the core fails with 503 (its front end answers before the first byte, or ends
@@ -202,8 +214,7 @@ class MemberServer(CoreServer):
         for rid in ids:
             ident = owner.pop(rid, None)
             if ident is not None:
-                err = {"request_id": rid, "message": message, "status": 503}
-                self.sock.send_multipart([ident, P.ERROR, P.encode(err)])
+                self.send_error(ident, rid, message, 503)
         core.abort(ids)
         core.scheduler.in_flight.clear()
         if ids:

@@ -16,17 +16,16 @@ Worker -> core, PUSH to one PULL, ``[kind, world rank, body]``:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import msgpack
 
-from lbd.engine.protocol import SamplingParams, TokenLogprobs
+from lbd.wire.core_messages import SamplingParams, TokenLogprobs
 
 CONFIG, KV, STEP, PROFILE, SHUTDOWN = "config", "kv", "step", "profile", "shutdown"
 BLOCKS, READY, OUT, ERROR = "blocks", "ready", "out", "error"
 
-_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_PARAM_FIELDS = SamplingParams.__struct_fields__
 
 
 def pack(*parts: Any) -> bytes:

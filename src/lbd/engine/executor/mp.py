@@ -33,6 +33,7 @@ import zmq
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.layout import parse_partition
+from lbd.engine.config.slices import parallel_config
 from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.executor import messages as M
@@ -63,12 +64,13 @@ class MultiprocExecutor:
     def __init__(self, args: EngineArgs, model_path: str,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.args = args
-        self.layout = layout_of(args)
+        self.parallel = parallel_config(args)
+        self.layout = layout_of(self.parallel)
         self.max_in_flight = self.layout.pp_size
-        self.timeout_s = args.distributed_timeout_s
+        self.timeout_s = self.parallel.distributed_timeout_s
         self.on_failure = on_failure
         self.failure: str | None = None
-        self.plans = plan_workers(args, load_hf_config(model_path).num_hidden_layers)
+        self.plans = plan_workers(self.parallel, load_hf_config(model_path).num_hidden_layers)
         self.procs: list[subprocess.Popen] = []
         self._known: set[str] = set()  # requests the sampler holds state for
         self._next_seq = 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.layout import ParallelLayout, parse_partition, split_layers
 from lbd.engine.config.placement import format_cpus, rank_cpus, rank_threads, split_cpus
+from lbd.engine.config.slices import ParallelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +28,20 @@ class WorkerPlan:
         return format_cpus(list(self.cpus))
 
 
-def layout_of(args: EngineArgs) -> ParallelLayout:
-    return ParallelLayout(tp_size=args.tensor_parallel_size, pp_size=args.pipeline_parallel_size)
+def layout_of(parallel: ParallelConfig) -> ParallelLayout:
+    return ParallelLayout(tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size)
 
 
-def plan_workers(args: EngineArgs, num_layers: int, env: dict[str, str] | None = None) -> list[WorkerPlan]:
+def plan_workers(parallel: ParallelConfig, num_layers: int,
+                 env: dict[str, str] | None = None) -> list[WorkerPlan]:
     """One plan per worker, in world-rank order: the rank's CPUs split into contiguous slices (one CPU each,
     round robin, when there are fewer CPUs than workers), its threads divided evenly (at least one each)."""
-    layout = layout_of(args)
+    layout = layout_of(parallel)
     world = layout.world_size
-    stages = split_layers(num_layers, layout.pp_size, parse_partition(args.pp_layer_partition))
+    stages = split_layers(num_layers, layout.pp_size, parse_partition(parallel.pp_layer_partition))
     slices = split_cpus(rank_cpus(env), world)
-    threads = max(1, rank_threads(args.data_parallel_size_local, args.data_parallel_size, env) // world)
+    local, size = parallel.data_parallel_size_local, parallel.data_parallel_size
+    threads = max(1, rank_threads(local, size, env) // world)
     plans = []
     for rank in range(world):
         _, pp, tp = layout.coords(rank)

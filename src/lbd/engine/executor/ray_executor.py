@@ -162,7 +162,7 @@ class RayExecutor(MultiprocExecutor):
         import ray
 
         here = ray.get_runtime_context().get_node_id()
-        threads = rank_threads(self.args.data_parallel_size_local, self.args.data_parallel_size)
+        threads = rank_threads(self.parallel.data_parallel_size_local, self.parallel.data_parallel_size)
         launches = RP.worker_launches(self.sites, here, rank_cpus(), threads, self.device_key == "GPU")
         shm = {} if RP.one_node(self.sites) else {"LBD_SHM_ALLREDUCE": "0"}  # gloo between nodes
         calls = []

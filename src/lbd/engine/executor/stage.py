@@ -13,18 +13,20 @@ import time
 
 import torch
 
-from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import EngineConfig
+from lbd.engine.core.device_batch import StepBatch, device_batch
 from lbd.engine.core.host_batch import HostBatch
-from lbd.engine.core.runner import ModelRunner, StepBatch, device_batch
+from lbd.engine.core.runner import ModelRunner, cpu_threads
 from lbd.engine.core.sampler import SampleRow
 from lbd.engine.distributed.context import ParallelContext
 from lbd.engine.executor import messages as M
-from lbd.engine.protocol import TokenLogprobs
+from lbd.wire.core_messages import TokenLogprobs
 
 
 class StageRunner(ModelRunner):
-    def __init__(self, args: EngineArgs, model_path: str, parallel: ParallelContext) -> None:
-        super().__init__(args, model_path, parallel, allocate=False)
+    def __init__(self, model_path: str, config: EngineConfig, parallel: ParallelContext) -> None:
+        super().__init__(model_path, config.model, config.cache, config.scheduler, parallel,
+                         threads=cpu_threads(config.parallel), allocate=False)
         assert parallel.groups is not None
         self.groups = parallel.groups
         self.hidden_size = self.model.cfg.hidden_size

@@ -73,7 +73,7 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     from lbd.engine.config.args import EngineArgs
     from lbd.engine.config.layout import ParallelLayout
     from lbd.engine.core.host_batch import HostBatch
-    from lbd.engine.core.runner import resolve_device
+    from lbd.engine.core.runner import resolve_config
     from lbd.engine.distributed.context import ParallelContext
     from lbd.engine.distributed.groups import init_process_groups
     from lbd.engine.executor.stage import StageRunner
@@ -83,15 +83,16 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     args = EngineArgs(**cfg["args"])
     logging.getLogger().setLevel(args.log_level.upper())
     layout = ParallelLayout(tp_size=cfg["tp"], pp_size=cfg["pp"])
-    device = resolve_device(args.device)
+    config = resolve_config(args)
+    device = torch.device(config.model.device)
     if device.type == "cuda":
         index = ns.device_index
         torch.cuda.set_device(layout.local_index(ns.pp_rank, ns.tp_rank) if index is None else index)
     host, port = cfg["store"]
     groups = init_process_groups(layout, ns.pp_rank, ns.tp_rank, address=host, port=port, device=device,
                                  timeout_s=cfg["timeout_s"], timed=cfg["timed"])
-    runner = StageRunner(args, cfg["model_path"], ParallelContext(layout, ns.pp_rank, ns.tp_rank,
-                                                                   cfg["partition"], groups))
+    runner = StageRunner(cfg["model_path"], config, ParallelContext(layout, ns.pp_rank, ns.tp_rank,
+                                                                     cfg["partition"], groups))
     if device.type == "cpu":
         from lbd.engine.core.runner import pin_core_thread
 

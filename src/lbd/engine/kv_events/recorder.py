@@ -3,10 +3,27 @@ structs, in order, until the core takes them once per step."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
-from lbd.engine.core.block_hash import BlockKey, external_key_fn
 from lbd.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+BlockKey = bytes | int  # a prefix-cache block key (lbd.engine.core.block_hash): a digest, or an int
+_MASK64 = (1 << 64) - 1
+
+
+def external_key_fn() -> Callable[[BlockKey], bytes | int]:
+    """How block keys appear in events (vLLM's ``maybe_convert_block_hash``): with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default 1) the low 64 bits of the big-endian digest as an int,
+    else the digest bytes."""
+    as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", "")
+
+    def external(key: BlockKey) -> bytes | int:
+        if isinstance(key, int):
+            return key & _MASK64
+        return int.from_bytes(key, "big") & _MASK64 if as_int else key
+
+    return external
 
 
 class EventRecorder:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lbd.engine.core.kv_alloc import KVSpec
 from lbd.engine.models.config import arch_config
+from lbd.engine.models.kv_spec import KVSpec
 from lbd.engine.models.mla import MLAConfig, MLAttention
 from lbd.engine.models.moe import ExpertShard, MoECausalLM, MoEConfig, RoutingConfig
 

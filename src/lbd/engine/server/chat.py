@@ -8,10 +8,11 @@ from typing import Any
 from aiohttp import web
 
 from lbd.engine.server.errors import bad_request
-from lbd.engine.server.generate import Delta, Generation, PromptInput, Sequence
+from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import chat_entries
 from lbd.engine.server.openai_protocol import parse_chat, plan_tokens
 from lbd.engine.server.request_io import checked_state, read_json
+from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.server.streaming import respond
 from lbd.engine.tokenizer import ChatTemplateError

@@ -7,10 +7,11 @@ from typing import Any
 
 from aiohttp import web
 
-from lbd.engine.server.generate import Delta, Generation, PromptInput, Sequence
+from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import CompletionLogprobs
 from lbd.engine.server.openai_protocol import CompletionRequest, parse_completion, plan_tokens
 from lbd.engine.server.request_io import checked_state, read_json
+from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.streaming import respond
 
 

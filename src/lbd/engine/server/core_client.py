@@ -18,30 +18,14 @@ import zmq
 import zmq.asyncio
 
 from lbd.engine.core.step_profile import FrontendProfiler
-from lbd.engine.protocol import (
-    ABORT,
-    ADD,
-    DP,
-    ERROR,
-    HELLO,
-    OUTPUTS,
-    READY,
-    RESET,
-    RESET_DONE,
-    STATS,
-    CoreInfo,
-    EngineCoreRequest,
-    SchedulerStats,
-    decode,
-    encode,
-    outputs_from_dict,
-)
-from lbd.wire.dp import DPStatus, dp_status
+from lbd.wire import core_messages as CM
+from lbd.wire.dp import DPStatus
 
 logger = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.2
 # A hello sent before the core binds is queued by ZMQ and delivered at bind; resending is only a safety net.
 _HELLO_RESEND_S = 2.0
+_HELLO = CM.encode(CM.Hello())
 
 
 class CoreError(Exception):
@@ -65,10 +49,10 @@ class CoreClient:
         self._sock.connect(address)
         self._core_pid = core_pid
         self._routes: dict[str, asyncio.Queue] = {}
-        self._info: asyncio.Future[CoreInfo] | None = None
+        self._info: asyncio.Future[CM.CoreInfo] | None = None
         self._resets: dict[str, asyncio.Future[bool]] = {}
         self._tasks: list[asyncio.Task] = []
-        self.stats = SchedulerStats()
+        self.stats = CM.SchedulerStats()
         self.dead_reason: str | None = None
         # --profile-steps: this front end's ipc / detokenize / stream costs (engine/core/step_profile.py)
         self.profiler = FrontendProfiler(profile_steps, f"frontend pid={os.getpid()}") \
@@ -97,7 +81,7 @@ class CoreClient:
         self._tasks = [asyncio.create_task(self._read(), name="core-reader"),
                        asyncio.create_task(self._watch(), name="core-watcher")]
 
-    async def hello(self, timeout: float) -> CoreInfo:
+    async def hello(self, timeout: float) -> CM.CoreInfo:
         """Ask until the core answers with its CoreInfo (it may still be loading the model)."""
         assert self._info is not None, "start() first"
         loop = asyncio.get_running_loop()
@@ -107,7 +91,7 @@ class CoreClient:
                 raise CoreError(self.dead_reason or "engine core died", 503)
             if loop.time() > deadline:
                 raise TimeoutError(f"engine core did not answer within {timeout:.0f}s")
-            await self._sock.send_multipart([HELLO, b""])
+            await self._sock.send_multipart([CM.HELLO, _HELLO])
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._info), _HELLO_RESEND_S)
         return self._info.result()
@@ -118,17 +102,17 @@ class CoreClient:
     def unregister(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
 
-    async def add(self, req: EngineCoreRequest) -> None:
+    async def add(self, req: CM.EngineCoreRequest) -> None:
         if not self.alive:
             raise CoreError(self.dead_reason or "engine core died", 503)
         self._sent()
-        await self._sock.send_multipart([ADD, encode(req)])
+        await self._sock.send_multipart([CM.ADD, CM.encode(req)])
 
     async def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Stop requests in the core; reason "stop" counts them as finished by a stop string."""
         if request_ids and self.alive:
             self._sent()
-            await self._sock.send_multipart([ABORT, encode({"ids": request_ids, "reason": reason})])
+            await self._sock.send_multipart([CM.ABORT, CM.encode(CM.Abort(request_ids, reason))])
 
     async def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
         """Ask the core to forget its prefix cache; False when requests hold blocks."""
@@ -138,7 +122,7 @@ class CoreClient:
         done = self._resets[rid] = asyncio.get_running_loop().create_future()
         try:
             self._sent()
-            await self._sock.send_multipart([RESET, encode({"id": rid})])
+            await self._sock.send_multipart([CM.RESET, CM.encode(CM.ResetPrefixCache(rid))])
             return await asyncio.wait_for(done, timeout)
         finally:
             self._resets.pop(rid, None)
@@ -166,43 +150,41 @@ class CoreClient:
             self.last_heard = loop.time()
             self.pending_since = None
             try:
-                tokens = self._dispatch(kind, decode(payload))
+                tokens = self._dispatch(CM.decode(kind, payload))
             except Exception:  # a malformed message must not kill the reader (and every request with it)
                 logger.exception("bad %r message from the core", kind)
                 continue
-            if self.profiler is not None and kind == OUTPUTS:
+            if self.profiler is not None and kind == CM.OUTPUTS:
                 self.profiler.add("ipc", time.perf_counter() - t0)
                 self.profiler.message(tokens)
 
-    def _dispatch(self, kind: bytes, msg: object) -> int:
-        """Route one message; returns the number of tokens it carried."""
-        if kind == OUTPUTS:
-            outs = outputs_from_dict(msg)
-            self.stats = outs.stats
+    def _dispatch(self, msg: object) -> int:
+        """Route one decoded message; returns the number of tokens it carried."""
+        if isinstance(msg, CM.EngineCoreOutputs):
+            self.stats = msg.stats
             tokens = 0
-            for out in outs.outputs:
+            for out in msg.outputs:
                 tokens += len(out.new_token_ids)
                 queue = self._routes.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
             return tokens
-        elif kind == STATS:
-            self.stats = SchedulerStats(**msg)
-        elif kind == DP:
-            self.dp = dp_status(msg)
-        elif kind == ERROR:
-            queue = self._routes.get(msg.get("request_id") or "")
+        if isinstance(msg, CM.SchedulerStats):
+            self.stats = msg
+        elif isinstance(msg, DPStatus):
+            self.dp = msg
+        elif isinstance(msg, CM.RequestError):
+            queue = self._routes.get(msg.request_id)
             if queue is not None:
-                message = msg.get("message", "engine core error")
-                queue.put_nowait(CoreError(message, int(msg.get("status", 500))))
+                queue.put_nowait(CoreError(msg.message, msg.status))
             else:
-                logger.warning("core error: %s", msg.get("message"))
-        elif kind == RESET_DONE:
-            done = self._resets.get(str(msg.get("id")))
+                logger.warning("core error: %s", msg.message)
+        elif isinstance(msg, CM.ResetDone):
+            done = self._resets.get(msg.id)
             if done is not None and not done.done():
-                done.set_result(bool(msg.get("ok")))
-        elif kind == READY and self._info is not None and not self._info.done():
-            self._info.set_result(CoreInfo(**msg))
+                done.set_result(msg.ok)
+        elif isinstance(msg, CM.CoreInfo) and self._info is not None and not self._info.done():
+            self._info.set_result(msg)
         return 0
 
     async def _watch(self) -> None:

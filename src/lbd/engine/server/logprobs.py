@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lbd.engine.protocol import TokenLogprobs
 from lbd.engine.tokenizer import Tokenizer
+from lbd.wire.core_messages import TokenLogprobs
 
 _FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 

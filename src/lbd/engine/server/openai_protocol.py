@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 
-from lbd.engine.protocol import SamplingParams
 from lbd.engine.server.errors import APIError, bad_request
 from lbd.engine.server.fields import Fields, is_int_list
+from lbd.wire.core_messages import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP_STRINGS = 64

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lbd.engine.metrics import FrontendMetrics
-    from lbd.engine.server.generate import Sequence
+    from lbd.engine.server.sequence import Sequence
 
 
 def record_finished(m: FrontendMetrics, seq: Sequence, e2e_s: float, max_tokens_param: int | None) -> None:

@@ -26,10 +26,11 @@ from aiohttp import web
 
 from lbd.engine.server.chat import render_prompt_ids
 from lbd.engine.server.errors import APIError
-from lbd.engine.server.generate import Delta, Generation, PromptInput, Sequence
+from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.openai_protocol import check_prompt_chars, plan_tokens
 from lbd.engine.server.request_io import check_rank, checked_state, read_json, state_of
 from lbd.engine.server.responses_protocol import ResponsesRequest, parse_responses
+from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.streaming import EventFraming, json_response, respond
 
 

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.metrics import FrontendMetrics
-from lbd.engine.protocol import CoreInfo
 from lbd.engine.server.core_client import CoreClient
 from lbd.engine.server.errors import APIError
 from lbd.engine.server.offload import Offload
 from lbd.engine.server.openai_protocol import Limits
 from lbd.engine.server.responses_store import ResponseStore
 from lbd.engine.tokenizer import Tokenizer
+from lbd.wire.core_messages import CoreInfo
 from lbd.wire.dp import DPState
 
 if TYPE_CHECKING:

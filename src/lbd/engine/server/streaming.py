@@ -17,7 +17,8 @@ import orjson
 from aiohttp import web
 
 from lbd.engine.server.errors import APIError, error_body
-from lbd.engine.server.generate import Delta, Generation, Sequence
+from lbd.engine.server.generate import Generation
+from lbd.engine.server.sequence import Delta, Sequence
 
 logger = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"

@@ -19,13 +19,30 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.common.otlp import traces_url
 from lbd.engine.server.request_metrics import phases
 
 if TYPE_CHECKING:
-    from lbd.engine.server.generate import Generation
+    from lbd.engine.server.openai_protocol import CommonParams
+    from lbd.engine.server.sequence import Sequence
+
+
+class TracedRequest(Protocol):
+    """What a span is made of: one HTTP request's generation (``lbd.engine.server.generate.Generation``)."""
+
+    id: str
+    arrival: float  # monotonic
+    arrival_wall: float
+    common: CommonParams
+    seqs: list[Sequence]
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
 
 class RequestTracer:
     def __init__(self, endpoint: str, rank: int) -> None:
@@ -44,7 +61,7 @@ class RequestTracer:
         self.rank = rank
         self._kind, self._status, self._error = SpanKind.SERVER, Status, StatusCode.ERROR
 
-    def request_done(self, headers: Mapping[str, str], gen: Generation, model: str,
+    def request_done(self, headers: Mapping[str, str], gen: TracedRequest, model: str,
                      error: str | None) -> None:
         carrier = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers}
         parent = self.propagator.extract(carrier) if carrier else None
@@ -55,7 +72,7 @@ class RequestTracer:
             span.set_status(self._status(self._error, error))
         span.end()
 
-    def _attrs(self, gen: Generation, model: str) -> dict[str, Any]:
+    def _attrs(self, gen: TracedRequest, model: str) -> dict[str, Any]:
         sp, seq = gen.common.sampling, gen.seqs[0]
         attrs: dict[str, Any] = {
             "gen_ai.request.id": gen.id, "gen_ai.response.model": model,
