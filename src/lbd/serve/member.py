@@ -4,8 +4,10 @@ The wire is HTTP/JSON to the head's registration service (`lbd.serve.registry`):
 PUT /v1/nodes/{id} every heartbeat interval the head asked for, carrying the node's ranks as its supervisor
 reports them (state, pid, reachable URL), DELETE at shutdown. A refusal (409: mismatched
 --data-parallel-size, overlapping ranks, other models; 401: wrong LBD_CLUSTER_TOKEN) is final: the node stops
-and exits 2. A head that cannot be reached is retried for ever, with the reason in the node's /status and a
-503 from its /readyz; a head that forgot us (404: it restarted) is registered with again.
+and exits 2, except a 409 about the node id (this node's previous run still holds the lease: it is waited
+out). A head that cannot be reached is retried for ever, with the reason in the node's /status and a 503 from
+its /readyz; a head that forgot us (404: it restarted) is registered with again. The head's answers are read
+up to ``MAX_REPLY_BYTES`` within the probe timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import orjson
 log = logging.getLogger("lbd.serve")
 
 CONNECTING, REGISTERED, DISCONNECTED, REJECTED = "connecting", "registered", "disconnected", "rejected"
+MAX_REPLY_BYTES = 64 * 1024  # the head's answers are a few hundred bytes
 
 
 def route_source_address(host: str, port: int) -> str:
@@ -37,6 +40,19 @@ def route_source_address(host: str, port: int) -> str:
 
 def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The answer's body, or b"" when it is longer than ``cap`` (never a reason to hold more)."""
+    if (resp.content_length or 0) > cap:
+        return b""
+    parts, size = [], 0
+    while chunk := await resp.content.read(cap + 1 - size):
+        size += len(chunk)
+        if size > cap:
+            return b""
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class Membership:
@@ -103,7 +119,7 @@ class Membership:
         data = orjson.dumps(body) if body is not None else None
         async with self._session.request(method, self.base + path, data=data, headers={
                 **self.headers, "Content-Type": "application/json"}) as resp:
-            raw = await resp.read()
+            raw = await _read_capped(resp, MAX_REPLY_BYTES)  # the session's timeout caps the time
         with contextlib.suppress(orjson.JSONDecodeError):
             return resp.status, orjson.loads(raw) if raw else {}
         return resp.status, {}
@@ -123,7 +139,11 @@ class Membership:
             self._last_ok = time.monotonic()
             self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
             return
-        message = str((reply.get("error") or {}).get("message") or f"the head answered {status}")
+        error = reply.get("error") or {}
+        message = str(error.get("message") or f"the head answered {status}")
+        if status == 409 and error.get("param") == "node_id":  # our previous run's lease: it lapses soon
+            self._set(CONNECTING, f"waiting for the head to release this node's old registration: {message}")
+            return
         if status in (400, 401, 409):
             self._set(REJECTED, f"the head refused this node: {message}")
             self.on_rejected(message)

@@ -21,13 +21,14 @@ import sys
 from typing import Any
 
 from lbd.common.auth import API_KEYS_ENV
+from lbd.common.cluster import CLUSTER_TOKEN_ENV
 from lbd.common.tls import client_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.serve.group import Group
 from lbd.serve.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.serve.member import CONNECTING, Membership
-from lbd.serve.plan import CLUSTER_TOKEN_ENV, Plan
-from lbd.serve.registry import Registry
+from lbd.serve.plan import Plan
+from lbd.serve.registry import Registry, registry_limits
 from lbd.supervisor.process import child_setup
 
 log = logging.getLogger("lbd.serve")
@@ -45,11 +46,13 @@ def free_loopback_port() -> int:
 def key_env(plan: Plan, child: str) -> dict[str, str]:
     """The API keys for a child's environment. The supervisor hands them to its ranks; the router asks its
     clients for the same keys and sends the first to the ranks (it does not forward the client's own)."""
+    # the cluster token goes to the supervisor only (an MoE group's coordinator and members check it)
+    token = {CLUSTER_TOKEN_ENV: plan.cluster_token} if plan.cluster_token and child == "supervisor" else {}
     if not plan.api_keys:
-        return {}
+        return token
     keys = "\n".join(plan.api_keys)
     if child == "supervisor":
-        return {API_KEYS_ENV: keys}
+        return {API_KEYS_ENV: keys, **token}
     return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0]}
 
 
@@ -62,7 +65,7 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        # only this process talks to the head: the token stays out of the children's environments
+        # the token reaches only the children given it (key_env): never the router's environment
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV} | self.env
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,
@@ -152,7 +155,7 @@ class DeploymentNode:
         if self.group is not None and self.rpc_sock is not None:
             self.registry = Registry(self.group, plan.address, plan.rpc_port, plan.probe_interval_s,
                                      plan.cluster_token, self._group_status)
-            self.registry.limits = plan.limits
+            self.registry.limits = registry_limits(plan.limits)
             await self.registry.start(self.rpc_sock)
             self._tasks.append(asyncio.create_task(self._watch_group()))
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,13 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.cluster import (
+    LOOPBACK,
+    NO_TOKEN_FIX,
+    ClusterTokenError,
+    is_loopback,
+    read_cluster_token,
+)
 from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
@@ -30,11 +37,10 @@ from lbd.supervisor.moe import model_moe
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
-CLUSTER_TOKEN_ENV = "LBD_CLUSTER_TOKEN"
 # consumed here, never passed to the ranks' supervisor as such
 _OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "data_parallel_rpc_port",
                   "ready_policy", "supervisor_host", "data_parallel_supervisor_port", "max_num_queued_reqs",
-                  "max_num_queued_tokens"})
+                  "max_num_queued_tokens", "cluster_token_file"})
 
 
 @dataclass(slots=True)
@@ -72,6 +78,7 @@ class Plan:
     ssl_certfile: str | None = None  # TLS on every port of the node (one-node deployments only)
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # how the node's parts verify each other (else the system's store)
+    insecure_cluster: bool = False  # --insecure-cluster: registration beyond loopback without a token
 
     @property
     def view_is_group(self) -> bool:
@@ -302,12 +309,15 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         role=role, dp_size=n, dp_size_local=local, dp_start_rank=start, address=address, rpc_port=rpc_port,
         registry=registry, member=member,
         advertise=ns.data_parallel_advertise_address or (address if head_of_group else None),
-        rank_host=rank_host, health_host=ns.supervisor_host, health_port=ns.data_parallel_supervisor_port,
+        rank_host=rank_host, health_port=ns.data_parallel_supervisor_port,
+        # one machine: the health port on loopback (the router's /readyz answers outside); several: every
+        # interface, for the orchestrator's probes of each node
+        health_host=ns.supervisor_host or ("0.0.0.0" if remote else LOOPBACK),
         ready_policy=ns.ready_policy, ready_needed=needed, view_size=view,
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
-        cluster_token=env.get(CLUSTER_TOKEN_ENV) or None,
+        cluster_token=_cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
         + (_group_argv(ns, address, rpc_port) if moe_group else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
@@ -315,7 +325,27 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)
+    _check_cluster_auth(plan, remote)
     return plan
+
+
+def _cluster_token(ns: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """The cluster token: ``--cluster-token-file``, else $LBD_CLUSTER_TOKEN."""
+    try:
+        return read_cluster_token(ns.cluster_token_file, env)
+    except ClusterTokenError as e:
+        raise SupervisorArgError(str(e)) from None
+
+
+def _check_cluster_auth(plan: Plan, remote: bool) -> None:
+    """A group whose registration (the head's --data-parallel-address) is beyond loopback needs the cluster
+    token, or --insecure-cluster: anyone who reaches an open head can register ranks and have the router
+    send them users' prompts (and a node without the token would be refused by a head that has one)."""
+    address = plan.address
+    if (remote and address is not None and plan.cluster_token is None and not plan.insecure_cluster
+            and not is_loopback(address)):
+        raise SupervisorArgError(f"--data-parallel-address {address} is beyond loopback and the group's "
+                                 f"registration would take any caller: {NO_TOKEN_FIX}")
 
 
 def _check_ports(ns: argparse.Namespace, role: str, local: int, rank_port: int, rank_host: str | None,

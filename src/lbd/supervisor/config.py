@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, LOOPBACK, ClusterTokenError, is_loopback, read_cluster_token
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import add_engine_arguments, engine_args_from_namespace, validate
 from lbd.engine.config.layout import parse_partition
@@ -175,7 +176,17 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="this node's index; --data-parallel-start-rank defaults to node_rank x local size")
     g.add_argument("--data-parallel-supervisor-port", type=int, default=9256,
                    help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
-    g.add_argument("--supervisor-host", default="0.0.0.0", help="bind address of the health port")
+    g.add_argument("--supervisor-host", default=None,
+                   help="bind address of the health port (default: loopback when the ranks' --host is "
+                        "loopback, else every interface, where a cluster router and the orchestrator read "
+                        "it)")
+    g.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help=f"file whose first line is the cluster token (else ${CLUSTER_TOKEN_ENV}): it "
+                        "authenticates the wires between nodes (registration, an MoE group's coordinator); "
+                        "required when they listen beyond loopback")
+    g.add_argument("--insecure-cluster", action="store_true",
+                   help="run the wires between nodes beyond loopback without a cluster token (anyone who "
+                        "reaches them can join the group)")
     g.add_argument("--dp-supervisor-probe-interval-s", type=_positive_float, default=5.0,
                    help="seconds between two /health probes of a rank")
     g.add_argument("--dp-supervisor-probe-timeout-s", type=_positive_float, default=5.0,
@@ -471,6 +482,14 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     return specs
 
 
+def health_host(flag: str | None, rank_host: str | None) -> str:
+    """The health port's bind address: ``--supervisor-host`` as given, else where the ranks listen (loopback
+    ranks: loopback; otherwise every interface, as a cluster router and the orchestrator read it)."""
+    if flag is not None:
+        return flag
+    return LOOPBACK if is_loopback(rank_host) else "0.0.0.0"
+
+
 def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
     """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
     env = dict(os.environ) if env is None else env
@@ -497,7 +516,11 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_model(ns)
-        group, on_failure = plan_group(ns, n, local, start)
+        try:
+            token = read_cluster_token(ns.cluster_token_file, env)
+        except ClusterTokenError as e:
+            raise SupervisorArgError(str(e)) from None
+        group, on_failure = plan_group(ns, n, local, start, token)
         if not ray:
             _check_ports(ns, local)
         elif ns.rank_engine != "lbd" or ns.rank_command is not None:
@@ -510,11 +533,14 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
         specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
                            changed_engine_options(parser, ns, engine_dests))
+        for spec in specs if group is not None else []:
+            spec.env.update(group.child_env())  # the members' CURVE keys come from it
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(
         dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
-        supervisor_host=ns.supervisor_host, supervisor_port=ns.data_parallel_supervisor_port,
+        supervisor_host=health_host(ns.supervisor_host, ns.host),
+        supervisor_port=ns.data_parallel_supervisor_port,
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,
