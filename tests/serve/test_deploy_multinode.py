@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from deploy_harness import (
     PROBE_BOUND_S,
@@ -28,6 +29,7 @@ from netns import Namespaces, unavailable
 
 HEAD, WORKER = "10.77.0.1", "10.77.0.2"
 RPC = "29550"
+CLUSTER = {"LBD_CLUSTER_TOKEN": "multinode-test-token"}  # a group beyond loopback needs one
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no network namespaces: {unavailable()}")
 
@@ -68,9 +70,9 @@ def test_headless_node_joins_leaves_and_comes_back(nodes: tuple[Namespaces, str,
                                                    tmp_path: Path) -> None:
     nets, head_ns, worker_ns, worker_dev = nodes
     flags = _group_flags(tiny_llama)
-    head = ServeNode(flags, tmp_path / "head.log", nets, head_ns, host=HEAD)
+    head = ServeNode(flags, tmp_path / "head.log", nets, head_ns, host=HEAD, env=CLUSTER)
     worker = ServeNode([*flags, "--headless", "--data-parallel-start-rank", "2"], tmp_path / "worker.log",
-                       nets, worker_ns, host=WORKER)
+                       nets, worker_ns, host=WORKER, env=CLUSTER)
     try:
         head.wait_ready()
         status = head.status()
@@ -122,15 +124,18 @@ def test_hybrid_nodes_balance_their_own_ranks(nodes: tuple[Namespaces, str, str,
                                               tmp_path: Path) -> None:
     nets, a_ns, b_ns, _ = nodes
     flags = [*_group_flags(tiny_llama), "--data-parallel-hybrid-lb"]
-    a = ServeNode(flags, tmp_path / "a.log", nets, a_ns, host=HEAD)
-    b = ServeNode([*flags, "--data-parallel-start-rank", "2"], tmp_path / "b.log", nets, b_ns, host=WORKER)
+    a = ServeNode(flags, tmp_path / "a.log", nets, a_ns, host=HEAD, env=CLUSTER)
+    b = ServeNode([*flags, "--data-parallel-start-rank", "2"], tmp_path / "b.log", nets, b_ns, host=WORKER,
+                  env=CLUSTER)
     cluster = None
     try:
         a.wait_ready()
         b.wait_ready()
         assert [r["rank"] for r in a.status()["ranks"]] == [0, 1]
         assert [r["rank"] for r in b.status()["ranks"]] == [2, 3]
-        group = a.get(f"http://{HEAD}:{RPC}/status").json()  # the head's registry sees the whole group
+        auth = {"Authorization": f"Bearer {CLUSTER['LBD_CLUSTER_TOKEN']}"}  # the registry wants the token
+        assert a.get(f"http://{HEAD}:{RPC}/status").status_code == 401
+        group = a.call(lambda: httpx.get(f"http://{HEAD}:{RPC}/status", headers=auth, timeout=5.0).json())
         urls = rank_urls(group)
         assert sorted(urls) == [0, 1, 2, 3]
         for node, own in ((a, (0, 1)), (b, (2, 3))):

@@ -299,9 +299,13 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     rpc_port = ns.data_parallel_rpc_port if ns.data_parallel_rpc_port is not None else DEFAULT_RPC_PORT
     runs_router = role != "headless"
     rank_port = ns.rank_port if ns.rank_port is not None else ns.port + (1 if runs_router else 0)
-    # one node: ranks only on loopback (the router is beside them); several: reachable from the head
-    rank_host = (ns.host if role == "headless" else None if remote or ns.data_parallel_backend == "ray"
-                 else "127.0.0.1")
+    # one machine (no remote nodes, or a group that meets on loopback): ranks only on loopback (the router is
+    # beside them); several: reachable from the head
+    one_machine = not remote or is_loopback(address)
+    if role == "headless":
+        rank_host = ns.host or (LOOPBACK if one_machine else None)
+    else:  # --host is the router's
+        rank_host = LOOPBACK if one_machine and ns.data_parallel_backend != "ray" else None
     view = n if role == "head" else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
@@ -312,7 +316,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         rank_host=rank_host, health_port=ns.data_parallel_supervisor_port,
         # one machine: the health port on loopback (the router's /readyz answers outside); several: every
         # interface, for the orchestrator's probes of each node
-        health_host=ns.supervisor_host or ("0.0.0.0" if remote else LOOPBACK),
+        health_host=ns.supervisor_host or (LOOPBACK if one_machine else "0.0.0.0"),
         ready_policy=ns.ready_policy, ready_needed=needed, view_size=view,
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
