@@ -33,7 +33,9 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
-    endpoint_given: bool = dataclasses.field(default=False, repr=False)  # the config named ``endpoint``
+    # False when the flag's JSON named no ``endpoint`` (parse_kv_events_config): the default then binds the
+    # engine's --host; a config built in code keeps the endpoint it holds
+    endpoint_given: bool = dataclasses.field(default=True, repr=False)
 
     @property
     def active(self) -> bool:
