@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import zmq
 
@@ -209,3 +210,46 @@ def _form(ctx: zmq.Context, rpc: int, token: str | None) -> dict[str, Any] | Non
         return None
     finally:
         sock.close(linger=0)
+
+
+# ---- a real group with the token ---------------------------------------------------------------------------
+def test_nodes_with_and_without_the_token(tiny_llama: Path, tmp_path: Path) -> None:
+    """A head and a headless node that share the token form the group; a node with another token is refused
+    (exit 2, the head's 401); the token shows in no log, command line or health port."""
+    from deploy_harness import SIM_FLAGS, ServeNode
+
+    base = free_port_run(10)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    group = ["--model", str(tiny_llama), *SIM_FLAGS, "--data-parallel-size", "2",
+             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(base + 9),
+             "--dp-supervisor-probe-interval-s", "0.5"]
+
+    def worker(i: int, env: dict[str, str], *flags: str) -> ServeNode:
+        port, health = base + 3 + 2 * i, base + 4 + 2 * i
+        return ServeNode([*group, "--headless", "--data-parallel-start-rank", "1",
+                          "--data-parallel-size-local", "1", "--port", str(port),
+                          "--data-parallel-supervisor-port", str(health), *flags],
+                         tmp_path / f"worker{i}.log", port=port, health_port=health, env=env)
+
+    head = ServeNode([*group, "--data-parallel-size-local", "1", "--port", str(base),
+                      "--data-parallel-supervisor-port", str(base + 2), "--cluster-token-file",
+                      str(token_file)],
+                     tmp_path / "head.log", port=base, health_port=base + 2, env=_env())
+    good = worker(0, {CLUSTER_TOKEN_ENV: TOKEN})
+    bad = None
+    try:
+        head.wait_ready(60)
+        good.wait_ready(30)
+        bad = worker(1, {CLUSTER_TOKEN_ENV: "another-token"})
+        assert bad.proc.wait(60) == 2
+        assert "missing or wrong cluster token" in bad.log_text()
+        seen = [head.get(head.health + "/status").text, good.get(good.health + "/status").text,
+                head.get(head.health + "/metrics").text]
+        procs = [psutil.Process(n.proc.pid) for n in (head, good)]
+        seen += [" ".join(p.cmdline()) for proc in procs for p in [proc, *proc.children(recursive=True)]]
+        seen += [n.log_text() for n in (head, good, bad)]
+        assert not [text[:200] for text in seen if TOKEN in text]
+    finally:
+        codes = [n.close() for n in (bad, good, head) if n is not None]
+    assert codes[-2:] == [0, 0]
