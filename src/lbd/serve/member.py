@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Callable
@@ -58,9 +59,11 @@ async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
 class Membership:
     def __init__(self, head: str, rpc_port: int, advertise: str | None, health_port: int, timeout_s: float,
                  token: str | None, registration: Callable[[str], dict[str, Any]],
-                 on_rejected: Callable[[str], None]) -> None:
+                 on_rejected: Callable[[str], None], tls: ssl.SSLContext | None = None) -> None:
         self.head, self.rpc_port = head, rpc_port
-        self.base = f"http://{url_host(head)}:{rpc_port}"
+        self.tls = tls  # verifies the head's certificate (a TLS deployment: every link is HTTPS)
+        self.scheme = "https" if tls is not None else "http"
+        self.base = f"{self.scheme}://{url_host(head)}:{rpc_port}"
         self.advertise = advertise
         self.health_port = health_port
         self.timeout_s = timeout_s
@@ -94,7 +97,8 @@ class Membership:
         self.state, self.reason = state, reason
 
     async def run(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                              connector=aiohttp.TCPConnector(ssl=self.tls or True))
         try:
             while self.state != REJECTED:
                 if not self.reply:
@@ -111,7 +115,7 @@ class Membership:
             self.advertise = route_source_address(self.head, self.rpc_port)
         body = self.registration(self.advertise)
         body.update(node_id=self.node_id, address=self.advertise, hostname=socket.gethostname(),
-                    health_url=f"http://{url_host(self.advertise)}:{self.health_port}")
+                    health_url=f"{self.scheme}://{url_host(self.advertise)}:{self.health_port}")
         return body
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
@@ -173,6 +177,7 @@ class Membership:
         if self.state != REGISTERED:
             return
         with contextlib.suppress(OSError, aiohttp.ClientError, TimeoutError):
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0),
+                                             connector=aiohttp.TCPConnector(ssl=self.tls or True)) as session:
                 async with session.delete(f"{self.base}/v1/nodes/{self.node_id}", headers=self.headers):
                     pass

@@ -22,7 +22,7 @@ from typing import Any
 
 from lbd.common.auth import API_KEYS_ENV
 from lbd.common.cluster import CLUSTER_TOKEN_ENV
-from lbd.common.tls import client_context
+from lbd.common.tls import client_context, server_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.serve.group import Group
 from lbd.serve.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
@@ -149,13 +149,15 @@ class DeploymentNode:
             assert plan.address is not None
             self.membership = Membership(plan.address, plan.rpc_port, plan.advertise, plan.health_port,
                                          plan.probe_timeout_s, plan.cluster_token, self._registration,
-                                         self._rejected)
+                                         self._rejected,
+                                         client_context(plan.ssl_ca_certs) if plan.ssl_certfile else None)
         self.health = NodeHealth(plan, self.local, self.group, self.membership, self._router_alive)
         await self.health.start(self.health_sock)
         if self.group is not None and self.rpc_sock is not None:
             self.registry = Registry(self.group, plan.address, plan.rpc_port, plan.probe_interval_s,
                                      plan.cluster_token, self._group_status)
             self.registry.limits = registry_limits(plan.limits)
+            self.registry.tls = server_context(plan.ssl_certfile, plan.ssl_keyfile)
             await self.registry.start(self.rpc_sock)
             self._tasks.append(asyncio.create_task(self._watch_group()))
         for sig in (signal.SIGTERM, signal.SIGINT):

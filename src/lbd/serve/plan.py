@@ -246,16 +246,19 @@ def _ready_needed(policy: str, view: int) -> int:
     return int(policy)
 
 
-def _check_tls(ns: argparse.Namespace, role: str, remote: bool) -> None:
-    """TLS covers one node's deployment: its API port (the router), its health port, its supervisor and
-    ranks, all on this machine, so each part verifies the others over loopback against --ssl-ca-certs.
-    Groups that span nodes (their registration and cross-node links), Ray-placed ranks and client
+def _check_tls(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) -> None:
+    """TLS covers every port of the deployment: the API port (the router), health ports, supervisors, ranks,
+    and in a group that spans nodes the registration with the head and the links between nodes (the head's
+    router verifies the remote ranks). Each part verifies the others against --ssl-ca-certs, so a node's
+    certificate names the addresses others reach it at (its advertised address, and 127.0.0.1 for the parts
+    on the same machine). An MoE group across nodes (its coordinator's port), Ray-placed ranks and client
     certificates are refused rather than half-applied."""
     given = [flag for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
                                       ("--ssl-ca-certs", ns.ssl_ca_certs)) if value is not None]
     if not given:
         return
-    where = ("a group that spans nodes" if remote or role != "head" else
+    spans = remote or role != "head"
+    where = ("an MoE group that spans nodes" if spans and moe_group else
              "--data-parallel-backend ray" if ns.data_parallel_backend == "ray" else None)
     if where is not None:
         raise SupervisorArgError(f"{given[0]}: TLS is not implemented for {where} yet: serve TLS with lbd "
@@ -289,7 +292,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     registry, member = remote and head_of_group, remote and not head_of_group
     moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
     _check_unused(ns, role, remote, moe_group)
-    _check_tls(ns, role, remote)
+    _check_tls(ns, role, remote, moe_group)
     if remote and address is None:
         who = ("the head must tell remote nodes where to register" if head_of_group
                else "this node registers its ranks with the head")
