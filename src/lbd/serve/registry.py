@@ -10,7 +10,8 @@ DELETE /v1/nodes/{id}   leave (graceful shutdown of that node)
 GET    /v1/group        the group: nodes, their ranges and lease state, missing ranks, recent refusals,
                         rendezvous (see ``lbd.serve.group``)
 GET    /status          every rank of the group in the supervisor's /status shape (a router can follow
-                        ``supervisor://head:rpc-port`` to route over the whole group)
+                        ``supervisor://head:rpc-port`` to route over the whole group; with a cluster token it
+                        needs the token too: follow the head's health port instead)
 GET    /health          200
 
 With a cluster token (``LBD_CLUSTER_TOKEN`` or ``--cluster-token-file``; required when the head listens beyond

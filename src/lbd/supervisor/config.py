@@ -178,8 +178,8 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
     g.add_argument("--supervisor-host", default=None,
                    help="bind address of the health port (default: loopback when the ranks' --host is "
-                        "loopback, else every interface, where a cluster router and the orchestrator read "
-                        "it)")
+                        "loopback or lbd serve runs on one machine, else every interface, where a cluster "
+                        "router and the orchestrator read it)")
     g.add_argument("--cluster-token-file", default=None, metavar="PATH",
                    help=f"file whose first line is the cluster token (else ${CLUSTER_TOKEN_ENV}): it "
                         "authenticates the wires between nodes (registration, an MoE group's coordinator); "
