@@ -14,16 +14,11 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
-from lbd.common.cluster import (
-    LOOPBACK,
-    NO_TOKEN_FIX,
-    ClusterTokenError,
-    is_loopback,
-    read_cluster_token,
-)
+from lbd.common.cluster import LOOPBACK, is_loopback
 from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
+from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import (
     OneLineParser,
     SupervisorArgError,
@@ -246,33 +241,6 @@ def _ready_needed(policy: str, view: int) -> int:
     return int(policy)
 
 
-def _check_tls(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) -> None:
-    """TLS covers every port of the deployment: the API port (the router), health ports, supervisors, ranks,
-    and in a group that spans nodes the registration with the head and the links between nodes (the head's
-    router verifies the remote ranks). Each part verifies the others against --ssl-ca-certs, so a node's
-    certificate names the addresses others reach it at (its advertised address, and 127.0.0.1 for the parts
-    on the same machine). An MoE group across nodes (its coordinator's port), Ray-placed ranks and client
-    certificates are refused rather than half-applied."""
-    given = [flag for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
-                                      ("--ssl-ca-certs", ns.ssl_ca_certs)) if value is not None]
-    if not given:
-        return
-    spans = remote or role != "head"
-    where = ("an MoE group that spans nodes" if spans and moe_group else
-             "--data-parallel-backend ray" if ns.data_parallel_backend == "ray" else None)
-    if where is not None:
-        raise SupervisorArgError(f"{given[0]}: TLS is not implemented for {where} yet: serve TLS with lbd "
-                                 "supervise --ssl-certfile ... per node and lbd route --ssl-certfile ... in "
-                                 "front (README, TLS), or drop it")
-    if ns.ssl_cert_reqs:
-        raise SupervisorArgError("--ssl-cert-reqs: client certificates are not implemented for an lbd serve "
-                                 "--data-parallel-size N deployment (its router would need one towards the "
-                                 "ranks): drop it, or run lbd supervise + lbd route")
-    if ns.ssl_certfile is None:
-        raise SupervisorArgError(f"{given[0]} needs --ssl-certfile (and --ssl-keyfile): the deployment "
-                                 "serves TLS with that certificate on every port")
-
-
 def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: dict[str, str]) -> Plan:
     role = _role(ns)
     n, local, start = _topology(ns, role)
@@ -292,7 +260,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     registry, member = remote and head_of_group, remote and not head_of_group
     moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
     _check_unused(ns, role, remote, moe_group)
-    _check_tls(ns, role, remote, moe_group)
+    check_tls(ns, role, remote, moe_group)
     if remote and address is None:
         who = ("the head must tell remote nodes where to register" if head_of_group
                else "this node registers its ranks with the head")
@@ -302,13 +270,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     rpc_port = ns.data_parallel_rpc_port if ns.data_parallel_rpc_port is not None else DEFAULT_RPC_PORT
     runs_router = role != "headless"
     rank_port = ns.rank_port if ns.rank_port is not None else ns.port + (1 if runs_router else 0)
-    # one machine (no remote nodes, or a group that meets on loopback): ranks only on loopback (the router is
-    # beside them); several: reachable from the head
-    one_machine = not remote or is_loopback(address)
-    if role == "headless":
-        rank_host = ns.host or (LOOPBACK if one_machine else None)
-    else:  # --host is the router's
-        rank_host = LOOPBACK if one_machine and ns.data_parallel_backend != "ray" else None
+    one_machine = not remote or is_loopback(address)  # no remote nodes, or a group that meets on loopback
+    rank_host = _rank_host(ns, role, one_machine)
     view = n if role == "head" else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
@@ -324,7 +287,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
-        cluster_token=_cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
+        cluster_token=cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
         + (_group_argv(ns, address, rpc_port) if moe_group else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
@@ -332,27 +295,17 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)
-    _check_cluster_auth(plan, remote)
+    check_cluster_auth(address if remote else None, plan.cluster_token, plan.insecure_cluster)
     return plan
 
 
-def _cluster_token(ns: argparse.Namespace, env: dict[str, str]) -> str | None:
-    """The cluster token: ``--cluster-token-file``, else $LBD_CLUSTER_TOKEN."""
-    try:
-        return read_cluster_token(ns.cluster_token_file, env)
-    except ClusterTokenError as e:
-        raise SupervisorArgError(str(e)) from None
-
-
-def _check_cluster_auth(plan: Plan, remote: bool) -> None:
-    """A group whose registration (the head's --data-parallel-address) is beyond loopback needs the cluster
-    token, or --insecure-cluster: anyone who reaches an open head can register ranks and have the router
-    send them users' prompts (and a node without the token would be refused by a head that has one)."""
-    address = plan.address
-    if (remote and address is not None and plan.cluster_token is None and not plan.insecure_cluster
-            and not is_loopback(address)):
-        raise SupervisorArgError(f"--data-parallel-address {address} is beyond loopback and the group's "
-                                 f"registration would take any caller: {NO_TOKEN_FIX}")
+def _rank_host(ns: argparse.Namespace, role: str, one_machine: bool) -> str | None:
+    """The ranks' bind address (None: every interface). On one machine loopback (the router is beside
+    them); across machines reachable from the head (a headless node's --host, else every interface)."""
+    if role == "headless":
+        return ns.host or (LOOPBACK if one_machine else None)
+    # elsewhere --host is the router's
+    return LOOPBACK if one_machine and ns.data_parallel_backend != "ray" else None
 
 
 def _check_ports(ns: argparse.Namespace, role: str, local: int, rank_port: int, rank_host: str | None,

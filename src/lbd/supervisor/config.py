@@ -452,9 +452,11 @@ def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
 
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str], local_devices: bool = True,
-               changed: dict[str, object] | None = None) -> list[RankSpec]:
+               changed: dict[str, object] | None = None,
+               group_env: dict[str, str] | None = None) -> list[RankSpec]:
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
-    (its devices nor its CPUs)."""
+    (its devices nor its CPUs). ``group_env``: an MoE group's environment (the cluster token: the members'
+    CURVE keys come from it)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
     visible = visible_cuda_devices(env, ns.device) if local_devices else None
@@ -474,12 +476,23 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         except EngineFlagError as e:
             raise SupervisorArgError(str(e)) from None
         child_env.update(secrets)
+        child_env.update(group_env or {})
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
                               probe_host=probe_host_for(ns.host), bind_host=ns.host,
                               engine="command" if ns.rank_command else ns.rank_engine,
                               scheme="https" if ns.ssl_certfile else "http"))
     return specs
+
+
+def _plan_group(ns: argparse.Namespace, n: int, local: int, start: int,
+                env: dict[str, str]) -> tuple[GroupSpec | None, str]:
+    """The MoE group (lbd.supervisor.moe.plan_group), with the cluster token it needs across machines."""
+    try:
+        token = read_cluster_token(ns.cluster_token_file, env)
+    except ClusterTokenError as e:
+        raise SupervisorArgError(str(e)) from None
+    return plan_group(ns, n, local, start, token)
 
 
 def health_host(flag: str | None, rank_host: str | None) -> str:
@@ -516,11 +529,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_model(ns)
-        try:
-            token = read_cluster_token(ns.cluster_token_file, env)
-        except ClusterTokenError as e:
-            raise SupervisorArgError(str(e)) from None
-        group, on_failure = plan_group(ns, n, local, start, token)
+        group, on_failure = _plan_group(ns, n, local, start, env)
         if not ray:
             _check_ports(ns, local)
         elif ns.rank_engine != "lbd" or ns.rank_command is not None:
@@ -532,9 +541,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         _check_kv_events(ns, start, local)
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
         specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
-                           changed_engine_options(parser, ns, engine_dests))
-        for spec in specs if group is not None else []:
-            spec.env.update(group.child_env())  # the members' CURVE keys come from it
+                           changed_engine_options(parser, ns, engine_dests), group and group.child_env())
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(

@@ -167,6 +167,21 @@ def _port_problem(host: str | None, port: int) -> str | None:
     return port_in_use(host, port)
 
 
+def _check_coordinator_ports(ns: Any, local: int, address: str, port: int) -> None:
+    """The coordinator's three ports above P are free and none is a rank's or the health port."""
+    taken = {p: f"rank port of local rank {p - ns.port}" for p in range(ns.port, ns.port + local)}
+    taken[ns.data_parallel_supervisor_port] = "--data-parallel-supervisor-port"
+    for offset, role in ((STORE_OFFSET, "store"), (ZMQ_OFFSET, "coordinator"),
+                         (HTTP_OFFSET, "coordinator's HTTP")):
+        if port + offset in taken:
+            raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} port "
+                                 f"{port + offset} is the {taken[port + offset]}: move one of them")
+        problem = _port_problem(address, port + offset)
+        if problem:
+            raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} {problem}: pick "
+                                 "another --data-parallel-rpc-port (it uses the 3 ports above it)")
+
+
 def plan_group(ns: Any, n: int, local: int, start: int,
                token: str | None = None) -> tuple[GroupSpec | None, str]:
     """The MoE group of this node's ranks (None: independent dense ranks) and the --on-rank-failure policy
@@ -222,17 +237,7 @@ def plan_group(ns: Any, n: int, local: int, start: int,
                              f"{NO_TOKEN_FIX}")
     runs_coordinator = start == 0
     if runs_coordinator:
-        taken = {p: f"rank port of local rank {p - ns.port}" for p in range(ns.port, ns.port + local)}
-        taken[ns.data_parallel_supervisor_port] = "--data-parallel-supervisor-port"
-        for offset, role in ((STORE_OFFSET, "store"), (ZMQ_OFFSET, "coordinator"),
-                             (HTTP_OFFSET, "coordinator's HTTP")):
-            if port + offset in taken:
-                raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} port "
-                                     f"{port + offset} is the {taken[port + offset]}: move one of them")
-            problem = _port_problem(address, port + offset)
-            if problem:
-                raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} {problem}: pick "
-                                     "another --data-parallel-rpc-port (it uses the 3 ports above it)")
+        _check_coordinator_ports(ns, local, address, port)
     spec = GroupSpec(moe=moe, size=n, local_ranks=tuple(range(start, start + local)), address=address,
                      rpc_port=port, expert_parallel=bool(ns.enable_expert_parallel),
                      runs_coordinator=runs_coordinator, token=token, insecure=insecure)

@@ -24,18 +24,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, bearer_ok, is_loopback, secure_zmq_server
 from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
 from lbd.engine.dp import messages as M
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 logger = logging.getLogger("lbd.engine.dp.coordinator")
 Outgoing = list[tuple[bytes, bytes]]  # (rank identity, message)
@@ -224,32 +229,18 @@ class CoordinatorMetrics:
 
 ZMQ_PURPOSE = "lbd-dp-coordinator"  # the CURVE keys' derivation label (the ranks use the same)
 MAX_BODY_BYTES = 4096  # POST /members/{rank}/failed: {"reason": "..."}
+BODY_READ_S = 5.0
 
 
-async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
-                timeout_s: float, token: str | None = None) -> int:
-    import zmq
-    import zmq.asyncio
+def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[Outgoing], Awaitable[None]],
+              token: str | None) -> web.Application:
+    """/status, /metrics and POST /members/{rank}/failed; the bearer token on each when there is one; a
+    failure report's body capped at ``MAX_BODY_BYTES`` and ``BODY_READ_S``."""
     from aiohttp import web
 
-    from lbd.engine.dp.group import host_store
     from lbd.engine.server.errors import APIError, error_response
 
-    ip = socket.gethostbyname(address)
-    store = host_store(ip, rpc_port + STORE_PORT_OFFSET, timeout_s)  # kept alive for the process's life
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a rank that went away is dropped
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a member's message is a few hundred bytes
-    secure_zmq_server(sock, token, ZMQ_PURPOSE)
-    sock.bind(f"tcp://{ip}:{rpc_port + ZMQ_PORT_OFFSET}")
-    coord = Coordinator(size)
-    metrics = CoordinatorMetrics()
-
-    async def send(out: Outgoing) -> None:
-        for ident, msg in out:
-            await sock.send_multipart([ident, msg])
+    size = coord.size
 
     async def status(request: web.Request) -> web.Response:
         return web.json_response(coord.status(time.monotonic()))
@@ -271,7 +262,11 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
             if (request.content_length or 0) > MAX_BODY_BYTES:
                 return error_response(APIError(f"body over {MAX_BODY_BYTES} bytes", 413))
             try:
-                body = await request.json()
+                raw = await asyncio.wait_for(request.read(), BODY_READ_S)
+            except TimeoutError:
+                return error_response(APIError(f"body not received within {BODY_READ_S:g} s", 408))
+            try:
+                body = json.loads(raw)
                 reason = str(body.get("reason") or reason) if isinstance(body, dict) else reason
             except ValueError:
                 return error_response(APIError("body must be JSON: {\"reason\": \"...\"}", 400))
@@ -289,6 +284,34 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_text)
     app.router.add_post("/members/{rank}/failed", failed)
+    return app
+
+
+async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
+                timeout_s: float, token: str | None = None) -> int:
+    import zmq
+    import zmq.asyncio
+    from aiohttp import web
+
+    from lbd.engine.dp.group import host_store
+
+    ip = socket.gethostbyname(address)
+    store = host_store(ip, rpc_port + STORE_PORT_OFFSET, timeout_s)  # kept alive for the process's life
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a rank that went away is dropped
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a member's message is a few hundred bytes
+    secure_zmq_server(sock, token, ZMQ_PURPOSE)
+    sock.bind(f"tcp://{ip}:{rpc_port + ZMQ_PORT_OFFSET}")
+    coord = Coordinator(size)
+    metrics = CoordinatorMetrics()
+
+    async def send(out: Outgoing) -> None:
+        for ident, msg in out:
+            await sock.send_multipart([ident, msg])
+
+    app = _http_app(coord, metrics, send, token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, http_host, http_port).start()
