@@ -253,3 +253,23 @@ def test_nodes_with_and_without_the_token(tiny_llama: Path, tmp_path: Path) -> N
     finally:
         codes = [n.close() for n in (bad, good, head) if n is not None]
     assert codes[-2:] == [0, 0]
+
+
+def test_cluster_flags_that_would_do_nothing_are_refused(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    for flags in (["--cluster-token-file", str(token_file)], ["--insecure-cluster"]):
+        with pytest.raises(SystemExit) as e:
+            parse([*_ports(), "--data-parallel-size", "2", "--device", "sim", *flags], {})
+        assert e.value.code == 2 and f"{flags[0]} does nothing here" in capsys.readouterr().err
+        base = free_port_run(3)
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--port", str(base), "--data-parallel-supervisor-port", str(base + 2),
+                        "--data-parallel-size", "2", "--device", "sim", *flags], env={})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{flags[0]} applies to the wires of an MoE group" in err
+    # a headless node's supervisor is not handed either: its ranks are dense
+    worker = parse([*_ports(), *GROUP, *ADDR, "--headless", "--data-parallel-start-rank", "2",
+                    "--insecure-cluster"], {})
+    assert worker is not None and "--insecure-cluster" not in worker.supervise_argv

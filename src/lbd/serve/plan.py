@@ -35,7 +35,7 @@ DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
 # consumed here, never passed to the ranks' supervisor as such
 _OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "data_parallel_rpc_port",
                   "ready_policy", "supervisor_host", "data_parallel_supervisor_port", "max_num_queued_reqs",
-                  "max_num_queued_tokens", "cluster_token_file"})
+                  "max_num_queued_tokens", "cluster_token_file", "insecure_cluster"})
 
 
 @dataclass(slots=True)
@@ -226,6 +226,11 @@ def _check_unused(ns: argparse.Namespace, role: str, remote: bool, moe_group: bo
         unused.append(("--rank-port", "Ray-placed ranks take a free port on their node"))
     if ns.route_policy is not None and role == "headless":
         unused.append(("--route-policy", "a --headless node runs no router"))
+    wires = (remote and ns.data_parallel_backend == "mp") or moe_group
+    for flag, given in (("--cluster-token-file", ns.cluster_token_file is not None),
+                        ("--insecure-cluster", ns.insecure_cluster)):
+        if given and not wires:
+            unused.append((flag, "no wire between nodes or MoE group here: everything is on this machine"))
     for flag, why in unused:
         raise SupervisorArgError(f"{flag} does nothing here ({why}): drop it")
 
@@ -289,7 +294,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
         cluster_token=cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
-        + (_group_argv(ns, address, rpc_port) if moe_group else []),
+        + (_group_argv(ns, address, rpc_port) if moe_group else [])
+        + (["--insecure-cluster"] if moe_group and ns.insecure_cluster else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,

@@ -492,7 +492,14 @@ def _plan_group(ns: argparse.Namespace, n: int, local: int, start: int,
         token = read_cluster_token(ns.cluster_token_file, env)
     except ClusterTokenError as e:
         raise SupervisorArgError(str(e)) from None
-    return plan_group(ns, n, local, start, token)
+    group, policy = plan_group(ns, n, local, start, token)
+    if group is None:
+        for flag, given in (("--cluster-token-file", ns.cluster_token_file is not None),
+                            ("--insecure-cluster", ns.insecure_cluster)):
+            if given:
+                raise SupervisorArgError(f"{flag} applies to the wires of an MoE group, and these ranks are "
+                                         "independent: drop it")
+    return group, policy
 
 
 def health_host(flag: str | None, rank_host: str | None) -> str:
