@@ -123,17 +123,26 @@ def test_headless_head_and_worker_on_loopback(tiny_llama: Path, tmp_path: Path) 
 
 
 def test_moe_group_on_one_machine(tiny_mixtral: Path, tmp_path: Path) -> None:
-    """An MoE DP group: the coordinator's store, ZMQ and HTTP ports and gloo's pair sockets on loopback."""
+    """An MoE DP group: the coordinator's store, ZMQ and HTTP ports and gloo's pair sockets on loopback.
+    With a cluster token (optional on one machine) the members join over CURVE and HTTP asks for it."""
     base = free_port_run(4)
+    token = "listeners-test-token"
     node = ServeNode(["--model", str(tiny_mixtral), *CPU_FLAGS, "--data-parallel-size", "2",
                       "--enable-expert-parallel", "--port", str(base), "--data-parallel-supervisor-port",
-                      str(base + 3)], tmp_path / "moe.log", port=base, health_port=base + 3)
+                      str(base + 3)], tmp_path / "moe.log", port=base, health_port=base + 3,
+                     env={"LBD_CLUSTER_TOKEN": token})
     try:
         node.wait_ready(300)
         found = listeners(node.proc.pid)
         coordinator = [(ip, port) for ip, port, name in found if "coordinator" in name]
         assert len(coordinator) == 3, found  # store, ZMQ, HTTP
         assert_closed(found, {base}, expect=9)  # + router, health, supervisor, 2 ranks, gloo's
+        (group,) = node.status()["groups"]
+        url = group["coordinator"]["url"]
+        assert httpx.get(url + "/status", timeout=5).status_code == 401
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(url + "/status", headers=auth, timeout=5).json()["state"] == "ready"
+        assert token not in node.log_text() and token not in node.get(node.health + "/status").text
     finally:
         node.close()
 
