@@ -9,6 +9,7 @@ from support import free_port_run
 
 GROUP = ["--data-parallel-size", "4", "--data-parallel-size-local", "2"]
 ADDR = ["--data-parallel-address", "10.0.0.1"]
+TOKEN = {"LBD_CLUSTER_TOKEN": "t"}  # a group beyond loopback needs one (tests/serve/test_cluster_auth.py)
 
 
 def _ports() -> list[str]:
@@ -18,7 +19,7 @@ def _ports() -> list[str]:
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as e:
-        parse([*_ports(), *argv], env={})
+        parse([*_ports(), *argv], env=TOKEN)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("lbd serve: error: ") or "lbd route: error" in err, err
@@ -117,8 +118,9 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--data-parallel-size", "2", "--api-server-count", "65"], ["--workers 65 is more than 64"]),
         (["--headless"], ["registers its ranks"]),  # --headless alone is a deployment (of one rank)
         (["--data-parallel-size", "2", "--block-size", "3"], ["--block-size must be a power of two"]),
+        # a group across nodes takes TLS on every link (test_deploy_multinode.py): a missing file is named
         ([*GROUP, *ADDR, "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"],
-         ["--ssl-certfile: TLS is not implemented for a group that spans nodes", "lbd route --ssl-certfile"]),
+         ["--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: cannot load"]),
         (["--data-parallel-size", "2", "--data-parallel-backend", "ray", "--ssl-certfile", "c.pem"],
          ["not implemented for --data-parallel-backend ray"]),
         (["--data-parallel-size", "2", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"],
@@ -226,7 +228,7 @@ def test_keys_and_limits_reach_both_children() -> None:
 
 
 def test_multi_node_plans() -> None:
-    head = parse([*_ports(), *GROUP, *ADDR], {})
+    head = parse([*_ports(), *GROUP, *ADDR], TOKEN)
     assert head is not None and head.registry and head.view_size == 4 and head.ready_needed == 4
     assert "--host" not in head.supervise_argv  # reachable from the head's router and other routers
     assert not any("10.0.0.1" in a for a in head.supervise_argv)  # the group's address is not a rank flag
@@ -240,13 +242,13 @@ def test_multi_node_plans() -> None:
     assert sup[sup.index("--data-parallel-start-rank") + 1] == "2"
     assert sup[sup.index("--port") + 1] == _port_of(worker)  # a headless node's ranks start at --port
     router_only = parse(
-        [*_ports(), "--data-parallel-size", "4", "--data-parallel-size-local", "0", *ADDR], {}
+        [*_ports(), "--data-parallel-size", "4", "--data-parallel-size-local", "0", *ADDR], TOKEN
     )
     assert router_only is not None and router_only.registry and router_only.dp_size_local == 0
-    lws = parse([*_ports(), *GROUP, *ADDR, "--headless", "--node-rank", "1"], {})
+    lws = parse([*_ports(), *GROUP, *ADDR, "--headless", "--node-rank", "1"], TOKEN)
     assert lws is not None and lws.dp_start_rank == 2  # LeaderWorkerSet: --node-rank $(LWS_WORKER_INDEX)
     hybrid = parse(
-        [*_ports(), *GROUP, *ADDR, "--data-parallel-hybrid-lb", "--data-parallel-start-rank", "2"], {}
+        [*_ports(), *GROUP, *ADDR, "--data-parallel-hybrid-lb", "--data-parallel-start-rank", "2"], TOKEN
     )
     assert hybrid is not None and hybrid.member and hybrid.route_argv is not None and hybrid.view_size == 2
 

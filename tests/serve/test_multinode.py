@@ -7,13 +7,17 @@ same two nodes. Ranks run on the simulated accelerator (real front end, schedule
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
+from support import make_certs
 from support.deploy_harness import (
     PROBE_BOUND_S,
     PROBE_FLAGS,
@@ -28,6 +32,7 @@ from support.netns import Namespaces, unavailable
 
 HEAD, WORKER = "10.77.0.1", "10.77.0.2"
 RPC = "29550"
+CLUSTER = {"LBD_CLUSTER_TOKEN": "multinode-test-token"}  # a group beyond loopback needs one
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no network namespaces: {unavailable()}")
 
@@ -68,9 +73,9 @@ def test_headless_node_joins_leaves_and_comes_back(nodes: tuple[Namespaces, str,
                                                    tmp_path: Path) -> None:
     nets, head_ns, worker_ns, worker_dev = nodes
     flags = _group_flags(tiny_llama)
-    head = ServeNode(flags, tmp_path / "head.log", nets, head_ns, host=HEAD)
+    head = ServeNode(flags, tmp_path / "head.log", nets, head_ns, host=HEAD, env=CLUSTER)
     worker = ServeNode([*flags, "--headless", "--data-parallel-start-rank", "2"], tmp_path / "worker.log",
-                       nets, worker_ns, host=WORKER)
+                       nets, worker_ns, host=WORKER, env=CLUSTER)
     try:
         head.wait_ready()
         status = head.status()
@@ -122,15 +127,18 @@ def test_hybrid_nodes_balance_their_own_ranks(nodes: tuple[Namespaces, str, str,
                                               tmp_path: Path) -> None:
     nets, a_ns, b_ns, _ = nodes
     flags = [*_group_flags(tiny_llama), "--data-parallel-hybrid-lb"]
-    a = ServeNode(flags, tmp_path / "a.log", nets, a_ns, host=HEAD)
-    b = ServeNode([*flags, "--data-parallel-start-rank", "2"], tmp_path / "b.log", nets, b_ns, host=WORKER)
+    a = ServeNode(flags, tmp_path / "a.log", nets, a_ns, host=HEAD, env=CLUSTER)
+    b = ServeNode([*flags, "--data-parallel-start-rank", "2"], tmp_path / "b.log", nets, b_ns, host=WORKER,
+                  env=CLUSTER)
     cluster = None
     try:
         a.wait_ready()
         b.wait_ready()
         assert [r["rank"] for r in a.status()["ranks"]] == [0, 1]
         assert [r["rank"] for r in b.status()["ranks"]] == [2, 3]
-        group = a.get(f"http://{HEAD}:{RPC}/status").json()  # the head's registry sees the whole group
+        auth = {"Authorization": f"Bearer {CLUSTER['LBD_CLUSTER_TOKEN']}"}  # the registry wants the token
+        assert a.get(f"http://{HEAD}:{RPC}/status").status_code == 401
+        group = a.call(lambda: httpx.get(f"http://{HEAD}:{RPC}/status", headers=auth, timeout=5.0).json())
         urls = rank_urls(group)
         assert sorted(urls) == [0, 1, 2, 3]
         for node, own in ((a, (0, 1)), (b, (2, 3))):
@@ -157,3 +165,47 @@ def test_hybrid_nodes_balance_their_own_ranks(nodes: tuple[Namespaces, str, str,
         codes = b.close(), a.close()
     assert codes == (0, 0)
 
+
+
+def test_tls_group_across_nodes(nodes: tuple[Namespaces, str, str, str], tiny_llama: Path,
+                                tmp_path: Path) -> None:
+    """Where the public ports serve TLS, so do the links between nodes: registration with the head, the
+    head's router to the remote ranks, every health port; each verified against --ssl-ca-certs."""
+    nets, head_ns, worker_ns, _ = nodes
+    ca, cert, key = make_certs(tmp_path / "tls", HEAD, WORKER, "127.0.0.1", "localhost")
+    flags = [*_group_flags(tiny_llama), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+             "--ssl-ca-certs", str(ca)]
+    head = ServeNode(flags, tmp_path / "head.log", nets, head_ns, host=HEAD, env=CLUSTER)
+    worker = ServeNode([*flags, "--headless", "--data-parallel-start-rank", "2"], tmp_path / "worker.log",
+                       nets, worker_ns, host=WORKER, env=CLUSTER)
+    trust = ssl.create_default_context(cafile=str(ca))
+    auth = {"Authorization": f"Bearer {CLUSTER['LBD_CLUSTER_TOKEN']}"}
+
+    def get(node: ServeNode, url: str, **kw: Any) -> httpx.Response:
+        return node.call(lambda: httpx.get(url, verify=trust, timeout=5.0, **kw))
+
+    try:
+        head.wait_for(lambda: get(head, f"https://{HEAD}:9256/readyz").status_code == 200, 120, "TLS group")
+        group = get(head, f"https://{HEAD}:{RPC}/status", headers=auth).json()
+        assert [r["url"].split(":")[0] for r in group["ranks"]] == ["https"] * 4
+        assert rank_urls(group)[2].startswith(f"https://{WORKER}:")
+        node = get(head, f"https://{HEAD}:{RPC}/v1/group", headers=auth).json()["nodes"][0]
+        assert node["health_url"] == f"https://{WORKER}:9256"
+        assert get(head, f"https://{HEAD}:{RPC}/v1/group").status_code == 401
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP on the registration port
+            head.get(f"http://{HEAD}:{RPC}/health")
+        head.wait_for(lambda: list(router_states_tls(head, trust).values()) == ["ready"] * 4, 30,
+                      "router over 4 TLS ranks")
+        body = {"prompt": "hi", "max_tokens": 4}
+        answers = head.call(lambda: [httpx.post(f"https://{HEAD}:8000/v1/completions", verify=trust,
+                                                json=body, timeout=60).status_code for _ in range(8)])
+        assert answers == [200] * 8
+    finally:
+        codes = worker.close(), head.close()
+    assert codes == (0, 0), head.log_text()[-3000:] + worker.log_text()[-3000:]
+
+
+def router_states_tls(node: ServeNode, trust: ssl.SSLContext) -> dict[int | None, str]:
+    status = node.call(lambda: httpx.get(f"https://{node.host}:{node.port}/router/status", verify=trust,
+                                         timeout=5.0).json())
+    return {e["rank"]: e["state"] for e in status["endpoints"]}

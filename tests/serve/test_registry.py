@@ -147,10 +147,17 @@ async def test_token_join_overlap_lease_and_takeover(registry: tuple[Registry, s
         assert (await c.post(base + "/v1/nodes", content=b"{not json")).status_code == 400
 
 
-async def test_a_restarted_node_takes_over_at_once(registry: tuple[Registry, str]) -> None:
+async def test_a_restarted_node_takes_its_ranks_back_once_the_old_lease_lapses(
+    registry: tuple[Registry, str],
+) -> None:
+    """A new node id on a registered health URL is refused while that lease lives (tests/serve/
+    test_cluster_auth.py tries it as a takeover), admitted once it lapsed."""
     _, base = registry
     assert (await _post(base, _reg(2, node="old"))).status_code == 200
-    assert (await _post(base, _reg(2, node="new"))).status_code == 200  # same health port: it restarted
+    early = await _post(base, _reg(2, node="new"))
+    assert early.status_code == 409 and early.json()["error"]["param"] == "node_id"
+    await asyncio.sleep(2.0)
+    assert (await _post(base, _reg(2, node="new"))).status_code == 200
 
 
 def test_span() -> None:

@@ -18,4 +18,11 @@ Ports on a node: `--port` (8000) the router; `--rank-port` (default `--port` + 1
 + local rank the ranks; `--data-parallel-supervisor-port` (9256) the health port; on the head
 `--data-parallel-rpc-port` (29550) the registration service, with P+1 and P+2 set aside for the DP group's
 torch.distributed store and coordinator (see `lbd.serve.group.rendezvous`).
+
+Where they listen (README, "Cluster wires"): on one machine (no remote nodes, or a group that meets at a
+loopback --data-parallel-address) everything but the router's port stays on loopback; across machines the
+ranks and health ports take every interface (or a headless node's --host) and the registration port the
+head's address only. A group across machines needs the cluster token (``LBD_CLUSTER_TOKEN`` or
+``--cluster-token-file``; ``lbd.common.cluster``) unless ``--insecure-cluster``, and with ``--ssl-certfile``
+its links between nodes are HTTPS.
 """

@@ -8,10 +8,12 @@ supervisor's code) when the node's supervisor gave up.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import sys
 
+from lbd.common.cluster import listen_socket
 from lbd.serve.plan import PROG, Plan, parse
 from lbd.supervisor.config import SupervisorArgError, bind_health_socket
 
@@ -32,12 +34,18 @@ def _bind(plan: Plan) -> tuple[socket.socket, socket.socket | None]:
     health = bind_health_socket(plan.health_host, plan.health_port)
     if not plan.registry:
         return health, None
-    try:
-        rpc = bind_health_socket("::" if plan.address and ":" in plan.address else "0.0.0.0", plan.rpc_port)
-    except SupervisorArgError:
+    assert plan.address is not None
+    try:  # the head's address only: the registration port is no wider than the group needs
+        rpc = listen_socket(plan.address, plan.rpc_port)
+    except OSError as e:
         health.close()
-        raise SupervisorArgError(f"--data-parallel-rpc-port {plan.rpc_port} is already in use: pick a free "
-                                 "port (and pass the same to every node)") from None
+        if e.errno == errno.EADDRINUSE:
+            raise SupervisorArgError(f"--data-parallel-rpc-port {plan.rpc_port} is already in use: pick a "
+                                     "free port (and pass the same to every node)") from None
+        raise SupervisorArgError(f"--data-parallel-address {plan.address}: the head cannot listen there "
+                                 f"({e.strerror or e}): give the head's own address on the network its "
+                                 "nodes share") from None
+    rpc.setblocking(False)
     return health, rpc
 
 

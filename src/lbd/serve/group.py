@@ -6,7 +6,13 @@ and the head's health port. A node registers its rank range; the head checks it 
 and refuses it with a message naming the flag otherwise. A registration is a lease: each heartbeat (which
 carries the node's ranks as its supervisor reports them) renews it; a node whose lease ran out is *lost*: its
 ranks stay listed, not routable, until it comes back (same node id: no restart needed) or another node takes
-its range over (or the same node, same health port, registers again after a restart).
+its range over.
+
+Identity: a registration binds the node's ranks and its health URL to its node id. While the lease is live no
+other node id may register them (409, param ``node_id``: a restarted node waits for its old lease to lapse,
+then takes its ranks back); once it lapsed, another registrant may take the range over, and on a head that
+listens beyond loopback only a holder of the cluster token can register at all (the registry answers 401
+otherwise). So nobody without the token can point the router at rank URLs of their choosing.
 
 Rendezvous for the DP group's collective layers (MoE across DP ranks): the registration service owns
 ``--data-parallel-rpc-port`` P on the head's ``--data-parallel-address`` A; P+1 is the torch.distributed
@@ -113,8 +119,11 @@ class Group:
                                 reason=e.message)
             self.rejected = [*self.rejected, refused][-MAX_REJECTIONS_KEPT:]
             raise
-        for other in [m for m in self.members.values() if set(m.rank_ids) & set(range(start, start + count))]:
-            del self.members[other.node_id]  # lost, or that node restarted: this registration takes over
+        taken = set(range(start, start + count))
+        for other in [m for m in self.members.values()
+                      if set(m.rank_ids) & taken
+                      or (m.health_url is not None and m.health_url == reg.get("health_url"))]:
+            del self.members[other.node_id]  # itself, or a lapsed lease: this registration takes over
         member = Member(node_id, address, start, count, reg.get("health_url"), list(reg.get("models") or []),
                         rank_statuses(reg.get("ranks")), now, now, hostname=str(reg.get("hostname", "")))
         self.members[node_id] = member
@@ -142,9 +151,14 @@ class Group:
                            "--data-parallel-start-rank", "data_parallel_start_rank")
         self.expire(now)
         for other in self.members.values():
+            if other.node_id == node_id or other.lost:
+                continue  # the node itself registering again, or a lapsed lease: the range is free
+            if other.health_url == health_url:
+                raise Rejected(f"health URL {health_url} is registered by another node id (heartbeat "
+                               f"{now - other.last_seen:.1f} s ago): a restarted node is admitted once that "
+                               f"lease lapses ({self.lease_s:.1f} s without heartbeats)", "node_id")
             clash = ranks & set(other.rank_ids)
-            # the same health port registering again is that node restarted: it takes its ranks over
-            if clash and other.node_id != node_id and not other.lost and other.health_url != health_url:
+            if clash:
                 raise Rejected(f"ranks {span(sorted(clash))} are already registered by node {other.address} "
                                f"(heartbeat {now - other.last_seen:.1f} s ago): start node {address} with "
                                "another --data-parallel-start-rank", "data_parallel_start_rank")

@@ -4,8 +4,10 @@ The wire is HTTP/JSON to the head's registration service (`lbd.serve.registry`):
 PUT /v1/nodes/{id} every heartbeat interval the head asked for, carrying the node's ranks as its supervisor
 reports them (state, pid, reachable URL), DELETE at shutdown. A refusal (409: mismatched
 --data-parallel-size, overlapping ranks, other models; 401: wrong LBD_CLUSTER_TOKEN) is final: the node stops
-and exits 2. A head that cannot be reached is retried for ever, with the reason in the node's /status and a
-503 from its /readyz; a head that forgot us (404: it restarted) is registered with again.
+and exits 2, except a 409 about the node id (this node's previous run still holds the lease: it is waited
+out). A head that cannot be reached is retried for ever, with the reason in the node's /status and a 503 from
+its /readyz; a head that forgot us (404: it restarted) is registered with again. The head's answers are read
+up to ``MAX_REPLY_BYTES`` within the probe timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from lbd.wire.status import Registration, RegistryRendezvous
 log = logging.getLogger("lbd.serve")
 
 CONNECTING, REGISTERED, DISCONNECTED, REJECTED = "connecting", "registered", "disconnected", "rejected"
+MAX_REPLY_BYTES = 64 * 1024  # the head's answers are a few hundred bytes
 
 
 def route_source_address(host: str, port: int) -> str:
@@ -42,12 +46,27 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The answer's body, or b"" when it is longer than ``cap`` (never a reason to hold more)."""
+    if (resp.content_length or 0) > cap:
+        return b""
+    parts, size = [], 0
+    while chunk := await resp.content.read(cap + 1 - size):
+        size += len(chunk)
+        if size > cap:
+            return b""
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class Membership:
     def __init__(self, head: str, rpc_port: int, advertise: str | None, health_port: int, timeout_s: float,
                  token: str | None, registration: Callable[[str], dict[str, Any]],
-                 on_rejected: Callable[[str], None]) -> None:
+                 on_rejected: Callable[[str], None], tls: ssl.SSLContext | None = None) -> None:
         self.head, self.rpc_port = head, rpc_port
-        self.base = f"http://{url_host(head)}:{rpc_port}"
+        self.tls = tls  # verifies the head's certificate (a TLS deployment: every link is HTTPS)
+        self.scheme = "https" if tls is not None else "http"
+        self.base = f"{self.scheme}://{url_host(head)}:{rpc_port}"
         self.advertise = advertise
         self.health_port = health_port
         self.timeout_s = timeout_s
@@ -85,7 +104,8 @@ class Membership:
         self.state, self.reason = state, reason
 
     async def run(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                              connector=aiohttp.TCPConnector(ssl=self.tls or True))
         try:
             while self.state != REJECTED:
                 if not self.reply:
@@ -102,7 +122,7 @@ class Membership:
             self.advertise = route_source_address(self.head, self.rpc_port)
         body = self.registration(self.advertise)
         body.update(node_id=self.node_id, address=self.advertise, hostname=socket.gethostname(),
-                    health_url=f"http://{url_host(self.advertise)}:{self.health_port}")
+                    health_url=f"{self.scheme}://{url_host(self.advertise)}:{self.health_port}")
         return body
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
@@ -110,7 +130,7 @@ class Membership:
         data = msgspec.json.encode(body) if body is not None else None
         async with self._session.request(method, self.base + path, data=data, headers={
                 **self.headers, "Content-Type": "application/json"}) as resp:
-            raw = await resp.read()
+            raw = await _read_capped(resp, MAX_REPLY_BYTES)  # the session's timeout caps the time
         with contextlib.suppress(orjson.JSONDecodeError):
             return resp.status, orjson.loads(raw) if raw else {}
         return resp.status, {}
@@ -130,7 +150,11 @@ class Membership:
             self._last_ok = time.monotonic()
             self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
             return
-        message = str((reply.get("error") or {}).get("message") or f"the head answered {status}")
+        error = reply.get("error") or {}
+        message = str(error.get("message") or f"the head answered {status}")
+        if status == 409 and error.get("param") == "node_id":  # our previous run's lease: it lapses soon
+            self._set(CONNECTING, f"waiting for the head to release this node's old registration: {message}")
+            return
         if status in (400, 401, 409):
             self._set(REJECTED, f"the head refused this node: {message}")
             self.on_rejected(message)
@@ -160,6 +184,7 @@ class Membership:
         if self.state != REGISTERED:
             return
         with contextlib.suppress(OSError, aiohttp.ClientError, TimeoutError):
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0),
+                                             connector=aiohttp.TCPConnector(ssl=self.tls or True)) as session:
                 async with session.delete(f"{self.base}/v1/nodes/{self.node_id}", headers=self.headers):
                     pass

@@ -23,14 +23,15 @@ from typing import Any
 from msgspec.structs import replace
 
 from lbd.common.auth import API_KEYS_ENV
+from lbd.common.cluster import CLUSTER_TOKEN_ENV
 from lbd.common.internal_key import INTERNAL_KEY_ENV
-from lbd.common.tls import client_context
+from lbd.common.tls import client_context, server_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.serve.group import Group
 from lbd.serve.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.serve.member import CONNECTING, Membership
-from lbd.serve.plan import CLUSTER_TOKEN_ENV, Plan
-from lbd.serve.registry import Registry
+from lbd.serve.plan import Plan
+from lbd.serve.registry import Registry, registry_limits
 from lbd.supervisor.process import child_setup
 from lbd.wire.status import SupervisorStatus
 
@@ -50,11 +51,13 @@ def key_env(plan: Plan, child: str) -> dict[str, str]:
     """The API keys for a child's environment. The supervisor hands them to its ranks; the router asks its
     clients for the same keys and sends the first to the ranks (it does not forward the client's own)."""
     internal = {INTERNAL_KEY_ENV: plan.internal_key} if plan.internal_key else {}
+    # the cluster token goes to the supervisor only (an MoE group's coordinator and members check it)
+    token = {CLUSTER_TOKEN_ENV: plan.cluster_token} if plan.cluster_token and child == "supervisor" else {}
     if not plan.api_keys:
-        return internal
+        return {**internal, **token}
     keys = "\n".join(plan.api_keys)
     if child == "supervisor":
-        return {API_KEYS_ENV: keys, **internal}
+        return {API_KEYS_ENV: keys, **internal, **token}
     return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0], **internal}
 
 
@@ -67,7 +70,7 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        # only this process talks to the head: the token stays out of the children's environments
+        # the token reaches only the children given it (key_env): never the router's environment
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV} | self.env
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,
@@ -151,13 +154,15 @@ class DeploymentNode:
             assert plan.address is not None
             self.membership = Membership(plan.address, plan.rpc_port, plan.advertise, plan.health_port,
                                          plan.probe_timeout_s, plan.cluster_token, self._registration,
-                                         self._rejected)
+                                         self._rejected,
+                                         client_context(plan.ssl_ca_certs) if plan.ssl_certfile else None)
         self.health = NodeHealth(plan, self.local, self.group, self.membership, self._router_alive)
         await self.health.start(self.health_sock)
         if self.group is not None and self.rpc_sock is not None:
             self.registry = Registry(self.group, plan.address, plan.rpc_port, plan.probe_interval_s,
                                      plan.cluster_token, self._group_status)
-            self.registry.limits = plan.limits
+            self.registry.limits = registry_limits(plan.limits)
+            self.registry.tls = server_context(plan.ssl_certfile, plan.ssl_keyfile)
             await self.registry.start(self.rpc_sock)
             self._tasks.append(asyncio.create_task(self._watch_group()))
         for sig in (signal.SIGTERM, signal.SIGINT):

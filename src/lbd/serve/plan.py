@@ -15,10 +15,12 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.cluster import LOOPBACK, is_loopback
 from lbd.common.internal_key import INTERNAL_KEY_ENV, derive_key
 from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
+from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import (
     OneLineParser,
     SupervisorArgError,
@@ -33,11 +35,10 @@ from lbd.wire.roles import NodeRole
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
-CLUSTER_TOKEN_ENV = "LBD_CLUSTER_TOKEN"
 # consumed here, never passed to the ranks' supervisor as such
 _OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "data_parallel_rpc_port",
                   "ready_policy", "supervisor_host", "data_parallel_supervisor_port", "max_num_queued_reqs",
-                  "max_num_queued_tokens"})
+                  "max_num_queued_tokens", "cluster_token_file", "insecure_cluster"})
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class Plan:
     ssl_certfile: str | None = None  # TLS on every port of the node (one-node deployments only)
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # how the node's parts verify each other (else the system's store)
+    insecure_cluster: bool = False  # --insecure-cluster: registration beyond loopback without a token
 
     @property
     def view_is_group(self) -> bool:
@@ -232,6 +234,11 @@ def _check_unused(ns: argparse.Namespace, role: NodeRole, remote: bool, moe_grou
         unused.append(("--rank-port", "Ray-placed ranks take a free port on their node"))
     if ns.route_policy is not None and role == NodeRole.HEADLESS:
         unused.append(("--route-policy", "a --headless node runs no router"))
+    wires = (remote and ns.data_parallel_backend == "mp") or moe_group
+    for flag, given in (("--cluster-token-file", ns.cluster_token_file is not None),
+                        ("--insecure-cluster", ns.insecure_cluster)):
+        if given and not wires:
+            unused.append((flag, "no wire between nodes or MoE group here: everything is on this machine"))
     for flag, why in unused:
         raise SupervisorArgError(f"{flag} does nothing here ({why}): drop it")
 
@@ -245,30 +252,6 @@ def _ready_needed(policy: str, view: int) -> int:
         raise SupervisorArgError(f"--ready-policy {policy} asks for more ready ranks than the {view} this "
                                  f"node's health port answers for: use at most {view}, or all")
     return int(policy)
-
-
-def _check_tls(ns: argparse.Namespace, role: NodeRole, remote: bool) -> None:
-    """TLS covers one node's deployment: its API port (the router), its health port, its supervisor and
-    ranks, all on this machine, so each part verifies the others over loopback against --ssl-ca-certs.
-    Groups that span nodes (their registration and cross-node links), Ray-placed ranks and client
-    certificates are refused rather than half-applied."""
-    given = [flag for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
-                                      ("--ssl-ca-certs", ns.ssl_ca_certs)) if value is not None]
-    if not given:
-        return
-    where = ("a group that spans nodes" if remote or role != NodeRole.HEAD else
-             "--data-parallel-backend ray" if ns.data_parallel_backend == "ray" else None)
-    if where is not None:
-        raise SupervisorArgError(f"{given[0]}: TLS is not implemented for {where} yet: serve TLS with lbd "
-                                 "supervise --ssl-certfile ... per node and lbd route --ssl-certfile ... in "
-                                 "front (README, TLS), or drop it")
-    if ns.ssl_cert_reqs:
-        raise SupervisorArgError("--ssl-cert-reqs: client certificates are not implemented for an lbd serve "
-                                 "--data-parallel-size N deployment (its router would need one towards the "
-                                 "ranks): drop it, or run lbd supervise + lbd route")
-    if ns.ssl_certfile is None:
-        raise SupervisorArgError(f"{given[0]} needs --ssl-certfile (and --ssl-keyfile): the deployment "
-                                 "serves TLS with that certificate on every port")
 
 
 def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: dict[str, str]) -> Plan:
@@ -290,7 +273,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     registry, member = remote and head_of_group, remote and not head_of_group
     moe_group = n > 1 and model_moe(ns.model, ns.device) is not None
     _check_unused(ns, role, remote, moe_group)
-    _check_tls(ns, role, remote)
+    check_tls(ns, role, remote, moe_group)
     if remote and address is None:
         who = ("the head must tell remote nodes where to register" if head_of_group
                else "this node registers its ranks with the head")
@@ -300,9 +283,8 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     rpc_port = ns.data_parallel_rpc_port if ns.data_parallel_rpc_port is not None else DEFAULT_RPC_PORT
     runs_router = role != NodeRole.HEADLESS
     rank_port = ns.rank_port if ns.rank_port is not None else ns.port + (1 if runs_router else 0)
-    # one node: ranks only on loopback (the router is beside them); several: reachable from the head
-    rank_host = (ns.host if role == NodeRole.HEADLESS else None if remote or ns.data_parallel_backend == "ray"
-                 else "127.0.0.1")
+    one_machine = not remote or is_loopback(address)  # no remote nodes, or a group that meets on loopback
+    rank_host = _rank_host(ns, role, one_machine)
     view = n if role == NodeRole.HEAD else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
@@ -310,28 +292,41 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         role=role, dp_size=n, dp_size_local=local, dp_start_rank=start, address=address, rpc_port=rpc_port,
         registry=registry, member=member,
         advertise=ns.data_parallel_advertise_address or (address if head_of_group else None),
-        rank_host=rank_host, health_host=ns.supervisor_host, health_port=ns.data_parallel_supervisor_port,
+        rank_host=rank_host, health_port=ns.data_parallel_supervisor_port,
+        # one machine: the health port on loopback (the router's /readyz answers outside); several: every
+        # interface, for the orchestrator's probes of each node
+        health_host=ns.supervisor_host or (LOOPBACK if one_machine else "0.0.0.0"),
         ready_policy=ns.ready_policy, ready_needed=needed, view_size=view,
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
-        cluster_token=env.get(CLUSTER_TOKEN_ENV) or None,
+        cluster_token=cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
-        + (_group_argv(ns, address, rpc_port) if moe_group else []),
+        + (_group_argv(ns, address, rpc_port) if moe_group else [])
+        + (["--insecure-cluster"] if moe_group and ns.insecure_cluster else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
-        api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env),
+        api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env, cluster_token(ns, env)),
         limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)
+    check_cluster_auth(address if remote else None, plan.cluster_token, plan.insecure_cluster)
     return plan
 
 
-def _internal_key(env: dict[str, str]) -> str:
+def _internal_key(env: dict[str, str], cluster_token: str | None) -> str:
     """The deployment's internal key: given, derived from the cluster token, or made here."""
     given = env.get(INTERNAL_KEY_ENV, "").strip()
-    token = env.get(CLUSTER_TOKEN_ENV)
-    return given or (derive_key(token) if token else secrets.token_hex(32))
+    return given or (derive_key(cluster_token) if cluster_token else secrets.token_hex(32))
+
+
+def _rank_host(ns: argparse.Namespace, role: NodeRole, one_machine: bool) -> str | None:
+    """The ranks' bind address (None: every interface). On one machine loopback (the router is beside
+    them); across machines reachable from the head (a headless node's --host, else every interface)."""
+    if role == NodeRole.HEADLESS:
+        return ns.host or (LOOPBACK if one_machine else None)
+    # elsewhere --host is the router's
+    return LOOPBACK if one_machine and ns.data_parallel_backend != "ray" else None
 
 
 def _check_ports(ns: argparse.Namespace, role: NodeRole, local: int, rank_port: int, rank_host: str | None,

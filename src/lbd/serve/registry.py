@@ -10,15 +10,20 @@ DELETE /v1/nodes/{id}   leave (graceful shutdown of that node)
 GET    /v1/group        the group: nodes, their ranges and lease state, missing ranks, recent refusals,
                         rendezvous (see ``lbd.serve.group``)
 GET    /status          every rank of the group in the supervisor's /status shape (a router can follow
-                        ``supervisor://head:rpc-port`` to route over the whole group)
+                        ``supervisor://head:rpc-port`` to route over the whole group; with a cluster token it
+                        needs the token too: follow the head's health port instead)
 GET    /health          200
 
-With ``LBD_CLUSTER_TOKEN`` set on the head, every call but /health needs ``Authorization: Bearer <token>``.
+With a cluster token (``LBD_CLUSTER_TOKEN`` or ``--cluster-token-file``; required when the head listens beyond
+loopback, see ``lbd.common.cluster``) every call but /health needs ``Authorization: Bearer <token>`` (401
+otherwise). Bodies are capped in size (``MAX_BODY_BYTES``, 413) and in time (``BODY_READ_S``, 408), and the
+connection limits of ``registry_limits`` apply (heads trickled in, too many connections).
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -29,15 +34,41 @@ import orjson
 from aiohttp import web
 from msgspec.structs import replace
 
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, bearer_ok
+from lbd.common.limits import Limits
 from lbd.serve.group import Group, Rejected, rendezvous, span
 from lbd.supervisor.health import AppServer, error_response, json_errors
 from lbd.wire.status import SupervisorStatus, rank_statuses
 
 log = logging.getLogger("lbd.serve")
+MAX_BODY_BYTES = 256 * 1024  # a registration lists a node's ranks: a few hundred bytes each
+BODY_READ_S = 5.0
+HEAD_READ_S = 5.0
+MAX_CONNECTIONS = 256
+
+
+def registry_limits(limits: Limits) -> Limits:
+    """The node's limits, tightened for the registration port (its callers are a handful of nodes)."""
+    return dataclasses.replace(
+        limits, max_request_body_bytes=min(limits.max_request_body_bytes, MAX_BODY_BYTES),
+        header_read_timeout_s=min(limits.header_read_timeout_s, HEAD_READ_S),
+        body_read_timeout_s=min(limits.body_read_timeout_s, BODY_READ_S),
+        max_connections=min(limits.max_connections, MAX_CONNECTIONS))
 
 
 def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(data), content_type="application/json")
+
+
+async def _read_capped(request: web.Request, cap: int) -> bytes | None:
+    """The body, or None once it passes ``cap`` bytes (chunked bodies have no length to check first)."""
+    parts, size = [], 0
+    while chunk := await request.content.read(64 * 1024):
+        size += len(chunk)
+        if size > cap:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class Registry(AppServer):
@@ -48,7 +79,8 @@ class Registry(AppServer):
         self.heartbeat_s = heartbeat_s
         self.token = token
         self.group_status = group_status
-        self.app = web.Application(middlewares=[json_errors, self._auth], client_max_size=4 << 20)
+        self.limits = registry_limits(Limits())
+        self.app = web.Application(middlewares=[json_errors, self._auth], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
             web.post("/v1/nodes", self.register), web.put("/v1/nodes/{node_id}", self.heartbeat),
             web.delete("/v1/nodes/{node_id}", self.leave), web.get("/v1/group", self.describe),
@@ -56,17 +88,25 @@ class Registry(AppServer):
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.token and request.path != "/health":
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "replace"),
-                                                                    self.token.encode()):
-                return error_response(401, "missing or wrong cluster token: start every node with the same "
-                                           "LBD_CLUSTER_TOKEN")
+        if self.token and request.path != "/health" and not bearer_ok(request.headers.get("Authorization"),
+                                                                     self.token):
+            return error_response(401, "missing or wrong cluster token: start every node with the same "
+                                       f"{CLUSTER_TOKEN_ENV} (or --cluster-token-file)")
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        cap = self.limits.max_request_body_bytes
+        if (request.content_length or 0) > cap:
+            return error_response(413, f"registration body over {cap} bytes")
         try:
-            body = orjson.loads(await request.read())
+            raw = await asyncio.wait_for(_read_capped(request, cap), self.limits.body_read_timeout_s)
+        except TimeoutError:
+            return error_response(408, f"registration body not received within "
+                                       f"{self.limits.body_read_timeout_s:g} s")
+        if raw is None:
+            return error_response(413, f"registration body over {cap} bytes")
+        try:
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             return error_response(400, f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):

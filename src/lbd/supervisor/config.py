@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, LOOPBACK, ClusterTokenError, is_loopback, read_cluster_token
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.architectures import is_moe
@@ -182,7 +183,17 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="this node's index; --data-parallel-start-rank defaults to node_rank x local size")
     g.add_argument("--data-parallel-supervisor-port", type=int, default=9256,
                    help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
-    g.add_argument("--supervisor-host", default="0.0.0.0", help="bind address of the health port")
+    g.add_argument("--supervisor-host", default=None,
+                   help="bind address of the health port (default: loopback when the ranks' --host is "
+                        "loopback or lbd serve runs on one machine, else every interface, where a cluster "
+                        "router and the orchestrator read it)")
+    g.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help=f"file whose first line is the cluster token (else ${CLUSTER_TOKEN_ENV}): it "
+                        "authenticates the wires between nodes (registration, an MoE group's coordinator); "
+                        "required when they listen beyond loopback")
+    g.add_argument("--insecure-cluster", action="store_true",
+                   help="run the wires between nodes beyond loopback without a cluster token (anyone who "
+                        "reaches them can join the group)")
     g.add_argument("--dp-supervisor-probe-interval-s", type=_positive_float, default=5.0,
                    help="seconds between two /health probes of a rank")
     g.add_argument("--dp-supervisor-probe-timeout-s", type=_positive_float, default=5.0,
@@ -452,9 +463,11 @@ def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
 
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str], local_devices: bool = True,
-               changed: dict[str, object] | None = None) -> list[RankSpec]:
+               changed: dict[str, object] | None = None,
+               group_env: dict[str, str] | None = None) -> list[RankSpec]:
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
-    (its devices nor its CPUs)."""
+    (its devices nor its CPUs). ``group_env``: an MoE group's environment (the cluster token: the members'
+    CURVE keys come from it)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
     visible = visible_cuda_devices(env, ns.device) if local_devices else None
@@ -476,12 +489,38 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         child_env.update(secrets)
         if ns.rank_engine == "lbd" and ns.rank_command is None and env.get(INTERNAL_KEY_ENV):
             child_env[INTERNAL_KEY_ENV] = env[INTERNAL_KEY_ENV]  # a Ray-placed rank inherits nothing of ours
+        child_env.update(group_env or {})
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
                               probe_host=probe_host_for(ns.host), bind_host=ns.host,
                               engine="command" if ns.rank_command else ns.rank_engine,
                               scheme="https" if ns.ssl_certfile else "http"))
     return specs
+
+
+def _plan_group(ns: argparse.Namespace, n: int, local: int, start: int,
+                env: dict[str, str]) -> tuple[GroupSpec | None, str]:
+    """The MoE group (lbd.supervisor.moe.plan_group), with the cluster token it needs across machines."""
+    try:
+        token = read_cluster_token(ns.cluster_token_file, env)
+    except ClusterTokenError as e:
+        raise SupervisorArgError(str(e)) from None
+    group, policy = plan_group(ns, n, local, start, token)
+    if group is None:
+        for flag, given in (("--cluster-token-file", ns.cluster_token_file is not None),
+                            ("--insecure-cluster", ns.insecure_cluster)):
+            if given:
+                raise SupervisorArgError(f"{flag} applies to the wires of an MoE group, and these ranks are "
+                                         "independent: drop it")
+    return group, policy
+
+
+def health_host(flag: str | None, rank_host: str | None) -> str:
+    """The health port's bind address: ``--supervisor-host`` as given, else where the ranks listen (loopback
+    ranks: loopback; otherwise every interface, as a cluster router and the orchestrator read it)."""
+    if flag is not None:
+        return flag
+    return LOOPBACK if is_loopback(rank_host) else "0.0.0.0"
 
 
 def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = PROG) -> SupervisorConfig:
@@ -514,7 +553,7 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
                                      f"{local} of this node: use at most {local}, or all")
         _check_model(ns)
-        group, on_failure = plan_group(ns, n, local, start)
+        group, on_failure = _plan_group(ns, n, local, start, env)
         if not ray:
             _check_ports(ns, local)
         elif ns.rank_engine != "lbd" or ns.rank_command is not None:
@@ -526,12 +565,13 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         _check_kv_events(ns, start, local)
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
         specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
-                           changed_engine_options(parser, ns, engine_dests))
+                           changed_engine_options(parser, ns, engine_dests), group and group.child_env())
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(
         dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
-        supervisor_host=ns.supervisor_host, supervisor_port=ns.data_parallel_supervisor_port,
+        supervisor_host=health_host(ns.supervisor_host, ns.host),
+        supervisor_port=ns.data_parallel_supervisor_port,
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         startup_timeout_s=ns.dp_supervisor_startup_timeout_s, ready_policy=ns.ready_policy,

@@ -71,7 +71,7 @@ class Coordinator:
     async def _spawn(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=child_setup(os.getpid()))
+            env={**os.environ, **self.spec.child_env()}, preexec_fn=child_setup(os.getpid()))
         log.info("DP coordinator: started pid %d (store :%d, ZMQ :%d, HTTP %s)", self.proc.pid,
                  self.spec.rendezvous().store_port, self.spec.rendezvous().coordinator_port, self.url)
 
@@ -121,7 +121,9 @@ class Coordinator:
     # ---- its HTTP port --------------------------------------------------------------------------------
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+            # the cluster token, when the group has one: the coordinator's HTTP port checks it
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0),
+                                                  headers=self.spec.auth_headers())
         return self._session
 
     async def _poll(self) -> None:

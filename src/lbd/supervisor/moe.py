@@ -12,9 +12,10 @@ MoE models from HF folders only).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, is_loopback
 from lbd.wire.status import GroupRendezvous
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -80,6 +81,16 @@ class GroupSpec:
     rpc_port: int  # --data-parallel-rpc-port P: store P+1, coordinator ZMQ P+2, its HTTP P+3
     expert_parallel: bool
     runs_coordinator: bool  # this node runs rank 0, so the coordinator beside it
+    # the cluster token (lbd.common.cluster): the coordinator and the ranks get it in their environment
+    token: str | None = field(default=None, repr=False)
+    insecure: bool = False  # --insecure-cluster: a group beyond loopback without a token
+
+    def child_env(self) -> dict[str, str]:
+        """What the coordinator and the members get in their environment (never on a command line)."""
+        return {CLUSTER_TOKEN_ENV: self.token} if self.token else {}
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     @property
     def coordinator_url(self) -> str:
@@ -99,7 +110,7 @@ class GroupSpec:
     def coordinator_argv(self, python: str, log_level: str) -> list[str]:
         return [python, "-m", "lbd.engine.dp.coordinator", "--data-parallel-size", str(self.size),
                 "--data-parallel-address", self.address, "--data-parallel-rpc-port", str(self.rpc_port),
-                "--log-level", log_level]
+                "--log-level", log_level, *(["--insecure-cluster"] if self.insecure else [])]
 
 
 def free_rpc_port(host: str = LOOPBACK, tries: int = 50) -> int:
@@ -157,9 +168,26 @@ def _port_problem(host: str | None, port: int) -> str | None:
     return port_in_use(host, port)
 
 
-def plan_group(ns: Any, n: int, local: int, start: int) -> tuple[GroupSpec | None, str]:
+def _check_coordinator_ports(ns: Any, local: int, address: str, port: int) -> None:
+    """The coordinator's three ports above P are free and none is a rank's or the health port."""
+    taken = {p: f"rank port of local rank {p - ns.port}" for p in range(ns.port, ns.port + local)}
+    taken[ns.data_parallel_supervisor_port] = "--data-parallel-supervisor-port"
+    for offset, role in ((STORE_OFFSET, "store"), (ZMQ_OFFSET, "coordinator"),
+                         (HTTP_OFFSET, "coordinator's HTTP")):
+        if port + offset in taken:
+            raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} port "
+                                 f"{port + offset} is the {taken[port + offset]}: move one of them")
+        problem = _port_problem(address, port + offset)
+        if problem:
+            raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} {problem}: pick "
+                                 "another --data-parallel-rpc-port (it uses the 3 ports above it)")
+
+
+def plan_group(ns: Any, n: int, local: int, start: int,
+               token: str | None = None) -> tuple[GroupSpec | None, str]:
     """The MoE group of this node's ranks (None: independent dense ranks) and the --on-rank-failure policy
-    that applies; raises GroupFlagError for a combination that means nothing."""
+    that applies; raises GroupFlagError for a combination that means nothing, or for a group that meets
+    beyond loopback without the cluster token (``token``) or --insecure-cluster."""
     moe = model_moe(ns.model, ns.device)
     grouped = moe is not None and n > 1
     policy = ns.on_rank_failure
@@ -203,20 +231,15 @@ def plan_group(ns: Any, n: int, local: int, start: int) -> tuple[GroupSpec | Non
     if not 0 < port <= 65535 - HTTP_OFFSET:
         raise GroupFlagError(f"--data-parallel-rpc-port {port} is out of range: the group uses it and the "
                              f"{HTTP_OFFSET} ports above it, so use 1..{65535 - HTTP_OFFSET}")
+    insecure = bool(getattr(ns, "insecure_cluster", False))
+    if not is_loopback(address) and token is None and not insecure:
+        raise GroupFlagError(f"{what} meets at --data-parallel-address {address}, beyond loopback: its "
+                             "store, coordinator and collectives would be open to anyone there: "
+                             f"{NO_TOKEN_FIX}")
     runs_coordinator = start == 0
     if runs_coordinator:
-        taken = {p: f"rank port of local rank {p - ns.port}" for p in range(ns.port, ns.port + local)}
-        taken[ns.data_parallel_supervisor_port] = "--data-parallel-supervisor-port"
-        for offset, role in ((STORE_OFFSET, "store"), (ZMQ_OFFSET, "coordinator"),
-                             (HTTP_OFFSET, "coordinator's HTTP")):
-            if port + offset in taken:
-                raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} port "
-                                     f"{port + offset} is the {taken[port + offset]}: move one of them")
-            problem = _port_problem(address, port + offset)
-            if problem:
-                raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} {problem}: pick "
-                                     "another --data-parallel-rpc-port (it uses the 3 ports above it)")
+        _check_coordinator_ports(ns, local, address, port)
     spec = GroupSpec(moe=moe, size=n, local_ranks=tuple(range(start, start + local)), address=address,
                      rpc_port=port, expert_parallel=bool(ns.enable_expert_parallel),
-                     runs_coordinator=runs_coordinator)
+                     runs_coordinator=runs_coordinator, token=token, insecure=insecure)
     return spec, policy

@@ -112,6 +112,10 @@ def test_subscribe_addresses() -> None:
     assert subscribe_address("tcp://10.1.1.1:7", "http://h:1") == "tcp://10.1.1.1:7"
     assert subscribe_address("ipc:///tmp/x", "http://h:1") == "ipc:///tmp/x"
     assert subscribe_address("inproc://x", "http://h:1") is None
+    # the engine's default endpoint is on its --host, loopback when unset: only a router beside it can read it
+    assert subscribe_address("tcp://127.0.0.1:5557", "http://127.0.0.1:8001") == "tcp://127.0.0.1:5557"
+    assert subscribe_address("tcp://127.0.0.1:5557", "http://10.0.0.5:8000") is None
+    assert subscribe_address("tcp://[::1]:5557", "http://10.0.0.5:8000") is None
 
 
 class Publisher:

@@ -6,6 +6,11 @@ else "null"), ``endpoint`` ("tcp://*:5557"), ``replay_endpoint`` (none), ``buffe
 for replay), ``hwm`` (100000, the PUB socket's high-water mark), ``max_queue_size`` (100000 batches waiting
 for the publisher thread), ``topic`` (""). Every DP rank offsets the tcp ports by its rank, as vLLM does
 (``tcp://*:5557`` is port 5557 + rank; port 0 lets the OS pick).
+
+One default differs from vLLM's on purpose: the stream carries every prompt's token ids, so when the config
+names no ``endpoint`` the publisher binds port 5557 on the engine's ``--host`` (loopback when ``--host`` is
+unset or a wildcard), not on every interface. An endpoint given in the config is honoured as written (a
+wildcard or another address beyond loopback is bound with a warning saying what the stream carries).
 """
 
 from __future__ import annotations
@@ -28,16 +33,31 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    # False when the flag's JSON named no ``endpoint`` (parse_kv_events_config): the default then binds the
+    # engine's --host; a config built in code keeps the endpoint it holds
+    endpoint_given: bool = dataclasses.field(default=True, repr=False)
 
     @property
     def active(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["endpoint_given"]
+        return out
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(KVEventsConfig) if f.name != "endpoint_given"}
+DEFAULT_PORT = 5557
+
+
+def default_endpoint(host: str | None) -> str:
+    """The endpoint when the config names none: port 5557 on ``host`` (the engine's specific --host), else
+    loopback."""
+    if host is None or host in ("", "*", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{DEFAULT_PORT}"
 
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
@@ -60,6 +80,7 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise ValueError(f"--kv-events-config: {key} has the wrong type ({type(value).__name__})")
     cfg = KVEventsConfig(**raw)
+    cfg.endpoint_given = "endpoint" in raw
     if "publisher" not in raw:  # vLLM: zmq when enabled, null otherwise
         cfg.publisher = "zmq" if cfg.enable_kv_cache_events else "null"
     if cfg.publisher not in PUBLISHERS:

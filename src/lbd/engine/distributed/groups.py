@@ -17,6 +17,7 @@ the timer must synchronize, so it is off unless ``timed`` is passed (and it is o
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lbd.common.cluster import is_loopback, listen_socket, loopback_interface
 from lbd.engine.config.layout import ParallelLayout
 from lbd.engine.distributed import shm as shm_ring
 
@@ -52,9 +54,28 @@ def backend_for(device: torch.device) -> str:
 
 
 def host_store(host: str, timeout_s: float, port: int = 0) -> dist.TCPStore:
-    """The rendezvous server (port 0: the OS picks one; read it from ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """The rendezvous server on ``host`` only (port 0: the OS picks one; read it from ``.port``).
+
+    torch's TCPStore server listens on every interface whatever host it is given, so the socket is bound
+    here and handed over (``master_listen_fd``): a store on loopback is reachable from this machine only."""
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on
+    try:
+        return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def pin_loopback_transport(address: str) -> None:
+    """When the group meets on loopback (every member on this machine), gloo's and NCCL's own sockets listen
+    on the loopback interface too, not on the address the host name resolves to (unless the user chose)."""
+    if is_loopback(address):
+        name = loopback_interface()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 @dataclass(slots=True)
@@ -172,6 +193,7 @@ def init_process_groups(layout: ParallelLayout, pp_rank: int, tp_rank: int, *, a
     """Join the world of ``layout`` as (``layout.dp_rank``, ``pp_rank``, ``tp_rank``) through the TCPStore at
     ``address:port`` and create every TP group. ``timed`` defaults to on for the CPU only."""
     timeout = timedelta(seconds=timeout_s)
+    pin_loopback_transport(address)
     store = dist.PrefixStore(f"lbd/{generation}",
                              dist.TCPStore(address, port, is_master=False, timeout=timeout))
     rank = layout.world_rank(pp_rank, tp_rank)

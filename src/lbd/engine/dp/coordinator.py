@@ -11,25 +11,39 @@ or a ``join`` from a member of g, i.e. a restarted or fallen-out rank) aborts g:
 g+1 forms when all N have joined again. A restarted coordinator tells ranks that report a group it does not
 know to leave it, and numbers its first generation after theirs. ``Coordinator`` is the state machine (no
 I/O; it returns the messages to send), ``serve`` wires it to the sockets.
+
+Every socket binds ``--data-parallel-address`` (resolved), never every interface: a group on one machine
+meets on loopback. With ``LBD_CLUSTER_TOKEN`` in the environment (the supervisor hands it over; never a flag)
+the ZMQ channel is CURVE with key pairs derived from the token (only token holders complete the handshake; the
+ranks derive the client side, ``lbd.common.cluster``) and every HTTP call needs ``Authorization: Bearer
+<token>``. An address beyond loopback without a token is refused (exit 2) unless ``--insecure-cluster``.
+The store cannot check the token (torch's TCPStore has no authentication): see ``lbd.engine.dp.group``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, bearer_ok, is_loopback, secure_zmq_server
 from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
 from lbd.engine.dp import messages as M
 from lbd.wire.dp import CoordinatorMember, CoordinatorStatus, DPState, Wave
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 logger = logging.getLogger("lbd.engine.dp.coordinator")
 Outgoing = list[tuple[bytes, bytes]]  # (rank identity, message)
@@ -215,28 +229,20 @@ class CoordinatorMetrics:
         return generate_latest(self.registry)
 
 
-async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
-                timeout_s: float) -> int:
-    import zmq
-    import zmq.asyncio
+ZMQ_PURPOSE = "lbd-dp-coordinator"  # the CURVE keys' derivation label (the ranks use the same)
+MAX_BODY_BYTES = 4096  # POST /members/{rank}/failed: {"reason": "..."}
+BODY_READ_S = 5.0
+
+
+def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[Outgoing], Awaitable[None]],
+              token: str | None) -> web.Application:
+    """/status, /metrics and POST /members/{rank}/failed; the bearer token on each when there is one; a
+    failure report's body capped at ``MAX_BODY_BYTES`` and ``BODY_READ_S``."""
     from aiohttp import web
 
-    from lbd.engine.dp.group import host_store
     from lbd.engine.server.errors import APIError, error_response
 
-    store = host_store(rpc_port + STORE_PORT_OFFSET, timeout_s)  # kept alive for the process's life
-    ip = socket.gethostbyname(address)
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a rank that went away is dropped
-    sock.bind(f"tcp://{ip}:{rpc_port + ZMQ_PORT_OFFSET}")
-    coord = Coordinator(size)
-    metrics = CoordinatorMetrics()
-
-    async def send(out: Outgoing) -> None:
-        for ident, msg in out:
-            await sock.send_multipart([ident, msg])
+    size = coord.size
 
     async def status(request: web.Request) -> web.Response:
         return web.Response(body=msgspec.json.encode(coord.status(time.monotonic())),
@@ -256,24 +262,65 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
             return error_response(APIError(f"no member {name}: ranks are 0..{size - 1}", 404, "rank"))
         reason = "reported failed by the supervisor"
         if request.can_read_body:
+            if (request.content_length or 0) > MAX_BODY_BYTES:
+                return error_response(APIError(f"body over {MAX_BODY_BYTES} bytes", 413))
             try:
-                body = await request.json()
+                raw = await asyncio.wait_for(request.read(), BODY_READ_S)
+            except TimeoutError:
+                return error_response(APIError(f"body not received within {BODY_READ_S:g} s", 408))
+            try:
+                body = json.loads(raw)
                 reason = str(body.get("reason") or reason) if isinstance(body, dict) else reason
             except ValueError:
                 return error_response(APIError("body must be JSON: {\"reason\": \"...\"}", 400))
         await send(coord.member_failed(rank, reason))
         return web.json_response({"generation": coord.generation, "state": coord.state})
 
-    app = web.Application()
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and not bearer_ok(request.headers.get("Authorization"), token):
+            return error_response(APIError("missing or wrong cluster token: start every node with the same "
+                                           f"{CLUSTER_TOKEN_ENV}", 401))
+        return await handler(request)
+
+    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_text)
     app.router.add_post("/members/{rank}/failed", failed)
+    return app
+
+
+async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
+                timeout_s: float, token: str | None = None) -> int:
+    import zmq
+    import zmq.asyncio
+    from aiohttp import web
+
+    from lbd.engine.dp.group import host_store
+
+    ip = socket.gethostbyname(address)
+    store = host_store(ip, rpc_port + STORE_PORT_OFFSET, timeout_s)  # kept alive for the process's life
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a message to a rank that went away is dropped
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a member's message is a few hundred bytes
+    secure_zmq_server(sock, token, ZMQ_PURPOSE)
+    sock.bind(f"tcp://{ip}:{rpc_port + ZMQ_PORT_OFFSET}")
+    coord = Coordinator(size)
+    metrics = CoordinatorMetrics()
+
+    async def send(out: Outgoing) -> None:
+        for ident, msg in out:
+            await sock.send_multipart([ident, msg])
+
+    app = _http_app(coord, metrics, send, token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, http_host, http_port).start()
-    logger.info("coordinator of %d ranks: store :%d, ZMQ tcp://%s:%d, HTTP http://%s:%d (pid %d)", size,
-                rpc_port + STORE_PORT_OFFSET, ip, rpc_port + ZMQ_PORT_OFFSET, http_host, http_port,
-                os.getpid())
+    logger.info("coordinator of %d ranks: store %s:%d, ZMQ tcp://%s:%d%s, HTTP http://%s:%d (pid %d)", size,
+                ip, rpc_port + STORE_PORT_OFFSET, ip, rpc_port + ZMQ_PORT_OFFSET,
+                " (CURVE, cluster token)" if token else "", http_host, http_port, os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -310,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port (default: P+3)")
     parser.add_argument("--distributed-timeout-s", type=float, default=600.0, help="the store's timeout")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--insecure-cluster", action="store_true",
+                        help=f"serve an address beyond loopback without {CLUSTER_TOKEN_ENV} "
+                             "(unauthenticated)")
     ns = parser.parse_args(argv)
     if ns.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}")
@@ -319,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         socket.gethostbyname(ns.data_parallel_address)
     except OSError as e:
         parser.error(f"--data-parallel-address {ns.data_parallel_address} does not resolve: {e}")
+    token = os.environ.get(CLUSTER_TOKEN_ENV) or None
+    http_host = ns.http_host or ns.data_parallel_address
+    wide = [h for h in {ns.data_parallel_address, http_host} if not is_loopback(h)]
+    if wide and token is None and not ns.insecure_cluster:
+        parser.error(f"{wide[0]} is beyond loopback and the group's wires would be open to anyone: "
+                     f"{NO_TOKEN_FIX}")
     from lbd.engine.procutil import set_pdeathsig
 
     set_pdeathsig(signal.SIGKILL)
@@ -332,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
 
         return uvloop.run(serve(ns.data_parallel_size, ns.data_parallel_address, ns.data_parallel_rpc_port,
-                                ns.http_host or ns.data_parallel_address, port, ns.distributed_timeout_s))
+                                http_host, port, ns.distributed_timeout_s, token))
     except (OSError, zmq.ZMQError) as e:  # a port is taken (the ZMQ one or HTTP)
         print(f"dp coordinator: error: {e}", file=sys.stderr)
         return 1

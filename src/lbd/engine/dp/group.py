@@ -5,6 +5,18 @@ the store under the prefix ``lbd-dp/g/``, so a group re-forms on the same store 
 process group is made directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), not as torch's default group:
 a generation is one object, dropped when it breaks, and nothing global is left behind for the next one.
 
+Where it listens, and what protects it: the store binds ``--data-parallel-address`` only (torch's own server
+would take every interface; the socket is bound here and handed over), so a group on one machine meets on
+loopback and nothing off the machine reaches it; the members' gloo/NCCL sockets then stay on the loopback
+interface too. A group that spans machines must expose the store on the cluster address, and torch's TCPStore
+has no authentication (a client can list, read and overwrite keys): a key prefix derived from the token would
+hide nothing from a client that lists keys, so none is claimed. What guards such a group: the cluster token is
+required to start it (lbd supervise / lbd serve refuse a multi-machine group without ``LBD_CLUSTER_TOKEN`` or
+``--cluster-token-file`` unless ``--insecure-cluster``), the coordinator's ZMQ channel (CURVE) and HTTP port
+(bearer) verify it, so no outsider can join a generation, start or end waves or abort one, and the store and
+the collective sockets must sit on a private network (firewall ``P+1`` and gloo's/NCCL's ports to the group's
+machines): README, "Cluster wires".
+
 Every collective waits at most ``--distributed-timeout-s``; any failure (gloo raises at once when a peer's
 connection closes, e.g. the peer was killed) becomes ``GroupLost``, which the rank's loop turns into healing.
 """
@@ -12,11 +24,14 @@ connection closes, e.g. the peer was killed) becomes ``GroupLost``, which the ra
 from __future__ import annotations
 
 import logging
+import os
 import re
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from lbd.common.cluster import LOOPBACK, is_loopback, listen_socket, loopback_interface
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +44,27 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def host_store(port: int, timeout_s: float) -> dist.TCPStore:
-    """The coordinator's store server (every interface, ``port``)."""
-    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The coordinator's store server, on ``host:port`` only."""
+    sock = listen_socket(host, port)
+    fd = sock.detach()  # the store owns the descriptor from here on
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _gloo_options(store: dist.Store, timeout: timedelta) -> dist.ProcessGroupGloo._Options | timedelta:
+    """On a loopback store every member is on this machine: gloo's pair sockets listen on loopback too."""
+    host = getattr(store, "host", None)
+    if not is_loopback(host):
+        return timeout
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    return opts
 
 
 class DPGroup:
@@ -45,11 +77,13 @@ class DPGroup:
         timeout = timedelta(seconds=timeout_s)
         try:
             if device.type == "cuda":
+                if is_loopback(getattr(store, "host", None)):  # NCCL's bootstrap on loopback too
+                    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
             else:
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, size, _gloo_options(store, timeout))
         except Exception as e:  # the rendezvous timed out or a peer went away while it ran
             raise GroupLost(f"forming generation {generation} failed: {e}") from e
         self.broken: str | None = None

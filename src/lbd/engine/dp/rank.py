@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import zmq
 
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_client
 from lbd.engine.config.args import EngineArgs
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, LoopState
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.dp import endpoints
 from lbd.engine.dp import messages as M
+from lbd.engine.dp.coordinator import ZMQ_PURPOSE
 from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, dummy_pass, routed_experts
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
 from lbd.engine.dp.wave import Wave
@@ -75,6 +77,7 @@ class Member:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}-{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_zmq_client(self.sock, os.environ.get(CLUSTER_TOKEN_ENV) or None, ZMQ_PURPOSE)
         self.sock.connect(coordinator)
         self.last_join = 0.0
         self.metrics = DPMetrics(args.model_name, self.rank)

@@ -8,10 +8,13 @@ there on, each as ``[topic, seq, payload]``, then vLLM's end marker ``["", -1 (8
 last ``buffer_steps`` batches are retained.
 
 Sockets are bound when the endpoint is a wildcard (``tcp://*:P``, ``::``) or ipc/inproc, else connected
-(vLLM's rule); ``tcp://*:0`` takes a port from the OS. The step hands each batch to a queue (never blocking:
-when ``max_queue_size`` batches are already waiting the batch is dropped and its sequence number skipped, so
-subscribers see a gap) and a thread encodes, sends (PUB never blocks: past ``hwm`` a slow subscriber loses
-messages, which it sees as a gap too) and serves replays.
+(vLLM's rule); ``tcp://*:0`` takes a port from the OS. With no endpoint in the config the PUB socket is bound
+on the engine's ``--host`` (loopback when that is unset or a wildcard: ``default_endpoint``), since the stream
+carries every prompt's token ids; any bind beyond loopback logs a warning saying so.
+
+The step hands each batch to a queue (never blocking: when ``max_queue_size`` batches are already waiting the
+batch is dropped and its sequence number skipped, so subscribers see a gap) and a thread encodes, sends (PUB
+never blocks: past ``hwm`` a slow subscriber loses messages, which it sees as a gap too) and serves replays.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from collections import deque
 
 import zmq
 
-from lbd.engine.config.kv_events import KVEventsConfig, offset_endpoint_port
+from lbd.common.cluster import is_loopback
+from lbd.engine.config.kv_events import KVEventsConfig, default_endpoint, offset_endpoint_port
 from lbd.engine.kv_events.recorder import EventRecorder
 from lbd.wire.kv_events import KVEventBatch, encode_batch
 
@@ -39,8 +43,21 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _warn_if_open(endpoint: str) -> None:
+    """A tcp bind beyond loopback: anyone who reaches it reads every prompt's token ids."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host != "*" and is_loopback(host):
+        return
+    logger.warning("KV events: %s is bound beyond loopback: the stream carries every prompt's token ids to "
+                   "any subscriber that reaches it (bind a private address, or loopback when the router is "
+                   "on this machine)", endpoint)
+
+
 class ZmqEventPublisher:
-    def __init__(self, cfg: KVEventsConfig, rank: int, advertise_host: str | None = None) -> None:
+    def __init__(self, cfg: KVEventsConfig, rank: int, advertise_host: str | None = None,
+                 bind_host: str | None = None) -> None:
         self.rank = rank
         self.cfg = cfg
         self._topic = cfg.topic.encode()
@@ -50,7 +67,9 @@ class ZmqEventPublisher:
         self._pub.set_hwm(cfg.hwm)
         self._replay: zmq.Socket | None = None
         try:
-            self.endpoint = self._open(self._pub, offset_endpoint_port(cfg.endpoint, rank), advertise_host)
+            endpoint = cfg.endpoint if cfg.endpoint_given else default_endpoint(bind_host)
+            self.endpoint = self._open(self._pub, offset_endpoint_port(endpoint, rank), advertise_host,
+                                       bind_only=not cfg.endpoint_given)
             self.replay_endpoint: str | None = None
             replay = offset_endpoint_port(cfg.replay_endpoint, rank)
             if replay is not None:
@@ -79,6 +98,7 @@ class ZmqEventPublisher:
             sock.connect(endpoint)  # the consumer binds (vLLM's "connect volatile" convention)
             return endpoint
         sock.bind(endpoint)
+        _warn_if_open(endpoint)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
             bound = endpoint[: -len(":0")]
@@ -163,7 +183,8 @@ class KVEvents:
 
     def __init__(self, cfg: KVEventsConfig, rank: int, block_size: int, host: str | None = None) -> None:
         self.recorder = EventRecorder(block_size)
-        self.publisher = ZmqEventPublisher(cfg, rank, host or os.environ.get("VLLM_HOST_IP") or None)
+        # ``host``: the engine's --host when it names one address (None: unset or a wildcard)
+        self.publisher = ZmqEventPublisher(cfg, rank, host or os.environ.get("VLLM_HOST_IP") or None, host)
 
     def flush(self) -> None:
         """Once per step: the step's events, if any, become one batch."""

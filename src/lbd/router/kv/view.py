@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -80,7 +81,20 @@ def subscribe_address(advertised: str, engine_url: str) -> str | None:
     if host in _WILDCARDS:
         engine_host = urlsplit(engine_url).hostname or "127.0.0.1"
         return f"tcp://[{engine_host}]:{port}" if ":" in engine_host else f"tcp://{engine_host}:{port}"
+    if _literal_loopback(host) and not _literal_loopback(urlsplit(engine_url).hostname or "127.0.0.1"):
+        return None  # bound to the engine machine's loopback: here it would reach another publisher, or none
     return advertised
+
+
+def _literal_loopback(host: str) -> bool:
+    """A loopback address written out (names are not resolved here: discovery runs on the event loop)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ExactView:
@@ -228,7 +242,8 @@ class ExactView:
         if address is None:
             view.reason = (
                 f"publisher endpoint {cfg.get('endpoint')!r} cannot be subscribed to (it connects "
-                "out or is process-local): give the engine a tcp://*:PORT endpoint"
+                "out, is process-local or on the engine machine's loopback): give the engine a --host "
+                "this router reaches, or a tcp:// endpoint on such an address"
             )
             return None
         replay = cfg.get("replay_endpoint")

@@ -1,0 +1,158 @@
+"""The cluster's own wires: where internal listeners bind, and the token that authenticates them.
+
+Internal listeners (the DP group's store and coordinator, the multi-node head's registration port, TP/PP
+rendezvous, KV events, health ports) bind the address their deployment needs: loopback when everything runs
+on one machine, the cluster address otherwise, never every interface unless a flag asked for it.
+
+The cluster token (``LBD_CLUSTER_TOKEN`` in the environment, or a file named by ``--cluster-token-file``;
+never a command-line value) authenticates every wire that leaves the machine: registrations with the head
+(``Authorization: Bearer``), the DP coordinator's HTTP port (the same header) and its ZMQ channel (CURVE, with
+key pairs derived from the token, so only token holders complete the handshake and the channel is
+encrypted). A process that listens beyond loopback without a token refuses to start unless
+``--insecure-cluster`` says so in so many words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import socket
+from typing import Any
+
+CLUSTER_TOKEN_ENV = "LBD_CLUSTER_TOKEN"
+LOOPBACK = "127.0.0.1"
+WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+MAX_TOKEN_FILE_BYTES = 4096
+NO_TOKEN_FIX = (f"set {CLUSTER_TOKEN_ENV} (the same secret on every node) or pass --cluster-token-file PATH, "
+                "or say --insecure-cluster to run these wires unauthenticated")
+
+
+class ClusterTokenError(ValueError):
+    """The token file cannot be read or holds no token (one line naming the flag)."""
+
+
+def read_cluster_token(path: str | None, env: dict[str, str] | None = None) -> str | None:
+    """The cluster token: the file's first line when ``path`` is given, else ``$LBD_CLUSTER_TOKEN``."""
+    env = os.environ if env is None else env
+    if path is None:
+        return env.get(CLUSTER_TOKEN_ENV) or None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as e:
+        raise ClusterTokenError(f"--cluster-token-file {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_TOKEN_FILE_BYTES:
+        raise ClusterTokenError(f"--cluster-token-file {path} is over {MAX_TOKEN_FILE_BYTES} bytes: it holds "
+                                "one token on its first line")
+    token = raw.decode("utf-8", "replace").strip().splitlines()[0].strip() if raw.strip() else ""
+    if not token:
+        raise ClusterTokenError(f"--cluster-token-file {path} is empty: write the cluster token in it")
+    return token
+
+
+def is_loopback(host: str | None) -> bool:
+    """127.0.0.0/8, ::1 and ``localhost``; a name that resolves only to loopback counts too."""
+    if host is None:
+        return False
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
+def is_wildcard(host: str | None) -> bool:
+    return host is None or host in WILDCARDS
+
+
+def resolve_bind(host: str) -> tuple[int, str]:
+    """(address family, numeric address) to bind ``host`` (a name resolves to its first address)."""
+    bare = host.strip("[]")
+    if bare in WILDCARDS:
+        return socket.AF_INET, "0.0.0.0"
+    info = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)[0]
+    return info[0], str(info[4][0])
+
+
+def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (port 0: the OS picks). OSError when it cannot bind."""
+    family, addr = resolve_bind(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((addr, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"
+
+
+def bearer_ok(authorization: str | None, token: str) -> bool:
+    """``Authorization: Bearer <token>``, compared in constant time."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        hashlib.sha256(given.strip().encode("utf-8", "surrogateescape")).digest(),
+        hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest())
+
+
+def derive(token: str, purpose: str) -> bytes:
+    """A 32-byte key for one use of the token (HMAC-SHA256), so one wire's key says nothing of another's."""
+    return hmac.new(token.encode("utf-8", "surrogateescape"), purpose.encode(), hashlib.sha256).digest()
+
+
+def _curve_pair(token: str, purpose: str) -> tuple[bytes, bytes]:
+    import zmq
+    from zmq.utils import z85
+
+    secret = z85.encode(derive(token, purpose))
+    return zmq.curve_public(secret), secret
+
+
+def secure_zmq_server(sock: Any, token: str | None, purpose: str) -> bool:
+    """Make ``sock`` a CURVE server whose key pair only token holders can derive (before bind); no-op
+    without a token. True when the socket is secured."""
+    if not token:
+        return False
+    import zmq
+
+    public, secret = _curve_pair(token, f"{purpose}/server")
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    return True
+
+
+def secure_zmq_client(sock: Any, token: str | None, purpose: str) -> bool:
+    """The client side of ``secure_zmq_server`` (before connect); no-op without a token."""
+    if not token:
+        return False
+    import zmq
+
+    server_public, _ = _curve_pair(token, f"{purpose}/server")
+    public, secret = _curve_pair(token, f"{purpose}/client")
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    return True
