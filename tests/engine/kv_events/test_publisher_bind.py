@@ -10,7 +10,7 @@ import os
 import psutil
 import pytest
 import zmq
-from lbd.engine.kv_events.wire import BlockStored
+from lbd.wire.kv_events import BlockStored
 
 from lbd.engine.config.kv_events import DEFAULT_PORT, default_endpoint, parse_kv_events_config
 from lbd.engine.kv_events.publisher import ZmqEventPublisher
