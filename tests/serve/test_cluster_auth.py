@@ -132,11 +132,11 @@ async def test_takeovers_are_refused(head: tuple[Registry, str]) -> None:
         assert other.status_code == 409
         # the lease lapses: still nothing without the token
         await asyncio.sleep(1.5)
-        assert reg.group.members["victim"].ranks[0]["url"] == "http://10.0.0.2:8003"
+        assert reg.group.members["victim"].ranks[0].url == "http://10.0.0.2:8003"
         assert (await c.post("/v1/nodes", json=_reg("thief", address="10.6.6.6"))).status_code == 401
         assert (await c.put("/v1/nodes/victim", json=hijack)).status_code == 401
         assert (await c.get("/v1/group")).status_code == 401  # node ids are not for outsiders either
-        urls = [r["url"] for m in reg.group.members.values() for r in m.ranks]
+        urls = [r.url for m in reg.group.members.values() for r in m.ranks]
         assert urls == ["http://10.0.0.2:8003", "http://10.0.0.2:8004"]
         assert (await c.get("/health")).status_code == 200
 
@@ -216,7 +216,7 @@ def _form(ctx: zmq.Context, rpc: int, token: str | None) -> dict[str, Any] | Non
 def test_nodes_with_and_without_the_token(tiny_llama: Path, tmp_path: Path) -> None:
     """A head and a headless node that share the token form the group; a node with another token is refused
     (exit 2, the head's 401); the token shows in no log, command line or health port."""
-    from deploy_harness import SIM_FLAGS, ServeNode
+    from support.deploy_harness import SIM_FLAGS, ServeNode
 
     base = free_port_run(10)
     token_file = tmp_path / "token"
