@@ -14,17 +14,15 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lbd.policies import RequestFacts
 from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, estimate_tokens
+from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.forward import ExactPrompt, forwardable
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
 from lbd.router.kv.shared_pending import SharedPending, checkpoints
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
-
-if TYPE_CHECKING:
-    from lbd.router.kv.view import EndpointView
 
 log = logging.getLogger("lbd.router")
 OFFLOAD_CHARS = 4096  # new prompt text longer than this is tokenized in a thread
