@@ -29,9 +29,7 @@ class RequestFacts:
     pinned_rank: int | None = None
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
-    block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
-    deferred: Any = None  # router bookkeeping: the prompt's tokenization still running (lbd.router.kv.cold)
-    prompt_ids: Any = None  # router bookkeeping: the prompt's ids, for ranks that take them (kv.forward)
+    block_keys: dict[int, list[int]] | None = None  # the prompt's KV block chain per block size (exact view)
 
 
 @dataclass(slots=True)

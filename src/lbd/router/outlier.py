@@ -23,11 +23,13 @@ import argparse
 import asyncio
 import logging
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.policies import RequestFacts
 from lbd.router.endpoints import Endpoint
-from lbd.router.metrics import RouterMetrics
+
+if TYPE_CHECKING:  # (lbd.router.config imports this module: the metrics must not be imported that early)
+    from lbd.router.metrics import RouterMetrics
 
 log = logging.getLogger("lbd.router")
 CHECK_INTERVAL_S = 0.5
