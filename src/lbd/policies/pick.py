@@ -24,12 +24,11 @@ def within_gap(load: float, least: float, abs_gap: float, rel_gap: float) -> boo
     return load <= least + abs_gap + rel_gap * least
 
 
-def near_least(loads: Sequence[float], abs_gap: float, rel_gap: float) -> list[bool]:
-    """The load-gap filter: per endpoint, whether its load is within the gap of the least one (so an
-    endpoint that holds a prefix or owns a session is preferred only while it is not far busier)."""
+def gap_bound(loads: Sequence[float], abs_gap: float, rel_gap: float) -> float:
+    """The load-gap filter's bound: the highest load ``within_gap`` of the least one. An endpoint that holds
+    a prefix is preferred only while its load stays under it (not far busier than the least loaded)."""
     least = min(loads)
-    bound = least + abs_gap + rel_gap * least  # within_gap, with the bound computed once
-    return [s <= bound for s in loads]
+    return least + abs_gap + rel_gap * least
 
 
 class Picker:
@@ -52,10 +51,17 @@ class Picker:
         self.turn += 1
         return pick
 
+    # (lowest and lowest_among rotate inline: they run on every request)
     def lowest(self, scores: Sequence[float], eps: float = TIE_EPS) -> int:
         """The index of the lowest of ``scores``; among equal ones, each in turn."""
-        return self.rotate(ties(scores, eps))
+        low = ties(scores, eps)
+        turn = self.turn
+        self.turn = turn + 1
+        return low[turn % len(low)]
 
     def lowest_among(self, indices: Sequence[int], scores: Sequence[float], eps: float = TIE_EPS) -> int:
         """The index (one of ``indices``, into ``scores``) of the lowest score among ``indices``."""
-        return indices[self.rotate(ties([scores[i] for i in indices], eps))]
+        low = ties([scores[i] for i in indices], eps)
+        turn = self.turn
+        self.turn = turn + 1
+        return indices[low[turn % len(low)]]

@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_scores, register
+from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register
 from lbd.policies.footprint import Footprint, root_of
-from lbd.policies.pick import near_least
+from lbd.policies.pick import gap_bound
 from lbd.policies.prefix import CHUNK_CHARS, PrefixIndex
 
 CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
@@ -131,11 +131,12 @@ class PredictedTtft(Policy):
                      for e, c in zip(endpoints, costs, strict=True)]
         else:
             evict = [0.0] * len(endpoints)
-        near = near_least(queue_scores(endpoints, stale_s), self.gap_abs, self.gap_rel)  # bounded stickiness
+        scores = [queue_score(e, stale_s) for e in endpoints]
+        bound = gap_bound(scores, self.gap_abs, self.gap_rel)  # bounded stickiness
         exact = facts.cached_tokens if self.exact_gap_free else None
         # With an exact view the estimate itself holds the queue (the endpoint's unstarted tokens and waiting
         # requests) and the true cost of a miss; the queue-score gap stays for approximate endpoints only.
-        allowed = [i for i, ok in enumerate(near) if ok or (exact and endpoints[i].key in exact)]
+        allowed = [i for i, s in enumerate(scores) if s <= bound or (exact and endpoints[i].key in exact)]
         w = self.reuse_weight
         score = [c[0] + w * c[1] + x for c, x in zip(costs, evict, strict=True)]
         pick = self.picker.lowest_among(allowed, score, eps=1e-6)

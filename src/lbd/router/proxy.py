@@ -145,8 +145,16 @@ class Proxy:
             size = f"of {request.content_length} bytes " if request.content_length is not None else ""
             message = f"request body {size}is over the {limit}-byte limit (--max-request-body-bytes)"
             return Refused(413, message, "RequestTooLargeError", None, rid_header)
+        body = request.body
         try:
-            facts, data = self._parse(request)
+            if request.method == "POST":
+                exact = self.state.exact
+                # text prefix hashes: only for a policy that reads them and lacks exact views of all
+                text = self._hash_prefix and (
+                    exact is None or not (self.state.policy.exact_aware and exact.complete()))
+                facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
+            else:
+                facts, data = path_facts(request.path, request.headers), None
         except BadRequest as e:
             return Refused(400, e.message, "BadRequestError", e.param, rid_header)
         if key is not None and self.gate is not None and self.gate.limits_on:
@@ -158,17 +166,7 @@ class Proxy:
             if queues_full is not None:
                 self.state.metrics.decision(self.cfg.policy, queues_full[0])
                 return Refused(503, queues_full[1], "ServiceUnavailableError", None, rid_header)
-        return RoutedRequest(request, rid_header, t0, facts, data, trace)
-
-    def _parse(self, request: Request) -> tuple[RequestFacts, dict | None]:
-        """The facts a policy reads from the body (or, without one, the path and headers)."""
-        if request.method != "POST":
-            return path_facts(request.path, request.headers), None
-        exact = self.state.exact
-        # text prefix hashes: only for a policy that reads them and lacks exact views of all
-        text = self._hash_prefix and (
-            exact is None or not (self.state.policy.exact_aware and exact.complete()))
-        return parse_request(request.body, request.headers, self.cfg.session_header, text)
+        return RoutedRequest(request, body, rid_header, t0, facts, data, trace)
 
     def _rate_limit(self, request: Request, key: ApiKey, facts: RequestFacts, t0: float,
                     rid_header: bytes) -> Refused | None:
@@ -209,21 +207,20 @@ class Proxy:
         the endpoints that are not full (--max-streams-per-endpoint) and did not fail this request. Refused:
         the client's answer. None: a retry found no endpoint (it may wait for one)."""
         state = self.state
+        trial = None
         if n == 0:
             rr.snaps = snaps = state.snapshots()  # live in-flight counts: --max-streams-per-endpoint
             cap = self.cfg.max_streams_per_endpoint
             rr.exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
             rr.full = len(rr.exclude)
             trial = state.outliers.trial_for(rr.facts)
-            if trial is not None:
-                return self._decided(rr, Decision(trial.snapshot(state.shared, self.loop.time()),
-                                                  "half_open_trial"))
-        decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
+        if trial is not None:
+            decision: Decision | Refusal = Decision(trial.snapshot(state.shared, self.loop.time()),
+                                                    "half_open_trial")
+        else:
+            decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
         if isinstance(decision, Refusal):
             return None if retrying else self._refusal(rr, decision)
-        return self._decided(rr, decision)
-
-    def _decided(self, rr: RoutedRequest, decision: Decision) -> Decision:
         if rr.trace is not None:
             rr.trace.decided(self.cfg.policy, decision)
         return decision
@@ -257,7 +254,9 @@ class Proxy:
                         exclude.remove(snap.key)
             decision = route(self.state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback)
             if not isinstance(decision, Refusal):
-                return self._decided(rr, decision)
+                if rr.trace is not None:
+                    rr.trace.decided(self.cfg.policy, decision)
+                return decision
             # every endpoint is in and has failed this request: nothing to wait for (after a moment for
             # the supervisors' word that one of them is out)
             if decision.status != 503 or (not out and self.loop.time() - began > _WAIT_GRACE_S):
@@ -303,7 +302,11 @@ class Proxy:
                 if upstream.status == 503:
                     failure = await self._overloaded(ep, upstream)
                 else:
-                    self._answered(ep, upstream.status)
+                    if upstream.status >= 500:  # the engine's answer to this request: passed on as it is
+                        state.fail(ep, "request", f"answered {upstream.status}")
+                        state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
+                    else:
+                        ep.record_success("request")
                     failure = await self.relay.relay(out, a, upstream, rr.rid_header)
             status = str(failure.status if failure is not None else out.status)
             return failure
@@ -329,7 +332,7 @@ class Proxy:
         a = Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), now, asyncio.current_task())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
-        body = rr.request.body
+        body = rr.body
         if state.exact is not None and facts.block_keys is not None:
             a.pending = state.exact.dispatched(ep.url, rr)
             body = state.exact.body_for(ep.url, rr.request.path, rr.prompt_ids, body)  # ids, if ep takes them
@@ -354,14 +357,6 @@ class Proxy:
         self.state.fail(ep, "request", f"{kind}: {e}")
         self.state.metrics.upstream_errors.labels(ep.url, kind).inc()
         return Failure(502, f"upstream {ep.url} failed: {e}", kind, True)
-
-    def _answered(self, ep: Endpoint, status: int) -> None:
-        """An answer other than 503: a 5xx counts against the endpoint (and is passed on), else a success."""
-        if status >= 500:
-            self.state.fail(ep, "request", f"answered {status}")
-            self.state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
-        else:
-            ep.record_success("request")
 
     async def _overloaded(self, ep: Endpoint, upstream: UpstreamResponse) -> Failure:
         """A 503: admission control (queue limits), a draining rank or a dead core; back-pressure, not a

@@ -47,7 +47,16 @@ class Relay:
                 first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
         except (UpstreamError, TimeoutError) as e:
             return self.no_first_byte(a, e, idle)
-        self.first_byte(a, stream=not small and "text/event-stream" in upstream.content_type)
+        # The answer began: the endpoint makes progress, the request's prefill is over (its pending blocks
+        # settle), and a stream's first event is a time to first token for the policy to learn from.
+        state = self.state
+        a.started = True
+        state.outliers.answered(a.ep, a, self.loop.time())
+        state.shared.start(a.ep.slot, a.charge)
+        if a.pending is not None:
+            state.exact.settle(a.pending, True)  # type: ignore[union-attr]
+        if not small and "text/event-stream" in upstream.content_type:  # (a whole answer includes decode)
+            state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
         headers = self.response_headers(upstream, a.decision, rid_header)
         try:
             if small:
@@ -70,18 +79,6 @@ class Relay:
             "upstream_gone" if gone else "stream_idle_timeout",
             gone,
         )
-
-    def first_byte(self, a: Attempt, stream: bool) -> None:
-        """The answer began: the endpoint makes progress, the request's prefill is over (its pending blocks
-        settle), and a stream's first event is a time to first token for the policy to learn from."""
-        state = self.state
-        a.started = True
-        state.outliers.answered(a.ep, a, self.loop.time())
-        state.shared.start(a.ep.slot, a.charge)
-        if a.pending is not None:
-            state.exact.settle(a.pending, True)  # type: ignore[union-attr]
-        if stream:  # (a whole answer's time includes its decode)
-            state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
 
     def response_headers(self, upstream: UpstreamResponse, d: Decision, rid_header: bytes) -> bytes:
         """The upstream's headers for the client (lbd.router.headers), plus ours."""

@@ -29,6 +29,7 @@ class RoutedRequest:
     ones this request may not go to (full, or failed it already)."""
 
     request: Request
+    body: bytes  # the request's body, read once
     rid_header: bytes  # our "X-Request-Id: ...\r\n" line, for the upstream and the client
     t0: float  # loop time it arrived (--retry-budget-s counts from here)
     facts: RequestFacts
