@@ -12,13 +12,17 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
+from lbd.policies.base import (
+    Decision,
+    EndpointSnapshot,
+    Policy,
+    RequestFacts,
+    queue_score,
+    queue_scores,
+    register,
+)
+from lbd.policies.pick import within_gap
 from lbd.policies.prefix import PrefixIndex
-
-
-def within_gap(load: float, least: float, abs_gap: float, rel_gap: float) -> bool:
-    """Bounded stickiness: ``load`` may exceed the least load by ``abs_gap`` plus ``rel_gap`` of it."""
-    return load <= least + abs_gap + rel_gap * least
 
 
 @register
@@ -35,17 +39,18 @@ class PrefixAffinity(Policy):
         self.index = PrefixIndex(index_capacity)
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        scores = [queue_score(e, self.stale_s) for e in endpoints]
+        scores = queue_scores(endpoints, self.stale_s)
         least = min(scores)
         hashes = facts.prefix_hashes
         matches = [self.index.match(e.key, hashes) for e in endpoints] if hashes else [0] * len(endpoints)
         best = max(matches)
+        picker = self.picker
         if best == 0:
-            pick = self.rotate(ties(scores))
+            pick = picker.lowest(scores)
             score = scores[pick]
             return Decision(endpoints[pick], "cold", lambda: f"no cached prefix; score {score:.0f}")
         holders = [i for i, m in enumerate(matches) if m == best]
-        holder = holders[self.rotate(ties([scores[i] for i in holders]))]
+        holder = picker.lowest_among(holders, scores)
         holder_score = scores[holder]
 
         def detail() -> str:
@@ -53,8 +58,7 @@ class PrefixAffinity(Policy):
 
         if within_gap(scores[holder], least, self.gap_abs, self.gap_rel):
             return Decision(endpoints[holder], "prefix_hit", detail)
-        pick = self.rotate(ties(scores))
-        return Decision(endpoints[pick], "prefix_overloaded", detail)
+        return Decision(endpoints[picker.lowest(scores)], "prefix_overloaded", detail)
 
     def on_dispatch(self, facts: RequestFacts, key: str) -> None:
         if facts.prefix_hashes:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from lbd.policies.pick import Picker
+
 
 @dataclass(slots=True)
 class RequestFacts:
@@ -27,9 +29,7 @@ class RequestFacts:
     pinned_rank: int | None = None
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
-    block_keys: dict[int, list[int]] | None = None  # the router's block chain per block size (bookkeeping)
-    deferred: Any = None  # router bookkeeping: the prompt's tokenization still running (lbd.router.kv.cold)
-    prompt_ids: Any = None  # router bookkeeping: the prompt's ids, for ranks that take them (kv.forward)
+    block_keys: dict[int, list[int]] | None = None  # the prompt's KV block chain per block size (exact view)
 
 
 @dataclass(slots=True)
@@ -101,10 +101,9 @@ def queue_score(ep: EndpointSnapshot, stale_s: float) -> float:
     return max(0.0, 4.0 * ep.waiting + ep.running + ep.delta, float(ep.inflight))
 
 
-def ties(values: Sequence[float], eps: float = 1e-9) -> list[int]:
-    """Indices whose value equals the minimum."""
-    low = min(values)
-    return [i for i, v in enumerate(values) if v <= low + eps]
+def queue_scores(endpoints: Sequence[EndpointSnapshot], stale_s: float) -> list[float]:
+    """The scorer most policies start from: ``queue_score`` per endpoint."""
+    return [queue_score(e, stale_s) for e in endpoints]
 
 
 class Policy:
@@ -124,7 +123,7 @@ class Policy:
     def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
         self.stale_s = stale_s
         self.seed = seed
-        self._turn = 0  # rotates among equal choices so cold requests spread
+        self.picker = Picker()  # the lowest score; equal ones take turns so cold requests spread
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
         raise NotImplementedError
@@ -142,14 +141,10 @@ class Policy:
     def forget(self, key: str) -> None:
         """The endpoint ``key`` is gone for good."""
 
-    def rotate(self, candidates: list[int]) -> int:
-        pick = candidates[self._turn % len(candidates)]
-        self._turn += 1
-        return pick
-
     def least_loaded(self, endpoints: Sequence[EndpointSnapshot]) -> tuple[int, list[float]]:
-        scores = [queue_score(e, self.stale_s) for e in endpoints]
-        return self.rotate(ties(scores)), scores
+        """(the index of the least loaded endpoint, every endpoint's queue score)."""
+        scores = queue_scores(endpoints, self.stale_s)
+        return self.picker.lowest(scores), scores
 
 
 _REGISTRY: dict[str, type[Policy]] = {}

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
+from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register
 
 
 def _stale_note(ep: EndpointSnapshot, stale_s: float) -> str:
@@ -20,8 +20,7 @@ class RoundRobin(Policy):
     uses_load = False
 
     def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        turn, n = self._turn, len(endpoints)
-        self._turn = turn + 1
+        turn, n = self.picker.next_turn(), len(endpoints)
         return Decision(endpoints[turn % n], "round_robin", lambda: f"turn {turn} of {n}")
 
 
@@ -88,7 +87,7 @@ class KvAware(Policy):
             queue_score(endpoints[i], self.stale_s) + self.kv_weight * self.pressure(endpoints[i])
             for i in pool
         ]
-        pick = pool[self.rotate(ties(scores))]
+        pick = pool[self.picker.lowest(scores)]
         ep = endpoints[pick]
         if not roomy:
             reason = "kv_all_full"

@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register, ties
+from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register
 from lbd.policies.footprint import Footprint, root_of
+from lbd.policies.pick import gap_bound
 from lbd.policies.prefix import CHUNK_CHARS, PrefixIndex
 
 CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
@@ -131,15 +132,14 @@ class PredictedTtft(Policy):
         else:
             evict = [0.0] * len(endpoints)
         scores = [queue_score(e, stale_s) for e in endpoints]
-        least = min(scores)
-        bound = least + self.gap_abs + self.gap_rel * least  # bounded stickiness (affinity.within_gap)
+        bound = gap_bound(scores, self.gap_abs, self.gap_rel)  # bounded stickiness
         exact = facts.cached_tokens if self.exact_gap_free else None
         # With an exact view the estimate itself holds the queue (the endpoint's unstarted tokens and waiting
         # requests) and the true cost of a miss; the queue-score gap stays for approximate endpoints only.
         allowed = [i for i, s in enumerate(scores) if s <= bound or (exact and endpoints[i].key in exact)]
         w = self.reuse_weight
         score = [c[0] + w * c[1] + x for c, x in zip(costs, evict, strict=True)]
-        pick = allowed[self.rotate(ties([score[i] for i in allowed], eps=1e-6))]
+        pick = self.picker.lowest_among(allowed, score, eps=1e-6)
         ep = endpoints[pick]
         total, uncached, matched = costs[pick]
         if len(allowed) < len(costs) and score[pick] > min(score) + 1e-6:

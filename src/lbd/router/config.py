@@ -323,8 +323,18 @@ def make_parser() -> OneLineParser:
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
+    """The router's settings from its command line; a bad value exits 2 naming the flag and the fix."""
     p = make_parser()
     ns = p.parse_args(argv)
+    upstreams = _upstreams(p, ns)
+    _check_numbers(p, ns)
+    limits = _check_files_and_limits(p, ns)
+    _check_keys(p, ns)
+    return _config(ns, upstreams, limits)
+
+
+def _upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:
+    """--upstreams, checked; --upstreams-file is read here only to check it (the app follows it)."""
     upstreams: list[Upstream] = []
     for item in (x for arg in ns.upstreams for x in arg.split(",") if x.strip()):
         try:
@@ -340,7 +350,11 @@ def parse_args(argv: list[str]) -> RouterConfig:
             p.error(f"--upstreams-file {ns.upstreams_file}: {e}")
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
-    _check_numbers(p, ns)
+    return upstreams
+
+
+def _check_files_and_limits(p: OneLineParser, ns: argparse.Namespace) -> Limits:
+    """The trace endpoint, the tokenizer, the HTTP limits and the TLS files."""
     if ns.otlp_traces_endpoint:
         problem = check_otlp_endpoint(ns.otlp_traces_endpoint)
         if problem:
@@ -354,6 +368,11 @@ def parse_args(argv: list[str]) -> RouterConfig:
     )
     if problem:
         p.error(problem)
+    return limits
+
+
+def _check_keys(p: OneLineParser, ns: argparse.Namespace) -> None:
+    """The clients' API keys (flags, the environment, the key file) and the rate limits that need them."""
     ns.api_key = [*ns.api_key, *key_lines(os.environ.get(ROUTER_KEYS_ENV, ""))]
     if (ns.rate_limit_rps or ns.rate_limit_tps) and not (ns.api_key or ns.api_key_file):
         p.error("--rate-limit-rps/--rate-limit-tps are per API key: give --api-key or --api-key-file too")
@@ -364,6 +383,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
             p.error(f"--api-key-file {ns.api_key_file}: {e.strerror or e}")
         except ValueError as e:
             p.error(f"--api-key-file: {e}")
+
+
+def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -> RouterConfig:
+    """The checked flags as settings (an argument table)."""
     per_worker = ns.scrape_interval_ms * max(1, ns.workers)
     stale = ns.stale_after_ms if ns.stale_after_ms is not None else max(1000.0, 10 * ns.scrape_interval_ms,
                                                                         3 * per_worker)

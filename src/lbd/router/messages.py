@@ -4,13 +4,11 @@ its own HTTP/1.1 server."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import unquote
-
-if TYPE_CHECKING:
-    from lbd.router.server import _Connection
 
 HeaderList = Iterable[tuple[str, str]]
 
@@ -31,6 +29,19 @@ def status_line(status: int, http10: bool = False) -> bytes:
 
 def serialize_headers(headers: HeaderList) -> bytes:
     return b"".join(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")) for k, v in headers)
+
+
+class Connection(Protocol):
+    """What a ``Response`` writes through: the client's connection (``lbd.router.server``'s protocol)."""
+
+    transport: asyncio.Transport | None
+    write_paused: bool  # the client is not reading: the transport's buffer is over its high-water mark
+
+    def response_done(self, request: Request) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 class Headers:
@@ -91,14 +102,15 @@ class Request:
         "_size",
     )
 
-    def __init__(self, method: str, raw_path: str, headers: Headers, http10: bool) -> None:
+    def __init__(self, method: str, raw_path: str, headers: Headers, http10: bool, body: bytes = b"") -> None:
+        """``body``: a complete body (the server passes none: it appends the body as it arrives)."""
         self.method, self.raw_path, self.headers, self.http10 = method, raw_path, headers, http10
         self.keep_alive = not http10
-        self.content_length: int | None = None
+        self.content_length: int | None = len(body) if body else None
         self.expect_continue = False
         self.too_large = False
-        self._body: list[bytes] = []
-        self._size = 0
+        self._body: list[bytes] = [body] if body else []
+        self._size = -1 if body else 0  # -1: complete
 
     @property
     def path(self) -> str:
@@ -126,7 +138,7 @@ class Response:
 
     __slots__ = ("_conn", "_request", "_head_only", "_chunked", "started", "ended", "status")
 
-    def __init__(self, conn: _Connection, request: Request) -> None:
+    def __init__(self, conn: Connection, request: Request) -> None:
         self._conn = conn
         self._request = request
         self._head_only = request.method == "HEAD"

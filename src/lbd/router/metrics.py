@@ -117,7 +117,23 @@ class RouterMetrics:
     ) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         own = None if self.multiprocess else CollectorRegistry()
-        kw: dict[str, Any] = {"registry": own}
+        self._declare({"registry": own})
+        self._registry = CollectorRegistry()
+        if self.multiprocess:
+            _mp.MultiProcessCollector(self._registry)
+        else:
+            self._registry = own  # type: ignore[assignment]
+        self._registry.register(_Live(live_rows))
+        self._registry.register(_KvLive(kv_rows))
+        # tallies since the last flush
+        self._requests: dict[tuple[str, str], int] = {}
+        self._decisions: dict[tuple[str, str], int] = {}
+        self._latency: dict[str, list[float]] = {}  # endpoint -> [count per bucket..., +Inf count, sum]
+        self._overhead: dict[str, list[float]] = {}  # policy -> the same
+        self._flush_at: asyncio.TimerHandle | None = None
+
+    def _declare(self, kw: dict[str, Any]) -> None:
+        """The metrics (a table); ``kw``: the registry to put them in (None: the multiprocess one)."""
         self.requests = Counter(
             "lbd_router_requests",
             "Requests answered, by endpoint and HTTP status.",
@@ -163,19 +179,6 @@ class RouterMetrics:
         self.disconnects = Counter(
             "lbd_router_client_disconnects", "Clients gone before their response ended.", ["endpoint"], **kw
         )
-        self._registry = CollectorRegistry()
-        if self.multiprocess:
-            _mp.MultiProcessCollector(self._registry)
-        else:
-            self._registry = own  # type: ignore[assignment]
-        self._registry.register(_Live(live_rows))
-        self._registry.register(_KvLive(kv_rows))
-        # tallies since the last flush
-        self._requests: dict[tuple[str, str], int] = {}
-        self._decisions: dict[tuple[str, str], int] = {}
-        self._latency: dict[str, list[float]] = {}  # endpoint -> [count per bucket..., +Inf count, sum]
-        self._overhead: dict[str, list[float]] = {}  # policy -> the same
-        self._flush_at: asyncio.TimerHandle | None = None
 
     def _dirty(self) -> None:
         if self.multiprocess and self._flush_at is None:

@@ -20,6 +20,7 @@ new requests within T + ``CHECK_INTERVAL_S`` of its oldest unanswered request.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lbd.policies import RequestFacts
 from lbd.router.endpoints import Endpoint
 
-if TYPE_CHECKING:
-    from lbd.router.state import RouterState
+if TYPE_CHECKING:  # (lbd.router.config imports this module: the metrics must not be imported that early)
+    from lbd.router.metrics import RouterMetrics
 
 log = logging.getLogger("lbd.router")
 CHECK_INTERVAL_S = 0.5
@@ -71,10 +72,25 @@ class Waiter(Protocol):
     def abandon(self) -> None: ...
 
 
+class Fleet(Protocol):
+    """What the outlier checks need of the router's endpoint table (``lbd.router.state.RouterState``)."""
+
+    endpoints: dict[str, Endpoint]
+    loop: asyncio.AbstractEventLoop
+    metrics: RouterMetrics
+
+    def may_eject(self, ep: Endpoint) -> bool: ...
+
+    def readmit(self, ep: Endpoint, why: str) -> None: ...
+
+
 class Outliers:
-    def __init__(self, state: RouterState) -> None:
-        self.state = state
-        self.cfg = state.cfg
+    """``first_byte_timeout_s`` and ``ejection_s``: --outlier-first-byte-timeout-s, --outlier-ejection-s."""
+
+    def __init__(self, fleet: Fleet, first_byte_timeout_s: float, ejection_s: float) -> None:
+        self.fleet = fleet
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.ejection_s = ejection_s
         self.half_open: list[Endpoint] = []  # endpoints waiting for (or running) their trial request
 
     # ---- per request --------------------------------------------------------------------------------
@@ -95,21 +111,21 @@ class Outliers:
         ep.progress_at = now
         if ep.trial is attempt:
             self._end_half_open(ep)
-            self.state.readmit(ep, "half-open trial request answered")
+            self.fleet.readmit(ep, "half-open trial request answered")
 
     def ended(self, ep: Endpoint, attempt: Waiter) -> None:
         """The attempt is over (answered or not)."""
         ep.waiting.pop(attempt, None)
         if ep.trial is attempt:  # ended without a first byte: the trial failed
             ep.trial = None
-            self.eject(ep, self.state.loop.time(), "half-open trial request failed")
+            self.eject(ep, self.fleet.loop.time(), "half-open trial request failed")
 
     # ---- periodic -----------------------------------------------------------------------------------
     def check(self, now: float) -> None:
-        window = self.cfg.outlier_first_byte_timeout_s
+        window = self.first_byte_timeout_s
         if window <= 0:
             return
-        eps = list(self.state.endpoints.values())
+        eps = list(self.fleet.endpoints.values())
         for ep in eps:
             if ep.ejected_by == "outlier" and not ep.half_open and now >= ep.readmit_at:
                 ep.half_open = True
@@ -128,7 +144,7 @@ class Outliers:
                 continue
             if not any(e is not ep and e.progress_at >= oldest for e in eps):
                 continue  # nobody answered since: a slow fleet or no traffic, not one bad endpoint
-            if not self.state.may_eject(ep):
+            if not self.fleet.may_eject(ep):
                 continue
             self.eject(ep, now, f"no first byte within {window:g} s for {len(ep.waiting)} requests while "
                                 "other endpoints answer")
@@ -144,7 +160,7 @@ class Outliers:
         ep.last_error = f"outlier: {why}"
         self._end_half_open(ep)
         if first:
-            self.state.metrics.ejections.labels(ep.url).inc()
+            self.fleet.metrics.ejections.labels(ep.url).inc()
         log.warning("endpoint ejected: %s (rank %s): %s; %d waiting requests retried elsewhere; trial in "
                     "%.0f s", ep.url, ep.rank, why, len(ep.waiting), duration)
         for attempt in list(ep.waiting):
@@ -159,7 +175,7 @@ class Outliers:
             self.half_open.remove(ep)
 
     def _base(self) -> float:
-        return self.cfg.outlier_ejection_s
+        return self.ejection_s
 
 
 def ejection_cap(total: int, percent: float) -> int:

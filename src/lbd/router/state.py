@@ -39,7 +39,7 @@ class RouterState:
         )
         self.exact: ExactView | None = None  # set by the app when --kv-events is not off
         self.metrics = RouterMetrics(self.live_rows, self.kv_rows)
-        self.outliers = Outliers(self)
+        self.outliers = Outliers(self, cfg.outlier_first_byte_timeout_s, cfg.outlier_ejection_s)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
 

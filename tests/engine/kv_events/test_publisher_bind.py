@@ -10,10 +10,10 @@ import os
 import psutil
 import pytest
 import zmq
-from lbd.wire.kv_events import BlockStored
 
 from lbd.engine.config.kv_events import DEFAULT_PORT, default_endpoint, parse_kv_events_config
 from lbd.engine.kv_events.publisher import ZmqEventPublisher
+from lbd.wire.kv_events import BlockStored
 from support import free_port
 
 WARNING = "carries every prompt's token ids"

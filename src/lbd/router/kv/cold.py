@@ -53,7 +53,7 @@ class Deferred:
     on_done: list[Callable[[], None]] = field(default_factory=list)  # run once the plan is filled
 
 
-HEAD_ONLY = "head-only"  # ``RequestFacts.deferred`` of a prompt routed on its head and left untokenized
+HEAD_ONLY = "head-only"  # ``Routed.deferred`` (kv.lookup) of a prompt routed on its head and left untokenized
 
 
 class ColdStart:

@@ -14,17 +14,15 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lbd.policies import RequestFacts
 from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, estimate_tokens
+from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.forward import ExactPrompt, forwardable
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
 from lbd.router.kv.shared_pending import SharedPending, checkpoints
 from lbd.router.kv.tokenize import NotTokenizable, Plan, RouterTokenizer
-
-if TYPE_CHECKING:
-    from lbd.router.kv.view import EndpointView
 
 log = logging.getLogger("lbd.router")
 OFFLOAD_CHARS = 4096  # new prompt text longer than this is tokenized in a thread
@@ -40,6 +38,15 @@ class Pending:
     start: int  # chain position of keys[0]
     marks: list[int]
     settled: bool = False
+
+
+class Routed(Protocol):
+    """A request as the lookup reads and annotates it (``lbd.router.routed.RoutedRequest``): the policies'
+    facts, and beside them the lookup's own bookkeeping, which no policy reads."""
+
+    facts: RequestFacts
+    deferred: Deferred | str | None  # routed on its head: its tokenization still running, or HEAD_ONLY
+    prompt_ids: ExactPrompt | None  # the prompt's ids, for ranks that take them (kv.forward)
 
 
 class Lookup:
@@ -60,10 +67,11 @@ class Lookup:
         return bool(views) and all(v.exact(self.stale_s) for v in views)
 
     # ---- annotate ---------------------------------------------------------------------------------------
-    def annotate(self, facts: RequestFacts, data: dict[str, Any]) -> Awaitable[None] | None:
-        """Set ``facts.prompt_tokens`` and ``facts.cached_tokens`` for exact endpoints (exact, or an estimate
-        of the length for a prompt routed on its head); returns an awaitable when a long new prompt text
-        must be tokenized off the event loop first."""
+    def annotate(self, req: Routed, data: dict[str, Any]) -> Awaitable[None] | None:
+        """Set ``req.facts.prompt_tokens`` and ``cached_tokens`` for exact endpoints (exact, or an estimate of
+        the length for a prompt routed on its head); returns an awaitable when a long new prompt text must be
+        tokenized off the event loop first."""
+        facts = req.facts
         views = [v for v in self.views.values() if v.exact(self.stale_s) and _serves(v, facts.model)]
         if not views:
             return None
@@ -80,24 +88,24 @@ class Lookup:
         if plan.missing_chars > OFFLOAD_CHARS:
             running = self.cold.waiting_on(plan)
             if running:
-                return self._annotate_after(facts, tok, data, views, running, fp)
-            if self._route_early(facts, tok, plan, views):
+                return self._annotate_after(req, tok, data, views, running, fp)
+            if self._route_early(req, tok, plan, views):
                 return None
-            return self._annotate_later(facts, tok, plan, views, fp)
+            return self._annotate_later(req, tok, plan, views, fp)
         if plan.missing:
             tok.fill(plan, tok.encode_missing(plan))
-        self._lookup(facts, plan.pieces, views, fp)
+        self._lookup(req, plan.pieces, views, fp)
         return None
 
     async def _annotate_later(
-        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView], fp: str | None
+        self, req: Routed, tok: RouterTokenizer, plan: Plan, views: list[EndpointView], fp: str | None
     ) -> None:
         encoded = await asyncio.get_running_loop().run_in_executor(None, tok.encode_missing, plan, True)
         tok.fill(plan, encoded)
-        self._lookup(facts, plan.pieces, views, fp)
+        self._lookup(req, plan.pieces, views, fp)
 
     async def _annotate_after(
-        self, facts: RequestFacts, tok: RouterTokenizer, data: dict[str, Any], views: list[EndpointView],
+        self, req: Routed, tok: RouterTokenizer, data: dict[str, Any], views: list[EndpointView],
         running: list[asyncio.Future[list[Sequence[int]]]], fp: str | None,
     ) -> None:
         """Another request's tokenization of this prompt's new text is running: wait for it (its piece
@@ -107,13 +115,11 @@ class Lookup:
         if plan is None:
             return
         if plan.missing:  # other new text beside the shared one (a new turn), or that tokenization failed
-            await self._annotate_later(facts, tok, plan, views, fp)
+            await self._annotate_later(req, tok, plan, views, fp)
         else:
-            self._lookup(facts, plan.pieces, views, fp)
+            self._lookup(req, plan.pieces, views, fp)
 
-    def _route_early(
-        self, facts: RequestFacts, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]
-    ) -> bool:
+    def _route_early(self, req: Routed, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]) -> bool:
         """Route on the first new piece's head when no endpoint's match reaches its end (see ``cold``)."""
         got = self.cold.head_ids(tok, plan)
         if got is None:
@@ -132,19 +138,19 @@ class Lookup:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
             keys_by_size[bs] = keys
         known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
+        facts = req.facts
         facts.prompt_tokens = estimate_tokens(plan, head_tokens, head_chars, known)
         facts.cached_tokens = cached
         facts.block_keys = keys_by_size
-        facts.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
+        req.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
         return True
 
-    def _lookup(
-        self, facts: RequestFacts, pieces: list[Any], views: list[EndpointView], fp: str | None
-    ) -> None:
+    def _lookup(self, req: Routed, pieces: list[Any], views: list[EndpointView], fp: str | None) -> None:
         n = sum(len(p) for p in pieces)
+        facts = req.facts
         facts.prompt_tokens = n
         if fp is not None:
-            facts.prompt_ids = ExactPrompt(pieces, fp)
+            req.prompt_ids = ExactPrompt(pieces, fp)
         cached: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():
@@ -184,8 +190,9 @@ class Lookup:
                     depth[v.blocks.bit] = pos + 1
 
     # ---- pending blocks ---------------------------------------------------------------------------------
-    def dispatched(self, url: str, facts: RequestFacts) -> Pending | None:
-        """``facts`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
+    def dispatched(self, url: str, req: Routed) -> Pending | None:
+        """``req`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
+        facts = req.facts
         view = self.views.get(url)
         if view is None or not facts.block_keys or facts.cached_tokens is None:
             return None
@@ -197,7 +204,7 @@ class Lookup:
         token = Pending(view, chain[start:], start, [])
         self.index.add_pending(token.keys, view.blocks.bit)
         self._mark(token, chain, start)
-        deferred = facts.deferred  # None, HEAD_ONLY or a Deferred: routed on its head
+        deferred = req.deferred  # None, HEAD_ONLY or a Deferred: routed on its head
         if deferred is not None:
             view.routed_on_head += 1
         if deferred is HEAD_ONLY:

@@ -17,16 +17,16 @@ import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
 from lbd.common.internal_key import IdsSigner
+from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, with_ids
-from lbd.router.kv.index import BlockIndex, EndpointBlocks
+from lbd.router.kv.index import BlockIndex
 from lbd.router.kv.lookup import Lookup
 from lbd.router.kv.shared_pending import SharedPending
 from lbd.router.kv.tokenize import RouterTokenizer
@@ -36,35 +36,6 @@ Getter = Callable[[str, float], Awaitable[tuple[int, bytes]]]  # (url, timeout) 
 REDISCOVER_S = 2.0  # while an endpoint has no usable feed, ask it again this often
 TOKENIZER_RETRY_S = 30.0
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
-
-
-@dataclass(slots=True)
-class EndpointView:
-    url: str
-    models: Callable[[], frozenset[str]]
-    blocks: EndpointBlocks
-    feed: EventFeed | None = None
-    tokenizer: RouterTokenizer | None = None
-    default_block_size: Callable[[], int] = lambda: 16
-    reason: str = "discovering"  # why the view is approximate (when it is)
-    task: asyncio.Task[None] | None = None
-    source: Source | None = None
-    slot: int = -1
-    routed_on_head: int = 0  # requests sent here before their long new text was tokenized (lookup, cold)
-    head_only: int = 0  # of those, the ones whose text was left untokenized (a flood of new prompts)
-    forwarded: int = 0  # requests sent here with their prompt token ids
-    takes_ids: str | None = None  # the fingerprint forwarded ids must carry here (lbd.router.kv.forward)
-
-    @property
-    def block_size(self) -> int:
-        return (self.feed.stats.block_size if self.feed else 0) or self.default_block_size()
-
-    def exact(self, stale_s: float) -> bool:
-        feed = self.feed
-        if feed is None or self.tokenizer is None:
-            return False
-        st = feed.stats
-        return st.state == "disconnected" or (st.state == "live" and st.lag_s <= stale_s)
 
 
 def subscribe_address(advertised: str, engine_url: str) -> str | None:
