@@ -108,7 +108,7 @@ _MAX_BUCKETS = 4
 _MIN_BUCKET_SEQS = 4
 
 
-def _decode_buckets(lens: list[int]) -> list[tuple[list[int] | None, int]]:
+def decode_buckets(lens: list[int]) -> list[tuple[list[int] | None, int]]:
     """Group decodes of similar length: each group gathers and attends only up to its own longest context.
 
     One padded batch makes every sequence pay for the longest one (measured: 16 decodes of 100-768 tokens
@@ -133,7 +133,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     query_lens, seq_lens = host_lens(meta)
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    for rows, max_len in _decode_buckets(seq_lens[:nd]):
+    for rows, max_len in decode_buckets(seq_lens[:nd]):
         if rows is None:
             out[:nd] = _decode(query[:nd], key_cache, value_cache, meta.block_tables, meta.seq_lens, max_len,
                                scale, k_scale, v_scale)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lbd.kernels.metadata import AttentionMetadata
-from lbd.kernels.reference.attention import _decode_buckets, host_lens
+from lbd.kernels.reference.attention import decode_buckets, host_lens
 
 
 def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
@@ -64,7 +64,7 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     b = query.shape[0]
     _, seq_lens = host_lens(meta)
     out = query.new_empty(b, query.shape[1], kv_lora_rank)
-    for rows, max_len in _decode_buckets(seq_lens[:b]):
+    for rows, max_len in decode_buckets(seq_lens[:b]):
         if rows is None:
             out[:] = _decode_group(query, cache, meta.block_tables, meta.seq_lens, max_len, scale,
                                    kv_lora_rank)
