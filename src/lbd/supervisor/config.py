@@ -441,7 +441,7 @@ def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
 
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str], local_devices: bool = True,
-               changed: dict[str, object] | None = None) -> list[RankSpec]:
+               changed: dict[str, object] | None = None, group: GroupSpec | None = None) -> list[RankSpec]:
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
     (its devices nor its CPUs)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
@@ -457,7 +457,8 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     specs = []
     for i in range(local):
         devices = slices[i].split(",") if slices[i] is not None else None
-        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i])
+        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i],
+                          (group.address, group.rpc_port) if group is not None else None)
         try:
             argv, child_env = rank_command(ns.rank_engine, ns.rank_command, ns, flags, place, changed)
         except EngineFlagError as e:
@@ -509,7 +510,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         _check_kv_events(ns, start, local)
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
         specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
-                           changed_engine_options(parser, ns, engine_dests))
+                           changed_engine_options(parser, ns, engine_dests), group)
+        if group is not None and (ns.rank_engine != "lbd" or ns.rank_command is not None):
+            # vLLM's rank 0 coordinates its own group (SGLang's ranks are independent): no lbd coordinator
+            group, on_failure = None, ("restart-rank" if on_failure == "restart-group" else on_failure)
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(

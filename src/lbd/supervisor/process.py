@@ -33,6 +33,14 @@ TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
 _TAIL_LINE_CHARS = 500
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
 _ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
+# An engine refusing its command line or configuration: nothing a restart can change. argparse's error line
+# ("vllm serve: error: unrecognized arguments: ...", "lbd serve: error: ..."), or an exception raised while
+# the engine builds its config from its flags (vLLM: EngineArgs.create_engine_config and vllm/config/*.py,
+# e.g. "ValueError: Non-MoE models do not support external data parallel mode", or pydantic's
+# ValidationError of a config class).
+_USAGE_LINE = re.compile(r"^[\w .\-/]*: error: \S")
+_CONFIG_FRAME = re.compile(r'File ".*/vllm/(engine/arg_utils|config/\w+)\.py", line \d+')
+_CONFIG_EXCEPTION = re.compile(r"^(ValueError|TypeError|[\w.]*ValidationError)\b")
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -71,6 +79,19 @@ class RankProcess:
                     return line
         return self.stderr_tail[-1] if self.stderr_tail else None
 
+    def refusal(self) -> str | None:
+        """The line saying the engine refused its flags or configuration, once it exited on its own (not
+        killed): a usage error that no restart can fix. None otherwise."""
+        if self.proc.returncode is None or self.proc.returncode <= 0:
+            return None
+        lines = list(self.stderr_tail)
+        for i in range(len(lines) - 1, -1, -1):
+            if _USAGE_LINE.search(lines[i]):
+                return lines[i]
+            if _CONFIG_EXCEPTION.search(lines[i]) and any(_CONFIG_FRAME.search(f) for f in lines[:i]):
+                return lines[i]
+        return None
+
     @classmethod
     async def start(cls, spec: RankSpec) -> RankProcess:
         env = {**os.environ, **spec.env}
@@ -86,7 +107,10 @@ class RankProcess:
         return self.proc.returncode
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        """The exit code, once the relays had a moment to take the last lines in (the tail is then whole)."""
+        code = await self.proc.wait()
+        await asyncio.wait(self._relays, timeout=1.0)
+        return code
 
     def terminate(self) -> None:
         """SIGTERM the launcher only (it drains its front ends, then stops its core); SIGCONT the whole

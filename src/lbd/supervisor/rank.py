@@ -219,9 +219,12 @@ class RankWorker:
                 healthy_for = time.monotonic() - self._ready_mono if self._ready_mono is not None else 0.0
                 self.attempts = 0 if was_ready else self.attempts + 1
                 proc = self._proc
+                # Before ever being ready, exit code 2 or the engine refusing its flags or config on stderr
+                # (process.RankProcess.refusal): a usage error (no such model...); restarts cannot help.
+                refused = getattr(proc, "refusal", lambda: None)() if not self._ever_ready else None
+                detail = f"{detail}: {refused}" if refused else detail
                 self._record_failure(detail)
-                # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
-                usage_error = self.last_exit_code == 2 and not self._ever_ready
+                usage_error = (self.last_exit_code == 2 or refused is not None) and not self._ever_ready
                 action = self._on_failure(self, detail, usage_error)
                 if action is FailureAction.EXIT:
                     self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
