@@ -41,6 +41,7 @@ _ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
 _USAGE_LINE = re.compile(r"^[\w .\-/]*: error: \S")
 _CONFIG_FRAME = re.compile(r'File ".*/vllm/(engine/arg_utils|config/\w+)\.py", line \d+')
 _CONFIG_EXCEPTION = re.compile(r"^(ValueError|TypeError|[\w.]*ValidationError)\b")
+_PROCESS_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ")  # vLLM's prefix on its processes' output
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -84,13 +85,15 @@ class RankProcess:
         killed): a usage error that no restart can fix. None otherwise."""
         if self.proc.returncode is None or self.proc.returncode <= 0:
             return None
-        lines = list(self.stderr_tail)
-        for i in range(len(lines) - 1, -1, -1):
-            if _USAGE_LINE.search(lines[i]):
-                return lines[i]
-            if _CONFIG_EXCEPTION.search(lines[i]) and any(_CONFIG_FRAME.search(f) for f in lines[:i]):
-                return lines[i]
-        return None
+        lines = [_PROCESS_PREFIX.sub("", line) for line in self.stderr_tail]
+        usage = next((line for line in reversed(lines) if _USAGE_LINE.search(line)), None)
+        if usage is not None:
+            return usage
+        last = next((i for i in range(len(lines) - 1, -1, -1) if _EXCEPTION_LINE.search(lines[i])), None)
+        if last is None or not _CONFIG_EXCEPTION.search(lines[last]):
+            return None
+        start = max((i for i in range(last) if lines[i].startswith("Traceback")), default=0)
+        return lines[last] if any(_CONFIG_FRAME.search(line) for line in lines[start:last]) else None
 
     @classmethod
     async def start(cls, spec: RankSpec) -> RankProcess:
