@@ -29,7 +29,7 @@ log = logging.getLogger("lbd.supervisor")
 _PR_SET_PDEATHSIG = 1
 WORKER_MODULE = "lbd.engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
-TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
+TAIL_LINES = 20  # last lines of a rank's stderr (and its stdout's error lines) kept for /status
 _TAIL_LINE_CHARS = 500
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
 _ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
@@ -42,6 +42,8 @@ _USAGE_LINE = re.compile(r"^[\w .\-/]*: error: \S")
 _CONFIG_FRAME = re.compile(r'File ".*/vllm/(engine/arg_utils|config/\w+)\.py", line \d+')
 _CONFIG_EXCEPTION = re.compile(r"^(ValueError|TypeError|[\w.]*ValidationError)\b")
 _PROCESS_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ")  # vLLM's prefix on its processes' output
+# the stdout lines kept in the tail too: vLLM and SGLang log to stdout, their errors included
+_STDOUT_ERROR = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^Traceback |^[\w.]*(Error|Exception)\b: ")
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -66,8 +68,10 @@ class RankProcess:
         self.spec = spec
         self.proc = proc
         self.pid: int = proc.pid
-        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)  # redacted, for /status
-        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank)),
+        # redacted, for /status: every stderr line and stdout's error lines (engines that log to stdout)
+        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank,
+                                                   self.stderr_tail, _STDOUT_ERROR)),
                         asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank,
                                                    self.stderr_tail))]
 
@@ -199,9 +203,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
-                 tail: deque[str] | None = None) -> None:
+                 tail: deque[str] | None = None, keep: re.Pattern[str] | None = None) -> None:
     """Copy the child's output line by line, each line prefixed with its rank; keep the last lines (secrets
-    masked) in ``tail``."""
+    masked) in ``tail``: all of them, or those ``keep`` finds something in."""
     if stream is None:
         return
     prefix = f"[rank {rank}] ".encode()
@@ -215,7 +219,9 @@ async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
         if not line:
             return
         if tail is not None and line.strip():
-            tail.append(redact_text(line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]))
+            text = line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]
+            if keep is None or keep.search(text):
+                tail.append(redact_text(text))
         try:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()

@@ -180,7 +180,7 @@ class RankWorker:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
         live = getattr(self._proc, "stderr_tail", None)
-        tail = list(live) if live is not None and self.state is not RankState.READY else self.stderr_tail
+        tail = list(live) if live and self.state is not RankState.READY else self.stderr_tail
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
             "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
