@@ -322,17 +322,20 @@ def test_vllm_console_script_without_metadata_falls_back_to_the_module(
     assert argv[:3] == [str(bin_dir / "vllm"), "serve", MODEL]
 
 
-def test_stdout_error_lines_reach_status(tmp_path: Path) -> None:
-    """Engines that log to stdout (vLLM, SGLang) leave their errors there: /status's stderr_tail keeps
-    stdout's error lines beside stderr's, and the failed process's tail stays shown while the next one has
-    said nothing yet."""
-    script = ('echo "INFO all fine"; echo "(EngineCore pid=7) ERROR [core.py] engine died: boom"; sleep 0.5; '
-              "exit 1")
+def test_error_lines_reach_status(tmp_path: Path) -> None:
+    """Engines that log to stdout (vLLM, SGLang) leave their errors there: /status's error_lines keeps the
+    error lines of both streams (no traceback frames, no noise), and the failed process's lines stay shown
+    while the next one has said nothing yet."""
+    script = ('echo "INFO all fine"; echo "(EngineCore pid=7) ERROR [core.py] engine died: boom"; '
+              'echo "(EngineCore pid=7) ERROR [core.py]   File x.py, line 1"; echo "warning: leaked" >&2; '
+              'echo "RuntimeError: boom" >&2; sleep 0.5; exit 1')
     node = SupervisorNode(MODEL, 1, "--rank-command", f"sh -c '{script}'", "--restart-backoff-initial-s", "5",
                           log=tmp_path / "stdout.log", engine_flags=["--device", "cpu"])
     try:
         node.wait_for(lambda: node.rank(0)["state"] == "restarting", 30, "rank 0 failed once")
-        tail = node.rank(0)["stderr_tail"]
-        assert tail == ["(EngineCore pid=7) ERROR [core.py] engine died: boom"], tail
+        rank = node.rank(0)
+        assert sorted(rank["error_lines"]) == ["(EngineCore pid=7) ERROR [core.py] engine died: boom",
+                                               "RuntimeError: boom"], rank  # two streams: any order
+        assert rank["stderr_tail"] == ["warning: leaked", "RuntimeError: boom"], rank
     finally:
         node.close()

@@ -29,7 +29,7 @@ log = logging.getLogger("lbd.supervisor")
 _PR_SET_PDEATHSIG = 1
 WORKER_MODULE = "lbd.engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
-TAIL_LINES = 20  # last lines of a rank's stderr (and its stdout's error lines) kept for /status
+TAIL_LINES = 20  # last lines of a rank's stderr kept for /status, and as many of its error lines
 _TAIL_LINE_CHARS = 500
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
 _ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
@@ -42,8 +42,10 @@ _USAGE_LINE = re.compile(r"^[\w .\-/]*: error: \S")
 _CONFIG_FRAME = re.compile(r'File ".*/vllm/(engine/arg_utils|config/\w+)\.py", line \d+')
 _CONFIG_EXCEPTION = re.compile(r"^(ValueError|TypeError|[\w.]*ValidationError)\b")
 _PROCESS_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ")  # vLLM's prefix on its processes' output
-# the stdout lines kept in the tail too: vLLM and SGLang log to stdout, their errors included
-_STDOUT_ERROR = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^Traceback |^[\w.]*(Error|Exception)\b: ")
+# An error line, from either stream (vLLM and SGLang log to stdout, their errors included): a line logged at
+# level ERROR/CRITICAL or an exception's line, but not a traceback's frames (vLLM logs each one at ERROR)
+_ERROR_MARK = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^[\w.]*(Error|Exception)\b(: |$)")
+_FRAME = re.compile(r"(^|\] )(\s|Traceback |\^)")
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -68,12 +70,13 @@ class RankProcess:
         self.spec = spec
         self.proc = proc
         self.pid: int = proc.pid
-        # redacted, for /status: every stderr line and stdout's error lines (engines that log to stdout)
+        # redacted, for /status: its last stderr lines, and its last error lines from either stream
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank,
-                                                   self.stderr_tail, _STDOUT_ERROR)),
+        self.error_lines: deque[str] = deque(maxlen=TAIL_LINES)
+        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank, None,
+                                                   self.error_lines)),
                         asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank,
-                                                   self.stderr_tail))]
+                                                   self.stderr_tail, self.error_lines))]
 
     def error_line(self) -> str | None:
         """The line that says why: a traceback's last line (the exception), else the last line that mentions
@@ -203,9 +206,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
-                 tail: deque[str] | None = None, keep: re.Pattern[str] | None = None) -> None:
+                 tail: deque[str] | None = None, errors: deque[str] | None = None) -> None:
     """Copy the child's output line by line, each line prefixed with its rank; keep the last lines (secrets
-    masked) in ``tail``: all of them, or those ``keep`` finds something in."""
+    masked) in ``tail``, and the last error lines in ``errors``."""
     if stream is None:
         return
     prefix = f"[rank {rank}] ".encode()
@@ -218,10 +221,12 @@ async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
             line = await stream.readexactly(e.consumed) + b"\n"
         if not line:
             return
-        if tail is not None and line.strip():
+        if line.strip() and (tail is not None or errors is not None):
             text = line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]
-            if keep is None or keep.search(text):
+            if tail is not None:
                 tail.append(redact_text(text))
+            if errors is not None and _ERROR_MARK.search(text) and not _FRAME.search(text):
+                errors.append(redact_text(text))
         try:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()

@@ -125,6 +125,7 @@ class RankWorker:
         self.attempts = 0  # consecutive starts that failed before the rank was ready (a crash loop)
         self.backoff_s: float | None = None  # the restart delay last applied
         self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
+        self.error_lines: list[str] = []  # and its last error lines, from stdout or stderr (redacted)
         self.operation: str | None = None  # admin command being carried out
         self.kv_event_sources: dict | None = None  # the ready process's /kv_event_sources
         self.group_wait: str | None = None  # an MoE member alive but waiting for its group (last probe)
@@ -181,6 +182,8 @@ class RankWorker:
         now = time.monotonic()
         live = getattr(self._proc, "stderr_tail", None)
         tail = list(live) if live and self.state is not RankState.READY else self.stderr_tail
+        errors = getattr(self._proc, "error_lines", None)
+        errors = list(errors) if errors and self.state is not RankState.READY else self.error_lines
         return {
             "rank": self.spec.rank, "local_rank": self.spec.local_rank,
             "url": self.spec.url(url_host), "port": self.spec.port, "pid": self.pid,
@@ -197,7 +200,8 @@ class RankWorker:
             "operation": self.operation, "group_wait": self.group_wait,
             "devices": self.spec.devices, "cpus": self.spec.cpus,
             "engine": self.spec.engine, "workers": self.workers, "attempts": self.attempts,
-            "backoff_s": self.backoff_s, "stderr_tail": tail, "command": redact_argv(self.spec.argv),
+            "backoff_s": self.backoff_s, "stderr_tail": tail, "error_lines": errors,
+            "command": redact_argv(self.spec.argv),
             "kv_event_sources": self.kv_event_sources,
         }
 
@@ -458,6 +462,7 @@ class RankWorker:
         if proc is None or not hasattr(proc, "stderr_tail"):
             return
         self.stderr_tail = list(proc.stderr_tail)
+        self.error_lines = list(getattr(proc, "error_lines", ()))
         cause = proc.error_line()
         if cause and not was_ready and self.last_failure and cause not in self.last_failure:
             self.last_failure = f"{self.last_failure}: {cause}"
