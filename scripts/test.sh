@@ -13,6 +13,8 @@ else
   bash scripts/setup.sh
 fi
 export TRITON_INTERPRET=1
+[ -x .venv-vllm/bin/python ] || echo "test.sh: no .venv-vllm: the real-vLLM tests" \
+  "(tests/supervisor/test_engines_vllm.py) skip; install vLLM's CPU build with: bash scripts/setup-peers.sh vllm" >&2
 set +e
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

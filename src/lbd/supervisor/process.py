@@ -30,10 +30,23 @@ log = logging.getLogger("lbd.supervisor")
 _PR_SET_PDEATHSIG = 1
 WORKER_MODULE = "lbd.engine.executor.worker"  # how a rank's TP/PP workers show in their command line
 _LINE_LIMIT = 1 << 20  # longest log line read at once; longer ones are relayed in pieces
-TAIL_LINES = 20  # last lines of a rank's stderr kept for /status
+TAIL_LINES = 20  # last lines of a rank's stderr kept for /status, and as many of its error lines
 _TAIL_LINE_CHARS = 500
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b: ")  # a traceback's last line
 _ERROR_LINE = re.compile(r"\b(error|failed|fatal)\b", re.IGNORECASE)
+# An engine refusing its command line or configuration: nothing a restart can change. argparse's error line
+# ("vllm serve: error: unrecognized arguments: ...", "lbd serve: error: ..."), or an exception raised while
+# the engine builds its config from its flags (vLLM: EngineArgs.create_engine_config and vllm/config/*.py,
+# e.g. "ValueError: Non-MoE models do not support external data parallel mode", or pydantic's
+# ValidationError of a config class).
+_USAGE_LINE = re.compile(r"^[\w .\-/]*: error: \S")
+_CONFIG_FRAME = re.compile(r'File ".*/vllm/(engine/arg_utils|config/\w+)\.py", line \d+')
+_CONFIG_EXCEPTION = re.compile(r"^(ValueError|TypeError|[\w.]*ValidationError)\b")
+_PROCESS_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ")  # vLLM's prefix on its processes' output
+# An error line, from either stream (vLLM and SGLang log to stdout, their errors included): a line logged at
+# level ERROR/CRITICAL or an exception's line, but not a traceback's frames (vLLM logs each one at ERROR)
+_ERROR_MARK = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^[\w.]*(Error|Exception)\b(: |$)")
+_FRAME = re.compile(r"(^|\] )(\s|Traceback |\^)")
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
@@ -58,10 +71,13 @@ class RankProcess:
         self.spec = spec
         self.proc = proc
         self.pid: int = proc.pid
-        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)  # redacted, for /status
-        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank)),
+        # redacted, for /status: its last stderr lines, and its last error lines from either stream
+        self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.error_lines: deque[str] = deque(maxlen=TAIL_LINES)
+        self._relays = [asyncio.create_task(_relay(proc.stdout, sys.stdout.buffer, spec.rank, None,
+                                                   self.error_lines)),
                         asyncio.create_task(_relay(proc.stderr, sys.stderr.buffer, spec.rank,
-                                                   self.stderr_tail))]
+                                                   self.stderr_tail, self.error_lines))]
 
     def error_line(self) -> str | None:
         """The line that says why: a traceback's last line (the exception), else the last line that mentions
@@ -71,6 +87,21 @@ class RankProcess:
                 if pattern.search(line):
                     return line
         return self.stderr_tail[-1] if self.stderr_tail else None
+
+    def refusal(self) -> str | None:
+        """The line saying the engine refused its flags or configuration, once it exited on its own (not
+        killed): a usage error that no restart can fix. None otherwise."""
+        if self.proc.returncode is None or self.proc.returncode <= 0:
+            return None
+        lines = [_PROCESS_PREFIX.sub("", line) for line in self.stderr_tail]
+        usage = next((line for line in reversed(lines) if _USAGE_LINE.search(line)), None)
+        if usage is not None:
+            return usage
+        last = next((i for i in range(len(lines) - 1, -1, -1) if _EXCEPTION_LINE.search(lines[i])), None)
+        if last is None or not _CONFIG_EXCEPTION.search(lines[last]):
+            return None
+        start = max((i for i in range(last) if lines[i].startswith("Traceback")), default=0)
+        return lines[last] if any(_CONFIG_FRAME.search(line) for line in lines[start:last]) else None
 
     @classmethod
     async def start(cls, spec: RankSpec) -> RankProcess:
@@ -87,7 +118,10 @@ class RankProcess:
         return self.proc.returncode
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        """The exit code, once the relays had a moment to take the last lines in (the tail is then whole)."""
+        code = await self.proc.wait()
+        await asyncio.wait(self._relays, timeout=1.0)
+        return code
 
     def terminate(self) -> None:
         """SIGTERM the launcher only (it drains its front ends, then stops its core); SIGCONT the whole
@@ -173,9 +207,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
-                 tail: deque[str] | None = None) -> None:
+                 tail: deque[str] | None = None, errors: deque[str] | None = None) -> None:
     """Copy the child's output line by line, each line prefixed with its rank; keep the last lines (secrets
-    masked) in ``tail``."""
+    masked) in ``tail``, and the last error lines in ``errors``."""
     if stream is None:
         return
     prefix = f"[rank {rank}] ".encode()
@@ -188,8 +222,12 @@ async def _relay(stream: asyncio.StreamReader | None, out: BinaryIO, rank: int,
             line = await stream.readexactly(e.consumed) + b"\n"
         if not line:
             return
-        if tail is not None and line.strip():
-            tail.append(redact_text(line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]))
+        if line.strip() and (tail is not None or errors is not None):
+            text = line.decode("utf-8", "replace").rstrip()[:_TAIL_LINE_CHARS]
+            if tail is not None:
+                tail.append(redact_text(text))
+            if errors is not None and _ERROR_MARK.search(text) and not _FRAME.search(text):
+                errors.append(redact_text(text))
         try:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()

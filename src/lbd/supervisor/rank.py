@@ -115,6 +115,7 @@ class RankWorker:
         self.attempts = 0  # consecutive starts that failed before the rank was ready (a crash loop)
         self.backoff_s: float | None = None  # the restart delay last applied
         self.stderr_tail: list[str] = []  # the last lines of the last process that failed (redacted)
+        self.error_lines: list[str] = []  # and its last error lines, from stdout or stderr (redacted)
         self.operation: str | None = None  # admin command being carried out
         self.kv_event_sources: dict | None = None  # the ready process's /kv_event_sources
         self.group_wait: str | None = None  # an MoE member alive but waiting for its group (last probe)
@@ -170,7 +171,9 @@ class RankWorker:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
         now = time.monotonic()
         live = getattr(self._proc, "stderr_tail", None)
-        tail = list(live) if live is not None and self.state is not RankState.READY else self.stderr_tail
+        tail = list(live) if live and self.state is not RankState.READY else self.stderr_tail
+        errors = getattr(self._proc, "error_lines", None)
+        errors = list(errors) if errors and self.state is not RankState.READY else self.error_lines
         return RankStatus(
             rank=self.spec.rank, local_rank=self.spec.local_rank,
             url=self.spec.url(url_host), port=self.spec.port, pid=self.pid,
@@ -187,7 +190,8 @@ class RankWorker:
             operation=self.operation, group_wait=self.group_wait,
             devices=self.spec.devices, cpus=self.spec.cpus,
             engine=self.spec.engine, workers=list(self.workers), attempts=self.attempts,
-            backoff_s=self.backoff_s, stderr_tail=list(tail), command=redact_argv(self.spec.argv),
+            backoff_s=self.backoff_s, stderr_tail=list(tail), error_lines=list(errors),
+            command=redact_argv(self.spec.argv),
             kv_event_sources=self.kv_event_sources,
         )
 
@@ -209,9 +213,12 @@ class RankWorker:
                 healthy_for = time.monotonic() - self._ready_mono if self._ready_mono is not None else 0.0
                 self.attempts = 0 if was_ready else self.attempts + 1
                 proc = self._proc
+                # Before ever being ready, exit code 2 or the engine refusing its flags or config on stderr
+                # (process.RankProcess.refusal): a usage error (no such model...); restarts cannot help.
+                refused = getattr(proc, "refusal", lambda: None)() if not self._ever_ready else None
+                detail = f"{detail}: {refused}" if refused else detail
                 self._record_failure(detail)
-                # Exit code 2 before ever being ready: a usage error (no such model...); restarts cannot help.
-                usage_error = self.last_exit_code == 2 and not self._ever_ready
+                usage_error = (self.last_exit_code == 2 or refused is not None) and not self._ever_ready
                 action = self._on_failure(self, detail, usage_error)
                 if action is FailureAction.EXIT:
                     self._set_state(RankState.FAILED)  # before any await: the node's shutdown keeps it
@@ -445,6 +452,7 @@ class RankWorker:
         if proc is None or not hasattr(proc, "stderr_tail"):
             return
         self.stderr_tail = list(proc.stderr_tail)
+        self.error_lines = list(getattr(proc, "error_lines", ()))
         cause = proc.error_line()
         if cause and not was_ready and self.last_failure and cause not in self.last_failure:
             self.last_failure = f"{self.last_failure}: {cause}"
