@@ -89,7 +89,7 @@ class RankStatus(msgspec.Struct):
     attempts: int = 0
     backoff_s: float | None = None
     stderr_tail: list[str] = field(default_factory=list)
-    error_lines: list[str] = field(default_factory=list)  # the engine's logged errors (ERROR lines, exceptions)
+    error_lines: list[str] = field(default_factory=list)  # the engine's logged errors and exceptions
     command: list[str] = field(default_factory=list)
     kv_event_sources: dict[str, Any] | None = None  # vLLM's /kv_event_sources shape
     group: int | UnsetType = UNSET  # MoE members: the index of its entry in ``groups``
