@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lbd.supervisor.config import port_in_use
+from lbd.common.ports import port_in_use
 from support import free_port_run
 
 TOPOLOGY = ["--data-parallel-multi-port-external-lb", "--device", "cpu"]

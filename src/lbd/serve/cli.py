@@ -15,7 +15,8 @@ import sys
 
 from lbd.common.cluster import listen_socket
 from lbd.serve.plan import PROG, Plan, parse
-from lbd.supervisor.config import SupervisorArgError, bind_health_socket
+from lbd.supervisor.config import bind_health_socket
+from lbd.supervisor.flags import SupervisorArgError
 
 
 def _setup_logging(plan: Plan) -> None:

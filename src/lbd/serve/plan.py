@@ -19,16 +19,16 @@ from lbd.common.cluster import LOOPBACK, is_loopback
 from lbd.common.internal_key import INTERNAL_KEY_ENV, derive_key
 from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
+from lbd.common.ports import port_in_use
 from lbd.engine.config.args import engine_args_from_namespace, validate
 from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
-from lbd.supervisor.config import (
+from lbd.supervisor.config import parse_args
+from lbd.supervisor.flags import (
     OneLineParser,
     SupervisorArgError,
     add_supervisor_arguments,
     engine_flags,
     make_parser,
-    parse_args,
-    port_in_use,
 )
 from lbd.supervisor.moe import model_moe
 from lbd.wire.roles import NodeRole

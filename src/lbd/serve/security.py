@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from lbd.common.cluster import NO_TOKEN_FIX, ClusterTokenError, is_loopback, read_cluster_token
-from lbd.supervisor.config import SupervisorArgError
+from lbd.supervisor.flags import SupervisorArgError
 
 
 def check_tls(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) -> None:

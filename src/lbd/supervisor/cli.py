@@ -11,7 +11,8 @@ import logging
 import socket
 import sys
 
-from lbd.supervisor.config import PROG, SupervisorArgError, SupervisorConfig, bind_health_socket, parse_args
+from lbd.supervisor.config import SupervisorConfig, bind_health_socket, parse_args
+from lbd.supervisor.flags import PROG, SupervisorArgError
 
 
 def _setup_logging(node_rank: int) -> None:

@@ -1,4 +1,4 @@
-"""`lbd supervise` flags, their validation and the launch spec of every local rank.
+"""`lbd supervise`'s flags validated, and the launch spec of every local rank (the flags: ``flags``).
 
 Everything here runs before anything is started: a bad command line exits 2 with one line that names the
 flag and the fix, binds no port and spawns nothing. Engine flags come from `lbd.engine.config.args`: each
@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
-from lbd.common.cluster import CLUSTER_TOKEN_ENV, LOOPBACK, ClusterTokenError, is_loopback, read_cluster_token
+from lbd.common.cluster import LOOPBACK, ClusterTokenError, is_loopback, read_cluster_token
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, limits_from
+from lbd.common.ports import port_in_use
 from lbd.engine.config.architectures import is_moe
-from lbd.engine.config.args import add_engine_arguments, engine_args_from_namespace, validate
+from lbd.engine.config.args import engine_args_from_namespace, validate
 from lbd.engine.config.layout import parse_partition
 from lbd.engine.config.parallel import (
     ParallelConfigError,
@@ -34,7 +34,6 @@ from lbd.engine.config.parallel import (
 )
 from lbd.engine.config.placement import format_cpus, split_cpus, visible_cuda_devices
 from lbd.supervisor.engines import (
-    ENGINES,
     EngineFlagError,
     Placement,
     check_executable,
@@ -42,31 +41,18 @@ from lbd.supervisor.engines import (
     rank_command,
     translate,
 )
+from lbd.supervisor.flags import (
+    ADMIN_TOKEN_ENV,
+    PROG,
+    OneLineParser,
+    SupervisorArgError,
+    changed_engine_options,
+    engine_flags,
+    make_parser,
+)
 from lbd.supervisor.moe import GroupFlagError, GroupSpec, plan_group
 
-PROG = "lbd supervise"
-ADMIN_TOKEN_ENV = "LBD_ADMIN_TOKEN"
-# Set by the supervisor per rank; a user value would be overwritten, so they are never passed through.
-RANK_OVERRIDES = frozenset({"port", "data_parallel_rank", "data_parallel_size", "data_parallel_size_local",
-                            "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port"})
-# Handed to ranks in their environment ($LBD_API_KEYS), never on a command line others can read in ps.
-ENV_ONLY = frozenset({"api_key"})
-FAILURE_POLICIES = ("restart-group", "restart-rank", "restart", "exit")
-DP_BACKENDS = ("mp", "ray")
-RAY_PACK_STRATEGIES = ("strict", "fill", "span")
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
-
-
-class SupervisorArgError(Exception):
-    """A command-line problem found after argparse (ports, devices): one line, exit 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports an error as one line (no usage block) and exits 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
 
 
 @dataclass(slots=True)
@@ -148,142 +134,6 @@ class SupervisorConfig:
         return self.probe_interval_s * self.probe_failure_threshold + self.probe_timeout_s
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _ready_policy(text: str) -> str:
-    if text in ("all", "any") or (text.isdigit() and int(text) > 0):
-        return text
-    raise argparse.ArgumentTypeError(f"use all, any or a positive number of ranks, got {text!r}")
-
-
-def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("supervisor")
-    g.add_argument("--data-parallel-multi-port-external-lb", action="store_true",
-                   help="one engine server per DP rank on its own port (vLLM's mode; always on here)")
-    g.add_argument("--node-rank", type=int, default=0,
-                   help="this node's index; --data-parallel-start-rank defaults to node_rank x local size")
-    g.add_argument("--data-parallel-supervisor-port", type=int, default=9256,
-                   help="health port: /health, /readyz, /status, /metrics and the admin endpoints")
-    g.add_argument("--supervisor-host", default=None,
-                   help="bind address of the health port (default: loopback when the ranks' --host is "
-                        "loopback or lbd serve runs on one machine, else every interface, where a cluster "
-                        "router and the orchestrator read it)")
-    g.add_argument("--cluster-token-file", default=None, metavar="PATH",
-                   help=f"file whose first line is the cluster token (else ${CLUSTER_TOKEN_ENV}): it "
-                        "authenticates the wires between nodes (registration, an MoE group's coordinator); "
-                        "required when they listen beyond loopback")
-    g.add_argument("--insecure-cluster", action="store_true",
-                   help="run the wires between nodes beyond loopback without a cluster token (anyone who "
-                        "reaches them can join the group)")
-    g.add_argument("--dp-supervisor-probe-interval-s", type=_positive_float, default=5.0,
-                   help="seconds between two /health probes of a rank")
-    g.add_argument("--dp-supervisor-probe-timeout-s", type=_positive_float, default=5.0,
-                   help="a probe not answered within this counts as a failure")
-    g.add_argument("--dp-supervisor-probe-failure-threshold", type=_positive_int, default=3,
-                   help="consecutive failed probes (timeouts, connection errors) that make a rank unhealthy")
-    g.add_argument("--dp-supervisor-probe-generate", type=int, default=0, metavar="N",
-                   help="every Nth probe of a ready rank is a 1-token completion instead of /health, so a "
-                        "core that no longer makes progress shows even with no traffic (0: never; a queue "
-                        "longer than the probe timeout then reads as a hang)")
-    g.add_argument("--dp-supervisor-startup-timeout-s", type=_positive_float, default=1800.0,
-                   help="a rank not ready this long after its start is restarted")
-    g.add_argument("--ready-policy", type=_ready_policy, default="all",
-                   help="/readyz is 200 when all ranks, any rank or at least <k> ranks are ready")
-    g.add_argument("--on-rank-failure", choices=FAILURE_POLICIES, default="restart",
-                   help="restart-rank (dense models' default): restart the failed rank alone, with backoff, "
-                        "the others keep serving; restart-group (MoE groups' default): the group stops "
-                        "serving, only the failed member restarts, the survivors keep their processes and "
-                        "re-join a new process group; restart: the model's default; exit: stop the node, "
-                        "exit 1 (vLLM's behaviour)")
-    g.add_argument("--admin-token", default=None,
-                   help=f"bearer token of the drain/restart endpoints (or ${ADMIN_TOKEN_ENV}); "
-                        "without one they answer 404")
-    g.add_argument("--drain-timeout-s", type=_non_negative_float, default=None,
-                   help="longest wait for a draining rank's in-flight requests (default: --shutdown-timeout)")
-    g.add_argument("--restart-backoff-initial-s", type=_non_negative_float, default=1.0,
-                   help="delay before the first restart of a failed rank; doubles on each further failure")
-    g.add_argument("--restart-backoff-max-s", type=_non_negative_float, default=60.0,
-                   help="cap of the restart delay")
-    g.add_argument("--restart-backoff-reset-s", type=_non_negative_float, default=300.0,
-                   help="a rank ready this long gets the initial delay again on its next failure")
-    g.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default="mp",
-                   help="mp: ranks are processes on this machine; ray: every rank of the group is placed on "
-                        "the Ray cluster (RAY_ADDRESS, else the local one), one placement group per rank, "
-                        "--data-parallel-size-local ranks per Ray node")
-    g.add_argument("--ray-dp-pack-strategy", choices=RAY_PACK_STRATEGIES, default="strict",
-                   help="vLLM's VLLM_RAY_DP_PACK_STRATEGY: strict = exactly --data-parallel-size-local ranks "
-                        "on each node used (nodes with less room are skipped); fill = that many on this "
-                        "node, as many as fit on the others; span = one rank over several nodes")
-    g.add_argument("--rank-engine", choices=ENGINES, default="lbd",
-                   help="what each rank runs: lbd's engine, vLLM's OpenAI server (vllm serve) or SGLang's "
-                        "(python3 -m sglang.launch_server), each with its own flags for port, DP rank and "
-                        "devices; engine flags are translated, or refused when the engine has no equivalent")
-    g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
-                   help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
-                        "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {cpus} {tp} {pp}")
-
-
-def make_parser(prog: str = PROG) -> tuple[OneLineParser, set[str]]:
-    """The full parser, and the dests that belong to the engine (passed through to ranks)."""
-    # resolve: a flag defined here again (e.g. one the engine lists only to refuse it) means ours
-    parser = OneLineParser(prog=prog, allow_abbrev=False, conflict_handler="resolve",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           description="Run this node's DP ranks, each an engine server on its own port; "
-                                       "probe, restart and drain them; serve one health port.")
-    add_engine_arguments(parser)
-    engine_dests = {a.dest for a in parser._actions if a.dest != "help"}
-    add_supervisor_arguments(parser)
-    # a flag both list belongs to the supervisor (see conflict_handler): it is not passed on to ranks
-    return parser, engine_dests & {a.dest for a in parser._actions if a.option_strings} - _supervisor_dests()
-
-
-def _supervisor_dests() -> set[str]:
-    probe = argparse.ArgumentParser(add_help=False)
-    add_supervisor_arguments(probe)
-    return {a.dest for a in probe._actions}
-
-
-def engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, dests: set[str]) -> list[str]:
-    """Rebuild the engine flags the user changed from their defaults, in parser order."""
-    out: list[str] = []
-    for action in parser._actions:
-        if action.dest not in dests or action.dest in RANK_OVERRIDES | ENV_ONLY or not action.option_strings:
-            continue
-        value = getattr(ns, action.dest)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            out.append(flag if value else "--no-" + flag[2:])
-        elif action.nargs == 0:  # store_true / store_false / store_const
-            if value == action.const:
-                out.append(flag)
-        elif isinstance(value, list | tuple):
-            out += [flag, *map(str, value)]
-        else:
-            out.append(f"{flag}={value}")  # one token: a value that starts with "-" stays a value
-    return out
-
-
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -295,24 +145,6 @@ def probe_host_for(bind_host: str | None) -> str:
     if bind_host == "::":
         return "::1"
     return bind_host
-
-
-def port_in_use(host: str | None, port: int) -> str | None:
-    """Why ``port`` cannot be bound on ``host`` (None when it can); the test socket is closed at once."""
-    bind = host if host not in (None, "") else "0.0.0.0"
-    try:
-        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        return f"cannot resolve {bind!r} ({e})"
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # Servers set SO_REUSEADDR too: a port in TIME_WAIT is no conflict, a listening one is.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            return f"port {port} on {bind} is already in use ({e.strerror})"
-    return None
 
 
 def bind_health_socket(host: str, port: int) -> socket.socket:
@@ -407,14 +239,6 @@ def _device_slices(ns: argparse.Namespace, local: int, env: dict[str, str]) -> l
             f"are visible (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
             "lower the sizes or expose more devices")
     return [",".join(ids[i * per_rank:(i + 1) * per_rank]) for i in range(local)]
-
-
-def changed_engine_options(parser: argparse.ArgumentParser, ns: argparse.Namespace,
-                           dests: set[str]) -> dict[str, object]:
-    """Engine options the user set to something else than their default (rank-assigned ones excluded)."""
-    return {a.dest: getattr(ns, a.dest) for a in parser._actions
-            if a.dest in dests and a.dest not in RANK_OVERRIDES | ENV_ONLY and a.option_strings
-            and getattr(ns, a.dest) != a.default}
 
 
 def _check_ray_topology(ns: argparse.Namespace) -> tuple[int, int]:
@@ -527,50 +351,73 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
     """Parse and validate; exits 2 with one line on any problem. Binds and spawns nothing."""
     env = dict(os.environ) if env is None else env
     parser, engine_dests = make_parser(prog)
-    ns, extra = parser.parse_known_args(argv)
-    if extra:
-        parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
-                     "lists them)")
-    engine_args = engine_args_from_namespace(ns)
-    # the rendezvous flags are the supervisor's to check (lbd.supervisor.moe: a port alone is fine here, the
-    # address defaults); each rank validates the pair it is given
-    validate(engine_args_from_namespace(argparse.Namespace(
-        **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
-    if ns.dp_supervisor_probe_generate < 0:
-        parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
-    ray = ns.data_parallel_backend == "ray"
+    ns = _parse(parser, argv)
     try:
-        if not ray and ns.ray_dp_pack_strategy != "strict":
-            raise SupervisorArgError(f"--ray-dp-pack-strategy {ns.ray_dp_pack_strategy} places ranks on Ray "
-                                     "nodes and does nothing with --data-parallel-backend mp: add "
-                                     "--data-parallel-backend ray, or drop the flag")
-        if ray:  # this supervisor runs the whole group; each rank's port and host come from its placement
-            (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
-        else:
-            n, local, start = _check_topology(ns)
-            per_node = local
-        if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
-            raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
-                                     f"{local} of this node: use at most {local}, or all")
+        n, per_node, local, start = _topology(ns)
         _check_model(ns)
         group, on_failure = _plan_group(ns, n, local, start, env)
-        if not ray:
-            _check_ports(ns, local)
-        elif ns.rank_engine != "lbd" or ns.rank_command is not None:
-            raise SupervisorArgError("--data-parallel-backend ray places lbd engine ranks only: drop "
-                                     "--rank-engine/--rank-command, or use --data-parallel-backend mp")
-        problem = check_executable(ns.rank_engine, ns.rank_command)
-        if problem:
-            raise SupervisorArgError(problem)
+        _check_launch(ns, local)
         _check_kv_events(ns, start, local)
         passthrough = engine_flags(parser, ns, engine_dests) + (group.rank_flags() if group else [])
-        specs = rank_specs(ns, passthrough, n, local, start, env, not ray,
+        specs = rank_specs(ns, passthrough, n, local, start, env, ns.data_parallel_backend != "ray",
                            changed_engine_options(parser, ns, engine_dests), group)
         if group is not None and (ns.rank_engine != "lbd" or ns.rank_command is not None):
             # vLLM's rank 0 coordinates its own group (SGLang's ranks are independent): no lbd coordinator
             group, on_failure = None, ("restart-rank" if on_failure == "restart-group" else on_failure)
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
+    return _config(ns, env, (n, per_node, local, start), specs, group, on_failure)
+
+
+def _parse(parser: OneLineParser, argv: list[str]) -> argparse.Namespace:
+    """The flags, the engine's own checks included; unknown flags refused."""
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unknown flag {extra[0]!r}: not an engine or supervisor flag (lbd supervise --help "
+                     "lists them)")
+    # the rendezvous flags are the supervisor's to check (lbd.supervisor.moe: a port alone is fine here, the
+    # address defaults); each rank validates the pair it is given
+    validate(engine_args_from_namespace(argparse.Namespace(
+        **{**vars(ns), "data_parallel_address": None, "data_parallel_rpc_port": None})), parser)
+    if ns.dp_supervisor_probe_generate < 0:
+        parser.error("--dp-supervisor-probe-generate must be >= 0 (0: never)")
+    return ns
+
+
+def _topology(ns: argparse.Namespace) -> tuple[int, int, int, int]:
+    """(DP size, ranks per node, ranks here, first rank here), for mp or for Ray (which runs the whole group
+    from this supervisor; each rank's port and host come from its placement)."""
+    ray = ns.data_parallel_backend == "ray"
+    if not ray and ns.ray_dp_pack_strategy != "strict":
+        raise SupervisorArgError(f"--ray-dp-pack-strategy {ns.ray_dp_pack_strategy} places ranks on Ray "
+                                 "nodes and does nothing with --data-parallel-backend mp: add "
+                                 "--data-parallel-backend ray, or drop the flag")
+    if ray:
+        (n, per_node), local, start = _check_ray_topology(ns), ns.data_parallel_size, 0
+    else:
+        n, local, start = _check_topology(ns)
+        per_node = local
+    if ns.ready_policy not in ("all", "any") and int(ns.ready_policy) > local:
+        raise SupervisorArgError(f"--ready-policy {ns.ready_policy} asks for more ready ranks than the "
+                                 f"{local} of this node: use at most {local}, or all")
+    return n, per_node, local, start
+
+
+def _check_launch(ns: argparse.Namespace, local: int) -> None:
+    """The rank ports are free (mp), Ray places lbd ranks only, and the rank program can be run."""
+    if ns.data_parallel_backend != "ray":
+        _check_ports(ns, local)
+    elif ns.rank_engine != "lbd" or ns.rank_command is not None:
+        raise SupervisorArgError("--data-parallel-backend ray places lbd engine ranks only: drop "
+                                 "--rank-engine/--rank-command, or use --data-parallel-backend mp")
+    problem = check_executable(ns.rank_engine, ns.rank_command)
+    if problem:
+        raise SupervisorArgError(problem)
+
+
+def _config(ns: argparse.Namespace, env: dict[str, str], topology: tuple[int, int, int, int],
+            specs: list[RankSpec], group: GroupSpec | None, on_failure: str) -> SupervisorConfig:
+    n, per_node, local, start = topology
     return SupervisorConfig(
         dp_size=n, dp_size_local=local, dp_start_rank=start, node_rank=ns.node_rank, base_port=ns.port,
         supervisor_host=health_host(ns.supervisor_host, ns.host),
@@ -585,7 +432,8 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
         backoff_reset_s=ns.restart_backoff_reset_s, ranks=specs, backend=ns.data_parallel_backend,
         ray_pack_strategy=ns.ray_dp_pack_strategy, ranks_per_node=per_node, device=ns.device,
         devices_per_rank=ns.tensor_parallel_size * ns.pipeline_parallel_size,
-        probe_generate_every=ns.dp_supervisor_probe_generate, model_name=engine_args.model_name,
+        probe_generate_every=ns.dp_supervisor_probe_generate,
+        model_name=engine_args_from_namespace(ns).model_name,
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend, group=group,

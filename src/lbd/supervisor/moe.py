@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, is_loopback
+from lbd.common.ports import port_in_use
 from lbd.wire.status import GroupRendezvous
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -162,12 +163,6 @@ class GroupFlagError(ValueError):
     """A group flag that cannot work with this model or topology (one line; lbd supervise exits 2)."""
 
 
-def _port_problem(host: str | None, port: int) -> str | None:
-    from lbd.supervisor.config import port_in_use
-
-    return port_in_use(host, port)
-
-
 def _check_coordinator_ports(ns: Any, local: int, address: str, port: int) -> None:
     """The coordinator's three ports above P are free and none is a rank's or the health port."""
     taken = {p: f"rank port of local rank {p - ns.port}" for p in range(ns.port, ns.port + local)}
@@ -177,7 +172,7 @@ def _check_coordinator_ports(ns: Any, local: int, address: str, port: int) -> No
         if port + offset in taken:
             raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} port "
                                  f"{port + offset} is the {taken[port + offset]}: move one of them")
-        problem = _port_problem(address, port + offset)
+        problem = port_in_use(address, port + offset)
         if problem:
             raise GroupFlagError(f"--data-parallel-rpc-port {port}: the group's {role} {problem}: pick "
                                  "another --data-parallel-rpc-port (it uses the 3 ports above it)")

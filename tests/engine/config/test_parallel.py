@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lbd.common.ports import port_in_use
 from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser
 from lbd.engine.config.placement import rank_threads
 from lbd.engine.config.slices import parallel_config
 from lbd.engine.executor.mp import worker_config
 from lbd.engine.executor.plan import plan_workers
-from lbd.supervisor.config import parse_args, port_in_use
+from lbd.supervisor.config import parse_args
 from support import free_port_run
 
 
@@ -441,7 +442,7 @@ def _parallelism_flags(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_every_parallelism_flag_changes_what_runs_or_is_refused(tiny_llama: Path) -> None:
     from lbd.serve.plan import make_deploy_parser
-    from lbd.supervisor.config import make_parser as supervisor_parser
+    from lbd.supervisor.flags import make_parser as supervisor_parser
 
     found = _parallelism_flags(make_deploy_parser()[0]) | _parallelism_flags(supervisor_parser()[0])
     assert found == set(WALK), f"flags to add to the walk: {found - set(WALK)}; gone: {set(WALK) - found}"
