@@ -34,7 +34,6 @@ from lbd.wire.status import (
     decode_engine_status,
     decode_supervisor_status,
     encode,
-    rank_statuses,
 )
 
 
@@ -87,12 +86,6 @@ def test_older_and_newer_peers_decode() -> None:
                                                  "ranks": [rank]}))
     assert new.phase is NodePhase.UNKNOWN and new.ranks[0].state is RankState.UNKNOWN
     assert new.ranks[0].routable is False
-
-
-def test_rank_entries_from_a_registration_skip_what_is_not_one() -> None:
-    ranks = rank_statuses([{"rank": 2, "url": "http://b:1", "state": "ready"}, {"rank": "two"}, 5])
-    assert [(r.rank, r.routable) for r in ranks] == [(2, True)]
-    assert rank_statuses(None) == []
 
 
 def test_engine_status_round_trips() -> None:

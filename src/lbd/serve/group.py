@@ -24,10 +24,10 @@ registration reply and in GET /v1/group (``rendezvous``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from msgspec.structs import replace
 
+from lbd.wire.registration import NodeRegistration
 from lbd.wire.status import (
     GroupView,
     NodeInfo,
@@ -35,7 +35,6 @@ from lbd.wire.status import (
     RankStatus,
     RegistryRendezvous,
     Rejection,
-    rank_statuses,
 )
 
 STORE_OFFSET, COORDINATOR_OFFSET, COORDINATOR_HTTP_OFFSET = 1, 2, 3
@@ -103,30 +102,25 @@ class Group:
     rejected: list[Rejection] = field(default_factory=list)
 
     # ---- registrations ------------------------------------------------------------------------------
-    def register(self, reg: dict[str, Any], now: float, wall: float) -> Member:
+    def register(self, reg: NodeRegistration, now: float, wall: float) -> Member:
         """Admit (or re-admit) a node; raises Rejected with the reason."""
+        start, count = reg.data_parallel_start_rank, reg.data_parallel_size_local
         try:
-            node_id, address = str(reg["node_id"]), str(reg["address"])
-            size, start, count = int(reg["data_parallel_size"]), int(reg["data_parallel_start_rank"]), int(
-                reg["data_parallel_size_local"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise Rejected(f"registration is missing or has a bad field: {e}", None, 400) from None
-        try:
-            self._check(node_id, address, str(reg.get("health_url")), size, start, count,
-                        list(reg.get("models") or []), now)
+            self._check(reg.node_id, reg.address, str(reg.health_url), reg.data_parallel_size, start, count,
+                        reg.models, now)
         except Rejected as e:
-            refused = Rejection(at=wall, address=address, ranks=span(list(range(start, start + count))),
+            refused = Rejection(at=wall, address=reg.address, ranks=span(list(range(start, start + count))),
                                 reason=e.message)
             self.rejected = [*self.rejected, refused][-MAX_REJECTIONS_KEPT:]
             raise
         taken = set(range(start, start + count))
         for other in [m for m in self.members.values()
                       if set(m.rank_ids) & taken
-                      or (m.health_url is not None and m.health_url == reg.get("health_url"))]:
+                      or (m.health_url is not None and m.health_url == reg.health_url)]:
             del self.members[other.node_id]  # itself, or a lapsed lease: this registration takes over
-        member = Member(node_id, address, start, count, reg.get("health_url"), list(reg.get("models") or []),
-                        rank_statuses(reg.get("ranks")), now, now, hostname=str(reg.get("hostname", "")))
-        self.members[node_id] = member
+        member = Member(reg.node_id, reg.address, start, count, reg.health_url, list(reg.models),
+                        list(reg.ranks), now, now, hostname=reg.hostname)
+        self.members[reg.node_id] = member
         return member
 
     def _check(self, node_id: str, address: str, health_url: str, size: int, start: int, count: int,

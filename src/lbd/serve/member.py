@@ -20,13 +20,14 @@ import ssl
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import msgspec
-import orjson
+from msgspec.structs import replace
 
-from lbd.wire.status import Registration, RegistryRendezvous
+from lbd.common.limits import read_aiohttp
+from lbd.wire.registration import NodeRegistration, RegistrationAnswer, decode_answer, decode_error
+from lbd.wire.status import Registration
 
 log = logging.getLogger("lbd.serve")
 
@@ -46,22 +47,9 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
-    """The answer's body, or b"" when it is longer than ``cap`` (never a reason to hold more)."""
-    if (resp.content_length or 0) > cap:
-        return b""
-    parts, size = [], 0
-    while chunk := await resp.content.read(cap + 1 - size):
-        size += len(chunk)
-        if size > cap:
-            return b""
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 class Membership:
     def __init__(self, head: str, rpc_port: int, advertise: str | None, health_port: int, timeout_s: float,
-                 token: str | None, registration: Callable[[str], dict[str, Any]],
+                 token: str | None, registration: Callable[[str], NodeRegistration],
                  on_rejected: Callable[[str], None], tls: ssl.SSLContext | None = None) -> None:
         self.head, self.rpc_port = head, rpc_port
         self.tls = tls  # verifies the head's certificate (a TLS deployment: every link is HTTPS)
@@ -71,7 +59,7 @@ class Membership:
         self.health_port = health_port
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.registration = registration  # advertised address -> the body: identity, range, ranks
+        self.registration = registration  # advertised address -> the node's range, models and ranks
         self.on_rejected = on_rejected
         self.node_id = uuid.uuid4().hex
         self.state = CONNECTING
@@ -80,18 +68,15 @@ class Membership:
         self.attempts = 0
         self.interval_s = 1.0
         self.lease_s = 3.0
-        self.reply: dict[str, Any] = {}  # the head's registration answer (lease, rendezvous); {}: none yet
+        self.reply: RegistrationAnswer | None = None  # the head's answer (lease, rendezvous); None: none yet
         self._last_ok = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
 
     def describe(self) -> Registration:
-        met = self.reply.get("rendezvous")
-        with contextlib.suppress(msgspec.ValidationError):
-            met = msgspec.convert(met, RegistryRendezvous | None)
         return Registration(state=self.state, reason=self.reason, since=self.since,
                             head=f"{self.head}:{self.rpc_port}", node_id=self.node_id, attempts=self.attempts,
                             advertise_address=self.advertise,
-                            rendezvous=met if isinstance(met, RegistryRendezvous) else None)
+                            rendezvous=self.reply.rendezvous if self.reply is not None else None)
 
     def _set(self, state: str, reason: str) -> None:
         if state != self.state or reason != self.reason:
@@ -108,7 +93,7 @@ class Membership:
                                               connector=aiohttp.TCPConnector(ssl=self.tls or True))
         try:
             while self.state != REJECTED:
-                if not self.reply:
+                if self.reply is None:
                     await self._register()
                 else:
                     await self._heartbeat()
@@ -117,23 +102,19 @@ class Membership:
         finally:
             await self._session.close()
 
-    def _body(self) -> dict[str, Any]:
+    def _body(self) -> NodeRegistration:
         if self.advertise is None:
             self.advertise = route_source_address(self.head, self.rpc_port)
-        body = self.registration(self.advertise)
-        body.update(node_id=self.node_id, address=self.advertise, hostname=socket.gethostname(),
-                    health_url=f"{self.scheme}://{url_host(self.advertise)}:{self.health_port}")
-        return body
+        return replace(self.registration(self.advertise), node_id=self.node_id, address=self.advertise,
+                       hostname=socket.gethostname(),
+                       health_url=f"{self.scheme}://{url_host(self.advertise)}:{self.health_port}")
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+    async def _call(self, method: str, path: str, body: NodeRegistration) -> tuple[int, bytes]:
+        """The head's status and body (capped at MAX_REPLY_BYTES; the session's timeout caps the time)."""
         assert self._session is not None
-        data = msgspec.json.encode(body) if body is not None else None
-        async with self._session.request(method, self.base + path, data=data, headers={
+        async with self._session.request(method, self.base + path, data=msgspec.json.encode(body), headers={
                 **self.headers, "Content-Type": "application/json"}) as resp:
-            raw = await _read_capped(resp, MAX_REPLY_BYTES)  # the session's timeout caps the time
-        with contextlib.suppress(orjson.JSONDecodeError):
-            return resp.status, orjson.loads(raw) if raw else {}
-        return resp.status, {}
+            return resp.status, await read_aiohttp(resp, max_bytes=MAX_REPLY_BYTES)
 
     async def _register(self) -> None:
         self.attempts += 1
@@ -144,15 +125,18 @@ class Membership:
                                   f"({type(e).__name__}: {e or 'timeout'}; attempt {self.attempts})")
             return
         if status == 200:
-            self.reply = reply or {"accepted": True}
-            self.interval_s = float(reply.get("heartbeat_interval_s", self.interval_s))
-            self.lease_s = float(reply.get("lease_s", self.lease_s))
+            try:
+                self.reply = decode_answer(reply)
+            except ValueError as e:
+                self._set(self.state, f"the head's answer is not a registration answer ({e})")
+                return
+            self.interval_s, self.lease_s = self.reply.heartbeat_interval_s, self.reply.lease_s
             self._last_ok = time.monotonic()
             self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
             return
-        error = reply.get("error") or {}
-        message = str(error.get("message") or f"the head answered {status}")
-        if status == 409 and error.get("param") == "node_id":  # our previous run's lease: it lapses soon
+        error = decode_error(reply)
+        message = error.message or f"the head answered {status}"
+        if status == 409 and error.param == "node_id":  # our previous run's lease: it lapses soon
             self._set(CONNECTING, f"waiting for the head to release this node's old registration: {message}")
             return
         if status in (400, 401, 409):
@@ -173,10 +157,10 @@ class Membership:
             self._last_ok = time.monotonic()
             self._set(REGISTERED, f"registered with the head at {self.head}:{self.rpc_port}")
         elif status == 404:  # the head restarted and forgot us
-            self.reply = {}
+            self.reply = None
             self._set(CONNECTING, "the head does not know this node any more: registering again")
         elif status in (400, 401, 409):
-            self.reply = {}
+            self.reply = None
             self._set(CONNECTING, f"the head refused a heartbeat ({status}): registering again")
 
     async def leave(self) -> None:

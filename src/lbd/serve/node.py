@@ -33,6 +33,7 @@ from lbd.serve.member import CONNECTING, Membership
 from lbd.serve.plan import Plan
 from lbd.serve.registry import Registry, registry_limits
 from lbd.supervisor.process import child_setup
+from lbd.wire.registration import NodeRegistration
 from lbd.wire.status import SupervisorStatus
 
 log = logging.getLogger("lbd.serve")
@@ -121,11 +122,14 @@ class DeploymentNode:
     def _router_alive(self) -> bool | None:
         return None if self.plan.route_argv is None else (self.router is not None and self.router.alive())
 
-    def _registration(self, advertise: str) -> dict[str, Any]:
+    def _registration(self, advertise: str) -> NodeRegistration:
+        """This node's part of its registration (the membership adds its identity)."""
         assert self.health is not None
-        return {"data_parallel_size": self.plan.dp_size, "data_parallel_size_local": self.plan.dp_size_local,
-                "data_parallel_start_rank": self.plan.dp_start_rank, "models": self.plan.models,
-                "ranks": self.health.local_ranks(advertised=True)}
+        return NodeRegistration(node_id="", address=advertise, data_parallel_size=self.plan.dp_size,
+                                data_parallel_size_local=self.plan.dp_size_local,
+                                data_parallel_start_rank=self.plan.dp_start_rank,
+                                models=list(self.plan.models),
+                                ranks=self.health.local_ranks(advertised=True))
 
     def _rejected(self, message: str) -> None:
         log.error("the head refused this node: %s; stopping (exit 2)", message)

@@ -27,10 +27,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-import orjson
 from aiohttp import web
 from msgspec.structs import replace
 
@@ -38,7 +37,16 @@ from lbd.common.cluster import CLUSTER_TOKEN_ENV, bearer_ok
 from lbd.common.limits import Limits
 from lbd.serve.group import Group, Rejected, rendezvous, span
 from lbd.supervisor.health import AppServer, error_response, json_errors
-from lbd.wire.status import SupervisorStatus, rank_statuses
+from lbd.wire.registration import (
+    NodeHeartbeat,
+    NodeRegistration,
+    RegistrationAnswer,
+    decode_heartbeat,
+    decode_registration,
+)
+from lbd.wire.status import SupervisorStatus
+
+Body = TypeVar("Body", NodeRegistration, NodeHeartbeat)
 
 log = logging.getLogger("lbd.serve")
 MAX_BODY_BYTES = 256 * 1024  # a registration lists a node's ranks: a few hundred bytes each
@@ -94,7 +102,7 @@ class Registry(AppServer):
                                        f"{CLUSTER_TOKEN_ENV} (or --cluster-token-file)")
         return await handler(request)
 
-    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+    async def _raw(self, request: web.Request) -> bytes | web.Response:
         cap = self.limits.max_request_body_bytes
         if (request.content_length or 0) > cap:
             return error_response(413, f"registration body over {cap} bytes")
@@ -105,21 +113,24 @@ class Registry(AppServer):
                                        f"{self.limits.body_read_timeout_s:g} s")
         if raw is None:
             return error_response(413, f"registration body over {cap} bytes")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            return error_response(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        return body
+        return raw
 
-    def _answer(self, node_id: str) -> dict[str, object]:
-        return {"accepted": True, "node_id": node_id, "lease_s": self.group.lease_s,
-                "heartbeat_interval_s": self.heartbeat_s, "data_parallel_size": self.group.dp_size,
-                "rendezvous": self.rendezvous}
+    async def _body(self, request: web.Request, decode: Callable[[bytes], Body]) -> Body | web.Response:
+        raw = await self._raw(request)
+        if isinstance(raw, web.Response):
+            return raw
+        try:
+            return decode(raw)
+        except ValueError as e:  # msgspec names the field: "Expected `int`, got `str` - at `$.data_...`"
+            return error_response(400, f"registration is missing or has a bad field: {e}")
+
+    def _answer(self, node_id: str) -> RegistrationAnswer:
+        return RegistrationAnswer(node_id=node_id, lease_s=self.group.lease_s,
+                                  heartbeat_interval_s=self.heartbeat_s,
+                                  data_parallel_size=self.group.dp_size, rendezvous=self.rendezvous)
 
     async def register(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await self._body(request, decode_registration)
         if isinstance(body, web.Response):
             return body
         try:
@@ -132,12 +143,12 @@ class Registry(AppServer):
         return _json(self._answer(member.node_id))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await self._body(request, decode_heartbeat)
         if isinstance(body, web.Response):
             return body
         node_id = request.match_info["node_id"]
         was_lost = (m := self.group.members.get(node_id)) is not None and m.lost
-        member = self.group.heartbeat(node_id, rank_statuses(body.get("ranks")), time.monotonic())
+        member = self.group.heartbeat(node_id, body.ranks, time.monotonic())
         if member is None:
             return error_response(404, f"node {node_id} is not registered (the head restarted?): "
                                        "register again")

@@ -329,14 +329,3 @@ def decode_supervisor_status(body: bytes) -> SupervisorStatus:
 
 def decode_engine_status(body: bytes) -> EngineStatus:
     return _decode_engine(body)
-
-
-def rank_statuses(value: object) -> list[RankStatus]:
-    """Rank entries from decoded JSON (a node's registration), skipping any that is not one."""
-    out = []
-    for item in value if isinstance(value, list) else []:
-        try:
-            out.append(msgspec.convert(item, RankStatus))
-        except msgspec.ValidationError:
-            continue
-    return out
