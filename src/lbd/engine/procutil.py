@@ -72,8 +72,8 @@ def keep_freed_memory() -> None:
     """Stop glibc from returning every large freed block to the OS (no-op off glibc).
 
     A forward pass allocates and frees the same multi-MB activations every step; by default glibc serves
-    each from a fresh mmap and unmaps it on free, so every step page-faults them in again. Measured here: a
-    6 MB gather+scale went from 9.1 ms to 2.3 ms per call with these settings.
+    each from a fresh mmap and unmaps it on free, so every step page-faults them in again. Keeping them on
+    the heap makes such calls several times faster (benchmarks/RESULTS.md, "malloc settings").
     """
     try:
         libc = ctypes.CDLL(None)
@@ -88,9 +88,9 @@ def freeze_startup_heap() -> None:
     """Move everything start-up made (model modules, tokenizer, config) out of the cyclic GC's reach.
 
     A serving process allocates a little each step, and now and then that triggers a full collection,
-    which walks every tracked object: in an engine core with SmolLM2 loaded (~177k objects) one took 79 ms,
-    a whole decode step's worth of stall for every stream. After ``gc.freeze()`` a full collection walks
-    only what was made since (well under 1 ms). Call it once, when the process is ready to serve.
+    which walks every tracked object: in an engine core with a model loaded that stalls every stream for
+    about a decode step (benchmarks/RESULTS.md, "GC freeze"). After ``gc.freeze()`` a full collection walks
+    only what was made since. Call it once, when the process is ready to serve.
     """
     gc.collect()
     gc.freeze()

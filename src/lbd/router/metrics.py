@@ -8,7 +8,7 @@ The per-request updates (requests by endpoint and status, the latency histogram,
 plain ints and flushed into the prometheus children at exposition, and with several workers also every
 ``FLUSH_S`` (another worker's exposition cannot flush this one's tally). Why: in multiprocess mode every
 ``inc`` takes a lock and packs a double into an mmap, four to five times per request; a tally costs a dict
-update. The price is that another worker's last ~100 ms may be missing from one exposition.
+update. The price is that another worker's last ``FLUSH_S`` of updates may be missing from one exposition.
 """
 
 from __future__ import annotations

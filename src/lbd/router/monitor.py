@@ -2,8 +2,8 @@
 endpoint's models, and follow supervisors' /status and the upstreams file.
 
 The GETs go through ``lbd.router.upstream`` pools of their own (one per base URL, apart from the proxied
-requests' pools): with N workers scraping every endpoint every 100 ms, aiohttp's client cost ~24 ms of CPU
-per second on an idle two-endpoint router, most of it per-request client overhead.
+requests' pools): with N workers scraping every endpoint every 100 ms, aiohttp's client costs an idle
+router noticeable CPU, most of it per-request client overhead (benchmarks/RESULTS.md, "Scrape client").
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ class Monitor:
 
     async def scrape(self, ep: Endpoint) -> None:
         """Read ``ep``'s load: /metrics, or the JSON path its /metrics advertised (X-LBD-Telemetry: lbd's
-        engines), which costs the engine ~1/30 of a Prometheus render. A JSON path that stops answering (the
-        URL now serves another engine, e.g. vLLM) sends the endpoint back to /metrics."""
+        engines), which costs the engine a small fraction of a Prometheus render (benchmarks/RESULTS.md,
+        "JSON telemetry"). A JSON path that stops answering (the URL now serves another engine, e.g. vLLM)
+        sends the endpoint back to /metrics."""
         loop = asyncio.get_running_loop()
         totals = self.state.shared.totals(ep.slot)
         began = loop.time()

@@ -1,8 +1,8 @@
 """The router's front side: a lean HTTP/1.1 server, an ``asyncio.Protocol`` on llhttp (httptools).
 
-Why not aiohttp's server: a proxy's CPU per request is what caps its throughput on a shared machine, and
-measured on the build machine a bare aiohttp low-level ``web.Server`` answering a fixed body costs ~35 us of
-CPU per request (uvicorn's raw ASGI ~41 us), while a protocol on ``httptools.HttpRequestParser`` costs ~10 us.
+Why not aiohttp's server: a proxy's CPU per request is what caps its throughput on a shared machine, and a
+bare aiohttp low-level ``web.Server`` (or uvicorn's raw ASGI) costs several times the CPU per request of a
+protocol on ``httptools.HttpRequestParser`` (benchmarks/RESULTS.md, "HTTP server").
 The router needs little of a framework (no routing tables, middlewares, cookies, multipart, websockets), so
 this is the same trade ``lbd.router.upstream`` makes for the client side.
 
@@ -12,7 +12,7 @@ case-insensitive ``get``, body) with a ``messages.Response`` writer (``send`` fo
 ``start``/``write``/``end`` for streams) to the handler coroutine, one request at a time per connection;
 pipelined requests wait in order.
 
-Behaviour kept from the aiohttp front end: keep-alive for HTTP/1.1 and close for HTTP/1.0 (or
+Behaviour, as aiohttp's server has it: keep-alive for HTTP/1.1 and close for HTTP/1.0 (or
 ``Connection: close``); Content-Length and chunked request bodies; a body over ``max_body`` is handed to the
 handler at once with ``too_large`` set and the rest is never read (the connection closes after the answer);
 ``Expect: 100-continue`` answered when the request's turn comes (never for a body that is too large);
@@ -89,7 +89,7 @@ class _Connection(asyncio.Protocol):
         self.queue: collections.deque[Request | _Bad] = collections.deque()
         self.current: Request | None = None  # being parsed
         # A task per request (one long-lived task per connection waiting on a future between requests
-        # measured no cheaper).
+        # is no cheaper).
         self.task: asyncio.Task[None] | None = None
         self.active: Request | None = None  # the request being handled
         self.url = b""

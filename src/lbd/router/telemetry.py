@@ -1,13 +1,14 @@
 """Read an engine's Prometheus text into the few numbers the policies use: vLLM's and SGLang's names (and
-lbd's engines' JSON /telemetry: the same numbers at ~1/30 of the engine's cost, advertised by /metrics).
+lbd's engines' JSON /telemetry: the same numbers at a small fraction of the engine's cost, advertised by
+/metrics; benchmarks/RESULTS.md, "JSON telemetry").
 
-Parsing is prometheus_client's text parser (``text_string_to_metric_families``), fed only the sample lines
-of the wanted families: an engine exports ~60 families (~400 lines, most of them histogram buckets) and the
-policies need six numbers. Each wanted family is found with ``str.find`` (C speed; a family's samples are
+Parsing is prometheus_client's text parser (``text_string_to_metric_families``), fed only the sample lines of
+the wanted families: an engine exports many families (hundreds of lines, most of them histogram buckets) and
+the policies need six numbers. Each wanted family is found with ``str.find`` (C speed; a family's samples are
 contiguous in an exposition, so nothing past them is read), its lines are parsed properly (escapes, NaN,
 exponents, timestamps), and a line seen in the previous scrapes (cache_config_info's never changes) is not
-parsed again. ``benchmarks/telemetry.py`` measures the choice: about the former hand-written scanner's cost,
-where the parser on the whole text costs ~40x more per scrape.
+parsed again. ``benchmarks/telemetry.py`` measures the choice: the parser on the whole text costs far more per
+scrape (benchmarks/RESULTS.md, "Telemetry parsing").
 
 Engines and their names (the first name of a row that the engine exports wins: vLLM before 0.10 exported both
 ``gpu_cache_usage_perc`` and ``kv_cache_usage_perc``, and summing both counted everything twice):
@@ -147,8 +148,8 @@ def parse_metrics(text: str) -> Sample:
     return s
 
 
-# GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, ~0.4 KB against ~50 KB
-# of text that costs a sim rank ~6 ms of CPU to render (benchmarks/scrape_cost.py). /metrics advertises it.
+# GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, far smaller than the
+# Prometheus text and far cheaper to render (benchmarks/RESULTS.md, "JSON telemetry"). /metrics advertises it.
 TELEMETRY_HEADER = b"x-lbd-telemetry"
 _JSON_FIELDS = (
     ("running", "num_requests_running"),

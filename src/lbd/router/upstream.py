@@ -1,11 +1,11 @@
 """A lean HTTP/1.1 keep-alive client for the proxied requests: one pool of connections per endpoint.
 
-Why not aiohttp's client here: measured on the build machine, aiohttp's server costs ~45 us of CPU per request
-but its client ~150 us, three quarters of the router's whole cost. A proxy needs little of it (no cookies,
-redirects, auth, decompression), so requests go out as one pre-serialized write and responses are parsed by
-llhttp (through httptools, the parser uvicorn uses), whose callbacks hand body bytes over as they arrive, so
-streams are never buffered. Closing a response before its end closes the connection, which is how the engine
-learns that the client went away and aborts the request.
+Why not aiohttp's client here: its CPU per request is several times its server's, most of the router's whole
+cost (benchmarks/RESULTS.md, "HTTP client"). A proxy needs little of it (no cookies, redirects, auth,
+decompression), so requests go out as one pre-serialized write and responses are parsed by llhttp (through
+httptools, the parser uvicorn uses), whose callbacks hand body bytes over as they arrive, so streams are never
+buffered. Closing a response before its end closes the connection, which is how the engine learns that the
+client went away and aborts the request.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One `lbd serve` process per node runs, as children that die with it (own process
 `lbd supervise` for the node's ranks (on an internal loopback health port) and, where the node balances,
 `lbd route`. The process itself serves the node's health port and, on the head, the registration service.
 
-- `lbd serve` (one rank, or `--data-parallel-rank R`): the engine alone (`lbd.engine.launch`), as before.
+- `lbd serve` (one rank, or `--data-parallel-rank R`): the engine alone (`lbd.engine.launch`).
 - `lbd serve --data-parallel-size N`: internal LB, a supervisor for N ranks + the router on `--port`.
 - `... --data-parallel-size-local L --data-parallel-address A`: the head of a multi-node group: ranks
   0..L-1, the router over all N, the registration service on `A:--data-parallel-rpc-port`.

@@ -13,8 +13,9 @@ when idle, so gauges stay fresh), ``reset_done`` ResetDone, ``dp`` DPStatus (``l
 MoE DP group only, after ``ready`` and on every change).
 
 Compatibility: a reader ignores fields it does not know, and a field it knows but does not receive takes its
-default. Types marked *positional* (``array_like``: the per-step ones, 4x cheaper to pack than maps) are
-encoded as arrays: add new fields at their end only, with a default. Standard library and msgspec only.
+default. Types marked *positional* (``array_like``: the per-step ones; arrays are cheaper to pack than maps,
+benchmarks/RESULTS.md, "Core messages") are encoded as arrays: add new fields at their end only, with a
+default. Standard library and msgspec only.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from lbd.engine.config.args import EngineArgs
 # vLLM's defaults per device kind: (max_num_seqs, max_num_batched_tokens). CPU: vLLM's CPU build.
 DEVICE_BUDGETS = {"cuda": (256, 8192), "cpu": (128, 2048), "sim": (256, 8192)}
 # Prefill tokens a step may carry once decoding requests outnumber waiting ones (lbd.engine.core.scheduler).
-# CPU only: there a step's time is ~linear in its tokens, and 128 keeps a mixed step within ~2.5x a
-# 32-sequence decode step (benchmarks/RESULTS.md, issue 16). On CUDA a decode step is memory-bound.
+# CPU only: there a step's time is about linear in its tokens, and 128 keeps a mixed step close to a
+# 32-sequence decode step (benchmarks/RESULTS.md, "Mixed steps"). On CUDA a decode step is memory-bound.
 CPU_MIXED_PREFILL_TOKENS = 128
 
 

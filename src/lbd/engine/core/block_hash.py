@@ -6,10 +6,11 @@ block's parent derived from a seed (``$PYTHONHASHSEED`` when set, else vLLM's fi
 an engine of ours and a vLLM engine key the same prompt the same way, and a consumer that recomputes vLLM's
 keys from token ids (llm-d's precise scorer) matches our events. Collisions are out of reach (2^128 work).
 
-``builtin`` is Python's tuple hash: ~5x cheaper, but 64 bits and not keyed, so colliding prompts can be
-built on purpose. It is fine for a single trusted tenant; never use it where tenants share a cache. Even then
-no request reads another prompt's blocks: the cache verifies token ids and the parent block on every hit
-(``lbd.engine.core.kv_cache``), so a collision costs a recompute, never wrong KV.
+``builtin`` is Python's tuple hash: cheaper than SHA-256 (benchmarks/RESULTS.md, "Block hash"), but 64 bits
+and not keyed, so colliding prompts can be built on purpose. It is fine for a single trusted tenant; never use
+it where tenants share a cache. Even then no request reads another prompt's blocks: the cache verifies token
+ids and the parent block on every hit (``lbd.engine.core.kv_cache``), so a collision costs a recompute, never
+wrong KV.
 
 KV events carry these keys in vLLM's external form (``lbd.engine.kv_events.recorder.external_key_fn``).
 """

@@ -45,8 +45,7 @@ def allocate(spec: KVSpec, num_blocks: int, device: torch.device) -> list:
     finite numbers: the buffer starts zeroed. On CPU a large buffer is an anonymous mmap of its own (zero
     pages, advised for transparent huge pages: ``lbd.kernels.cpu.pages``): it costs RAM as blocks are used
     (a multi-GiB budget is then free until needed). Not ``torch.empty``: malloc serves a large request from
-    freed heap memory when it has some (garbage, and in fp8 some bytes are NaN), which the fp8 calibration
-    prefill used to hide by writing the first blocks.
+    freed heap memory when it has some (garbage, and in fp8 some bytes are NaN).
     """
     shape = (spec.num_layers, spec.num_tensors, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     nbytes = spec.bytes_per_block * num_blocks

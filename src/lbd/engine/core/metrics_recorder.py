@@ -1,11 +1,11 @@
 """The core's side of the metrics: scheduler counters and gauges into vLLM's families, cheaply.
 
-In multiprocess mode every Prometheus write takes a lock and touches an mmap (~1-4 us), so the recorder keeps
-a plain tally of tokens per step (everything else is a cumulative counter of the scheduler or the KV
-manager, finish reasons included) and writes them out after a step that finished a request and after an abort
-(so a client that has its answer sees it counted), else at most every ``RECORD_INTERVAL_S`` while the core
-is busy, and on ``flush`` (the core loop calls it every 100 ms, idle or not). Only values that changed are
-written. ``benchmarks/telemetry.py`` measures the per-step cost.
+In multiprocess mode every Prometheus write takes a lock and touches an mmap (benchmarks/RESULTS.md,
+"Metrics writes"), so the recorder keeps a plain tally of tokens per step (everything else is a cumulative
+counter of the scheduler or the KV manager, finish reasons included) and writes them out after a step that
+finished a request and after an abort (so a client that has its answer sees it counted), else at most every
+``RECORD_INTERVAL_S`` while the core is busy, and on ``flush`` (the core loop calls it every 100 ms, idle or
+not). Only values that changed are written. ``benchmarks/telemetry.py`` measures the per-step cost.
 """
 
 from __future__ import annotations

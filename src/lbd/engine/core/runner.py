@@ -93,11 +93,12 @@ def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
 
     Where the packed kernels take the model's dtype (AVX-512), the C kernels run on their own pool (the core's
     thread plus a helper pinned to each other CPU; ``pin_core_thread`` pins the core's), which never waits for
-    a thread that was descheduled, and torch's own ops run on the core's thread alone (kernels/cpu/pool.c:
-    with two OpenMP threads a loaded 2-core host made a decode step 4-5x slower than with one). Elsewhere
-    torch's OpenMP threads run everything, pinned one per CPU. Either way only when the threads are exactly as
-    many as the CPUs this process may use (the usual single-rank case; DP ranks sharing CPUs stay unpinned on
-    torch's threads). LBD_CPU_POOL=0 keeps torch's threads, LBD_CPU_BIND=0 leaves them unpinned.
+    a thread that was descheduled, and torch's own ops run on the core's thread alone (kernels/cpu/pool.c: on
+    a loaded host a second OpenMP thread slows a decode step down several times: benchmarks/RESULTS.md,
+    "CPU threads"). Elsewhere torch's OpenMP threads run everything, pinned one per CPU. Either way only when
+    the threads are exactly as many as the CPUs this process may use (the usual single-rank case; DP ranks
+    sharing CPUs stay unpinned on torch's threads). LBD_CPU_POOL=0 keeps torch's threads, LBD_CPU_BIND=0
+    leaves them unpinned.
     """
     from lbd.kernels import cpu as cpu_kernels
     from lbd.kernels.cpu import packed

@@ -2,9 +2,10 @@
 
 Order as in vLLM: penalties on the logits, then greedy rows take the argmax; the others divide by their
 temperature, drop tokens under min_p, keep top_k / top_p, and sample by inverse CDF: one uniform number per
-row and step (the CPU draws V exponentials of the exponential race ~30x slower). A request with a seed draws
-its number from its own generator, so its output does not depend on the rest of the batch. Logprobs are of the
-raw model distribution (log-softmax of the logits before any processing), like vLLM's default.
+row and step (the CPU draws the V exponentials of the exponential race far slower: benchmarks/RESULTS.md,
+"Sampling draws"). A request with a seed draws its number from its own generator, so its output does not
+depend on the rest of the batch. Logprobs are of the raw model distribution (log-softmax of the logits before
+any processing), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ TOP_P_CANDIDATES = 256  # sorted candidates tried first for top-p (most nuclei o
 def _top_k_top_p(probs: torch.Tensor, params: list[SamplingParams], candidates: int) -> torch.Tensor:
     """Zero the probabilities outside each row's top_k, then outside its top_p nucleus (of the top-k mass).
 
-    A full sort of the vocabulary is slow on CPU (~100 ms for 32 x 49k), so only the largest ``candidates``
-    probabilities are sorted (topk); that is exact whenever every nucleus ends inside them, which is checked,
-    else the whole row set is redone with a full sort. The kept set becomes a threshold on the probability.
+    A full sort of the vocabulary is slow on CPU (benchmarks/RESULTS.md, "Top-p sort"), so only the largest
+    ``candidates`` probabilities are sorted (topk); that is exact whenever every nucleus ends inside them,
+    which is checked, else the whole row set is redone with a full sort. The kept set becomes a threshold on
+    the probability.
     """
     vocab = probs.shape[1]
     dev = probs.device

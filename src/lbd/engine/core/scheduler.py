@@ -12,11 +12,12 @@ Decodes first once most requests stream (after Sarathi-Serve's stall-free batchi
 many requests are decoding as are waiting for their first token (in chunked prefill, or queued with a free
 seat), a step carries at most ``max_prefill_tokens_with_decodes`` prefill tokens. A prefill chunk in a decode
 step stretches every decoding request's inter-token gap by the chunk's cost; on a CPU, where a step's time
-grows with its tokens, a 2,048-token chunk makes that step ~25x a 32-sequence decode step. The cap does not
-lower the decoders' total delay (the prompt's tokens cost the same, spread or not); it bounds the longest gap,
-at the price of a later first token for the waiting. So it binds where one prompt (a long one, say) would
-stall many streams, and not for a burst of arrivals: that is admitted at the full budget, which stalls the
-fewer streams once and gives the many their first tokens sooner. Steps without decodes keep the whole budget.
+grows with its tokens, a full-budget chunk makes that step many times a 32-sequence decode step
+(benchmarks/RESULTS.md, "Mixed steps"). The cap does not lower the decoders' total delay (the prompt's tokens
+cost the same, spread or not); it bounds the longest gap, at the price of a later first token for the waiting.
+So it binds where one prompt (a long one, say) would stall many streams, and not for a burst of arrivals: that
+is admitted at the full budget, which stalls the fewer streams once and gives the many their first tokens
+sooner. Steps without decodes keep the whole budget.
 
 Batches in flight (pipeline parallelism: the core keeps up to PP batches queued, vLLM V1's batch queue): a
 request stays in ``in_flight`` from ``schedule`` until ``update`` of its batch, and meanwhile it is neither

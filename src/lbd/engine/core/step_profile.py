@@ -6,8 +6,9 @@ outputs (ipc_out); the time from one step's end to the next step's start is ``id
 forward pass, ``OpTimer`` wraps the attention and linear kernels of ``lbd.kernels.ops`` (attention = the KV
 write + paged attention; linear = every projection; other = norms, rotary, SiLU, embedding: the rest); a
 forward run by the fused CPU decoder (``lbd.kernels.cpu.decoder``) reports the same groups from its C clocks.
-Decode-only steps and steps with prefill tokens are summed apart (their costs differ by 10x), and each kind
-that ran in the window gets one log line of ``key=value`` pairs (milliseconds per step), e.g.
+Decode-only steps and steps with prefill tokens are summed apart (their costs differ by an order of magnitude:
+benchmarks/RESULTS.md, "Step kinds"), and each kind that ran in the window gets one log line of ``key=value``
+pairs (milliseconds per step), e.g.
 
     step profile [core] kind=decode steps=50 seqs=64.0 tokens=64.0 step_ms=118.2 ipc_in=0.05 schedule=0.31 ...
 

@@ -9,7 +9,8 @@ and the rendezvous: a peer that hangs or dies makes the others raise instead of 
 Backends: gloo on the CPU, NCCL on CUDA (each member sets its device first). Every TP group of the world is
 created by every member in the same order (group creation is collective). Point-to-point transfers between
 pipeline stages use the world group. On the CPU a TP group's all-reduces go through shared memory
-(``lbd.engine.distributed.shm``; gloo's loopback TCP costs ~2 ms a call) when the tensor fits a slot.
+(``lbd.engine.distributed.shm``; gloo's loopback TCP costs milliseconds a call: benchmarks/RESULTS.md,
+"CPU all-reduce") when the tensor fits a slot.
 
 Collectives are timed (``CommTimes``) so the executor can report the share of a step spent in them; on CUDA
 the timer must synchronize, so it is off unless ``timed`` is passed (and it is off during CUDA-graph capture).

@@ -1,5 +1,6 @@
-"""All-reduce of a CPU TP group through shared memory (gloo over loopback TCP costs ~2 ms per call here,
-whatever the size; this costs microseconds when the members run on their own cores).
+"""All-reduce of a CPU TP group through shared memory (gloo over loopback TCP costs milliseconds per call,
+whatever the size; this costs microseconds when the members run on their own cores: benchmarks/RESULTS.md,
+"CPU all-reduce").
 
 One /dev/shm segment per TP group: a flag per member (the number of the last all-reduce it wrote, one cache
 line each) and two buffers of one slot per member. All-reduce number n: each member copies its tensor into its

@@ -12,7 +12,8 @@ Two ways to move tokens (``--all2all-backend``), chosen per layer call by ``Expe
   The only choice for tensor-parallel experts.
 * ``alltoall``: each token goes only to the members owning one of its top-k experts (once per member),
   and their partial sums come back: three all-to-alls a layer (counts, tokens, results). The default with
-  expert parallelism: measured 5-26 % faster per layer for 1-256 tokens a rank (benchmarks/ep_dispatch.py).
+  expert parallelism: faster per layer at every batch size benchmarks/ep_dispatch.py covers
+  (benchmarks/RESULTS.md, "Expert dispatch").
 
 Routing weights and expert ids travel with the hidden states in one fp32 tensor (ids are exact in fp32; bf16
 and fp16 hidden states round-trip through fp32 exactly). A rank with no tokens (a dummy pass) takes part with
@@ -45,8 +46,8 @@ class ExpertPlan:
 
     @classmethod
     def from_args(cls, args: Any) -> ExpertPlan:
-        """``--all2all-backend auto``: all-to-all with expert parallelism (measured faster here for 1-256
-        tokens a rank, benchmarks/ep_dispatch.py), all-gather + reduce-scatter for tensor-parallel experts."""
+        """``--all2all-backend auto``: all-to-all with expert parallelism (the faster one there:
+        benchmarks/RESULTS.md, "Expert dispatch"), all-gather + reduce-scatter for tensor-parallel experts."""
         backend = args.all2all_backend
         if backend == "auto":
             backend = "alltoall" if args.enable_expert_parallel else "allgather_reducescatter"

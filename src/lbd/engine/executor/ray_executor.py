@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ACTOR_CALL_S = 120.0  # an actor's start-up (a fresh Ray worker process) and its answers at start
 _POLL_S = 0.5
-_SHUTDOWN_S = 5.0  # ray.shutdown() of a local cluster takes ~2 s here
+_SHUTDOWN_S = 5.0  # room for ray.shutdown() of a local cluster (benchmarks/RESULTS.md, "Ray shutdown")
 
 
 class RayExecutor(MultiprocExecutor):
@@ -213,7 +213,8 @@ class RayExecutor(MultiprocExecutor):
     def _kill_workers(self) -> None:
         """Kill every actor (their workers follow), remove a placement group we made, and leave a Ray we
         joined: a local cluster we started stops cleanly here, also on the failure path (a core that is
-        SIGKILLed takes the cluster's GCS and raylet with it, but Ray's agents then linger ~2 minutes)."""
+        SIGKILLed takes the cluster's GCS and raylet with it, but Ray's agents then linger for minutes:
+        benchmarks/RESULTS.md, "Ray shutdown")."""
         import ray
 
         if not ray.is_initialized():

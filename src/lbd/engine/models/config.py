@@ -1,7 +1,8 @@
 """The architecture facts our models need, read once from config.json (transformers 4.x or 5.x layouts).
 
-The core process reads config.json itself instead of through ``transformers.AutoConfig``: importing that
-costs ~2 s of every start. Keys a config.json may omit fall back to the defaults of transformers' classes.
+The core process reads config.json itself instead of through ``transformers.AutoConfig``: importing that adds
+seconds to every start (benchmarks/RESULTS.md, "Config read"). Keys a config.json may omit fall back to the
+defaults of transformers' classes.
 """
 
 from __future__ import annotations

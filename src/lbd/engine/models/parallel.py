@@ -12,8 +12,8 @@ fewer, each rank takes the one KV head its query heads read (KV heads are replic
 How a parameter shards is declared by its module's ``source_slice(leaf, shard) -> (dim, start, length)``:
 the part of the checkpoint tensor this rank holds. The loader reads only that slice from safetensors and
 copies it into the first ``length`` entries of the parameter along ``dim``; modules without the method take
-whole tensors. With TP = 1 the factories below return the plain layers of ``lbd.engine.models.layers``: the
-single-device model is exactly what it was.
+whole tensors. With TP = 1 the factories below return the plain layers of ``lbd.engine.models.layers``: a
+single-device model holds no parallel layer at all.
 """
 
 from __future__ import annotations

@@ -1,28 +1,27 @@
 """Route a prompt with a long new text before the router has tokenized all of it.
 
-Exact routing needs a prompt's block chain, and a new 2,000-token system prompt takes the router ~5 ms to
-tokenize: ~5 ms added to that request's time to first token, on the path of every cold prompt (at c=1 lbd
-added 7.2 ms to such a request against 1.6 ms for sglang-router, 1.2 ms for a warm one). But a chain is only
-cached as a prefix: if no endpoint holds, or is computing, the first block that reaches into the new text,
-none holds any later block either, and every endpoint's cached length is already known exactly. So the
-router tokenizes only the text's head (``HEAD_CHARS``, inline: a tenth of a millisecond), walks the chain
-that far, and when every endpoint's match stops inside it, routes right away; the whole text is tokenized in
-a thread meanwhile. Otherwise (some endpoint holds all the head: the text may be cached) it waits for the
-whole chain, as before. At most ``MAX_BACKGROUND`` such tokenizations run at a time: a flood of new prompts
-must not pile up CPU work behind the routes (with stub engines at c=1, unbounded, a new 8 KiB prompt every
-millisecond grew the router to 385 MiB and its p99 to 22 ms). A cold prompt arriving past that bound is
-routed on its head all the same and its text is left untokenized (``HEAD_ONLY``): nothing is lost for
-exactness, since its endpoint's events will announce the blocks it computes, and the next request carrying
-that text finds its head held (or pending) there, so it tokenizes the text itself before it is routed (the
-second sight pays what the first skipped). Waiting for the tokenization instead bounded a flood of unique
-2,000-token prompts by the tokenizer: ~4 ms of CPU each, ~350 a second per router worker.
+Exact routing needs a prompt's block chain, and tokenizing a long new system prompt adds its whole cost to
+that request's time to first token, on the path of every cold prompt (benchmarks/RESULTS.md, "Cold prompts").
+But a chain is only cached as a prefix: if no endpoint holds, or is computing, the first block that reaches
+into the new text, none holds any later block either, and every endpoint's cached length is already known
+exactly. So the router tokenizes only the text's head (``HEAD_CHARS``, inline: a tenth of a millisecond),
+walks the chain that far, and when every endpoint's match stops inside it, routes right away; the whole text
+is tokenized in a thread meanwhile. Otherwise (some endpoint holds all the head: the text may be cached) it
+waits for the whole chain. At most ``MAX_BACKGROUND`` such tokenizations run at a time: a flood of new prompts
+must not pile up CPU work behind the routes (unbounded, they grow the router's memory and its tail latency:
+"Cold prompts"). A cold prompt arriving past that bound is routed on its head all the same and its text is
+left untokenized (``HEAD_ONLY``): nothing is lost for exactness, since its endpoint's events will announce the
+blocks it computes, and the next request carrying that text finds its head held (or pending) there, so it
+tokenizes the text itself before it is routed (the second sight pays what the first skipped). Waiting for the
+tokenization instead would cap a flood of unique long prompts at the tokenizer's rate per router worker
+("Cold prompts").
 
 The thread starts ``BACKGROUND_DELAY_S`` after the route: on a node shared with engine ranks (``lbd serve
 --data-parallel-size N``, a router beside its supervisor) it would otherwise take CPU from the rank's front
-end just as that tokenizes the same prompt (measured at c=1 on 2 cores, a 2,200-token cold chat prompt: the
-request's added latency 3.5-3.7 ms with the thread started at once, at normal or at lowered priority, 1.8 ms
-started 50 ms later; sglang-router's 1.0-1.5 ms). Any prefill such a prompt starts takes longer than that
-delay, so a request that waits on the tokenization (below) loses nothing it would not wait for anyway.
+end just as that tokenizes the same prompt (started at once, at normal or at lowered priority, the thread
+about doubles the latency the router adds to such a request: "Cold prompts"). Any prefill such a prompt starts
+takes longer than that delay, so a request that waits on the tokenization (below) loses nothing it would not
+wait for anyway.
 
 What the early route leaves to do, ``Deferred`` does when the thread is done: the piece cache gets the new
 text (the next turn of the conversation finds it), and the endpoint the request went to gets the rest of its

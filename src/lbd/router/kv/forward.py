@@ -33,7 +33,7 @@ from lbd.common.internal_key import IdsSigner
 FIELD = "lbd_prompt_token_ids"  # the engine's name for it (lbd.engine.server.forwarded.FIELD)
 _FIELD = FIELD.encode()
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # where the engine reads it
-MEMO_MIN_TOKENS = 64  # pieces this long keep their JSON text (a 2,000-token history: 46 -> ~4 us a request)
+MEMO_MIN_TOKENS = 64  # pieces this long keep their JSON text (benchmarks/RESULTS.md, "Id memo")
 MEMO_BYTES = 16 << 20
 
 
