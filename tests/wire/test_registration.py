@@ -18,8 +18,8 @@ from lbd.wire.status import RankState, RankStatus, RegistryRendezvous
 
 
 def _registration() -> NodeRegistration:
-    return NodeRegistration(node_id="n1", address="10.0.0.2", data_parallel_size=4, data_parallel_start_rank=2,
-                            data_parallel_size_local=2, health_url="http://10.0.0.2:9256", hostname="h",
+    return NodeRegistration(node_id="n1", address="10.0.0.2", data_parallel_size=4,
+                            data_parallel_start_rank=2, data_parallel_size_local=2, health_url="http://10.0.0.2:9256", hostname="h",
                             models=["m"], ranks=[RankStatus(rank=2, url="http://10.0.0.2:8002",
                                                             state=RankState.READY, routable=True)])
 
@@ -40,7 +40,8 @@ def test_fields_of_a_newer_peer_are_skipped() -> None:
     answer = {"accepted": True, "node_id": "n1", "lease_s": 20.0, "extra": [1],
               "rendezvous": {"address": "10.0.0.1", "registry_port": 29550, "more": True}}
     got = decode_answer(msgspec.json.encode(answer))
-    assert got.lease_s == 20.0 and got.rendezvous == RegistryRendezvous(address="10.0.0.1", registry_port=29550)
+    assert got.lease_s == 20.0
+    assert got.rendezvous == RegistryRendezvous(address="10.0.0.1", registry_port=29550)
 
 
 def test_a_bad_or_missing_field_names_itself() -> None:
@@ -56,6 +57,7 @@ def test_a_bad_or_missing_field_names_itself() -> None:
 
 def test_answer_defaults_and_errors() -> None:
     assert decode_answer(b"{}") == RegistrationAnswer()
-    err = decode_error(b'{"error": {"message": "taken", "type": "ConflictError", "param": "node_id", "code": 409}}')
+    err = decode_error(b'{"error": {"message": "taken", "type": "ConflictError", "param": "node_id", '
+                       b'"code": 409}}')
     assert (err.message, err.param, err.code) == ("taken", "node_id", 409)
     assert decode_error(b"not json").message == ""
