@@ -19,7 +19,8 @@ from lbd.wire.status import RankState, RankStatus, RegistryRendezvous
 
 def _registration() -> NodeRegistration:
     return NodeRegistration(node_id="n1", address="10.0.0.2", data_parallel_size=4,
-                            data_parallel_start_rank=2, data_parallel_size_local=2, health_url="http://10.0.0.2:9256", hostname="h",
+                            data_parallel_start_rank=2, data_parallel_size_local=2,
+                            health_url="http://10.0.0.2:9256", hostname="h",
                             models=["m"], ranks=[RankStatus(rank=2, url="http://10.0.0.2:8002",
                                                             state=RankState.READY, routable=True)])
 
