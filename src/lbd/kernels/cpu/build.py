@@ -180,6 +180,29 @@ def using(level: str) -> Iterator[None]:
         _override = before
 
 
+def _compile(cc: str, flags: list[str], out: Path) -> None:
+    """Each source to an object at once (one compiler per file: the build takes the longest file's time on
+    several cores, not the sum), then the objects linked to ``out``. CalledProcessError or TimeoutExpired on
+    failure; no compiler outlives the call."""
+    objects = [out.with_name(f"{out.stem}-{p.stem}.o") for p in _SOURCES]
+    procs = [subprocess.Popen([cc, *flags, "-c", "-o", str(o), str(p)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for p, o in zip(_SOURCES, objects, strict=True)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        subprocess.run([cc, *flags, "-o", str(out), *map(str, objects), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for o in objects:
+            o.unlink(missing_ok=True)
+
+
 def _build(cc: str, level: str) -> Path:
     flags = _FLAGS + (_CAP_FLAGS[level] if level != levels()[-1] else [])  # the best level: plain native
     sources = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
@@ -191,8 +214,7 @@ def _build(cc: str, level: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], check=True, capture_output=True,
-                       timeout=120)
+        _compile(cc, flags, Path(tmp))
         os.replace(tmp, target)  # atomic: ranks building at once all end with one whole file
     finally:
         if os.path.exists(tmp):
