@@ -5,6 +5,8 @@ the Triton kernels (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before 
 ``auto`` (the default) runs Triton for CUDA tensors and, on the CPU, the C kernels of ``lbd.kernels.cpu``
 when they build (fp32: decode attention, RMSNorm, neox rotary, SiLU-and-mul, the sampler's argmax; fp32 and
 bf16: linear layers whose weights ``pack_linear_weights`` packed at load) and the references for the rest.
+The C kernels run at the best instruction-set level the CPU has, or the one ``LBD_CPU_ISA`` caps them at
+(``lbd.kernels.cpu.build``); every level runs all of them, packing from AVX2 up.
 The Triton modules are imported on first use, so a CPU-only process never pays for importing triton.
 """
 
@@ -91,8 +93,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Pack, once after loading, the weights of ``model``'s linear layers for the CPU's packed GEMM; returns
-    how many were packed (0 where it does not apply: not the CPU, LBD_KERNELS=torch, no AVX-512 kernel for
-    the dtype, or the kernels did not build).
+    how many were packed (0 where it does not apply: not the CPU, LBD_KERNELS=torch, no vector kernel for
+    the dtype at the C kernels' level (fp32: AVX2 up; bf16: AVX-512 BF16), or the kernels did not build).
 
     A layer takes part when its class says ``packable_weight = True`` (its forward calls ``ops.linear`` with
     ``self.weight``): the Parameter is replaced by a ``PackedWeight`` of the same shape, so the memory is not

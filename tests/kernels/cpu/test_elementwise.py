@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to 
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 crosses the threshold where rows go parallel
+@pytest.mark.usefixtures("isa")
 def test_rms_norm_matches_reference(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     fused = torch.randn(rows, 960, generator=g) * 3
@@ -28,6 +29,7 @@ def test_rms_norm_matches_reference(rows: int) -> None:
 
 
 @pytest.mark.parametrize(("head_dim", "rot_dim"), [(64, 64), (128, 64)])  # full and partial rotary
+@pytest.mark.usefixtures("isa")
 def test_rotary_matches_reference(head_dim: int, rot_dim: int) -> None:
     table = build_rope_cache(rot_dim, 256, 10000.0, None, torch.float32, torch.device("cpu"))
     qkv = torch.randn(40, (8 + 2 * 2) * head_dim)
@@ -43,6 +45,7 @@ def test_rotary_matches_reference(head_dim: int, rot_dim: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 3072 goes parallel
+@pytest.mark.usefixtures("isa")
 def test_silu_and_mul_matches_reference(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     fused = torch.randn(rows, 3072 + 64, generator=g) * 6
@@ -71,6 +74,7 @@ def test_linear_of_a_plain_weight_is_torchs() -> None:
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 31, 32, 49152, 49157])  # scalar rows, the vector loop, its tail
+@pytest.mark.usefixtures("isa")
 def test_argmax_matches_torch_with_ties_and_nans(vocab: int) -> None:
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(70, vocab + 3, generator=g)[:, :vocab]  # rows of a wider buffer
@@ -89,6 +93,7 @@ def test_argmax_matches_torch_with_ties_and_nans(vocab: int) -> None:
     assert cpu.argmax(logits[:0]).shape == (0,)
 
 
+@pytest.mark.usefixtures("isa")
 def test_no_rows_is_no_work() -> None:  # a DP rank's dummy pass runs the layers over zero tokens
     empty = torch.zeros(0, 576)
     assert cpu.rms_norm(empty, torch.ones(576), 1e-5).shape == (0, 576)

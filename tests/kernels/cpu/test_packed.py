@@ -1,5 +1,6 @@
-"""The packed CPU GEMM (kernels/cpu/packed_gemm.c) against torch, the packing pass, and the kernels' thread
-pool (kernels/cpu/pool.c), in a child process: a pool lives as long as the process that starts it."""
+"""The packed CPU GEMM (kernels/cpu/packed_gemm.c) against torch at every instruction-set level (the ``isa``
+fixture), the packing pass, and the kernels' thread pool (kernels/cpu/pool.c), in a child process: a pool
+lives as long as the process that starts it."""
 
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ import torch
 from torch import nn
 
 from lbd.kernels import cpu, ops
-from lbd.kernels.cpu import packed
+from lbd.kernels.cpu import build, packed
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build lbd.kernels.cpu")
-needs_fp32 = pytest.mark.skipif(not packed.supported(torch.float32), reason="no AVX-512F here")
-needs_bf16 = pytest.mark.skipif(not packed.supported(torch.bfloat16), reason="no AVX-512 BF16 on this CPU")
 
 
-@needs_fp32
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 64, 250])  # 13: a partial tile; 250: several row blocks (K=1536)
 @pytest.mark.parametrize(("n", "k"), [(1, 7), (31, 64), (33, 576), (960, 576), (96, 1536)])
 def test_fp32_matches_torch(m: int, n: int, k: int) -> None:
@@ -34,7 +33,7 @@ def test_fp32_matches_torch(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(ops.linear(x, pw), nn.functional.linear(x, w), atol=2e-4, rtol=1e-5)
 
 
-@needs_bf16
+@pytest.mark.usefixtures("isa")  # AVX-512 BF16's VDPBF16PS, the portable loop below it
 @pytest.mark.parametrize("m", [1, 12, 64, 200])
 @pytest.mark.parametrize(("n", "k"), [(33, 7), (960, 576), (64, 1536)])  # k=7: an odd K's last pair
 def test_bf16_sums_in_fp32(m: int, n: int, k: int) -> None:
@@ -48,7 +47,7 @@ def test_bf16_sums_in_fp32(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(out.double(), exact, atol=1e-2 * exact.abs().max().item(), rtol=2 ** -7)
 
 
-@needs_fp32
+@pytest.mark.usefixtures("isa")
 def test_unpack_gives_the_weight_back() -> None:
     w = torch.randn(45, 30)
     assert torch.equal(packed.unpack(packed.pack(w)), w)
@@ -67,12 +66,15 @@ class _Lin(nn.Linear):
     packable_weight = True
 
 
-@needs_fp32
+@pytest.mark.usefixtures("isa")
 def test_pack_linear_weights_replaces_parameters_and_packs_a_tied_head() -> None:
     model = _Tied()
     x = torch.randn(3, 16)
     want = model.proj(x).detach()
     head = model.lm_head.weight.detach().clone()
+    if not packed.supported(torch.float32):  # the scalar level: torch's GEMM is faster than the portable loop
+        assert ops.pack_linear_weights(model) == 0 and isinstance(model.proj.weight, nn.Parameter)
+        return
     assert ops.pack_linear_weights(model) == 2
     assert isinstance(model.proj.weight, ops.PackedWeight)
     assert "proj.weight" not in dict(model.named_parameters())  # replaced, not doubled
@@ -81,7 +83,7 @@ def test_pack_linear_weights_replaces_parameters_and_packs_a_tied_head() -> None
     assert torch.equal(model.lm_head.weight, head)  # the embedding itself is still there for the lookup
 
 
-@needs_fp32
+@pytest.mark.skipif(not packed.supported(torch.float32), reason="packing needs AVX2 (LBD_CPU_ISA=scalar)")
 def test_no_tied_copy_where_the_model_does_not_ask() -> None:
     """A pipeline stage without the head (or a TP-sharded head) says packs_tied_head = False: no copy, no
     lookup of a head it does not hold."""
@@ -95,39 +97,41 @@ def test_no_tied_copy_where_the_model_does_not_ask() -> None:
 _POOL_CHILD = textwrap.dedent("""
     import os, sys, torch
     from lbd.kernels import cpu
-    from lbd.kernels.cpu import packed
-    from lbd.kernels.metadata import AttentionMetadata
-    sys.path.insert(0, "tests/kernels")
+    from lbd.kernels.cpu import build, packed
     torch.manual_seed(0)
     torch.set_num_threads(1)
     w, x = torch.randn(960, 576), torch.randn(64, 576)
-    pw = packed.pack(w)
     q, kc, vc = torch.randn(24, 9, 64), torch.randn(200, 16, 3, 64), torch.randn(200, 16, 3, 64)
     tables = torch.randperm(200)[:24 * 8].view(24, 8).int()
     lens = torch.randint(1, 128, (24,)).int()
+    rows = torch.randn(400, 576)
+    cpus = [int(c) for c in sys.argv[1].split(",")]
     def attn():
         out = torch.empty_like(q)
         cpu.paged_decode(q, kc, vc, tables, lens, lens.tolist(), 0.125, out)
         return out
-    rows = torch.randn(400, 576)
-    before = (packed.linear(x, pw), attn(), cpu.rms_norm(rows, torch.ones(576), 1e-5))
-    cpus = [int(c) for c in sys.argv[1].split(",")]
-    assert cpu.start_pool(cpus) and cpu.pool_threads() == len(cpus)
-    assert len(os.sched_getaffinity(0)) == len(set(os.sched_getaffinity(0)))  # the caller stays unpinned
-    for _ in range(200):  # many loops back to back: helpers join late, sleep, wake
-        assert torch.equal(packed.linear(x, pw), before[0])
-        assert torch.equal(attn(), before[1])
-        assert torch.equal(cpu.rms_norm(rows, torch.ones(576), 1e-5), before[2])
-    print("ok")
+    rounds = 200 // len(build.available())
+    for level in build.available():  # each level's build has a pool of its own
+        with build.using(level):
+            pw = packed.pack(w)
+            before = (packed.linear(x, pw), attn(), cpu.rms_norm(rows, torch.ones(576), 1e-5))
+            assert cpu.start_pool(cpus) and cpu.pool_threads() == len(cpus)
+            assert len(os.sched_getaffinity(0)) == len(set(os.sched_getaffinity(0)))  # caller stays unpinned
+            for _ in range(rounds):  # many loops back to back: helpers join late, sleep, wake
+                assert torch.equal(packed.linear(x, pw), before[0])
+                assert torch.equal(attn(), before[1])
+                assert torch.equal(cpu.rms_norm(rows, torch.ones(576), 1e-5), before[2])
+        print(level, "ok")
 """)
 
 
-@needs_fp32
 @pytest.mark.parametrize("cpus", ["first,second", "first,first,first"])  # 3 threads on one CPU: late helpers
 def test_pool_results_equal_one_thread(cpus: str) -> None:
+    """At every level this process may run (the pool itself is plain C: no instruction set needed)."""
     import os
 
     have = sorted(os.sched_getaffinity(0))
     spec = cpus.replace("first", str(have[0])).replace("second", str(have[-1]))
     r = subprocess.run([sys.executable, "-c", _POOL_CHILD, spec], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [w for level in build.available() for w in (level, "ok")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -15,16 +16,25 @@ from support.paged_cases import dense_attention, make_case
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build lbd.kernels.cpu")
 
 
+@functools.cache
+def _case_and_oracle(lens: tuple[tuple[int, int], ...], heads: int, kv_heads: int, head_dim: int,
+                     block_size: int, pad_tokens: int, dtype: torch.dtype = torch.float32):  # noqa: ANN202
+    """A case and its fp64 oracle, made once for every level (the kernels only read them)."""
+    case = make_case(list(lens), heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype, pad_tokens=pad_tokens)
+    return case, dense_attention(case)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 80, 32), (6, 2, 32, 8)])
+@pytest.mark.usefixtures("isa")
 def test_mixed_batch_matches_dense(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
     # decodes of very different lengths (1 token to several blocks), then two prefill chunks
-    lens = [(1, 1), (1, 17), (1, 300), (1, 64), (1, 5), (7, 40), (12, 12)]
-    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                     pad_tokens=3)
+    lens = ((1, 1), (1, 17), (1, 300), (1, 64), (1, 5), (7, 40), (12, 12))
+    case, want = _case_and_oracle(lens, heads, kv_heads, head_dim, block_size, 3)
     out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
     n = sum(q for q, _ in lens)
-    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:n].double(), want, atol=2e-5, rtol=1e-5)
     assert out[n:].abs().max() == 0  # padding rows are zero
 
 
@@ -32,18 +42,20 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int, head_dim: int, blo
     [(1, 40), (30, 30), (9, 600), (7, 50)],  # short, long (SDPA), short: two runs of rows in C
     [(1, 9), (125, 125), (125, 125), (16, 512)],  # every prefill short: one run, in place
 ], ids=["short-long-short", "all-short"])
+@pytest.mark.usefixtures("isa")
 def test_prefill_chunks_in_c_and_in_sdpa_match_dense(lens: list[tuple[int, int]]) -> None:
     """Prefill chunks of up to PREFILL_IN_C_MAX_LEN tokens run as one decode per query token, longer ones
     through SDPA, in the same batch."""
     assert max(s for _, s in lens) in (600, 512) and cpu.PREFILL_IN_C_MAX_LEN == 512
-    case = make_case(lens, heads=9, kv_heads=3, head_dim=64, block_size=16, pad_tokens=2)
+    case, want = _case_and_oracle(tuple(lens), 9, 3, 64, 16, 2)
     out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
     n = sum(q for q, _ in lens)
-    torch.testing.assert_close(out[:n].double(), dense_attention(case), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:n].double(), want, atol=2e-5, rtol=1e-5)
     assert out[n:].abs().max() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("isa")
 def test_write_kv_cache_matches_reference(dtype: torch.dtype) -> None:
     """Key/value views into a fused qkv row, padding slots (-1) skipped, 70 tokens (two pool chunks)."""
     g = torch.Generator().manual_seed(3)
@@ -60,6 +72,7 @@ def test_write_kv_cache_matches_reference(dtype: torch.dtype) -> None:
     assert not cpu.write_ok(key, value, caches[0].to(torch.float8_e4m3fn))  # fp8 scales: the reference's
 
 
+@pytest.mark.usefixtures("isa")
 def test_strided_query_and_padding_sequence() -> None:
     """A query that is a view into a fused qkv row (as in the model), and a seq_len-0 filler row."""
     case = make_case([(1, 33), (1, 70), (1, 2)], heads=9, kv_heads=3, head_dim=64, block_size=16)
@@ -76,6 +89,7 @@ def test_strided_query_and_padding_sequence() -> None:
     assert out[2].abs().max() == 0
 
 
+@pytest.mark.usefixtures("isa")
 def test_many_threads_match_one() -> None:
     case = make_case([(1, n) for n in (90, 400, 33, 250, 1, 128, 77, 512)], heads=9, kv_heads=3, head_dim=64,
                      block_size=16)
@@ -107,15 +121,14 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 80)])
+@pytest.mark.usefixtures("isa")
 def test_bf16_cache_matches_dense(heads: int, kv_heads: int, head_dim: int) -> None:
     """bf16 query and caches: fp32 math on the stored values, one rounding of the output to bf16."""
-    lens = [(1, 1), (1, 45), (1, 300), (5, 20)]
-    case = make_case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
-                     dtype=torch.bfloat16, pad_tokens=2)
+    lens = ((1, 1), (1, 45), (1, 300), (5, 20))
+    case, want = _case_and_oracle(lens, heads, kv_heads, head_dim, 16, 2, torch.bfloat16)  # fp64 oracle
     assert cpu.supports(case.query, case.key_cache)
     out = cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.meta, case.scale)
     assert out.dtype == torch.bfloat16
-    want = dense_attention(case)  # fp64 over the same bf16 values
     n = sum(q for q, _ in lens)
     torch.testing.assert_close(out[:3].double(), want[:3], atol=1e-2, rtol=2 ** -7)  # the C decodes
     torch.testing.assert_close(out[:n].double(), want, atol=3e-2, rtol=3e-2)  # + the torch prefill in bf16

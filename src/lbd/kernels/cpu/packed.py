@@ -2,8 +2,10 @@
 
 ``PackedWeight`` stands where a Linear's ``weight`` Parameter stood; ``ops.linear`` sees it and runs
 the packed kernel. It keeps ``shape``/``dtype``/``device`` so code that only reads those still works. Packing
-happens only where the kernel exists (AVX-512F for fp32, AVX-512 BF16 for bf16): elsewhere the model keeps its
-plain weights and torch's GEMM, exactly as before.
+happens only where a vector kernel exists at the loaded level (``build``: AVX2 or AVX-512F for fp32, AVX-512
+BF16 for bf16): elsewhere the model keeps its plain weights and torch's GEMM. The packed layout is the same at
+every level, and every level's build computes any packed weight (a portable loop where it has no vector
+kernel), so tests run one packed weight through each level.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class PackedWeight:
 
 
 def supported(dtype: torch.dtype) -> bool:
-    """Whether weights of ``dtype`` can be packed here (the kernels were built with that instruction set)."""
+    """Whether weights of ``dtype`` should be packed here: the loaded level has a vector kernel for them."""
     lib = library()
     if lib is None:
         return False

@@ -1,21 +1,24 @@
-/* y = x W^T (+ bias) over weights packed once at load: fp32 (AVX-512F) and bf16 (AVX-512 BF16, fp32 sums).
+/* y = x W^T (+ bias) over weights packed once at load: fp32 and bf16 (fp32 sums), with an AVX-512 BF16, an
+ * AVX-512F, an AVX2 and a portable path (the build's level picks one; build.py).
  *
  * Why: at decode sizes (8..64 rows of x) the BLAS's fp32 GEMM packs W into panels on every call and reached
  * ~100 GFLOP/s here, about half of this CPU's FMA peak. Packing W once at load (the layout the inner loop
- * reads) leaves only the arithmetic: a 12 x 32 tile of y lives in 24 vector registers while the loop walks
- * K, loading two vectors of the W panel and broadcasting one x value per row per step (FMA-bound, not
- * load-bound). Threads split the panels of W; each walks every row of x (x stays in its L2), so W is read from
- * memory once per call.
+ * reads) leaves only the arithmetic: with AVX-512 a 12 x 32 tile of y lives in 24 vector registers while the
+ * loop walks K, loading two vectors of the W panel and broadcasting one x value per row per step (FMA-bound,
+ * not load-bound); AVX2's 16 registers hold a 6 x 16 tile (each panel taken as two halves). Threads split the
+ * panels of W; each walks every row of x (x stays in its L2), so W is read from memory once per call. The
+ * portable loops (a row of y at a time, its 32 sums in an array the compiler vectorises) are there so every
+ * level computes every shape; lbd_packed_gemm_support() names only the paths worth packing for.
  *
- * Layouts. fp32: panel p holds output columns [32p, 32p + 32) as K rows of 32 floats: P[p][k][j] =
- * W[32p + j][k] (columns past N are zero). bf16: the same panels, with k taken in pairs as VDPBF16PS wants
- * them: P[p][k/2][j][k%2] (K rounded up to even, zero-padded). x [M, K] rows x_stride elements apart, y [M, N]
- * rows y_stride apart, both in the weights' dtype. Entry points return 0, or -1 for what they do not take
- * (the caller then uses torch).
+ * Layouts (the same at every level, so weights packed by one build run in another). fp32: panel p holds output
+ * columns [32p, 32p + 32) as K rows of 32 floats: P[p][k][j] = W[32p + j][k] (columns past N are zero). bf16:
+ * the same panels, with k taken in pairs as VDPBF16PS wants them: P[p][k/2][j][k%2] (K rounded up to even,
+ * zero-padded). x [M, K] rows x_stride elements apart, y [M, N] rows y_stride apart, both in the weights'
+ * dtype. The entry points return 0.
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -23,12 +26,14 @@
 
 #define NR 32 /* output columns per panel: two 16-float vectors */
 #define MR 12 /* rows of x per register tile: 2 x 12 accumulators + 2 W vectors + 1 broadcast <= 32 */
+#define MR_AVX2 6 /* AVX2: 2 x 6 accumulators + 2 W vectors + 1 broadcast <= 16 */
 #define X_BLOCK_BYTES (384 << 10) /* rows of x taken per pass over the panels: this much stays in L2 */
 
-/* 1: fp32 kernels, 2: bf16 kernels are compiled in (the caller packs only for those). */
+/* 1: fp32, 2: bf16 have a vector kernel here that beats torch's GEMM (the caller packs only for those; the
+ * portable loops run the other cases correctly, for tests, but slower than the BLAS). */
 int lbd_packed_gemm_support(void) {
     int s = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     s |= 1;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -114,6 +119,41 @@ static void plan(struct gemm_job *j, int64_t elem) {
     j->chunks_per_block = (j->panels + per - 1) / per;
 }
 
+#define TILE_CASES(FN, ...)                  \
+    switch (rows) {                          \
+        case 1: FN(__VA_ARGS__, 1); break;   \
+        case 2: FN(__VA_ARGS__, 2); break;   \
+        case 3: FN(__VA_ARGS__, 3); break;   \
+        case 4: FN(__VA_ARGS__, 4); break;   \
+        case 5: FN(__VA_ARGS__, 5); break;   \
+        case 6: FN(__VA_ARGS__, 6); break;   \
+        case 7: FN(__VA_ARGS__, 7); break;   \
+        case 8: FN(__VA_ARGS__, 8); break;   \
+        case 9: FN(__VA_ARGS__, 9); break;   \
+        case 10: FN(__VA_ARGS__, 10); break; \
+        case 11: FN(__VA_ARGS__, 11); break; \
+        default: FN(__VA_ARGS__, 12); break; \
+    }
+
+#define TILE_CASES_AVX2(FN, ...)            \
+    switch (rows) {                         \
+        case 1: FN(__VA_ARGS__, 1); break;  \
+        case 2: FN(__VA_ARGS__, 2); break;  \
+        case 3: FN(__VA_ARGS__, 3); break;  \
+        case 4: FN(__VA_ARGS__, 4); break;  \
+        case 5: FN(__VA_ARGS__, 5); break;  \
+        default: FN(__VA_ARGS__, 6); break; \
+    }
+
+/* The first row tile of a panel reads it from memory, the others from L2: while they run, the next panel
+ * (``next_bytes`` bytes right after this one, 0 at a chunk's end) is requested into L2 a slice per tile, so
+ * the memory reads are spread over the whole panel instead of bunched at its first tile. */
+static inline void prefetch_slice(const char *next, int64_t next_bytes, int64_t tile, int64_t tiles) {
+    if (next_bytes == 0 || tiles < 2) return;
+    const int64_t from = next_bytes * tile / tiles, to = next_bytes * (tile + 1) / tiles;
+    for (int64_t b = from; b < to; b += 64) __builtin_prefetch(next + b, 0, 2); /* to L2 */
+}
+
 #if defined(__AVX512F__)
 static inline __mmask16 tail_mask(int64_t cols) { return cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1); }
 
@@ -144,31 +184,6 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
     for (int m = 0; m < M; ++m) store_f32(y + m * ys, c0[m], c1[m], bias, cols);
 }
 
-#define TILE_CASES(FN, ...)                  \
-    switch (rows) {                          \
-        case 1: FN(__VA_ARGS__, 1); break;   \
-        case 2: FN(__VA_ARGS__, 2); break;   \
-        case 3: FN(__VA_ARGS__, 3); break;   \
-        case 4: FN(__VA_ARGS__, 4); break;   \
-        case 5: FN(__VA_ARGS__, 5); break;   \
-        case 6: FN(__VA_ARGS__, 6); break;   \
-        case 7: FN(__VA_ARGS__, 7); break;   \
-        case 8: FN(__VA_ARGS__, 8); break;   \
-        case 9: FN(__VA_ARGS__, 9); break;   \
-        case 10: FN(__VA_ARGS__, 10); break; \
-        case 11: FN(__VA_ARGS__, 11); break; \
-        default: FN(__VA_ARGS__, 12); break; \
-    }
-
-/* The first row tile of a panel reads it from memory, the others from L2: while they run, the next panel
- * (``next_bytes`` bytes right after this one, 0 at a chunk's end) is requested into L2 a slice per tile, so
- * the memory reads are spread over the whole panel instead of bunched at its first tile. */
-static inline void prefetch_slice(const char *next, int64_t next_bytes, int64_t tile, int64_t tiles) {
-    if (next_bytes == 0 || tiles < 2) return;
-    const int64_t from = next_bytes * tile / tiles, to = next_bytes * (tile + 1) / tiles;
-    for (int64_t b = from; b < to; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
-}
-
 static void panel_f32(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
                       const void *bias, int64_t cols, int64_t M, int64_t next_bytes) {
     const float *x = xv, *P = Pv;
@@ -182,7 +197,69 @@ static void panel_f32(const void *xv, int64_t xs, const void *Pv, int64_t K, voi
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* A 6 x 16 tile: ``cols`` (1..16) valid columns of a panel's half; P points at the half's first column. */
+static inline __attribute__((always_inline)) void tile_f32_avx2(const float *x, int64_t xs, const float *P,
+                                                                int64_t K, float *y, int64_t ys, const float *bias,
+                                                                int64_t cols, const int M) {
+    __m256 c0[MR_AVX2], c1[MR_AVX2];
+    for (int m = 0; m < M; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(P + k * NR), b1 = _mm256_loadu_ps(P + k * NR + 8);
+        for (int m = 0; m < M; ++m) {
+            const __m256 a = _mm256_broadcast_ss(x + m * xs + k);
+            c0[m] = _mm256_fmadd_ps(a, b0, c0[m]);
+            c1[m] = _mm256_fmadd_ps(a, b1, c1[m]);
+        }
+    }
+    /* through a buffer: indexing the accumulators in a store loop with branches (cols, bias) made gcc keep
+     * them on the stack, storing all 12 at every step of k (half the FMA rate) */
+    float out[MR_AVX2][16];
+    for (int m = 0; m < M; ++m) {
+        _mm256_storeu_ps(out[m], c0[m]);
+        _mm256_storeu_ps(out[m] + 8, c1[m]);
+    }
+    for (int m = 0; m < M; ++m)
+        for (int64_t c = 0; c < cols; ++c) y[m * ys + c] = bias != NULL ? out[m][c] + bias[c] : out[m][c];
+}
+
+static void panel_f32(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
+                      const void *biasv, int64_t cols, int64_t M, int64_t next_bytes) {
+    const float *x = xv, *P = Pv, *bias = biasv;
+    float *y = yv;
+    const int64_t tiles = (M + MR_AVX2 - 1) / MR_AVX2;
+    for (int64_t half = 0; half < 2 && 16 * half < cols; ++half) {
+        const int64_t hc = cols - 16 * half < 16 ? cols - 16 * half : 16;
+        const float *hb = bias == NULL ? NULL : bias + 16 * half;
+        for (int64_t m0 = 0, t = 0; m0 < M; m0 += MR_AVX2, ++t) {
+            const int64_t rows = M - m0 < MR_AVX2 ? M - m0 : MR_AVX2;
+            if (half == 1) prefetch_slice((const char *)(P + K * NR), next_bytes, t, tiles);
+            TILE_CASES_AVX2(tile_f32_avx2, x + m0 * xs, xs, P + 16 * half, K, y + m0 * ys + 16 * half, ys, hb, hc)
+        }
+    }
+}
+#endif
+
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+/* The portable fp32 panel: one row of y at a time, its NR sums in an array (vectorised where the level can). */
+static void panel_f32(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
+                      const void *biasv, int64_t cols, int64_t M, int64_t next_bytes) {
+    const float *x = xv, *P = Pv, *bias = biasv;
+    float *y = yv;
+    (void)next_bytes;
+    for (int64_t m = 0; m < M; ++m) {
+        float acc[NR] = {0};
+        const float *xm = x + m * xs;
+        for (int64_t k = 0; k < K; ++k) {
+            const float a = xm[k], *p = P + k * NR;
+#pragma omp simd
+            for (int c = 0; c < NR; ++c) acc[c] += a * p[c];
+        }
+        for (int64_t c = 0; c < cols; ++c) y[m * ys + c] = bias != NULL ? acc[c] + bias[c] : acc[c];
+    }
+}
+#endif
+
 static void gemm_chunk(void *arg, int64_t c) {
     const struct gemm_job *j = arg;
     const int64_t r0 = c / j->chunks_per_block * j->block, p0 = c % j->chunks_per_block * j->per_chunk;
@@ -197,20 +274,14 @@ static void gemm_chunk(void *arg, int64_t c) {
                  bias == NULL ? NULL : bias + p * NR * e, cols, rows, next_bytes);
     }
 }
-#endif
 
 int lbd_packed_gemm_f32(const float *x, int64_t x_stride, const float *P, int64_t N, int64_t K, const float *bias,
                         float *y, int64_t y_stride, int64_t M) {
-#if defined(__AVX512F__)
     struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
                          .N = N, .K = K, .M = M, .panel_elems = K * NR, .elem = 4, .panel = panel_f32};
     plan(&j, 4);
     lbd_parallel_for(gemm_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
-#else
-    (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
-    return -1;
-#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -266,20 +337,49 @@ static void panel_bf16(const void *xv, int64_t xs, const void *Pv, int64_t K, vo
         TILE_CASES(tile_bf16, x + m0 * xs, xs, P, K, y + m0 * ys, ys, bias, cols)
     }
 }
+#else
+static inline float bf16_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) { /* round to nearest even, like torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return f != f ? (uint16_t)0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* The portable bf16 panel: fp32 sums of the widened pairs, one rounding to bf16 per output, as VDPBF16PS. */
+static void panel_bf16(const void *xv, int64_t xs, const void *Pv, int64_t K, void *yv, int64_t ys,
+                       const void *biasv, int64_t cols, int64_t M, int64_t next_bytes) {
+    const uint16_t *x = xv, *P = Pv, *bias = biasv;
+    uint16_t *y = yv;
+    (void)next_bytes;
+    for (int64_t m = 0; m < M; ++m) {
+        float acc[NR] = {0}, w[2 * NR];
+        const uint16_t *xm = x + m * xs;
+        for (int64_t k2 = 0; k2 < (K + 1) / 2; ++k2) {
+            const float a0 = bf16_f32(xm[2 * k2]), a1 = 2 * k2 + 1 < K ? bf16_f32(xm[2 * k2 + 1]) : 0.0f;
+            const uint16_t *p = P + k2 * 2 * NR;
+            for (int c = 0; c < 2 * NR; ++c) w[c] = bf16_f32(p[c]);
+#pragma omp simd
+            for (int c = 0; c < NR; ++c) acc[c] += a0 * w[2 * c] + a1 * w[2 * c + 1];
+        }
+        for (int64_t c = 0; c < cols; ++c)
+            y[m * ys + c] = f32_bf16(bias != NULL ? acc[c] + bf16_f32(bias[c]) : acc[c]);
+    }
+}
 #endif
 
 
 int lbd_packed_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *P, int64_t N, int64_t K,
                          const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t M) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
     struct gemm_job j = {.x = x, .P = P, .bias = bias, .y = y, .x_stride = x_stride, .y_stride = y_stride,
                          .N = N, .K = K, .M = M, .panel_elems = (K + 1) / 2 * 2 * NR, .elem = 2,
                          .panel = panel_bf16};
     plan(&j, 2);
     lbd_parallel_for(gemm_chunk, &j, (M + j.block - 1) / j.block * j.chunks_per_block);
     return 0;
-#else
-    (void)x; (void)x_stride; (void)P; (void)N; (void)K; (void)bias; (void)y; (void)y_stride; (void)M;
-    return -1;
-#endif
 }

@@ -124,6 +124,20 @@ int lbd_pool_start(const int *cpus, int n) {
 
 int lbd_pool_threads(void) { return atomic_load(&P.threads); }
 
+/* The instruction-set level this build's kernels were compiled for: the index in build.py's LEVELS (0 scalar,
+ * 1 AVX2 with FMA, 2 AVX-512F, 3 AVX-512 BF16), so the loader can refuse a build below the level it asked for. */
+int lbd_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 3;
+#elif defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int lbd_parallel_threads(void) {
     const int t = atomic_load(&P.threads);
     return t > 0 ? t : omp_get_max_threads();
