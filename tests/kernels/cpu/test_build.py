@@ -48,7 +48,7 @@ _CHILD = textwrap.dedent("""
     from lbd.kernels import cpu, ops
     from lbd.kernels.cpu import build, packed
     path = sys.argv[1]
-    runner = ModelRunner(EngineArgs(model=path, kv_cache_memory_bytes=1 << 20), path)
+    runner = ModelRunner.from_args(EngineArgs(model=path, kv_cache_memory_bytes=1 << 20), path)
     packs = sum(isinstance(m.weight, ops.PackedWeight) for m in runner.model.modules()
                 if isinstance(getattr(m, "weight", None), ops.PackedWeight | torch.nn.Parameter))
     print(build.isa_of(cpu.library()), cpu.elementwise_ok(torch.ones(2, 2)), packs > 0,

@@ -91,17 +91,15 @@ def warn_emulated_bf16(dtype: torch.dtype) -> None:
 def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
     """How the core's compute threads share this process's CPUs.
 
-    Where the packed kernels take the model's dtype (fp32 from AVX2 up, bf16 with AVX-512 BF16), the C
-    kernels run on their own pool (the core's thread plus a helper pinned to each other CPU; ``pin_core_thread`` pins the core's), which never waits for
-    a thread that was descheduled, and torch's own ops run on the core's thread alone (kernels/cpu/pool.c: on
-    a loaded host a second OpenMP thread slows a decode step down several times: benchmarks/RESULTS.md,
-    "CPU threads"). Elsewhere torch's OpenMP threads run everything, pinned one per CPU. Either way only when
-    the threads are exactly as many as the CPUs this process may use (the usual single-rank case; DP ranks
-    sharing CPUs stay unpinned on torch's threads). LBD_CPU_POOL=0 keeps torch's threads, LBD_CPU_BIND=0
-    leaves them unpinned.
-    """
-    from lbd.kernels import cpu as cpu_kernels
-    from lbd.kernels.cpu import packed
+    Where the packed kernels take the model's dtype (fp32 from AVX2 up, bf16 with AVX-512 BF16), the C kernels
+    run on their own pool (the core's thread plus a helper pinned to each other CPU; ``pin_core_thread`` pins
+    the core's), which never waits for a thread that was descheduled, and torch's own ops run on the core's
+    thread alone (kernels/cpu/pool.c: on a loaded host a second OpenMP thread slows a decode step down several
+    times: benchmarks/RESULTS.md, "CPU threads"). Elsewhere torch's OpenMP threads run everything, pinned one
+    per CPU. Either way only when the threads are exactly as many as the CPUs this process may use (the usual
+    single-rank case; DP ranks sharing CPUs stay unpinned on torch's threads). LBD_CPU_POOL=0 keeps torch's
+    threads, LBD_CPU_BIND=0 leaves them unpinned. """ from lbd.kernels import cpu as cpu_kernels from
+    lbd.kernels.cpu import packed
 
     cpus = sorted(os.sched_getaffinity(0))
     exact = len(cpus) == threads
