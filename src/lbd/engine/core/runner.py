@@ -98,8 +98,9 @@ def setup_cpu_threads(threads: int, dtype: torch.dtype) -> None:
     times: benchmarks/RESULTS.md, "CPU threads"). Elsewhere torch's OpenMP threads run everything, pinned one
     per CPU. Either way only when the threads are exactly as many as the CPUs this process may use (the usual
     single-rank case; DP ranks sharing CPUs stay unpinned on torch's threads). LBD_CPU_POOL=0 keeps torch's
-    threads, LBD_CPU_BIND=0 leaves them unpinned. """ from lbd.kernels import cpu as cpu_kernels from
-    lbd.kernels.cpu import packed
+    threads, LBD_CPU_BIND=0 leaves them unpinned."""
+    from lbd.kernels import cpu as cpu_kernels
+    from lbd.kernels.cpu import packed
 
     cpus = sorted(os.sched_getaffinity(0))
     exact = len(cpus) == threads
