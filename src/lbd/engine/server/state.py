@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class FrontendState:
+    """One front end's slices, what the core said about itself at hello, and the parts the handlers share
+    (tokenizer, core client, metrics, offload worker, response store)."""
+
     config: FrontendConfig  # the slices this front end reads (lbd.engine.config.slices)
     info: CoreInfo
     tokenizer: Tokenizer
