@@ -54,7 +54,7 @@ class InstantRunner:
 
 def _core(metrics: CoreMetrics | None) -> EngineCore:
     args = EngineArgs(max_num_seqs=64, max_num_batched_tokens=8192)
-    return EngineCore(args, "", metrics=metrics, runner=InstantRunner())
+    return EngineCore.from_args(args, "", metrics=metrics, runner=InstantRunner())
 
 
 def _add(core: EngineCore, rid: str, max_tokens: int) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lbd.engine.config.args import EngineArgs, engine_args_from_namespace, make_parser, validate
+from lbd.engine.config.slices import FrontendConfig, frontend_config
 from lbd.engine.procutil import set_pdeathsig, set_process_name, terminate_tree
 from lbd.engine.server.responses_store import RESPONSES_DIR_ENV
 
@@ -114,22 +115,22 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _frontend_entry(args: EngineArgs, model_path: str, address: str, core_pid: int, index: int,
+def _frontend_entry(config: FrontendConfig, model_path: str, address: str, core_pid: int, index: int,
                     conn: Connection, parent_pid: int) -> None:
     set_pdeathsig(signal.SIGKILL, parent_pid)
     os.setpgrp()
-    configure_logging(args.rank, args.log_level, f"FrontEnd-{index}")
+    configure_logging(config.rank, config.observability.log_level, f"FrontEnd-{index}")
     import uvloop
 
-    _exit_now(uvloop.run(_frontend_child(args, model_path, address, core_pid, index, conn)))
+    _exit_now(uvloop.run(_frontend_child(config, model_path, address, core_pid, index, conn)))
 
 
-async def _frontend_child(args: EngineArgs, model_path: str, address: str, core_pid: int, index: int,
+async def _frontend_child(config: FrontendConfig, model_path: str, address: str, core_pid: int, index: int,
                           conn: Connection) -> int:
     from lbd.engine.server.app import Frontend
 
     stop = _stop_event()
-    fe = Frontend(args, model_path, address, core_pid, index)
+    fe = Frontend(config, model_path, address, core_pid, index)
     try:
         if not await _until(stop, _connect_and_listen(fe)):
             return 0
@@ -188,8 +189,12 @@ async def _until(stop: asyncio.Event, work: Any) -> bool:
 # ---- the launcher ----
 
 class Launcher:
+    """Starts the rank's processes: the core gets the flags (it resolves the device and cuts its own slices),
+    every front end gets the front end's slices, cut here once."""
+
     def __init__(self, args: EngineArgs, runtime: Runtime, model_path: str) -> None:
         self.args = args
+        self.frontend = frontend_config(args)
         self.runtime = runtime
         self.model_path = model_path
         self.ctx = mp.get_context("spawn")
@@ -216,11 +221,11 @@ class Launcher:
     def _start_children(self) -> None:
         """Extra front ends start with the core, so they load their tokenizer while it loads the model."""
         assert self.core is not None and self.core.pid is not None
-        for index in range(1, self.args.api_server_count):
+        for index in range(1, self.frontend.server.api_server_count):
             recv, send = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(
                 target=_frontend_entry, name=f"FrontEnd-{index}",
-                args=(self.args, self.model_path, self.runtime.core_address, self.core.pid, index, send,
+                args=(self.frontend, self.model_path, self.runtime.core_address, self.core.pid, index, send,
                       os.getpid()))
             proc.start()
             send.close()
@@ -232,7 +237,7 @@ class Launcher:
 
         assert self.core is not None
         stop = _stop_event()
-        fe = Frontend(self.args, self.model_path, self.runtime.core_address, self.core.pid, 0)
+        fe = Frontend(self.frontend, self.model_path, self.runtime.core_address, self.core.pid, 0)
         try:
             try:
                 if not await _until(stop, self._start(fe)):
@@ -241,15 +246,16 @@ class Launcher:
                 logger.error("start-up failed: %s", e)
                 return 1
             watcher = asyncio.create_task(self._watch_children())
-            logger.info("engine ready: model %s, %d front end(s) on port %d", self.args.model_name,
-                        self.args.api_server_count, self.args.port)
+            server = self.frontend.server
+            logger.info("engine ready: model %s, %d front end(s) on port %d", self.frontend.model.model_name,
+                        server.api_server_count, server.port)
             await stop.wait()
             watcher.cancel()
             for proc, _ in self.children:
                 if proc.is_alive() and proc.pid is not None:
                     os.kill(proc.pid, signal.SIGTERM)  # they drain in parallel with us
             await fe.drain()
-            await self._join_children(self.args.shutdown_timeout + 5.0)
+            await self._join_children(server.shutdown_timeout + 5.0)
             return 0
         finally:
             await fe.close()

@@ -64,14 +64,15 @@ def workload() -> list[EngineCoreRequest]:
 
 
 def test_batching_chunking_prefix_hits_and_preemption_keep_tokens(tiny_llama: Path) -> None:
-    solo = EngineCore(EngineArgs(device="cpu", max_model_len=256, kv_cache_memory_bytes=64 * BLOCK_BYTES),
-                      str(tiny_llama))
+    solo = EngineCore.from_args(
+        EngineArgs(device="cpu", max_model_len=256, kv_cache_memory_bytes=64 * BLOCK_BYTES), str(tiny_llama))
     expected = {}
     for r in workload():  # one request at a time, whole prompt in one step
         expected.update(run_all(solo, [r]))
     assert solo.scheduler.counters.num_preemptions == 0
-    tight = EngineCore(EngineArgs(device="cpu", max_model_len=192, kv_cache_memory_bytes=12 * BLOCK_BYTES,
-                                  max_num_batched_tokens=48, max_num_seqs=8), str(tiny_llama))
+    tight = EngineCore.from_args(EngineArgs(device="cpu", max_model_len=192, max_num_batched_tokens=48,
+                                            kv_cache_memory_bytes=12 * BLOCK_BYTES, max_num_seqs=8),
+                                 str(tiny_llama))
     got = run_all(tight, workload())
     s = tight.scheduler
     assert s.counters.num_preemptions > 0, "the workload must preempt"
@@ -82,8 +83,8 @@ def test_batching_chunking_prefix_hits_and_preemption_keep_tokens(tiny_llama: Pa
 
 
 def test_engine_core_contract(tiny_llama: Path) -> None:
-    core = EngineCore(EngineArgs(device="cpu", max_model_len=128, kv_cache_memory_bytes=32 * BLOCK_BYTES,
-                                 max_num_queued_reqs=2), str(tiny_llama))
+    core = EngineCore.from_args(EngineArgs(device="cpu", max_model_len=128, max_num_queued_reqs=2,
+                                           kv_cache_memory_bytes=32 * BLOCK_BYTES), str(tiny_llama))
     info = core.core_info()
     assert (info.max_model_len, info.num_blocks, info.block_size) == (128, 32, 16)
     assert info.max_num_seqs == 128 and info.max_num_batched_tokens == 2048  # CPU defaults (vLLM CPU's)
@@ -110,8 +111,8 @@ def test_engine_core_contract(tiny_llama: Path) -> None:
 
 def test_max_model_len_must_fit_the_kv_cache(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
-        EngineCore(EngineArgs(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 * BLOCK_BYTES),
-                   str(tiny_llama))
+        args = EngineArgs(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 * BLOCK_BYTES)
+        EngineCore.from_args(args, str(tiny_llama))
 
 
 # ---- the core process ---------------------------------------------------------------------------------

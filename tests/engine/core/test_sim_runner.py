@@ -288,7 +288,7 @@ def test_prefix_cache_hits_shorten_the_simulated_prefill(tiny_llama: Path) -> No
     from lbd.wire.core_messages import EngineCoreRequest
 
     args = EngineArgs(device="sim", sim_profile="h100-llama3-8b*0.01", max_num_batched_tokens=8192)
-    core = EngineCore(args, str(tiny_llama))
+    core = EngineCore.from_args(args, str(tiny_llama))
     assert isinstance(core.runner, SimRunner)
     prompt = [3 + i % 300 for i in range(40 * 16 + 5)]  # 645 tokens: 40 full blocks and a partial one
     shapes: dict[str, list[StepShape]] = {}

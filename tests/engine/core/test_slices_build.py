@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lbd.engine.config.args import EngineArgs
-from lbd.engine.config.slices import CacheConfig, ModelConfig, SchedulerLimits, engine_config
+from lbd.engine.config.slices import CacheConfig, EngineConfig, ModelConfig, SchedulerLimits, engine_config
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
 from lbd.engine.core.runner import ModelRunner
@@ -32,7 +32,7 @@ def test_the_core_schedules_by_the_resolved_slices(tiny_llama: Path) -> None:
     """``--device sim`` with no budgets: the scheduler gets the sim device's defaults from the slices, the
     flags that were given unchanged."""
     args = EngineArgs(device="sim", max_model_len=512, max_num_queued_reqs=9, block_size=32)
-    core = EngineCore(args, str(tiny_llama))
+    core = EngineCore.from_args(args, str(tiny_llama))
     try:
         want = engine_config(args, "sim")
         assert core.engine_config == want
@@ -40,6 +40,19 @@ def test_the_core_schedules_by_the_resolved_slices(tiny_llama: Path) -> None:
         assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 8192)
         assert (cfg.max_num_queued_reqs, cfg.block_size, cfg.max_model_len) == (9, 32, 512)
         assert cfg.max_prefill_tokens_with_decodes is None
+    finally:
+        core.close()
+
+
+def test_a_core_from_its_slices_and_a_runner(tiny_llama: Path) -> None:
+    model, cache = ModelConfig(device="sim", max_model_len=256), CacheConfig(block_size=32)
+    core = EngineCore(EngineConfig(model=model, cache=cache, scheduler=SchedulerLimits(max_num_seqs=2)),
+                      SimRunner(tiny_llama, model, cache))
+    try:
+        for i in range(3):
+            core.scheduler.add_request(Request(f"r{i}", [1 + i] * 8, SamplingParams(max_tokens=2), None, 0.0))
+        assert sorted(o.request_id for o in core.step()) == ["r0", "r1"]  # max_num_seqs 2
+        assert (core.config.block_size, core.config.max_model_len) == (32, 256)
     finally:
         core.close()
 

@@ -56,8 +56,8 @@ def test_no_step_without_a_shape_and_idle_gaps_are_not_loop_time() -> None:
 
 def test_engine_core_profiles_its_steps_and_unwraps_the_kernels(tiny_llama: Path, caplog) -> None:
     original = ops.linear
-    core = EngineCore(EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=16 << 20, profile_steps=3),
-                      str(tiny_llama))
+    args = EngineArgs(model=str(tiny_llama), kv_cache_memory_bytes=16 << 20, profile_steps=3)
+    core = EngineCore.from_args(args, str(tiny_llama))
     try:
         assert ops.linear is not original and ops.linear.__wrapped__ is original
         caplog.set_level("INFO", logger="lbd.engine.profile")

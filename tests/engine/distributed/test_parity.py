@@ -135,7 +135,7 @@ def test_default_model_tp3_equals_tp1() -> None:
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     params = [greedy(24)] * len(prompts)
     kw = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
-    ref = run_engine(EngineCore(engine_args(path, **kw), str(path)), prompts, params)
+    ref = run_engine(EngineCore.from_args(engine_args(path, **kw), str(path)), prompts, params)
     core = build_core(engine_args(path, tensor_parallel_size=3, **kw), str(path))
     try:
         ours = run_engine(core, prompts, params)

@@ -52,7 +52,7 @@ def test_group_tokens_equal_one_rank(kind: str, flags: list[str], request: pytes
     rng = random.Random(3)
     alone, first, second = _prompts(path, 3, 31), _prompts(path, 3, 32), _prompts(path, 3, 33)
     lens = [rng.randint(3, 10) for _ in range(9)]
-    want = run_engine(EngineCore(engine_args(path), str(path)), alone + first + second,
+    want = run_engine(EngineCore.from_args(engine_args(path), str(path)), alone + first + second,
                       [greedy(n) for n in lens])
     group = Group(2, tmp_path)
     measure_idle = kind == "mixtral" and flags
@@ -113,7 +113,7 @@ def test_survivor_rejoins_next_generation_with_the_same_process(tiny_mixtral: Pa
     1 reported by the supervisor's POST aborts generation 2 while rank 0 is idle."""
     path = tiny_mixtral
     prompt = _prompts(path, 1, 41)[0]
-    want = run_engine(EngineCore(engine_args(path), str(path)), [prompt], [greedy(6)])
+    want = run_engine(EngineCore.from_args(engine_args(path), str(path)), [prompt], [greedy(6)])
     group = Group(2, tmp_path)
     with group.coordinator():
         procs = [group.start_core(path, r, "--enable-expert-parallel") for r in range(2)]

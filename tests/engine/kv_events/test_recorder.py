@@ -83,7 +83,7 @@ def make_core(model: Path, tmp: Path, rank: int = 0) -> EngineCore:
            "replay_endpoint": f"ipc://{tmp}/kv-replay", "buffer_steps": 1000, "topic": "kv"}
     args = EngineArgs(device="cpu", block_size=BS, max_model_len=64, kv_cache_memory_bytes=24 * BLOCK_BYTES,
                       data_parallel_rank=rank, data_parallel_size=rank + 1, kv_events_config=json.dumps(cfg))
-    return EngineCore(args, str(model))
+    return EngineCore.from_args(args, str(model))
 
 
 def run(core: EngineCore, rid: str, prompt: list[int], max_tokens: int = 6) -> None:
@@ -216,8 +216,9 @@ def test_events_decode_as_vllm_and_match_the_cache(tiny_llama: Path, tmp_path: P
 
 def test_core_info_advertises_the_resolved_endpoints(tiny_llama: Path, tmp_path: Path) -> None:
     cfg = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
-    core = EngineCore(EngineArgs(device="cpu", max_model_len=64, kv_cache_memory_bytes=8 * BLOCK_BYTES * 4,
-                                 host="127.0.0.1", kv_events_config=json.dumps(cfg)), str(tiny_llama))
+    args = EngineArgs(device="cpu", max_model_len=64, kv_cache_memory_bytes=8 * BLOCK_BYTES * 4,
+                      host="127.0.0.1", kv_events_config=json.dumps(cfg))
+    core = EngineCore.from_args(args, str(tiny_llama))
     try:
         adv = core.core_info().extra["kv_events"]
         assert adv["publisher"] == "zmq" and adv["buffer_steps"] == 10_000 and adv["hwm"] == 100_000
@@ -257,8 +258,8 @@ def test_forced_key_collisions_never_change_a_token(tiny_llama: Path) -> None:
     prompts = [[*a, *tail, 9], [*a, *tail, 9], [*b, 0], [*b, *tail, 9], [*b, *tail, 2], [*a, *tail, 3]]
 
     def answers(**kw: Any) -> list[list[int]]:
-        core = EngineCore(EngineArgs(device="cpu", block_size=BS, max_model_len=64,
-                                     kv_cache_memory_bytes=64 * BLOCK_BYTES, **kw), str(tiny_llama))
+        core = EngineCore.from_args(EngineArgs(device="cpu", block_size=BS, max_model_len=64,
+                                               kv_cache_memory_bytes=64 * BLOCK_BYTES, **kw), str(tiny_llama))
         if kw.get("enable_prefix_caching", True):
             core.scheduler.kv.hasher = colliding
         out = []

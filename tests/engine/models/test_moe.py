@@ -29,7 +29,7 @@ def test_concurrent_mixed_lengths(kind: str, request: pytest.FixtureRequest) -> 
     rng = random.Random(11)
     prompts = random_prompts(6, (1, 150), _vocab(checkpoint), seed=11)
     max_tokens = [rng.randint(4, 16) for _ in prompts]
-    core = EngineCore(engine_args(checkpoint), str(checkpoint))
+    core = EngineCore.from_args(engine_args(checkpoint), str(checkpoint))
     ours = run_engine(core, prompts, [greedy(n) for n in max_tokens])
     assert_all_close(ours, hf_greedy(checkpoint, prompts, max_tokens))
 
@@ -37,11 +37,11 @@ def test_concurrent_mixed_lengths(kind: str, request: pytest.FixtureRequest) -> 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v2"])
 def test_chunked_prefill_prefix_hits_and_preemption(kind: str, request: pytest.FixtureRequest) -> None:
     checkpoint = request.getfixturevalue(f"tiny_{kind}")
-    probe = EngineCore(engine_args(checkpoint), str(checkpoint))
+    probe = EngineCore.from_args(engine_args(checkpoint), str(checkpoint))
     per_block = probe.runner.kv_spec.bytes_per_block
     args = engine_args(checkpoint, kv_cache_memory_bytes=10 * per_block, max_model_len=128,
                        max_num_batched_tokens=16)
-    core = EngineCore(args, str(checkpoint))
+    core = EngineCore.from_args(args, str(checkpoint))
     assert core.runner.num_blocks == 10 and core.config.max_num_batched_tokens == 16
     vocab = _vocab(checkpoint)
     shared = random_prompts(1, (40, 40), vocab, seed=12)[0]
@@ -60,8 +60,8 @@ def test_mla_decode_matches_prefill(tiny_deepseek_v2: Path) -> None:
     prefill (the whole sequence so far as a fresh prompt, no prefix cache) give the same tokens."""
     path = tiny_deepseek_v2
     prompts = random_prompts(3, (5, 60), _vocab(path), seed=14)
-    decoded = run_engine(EngineCore(engine_args(path), str(path)), prompts, [greedy(12)] * 3)
-    fresh = EngineCore(engine_args(path, enable_prefix_caching=False), str(path))
+    decoded = run_engine(EngineCore.from_args(engine_args(path), str(path)), prompts, [greedy(12)] * 3)
+    fresh = EngineCore.from_args(engine_args(path, enable_prefix_caching=False), str(path))
     seqs = [p + run.tokens[:i] for p, run in zip(prompts, decoded, strict=True) for i in range(1, 12)]
     prefilled = run_engine(fresh, seqs, [greedy(1)] * len(seqs))
     for j, run in enumerate(decoded):
@@ -74,7 +74,8 @@ def test_mla_decode_matches_prefill(tiny_deepseek_v2: Path) -> None:
 def test_mla_cache_holds_latents_and_sizes_the_capacity(tiny_deepseek_v2: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="lbd.engine.core.runner")
-    core = EngineCore(engine_args(tiny_deepseek_v2, kv_cache_memory_bytes=1 << 20), str(tiny_deepseek_v2))
+    args = engine_args(tiny_deepseek_v2, kv_cache_memory_bytes=1 << 20)
+    core = EngineCore.from_args(args, str(tiny_deepseek_v2))
     runner = core.runner
     # 2 layers x (kv_lora_rank 32 + rope 8) fp32 values per token, 16 tokens per block
     assert runner.kv_spec.bytes_per_block == 2 * 40 * 4 * 16
@@ -97,7 +98,7 @@ def test_triton_path_gives_the_torch_path_tokens(kind: str, request: pytest.Fixt
     args = engine_args(path, block_size=8, max_num_batched_tokens=16)
 
     def generate() -> list:
-        core = EngineCore(args, str(path))
+        core = EngineCore.from_args(args, str(path))
         first = run_engine(core, [a], [greedy(2)], prefix="a")
         rest = run_engine(core, [a[:16] + b[:4], c], [greedy(3)] * 2, prefix="b")
         assert core.scheduler.kv.prefix_hits >= 16

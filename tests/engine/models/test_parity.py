@@ -45,7 +45,7 @@ def test_32_concurrent_mixed_lengths(tiny_llama: Path, vocab: int) -> None:
     rng = random.Random(1)
     prompts = random_prompts(32, (1, 200), vocab, seed=1)
     max_tokens = [rng.randint(4, 48) for _ in prompts]
-    core = EngineCore(engine_args(tiny_llama), str(tiny_llama))
+    core = EngineCore.from_args(engine_args(tiny_llama), str(tiny_llama))
     ours = run_engine(core, prompts, [greedy(n) for n in max_tokens])
     assert_all_close(ours, hf_greedy(tiny_llama, prompts, max_tokens))
 
@@ -54,7 +54,7 @@ def test_prefix_cache_hits(tiny_llama: Path, vocab: int) -> None:
     shared = random_prompts(1, (64, 64), vocab, seed=2)[0]
     tails = random_prompts(4, (3, 30), vocab, seed=3)
     prompts = [shared + t for t in tails]
-    core = EngineCore(engine_args(tiny_llama), str(tiny_llama))
+    core = EngineCore.from_args(engine_args(tiny_llama), str(tiny_llama))
     first = run_engine(core, prompts[:1], [greedy(20)], prefix="a")
     hits_before = core.scheduler.kv.prefix_hits
     rest = run_engine(core, prompts[1:], [greedy(20)] * 3, prefix="b")
@@ -67,7 +67,7 @@ def test_prefix_cache_hits(tiny_llama: Path, vocab: int) -> None:
 
 def test_chunked_prefill(tiny_llama: Path, vocab: int) -> None:
     prompts = random_prompts(6, (60, 150), vocab, seed=4)
-    core = EngineCore(engine_args(tiny_llama, max_num_batched_tokens=24), str(tiny_llama))
+    core = EngineCore.from_args(engine_args(tiny_llama, max_num_batched_tokens=24), str(tiny_llama))
     assert core.config.max_num_batched_tokens == 24
     ours = run_engine(core, prompts, [greedy(16)] * len(prompts))
     assert_all_close(ours, hf_greedy(tiny_llama, prompts, [16] * len(prompts)))
@@ -80,7 +80,7 @@ def test_preemption_keeps_outputs(tiny_llama: Path, vocab: int) -> None:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_block = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head_dim * 4
     args = engine_args(tiny_llama, kv_cache_memory_bytes=12 * per_block, max_model_len=128)
-    core = EngineCore(args, str(tiny_llama))
+    core = EngineCore.from_args(args, str(tiny_llama))
     assert core.runner.num_blocks == 12
     prompts = random_prompts(8, (30, 60), vocab, seed=5)
     ours = run_engine(core, prompts, [greedy(40)] * len(prompts))
@@ -92,7 +92,7 @@ def test_preemption_keeps_outputs(tiny_llama: Path, vocab: int) -> None:
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, vocab: int) -> None:
     prompt = random_prompts(1, (20, 20), vocab, seed=6)[0]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
-    core = EngineCore(engine_args(tiny_llama), str(tiny_llama))
+    core = EngineCore.from_args(engine_args(tiny_llama), str(tiny_llama))
     alone = run_engine(core, [prompt], [seeded], prefix="a")[0].tokens
     others = random_prompts(7, (5, 90), vocab, seed=7)
     mixed = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)] * 7
@@ -106,8 +106,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: Path, vocab: i
 def test_fp8_kv_cache_stays_close_to_auto(tiny_llama: Path, vocab: int) -> None:
     prompts = random_prompts(8, (20, 120), vocab, seed=8)
     params = [greedy(24)] * len(prompts)
-    auto = run_engine(EngineCore(engine_args(tiny_llama), str(tiny_llama)), prompts, params)
-    fp8_core = EngineCore(engine_args(tiny_llama, kv_cache_dtype="fp8"), str(tiny_llama))
+    auto = run_engine(EngineCore.from_args(engine_args(tiny_llama), str(tiny_llama)), prompts, params)
+    fp8_core = EngineCore.from_args(engine_args(tiny_llama, kv_cache_dtype="fp8"), str(tiny_llama))
     layers = fp8_core.runner.model.attention_layers
     assert all(a.k_scale == a.v_scale == 1.0 for a in layers)  # no scales in the checkpoint: vLLM's 1.0
     fp8 = run_engine(fp8_core, prompts, params)
@@ -144,7 +144,7 @@ def test_fp8_kv_scales_come_from_the_checkpoint(tiny_llama: Path, tmp_path: Path
                "model.layers.1.self_attn.kv_scale": torch.tensor(2.0)}, str(ckpt / "kv_scales.safetensors"))
     assert read_kv_scales(ckpt, 2) == [(0.5, 0.25), (2.0, 2.0)]
     assert read_kv_scales(tiny_llama, 2) is None
-    core = EngineCore(engine_args(ckpt, kv_cache_dtype="fp8"), str(ckpt))
+    core = EngineCore.from_args(engine_args(ckpt, kv_cache_dtype="fp8"), str(ckpt))
     assert [(a.k_scale, a.v_scale) for a in core.runner.model.attention_layers] == [(0.5, 0.25), (2.0, 2.0)]
     prompts = random_prompts(2, (10, 30), 384, seed=9)
     outs = run_engine(core, prompts, [greedy(8)] * 2)  # the weights loaded around the extra tensors
@@ -190,7 +190,7 @@ BF16_NEAR_TIE, BF16_LOGPROB_TOL = 0.25, 0.25
 
 def test_bf16_matches_transformers_bf16(tiny_llama: Path, vocab: int) -> None:
     prompts = random_prompts(8, (5, 120), vocab, seed=9)
-    core = EngineCore(engine_args(tiny_llama, dtype="bfloat16"), str(tiny_llama))
+    core = EngineCore.from_args(engine_args(tiny_llama, dtype="bfloat16"), str(tiny_llama))
     assert core.runner.dtype == "bfloat16" and core.runner.kv_spec.dtype == torch.bfloat16
     ours = run_engine(core, prompts, [greedy(24)] * len(prompts))
     refs = hf_greedy(tiny_llama, prompts, [24] * len(prompts), dtype=torch.bfloat16)
@@ -209,7 +209,8 @@ def test_default_model_matches_transformers() -> None:
                                    add_generation_prompt=True, tokenize=False)
     texts = [chat, "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
-    core = EngineCore(engine_args(path, kv_cache_memory_bytes=256 << 20, max_model_len=2048), str(path))
+    args = engine_args(path, kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+    core = EngineCore.from_args(args, str(path))
     ours = run_engine(core, prompts, [greedy(24)] * len(prompts))
     assert ours[1].tokens[:4] == [7042, 30, 198, 198]  # " Paris.\n\n"
     assert "Paris" in tok.decode(ours[0].tokens)
@@ -227,7 +228,7 @@ def test_default_model_bf16_matches_transformers_bf16() -> None:
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     args = engine_args(path, kv_cache_memory_bytes=256 << 20, max_model_len=2048, dtype="bfloat16")
-    ours = run_engine(EngineCore(args, str(path)), prompts, [greedy(24)] * len(prompts))
+    ours = run_engine(EngineCore.from_args(args, str(path)), prompts, [greedy(24)] * len(prompts))
     assert ours[0].tokens[0] == 7042  # " Paris"
     refs = hf_greedy(path, prompts, [24] * len(prompts), dtype=torch.bfloat16)
     assert_all_close(ours, refs, BF16_NEAR_TIE, BF16_LOGPROB_TOL, min_compared=0.6)

@@ -11,10 +11,10 @@ this module is standard library only, like the rest of ``lbd.engine.config``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lbd.common.limits import DEFAULTS as LIMITS
-from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.args import DEFAULT_MODEL_NAME, EngineArgs
 
 # vLLM's defaults per device kind: (max_num_seqs, max_num_batched_tokens). CPU: vLLM's CPU build.
 DEVICE_BUDGETS = {"cuda": (256, 8192), "cpu": (128, 2048), "sim": (256, 8192)}
@@ -36,6 +36,18 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (known once loaded)
     seed: int = 0
     enforce_eager: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The name answers carry: the first --served-model-name, else --model."""
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return self.model or DEFAULT_MODEL_NAME
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request may ask for."""
+        return list(self.served_model_name) if self.served_model_name else [self.model_name]
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,12 +130,26 @@ class ObservabilityConfig:
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerLimits
-    parallel: ParallelConfig
-    server: ServerConfig
-    observability: ObservabilityConfig
+    """Every slice; ``engine_config`` builds it from the flags, a test from the slices it cares about."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerLimits = field(default_factory=SchedulerLimits)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+
+@dataclass(slots=True, frozen=True)
+class FrontendConfig:
+    """What a front end reads: the model's names, tokenizer and chat template, the HTTP server, observability
+    and the rank it answers for. The launcher builds it before the core resolves ``--device``, so the model
+    slice's device and dtype stay as flagged: the front end never reads them."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    rank: int = 0
 
 
 SLICES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerLimits,
@@ -146,6 +172,12 @@ def scheduler_limits(args: EngineArgs, device: str) -> SchedulerLimits:
     mixed = args.max_prefill_tokens_with_decodes or (CPU_MIXED_PREFILL_TOKENS if device == "cpu" else None)
     return _cut(SchedulerLimits, args, max_num_seqs=args.max_num_seqs or seqs, max_num_batched_tokens=budget,
                 max_prefill_tokens_with_decodes=min(mixed, budget) if mixed is not None else None)
+
+
+def frontend_config(args: EngineArgs) -> FrontendConfig:
+    """The front end's slices (no device defaults: the front end has none to apply)."""
+    return FrontendConfig(model=_cut(ModelConfig, args), server=_cut(ServerConfig, args),
+                          observability=_cut(ObservabilityConfig, args), rank=args.rank)
 
 
 def resolved_dtype(name: str, device: str) -> str:

@@ -99,16 +99,16 @@ def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
-                 runner: Runner | None = None) -> None:
-        """``args`` are cut into slices once the runner's device is known (``engine_config``); the core
-        reads only those."""
+    def __init__(self, config: EngineConfig, runner: Runner, model_path: str = "",
+                 metrics: CoreMetrics | None = None) -> None:
+        """``config``: the slices for ``runner``'s device (``engine_config``); the core reads only those.
+        The core owns ``runner`` from here: ``close`` stops it, and so does a failed start."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
-        self.runner = runner if runner is not None else make_local_runner(args, model_path)
+        self.runner = runner
+        self.engine_config = config
         try:
-            self.engine_config = engine_config(args, device_kind(self.runner.device))
-            self.config = scheduler_config(self.engine_config, self.runner)
+            self.config = scheduler_config(config, runner)
             self._check_capacity()
             self.kv_events = make_kv_events(self.engine_config, self.config.block_size)
         except Exception:
@@ -127,6 +127,14 @@ class EngineCore:
             metrics.set_cache_config(self.cache_config_info())
             self.recorder = MetricsRecorder(metrics, self.scheduler)
             self.recorder.flush()
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_path: str, metrics: CoreMetrics | None = None,
+                  runner: Runner | None = None) -> EngineCore:
+        """For callers that hold flags: the runner (one device's unless one is handed in), then ``args`` cut
+        into slices once, for that runner's device."""
+        runner = runner if runner is not None else make_local_runner(args, model_path)
+        return cls(engine_config(args, device_kind(runner.device)), runner, model_path, metrics)
 
     # ---- start-up -------------------------------------------------------------------------------------
     def start_profiling(self, every: int) -> StepProfiler:

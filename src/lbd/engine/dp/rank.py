@@ -165,7 +165,7 @@ class GroupMember:
         logger.info("DP member %d of %d holds %s", args.rank, args.data_parallel_size,
                     f"experts {shard.start}..{shard.stop - 1} of {shard.num_experts}" if plan.expert_parallel
                     else f"1/{plan.size} of every expert's intermediate dim ({shard.num_experts} experts)")
-        return EngineCore(args, self.model_path, metrics=metrics, runner=self.runner)
+        return EngineCore.from_args(args, self.model_path, metrics=metrics, runner=self.runner)
 
     def server(self, core: EngineCore, ctx: zmq.Context, sock: zmq.Socket, state: LoopState) -> MemberServer:
         self.member = Member(self.args, self.runner, self.dispatcher, self.blocks, ctx)

@@ -14,7 +14,7 @@ from lbd.common.auth import PUBLIC_PATHS, KeyRing, engine_keys
 from lbd.common.internal_key import signer_from
 from lbd.common.limits import limits_from, raise_open_files_limit
 from lbd.common.tls import server_context
-from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import FrontendConfig
 from lbd.engine.procutil import freeze_startup_heap
 from lbd.engine.server.cache_routes import tokenizer_info_body
 from lbd.engine.server.core_client import CoreClient
@@ -67,7 +67,7 @@ def _auth(keys: KeyRing):
 
 def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Application:
     middlewares = [_errors] + ([_auth(keys)] if keys else [])
-    app = web.Application(client_max_size=state.args.max_request_body_bytes, middlewares=middlewares)
+    app = web.Application(client_max_size=state.config.server.max_request_body_bytes, middlewares=middlewares)
     app[STATE] = state
     pid = str(state.pid)
 
@@ -83,17 +83,18 @@ def build_app(state: FrontendState, keys: KeyRing | None = None) -> web.Applicat
 
 
 class Frontend:
-    """Lifecycle of one front end: connect + wait for the core, listen, drain, close."""
+    """Lifecycle of one front end: connect + wait for the core, listen, drain, close. It takes the front end's
+    slices (``lbd.engine.config.slices.frontend_config``), never the whole command line."""
 
-    def __init__(self, args: EngineArgs, model_path: str | Path, address: str, core_pid: int | None,
+    def __init__(self, config: FrontendConfig, model_path: str | Path, address: str, core_pid: int | None,
                  index: int = 0) -> None:
-        self.args = args
+        self.config = config
         self.model_path = str(model_path)
-        self.client = CoreClient(address, core_pid, args.profile_steps)
+        self.client = CoreClient(address, core_pid, config.observability.profile_steps)
         self.index = index
         self.state: FrontendState | None = None
         self.offload: Offload | None = None
-        self.keys = engine_keys(args.api_key, dict(os.environ))
+        self.keys = engine_keys(config.server.api_key, dict(os.environ))
         self._runner: web.AppRunner | None = None
 
     async def connect(self, hello_timeout: float) -> None:
@@ -101,42 +102,47 @@ class Frontend:
         from lbd.engine.metrics import FrontendMetrics
 
         self.client.start()
-        tokenizer = await asyncio.to_thread(Tokenizer, self.args.tokenizer or self.model_path,
-                                            self.args.chat_template)
+        model, rank = self.config.model, self.config.rank
+        tokenizer = await asyncio.to_thread(Tokenizer, model.tokenizer or self.model_path,
+                                            model.chat_template)
         self.offload = Offload(tokenizer)
         await self.offload.warm()
         info = await self.client.hello(hello_timeout)
-        metrics = FrontendMetrics(self.args.model_name, self.args.rank, info.max_model_len)
+        metrics = FrontendMetrics(model.model_name, rank, info.max_model_len)
         forwarded = ForwardedPrompts(fingerprint(tokenizer_info_body(tokenizer)), info.vocab_size,
                                      metrics.forwarded_prompts, signer_from(os.environ))
-        self.state = FrontendState(self.args, info, tokenizer, self.client, metrics, self.offload,
+        self.state = FrontendState(self.config, info, tokenizer, self.client, metrics, self.offload,
                                    self._response_store(), forwarded, self.index)
-        if self.args.otlp_traces_endpoint:
+        endpoint = self.config.observability.otlp_traces_endpoint
+        if endpoint:
             from lbd.engine.server.tracing import RequestTracer
 
-            self.state.tracer = RequestTracer(self.args.otlp_traces_endpoint, self.args.rank)
+            self.state.tracer = RequestTracer(endpoint, rank)
 
     def _response_store(self) -> ResponseStore:
         """This front end's share of the rank's response store (see responses_store)."""
-        a = self.args
-        share = a.api_server_count
-        entries = -(-a.responses_store_max_entries // share)
-        return ResponseStore(os.environ.get(RESPONSES_DIR_ENV), entries, a.responses_store_max_bytes // share)
+        server = self.config.server
+        share = server.api_server_count
+        entries = -(-server.responses_store_max_entries // share)
+        store_bytes = server.responses_store_max_bytes // share
+        return ResponseStore(os.environ.get(RESPONSES_DIR_ENV), entries, store_bytes)
 
     async def listen(self) -> None:
         assert self.state is not None, "connect() first"
-        args = self.args
-        limits = limits_from(args)
+        server = self.config.server
+        limits = limits_from(server)
         raise_open_files_limit(limits.max_connections)
         self._runner = GuardedAppRunner(build_app(self.state, self.keys), limits, handler_cancellation=True,
-                                        shutdown_timeout=args.shutdown_timeout, access_log=None)
+                                        shutdown_timeout=server.shutdown_timeout, access_log=None)
         await self._runner.setup()
-        tls = server_context(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-        site = web.TCPSite(self._runner, args.host, args.port, reuse_port=True, backlog=2048, ssl_context=tls)
+        tls = server_context(server.ssl_certfile, server.ssl_keyfile, server.ssl_ca_certs,
+                             server.ssl_cert_reqs)
+        site = web.TCPSite(self._runner, server.host, server.port, reuse_port=True, backlog=2048,
+                           ssl_context=tls)
         await site.start()
         freeze_startup_heap()
         logger.info("front end %d (pid %d) listening on %s://%s:%d%s", self.index, os.getpid(),
-                    "https" if tls else "http", args.host or "*", args.port,
+                    "https" if tls else "http", server.host or "*", server.port,
                     f", {len(self.keys)} API key(s) required" if self.keys else "")
 
     async def drain(self) -> None:
@@ -145,7 +151,7 @@ class Frontend:
             self.state.draining = True
             if self.state.in_flight:
                 logger.info("draining %d in-flight requests (up to %.0fs)", self.state.in_flight,
-                            self.args.shutdown_timeout)
+                            self.config.server.shutdown_timeout)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -58,7 +58,7 @@ def tokenizer_json(tok: Tokenizer) -> tuple[bytes, str]:
 async def kv_event_sources(request: web.Request) -> web.Response:
     state = state_of(request)
     sources = state.info.extra.get("kv_events")
-    return json_response({str(state.args.rank): sources} if sources else {})
+    return json_response({str(state.config.rank): sources} if sources else {})
 
 
 def tokenizer_info_body(tok: Tokenizer) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Prompt token ids a router sends along with a request, so this rank skips its chat template and tokenizer.
 
 `lbd route` tokenizes every request to find each rank's cached prefix (lbd.router.kv), and caches the ids
-per message, so a multi-turn chat costs it the new turn only. The rank would render and tokenize the whole
-history again: about a microsecond a token on one core, 2.5 ms for a 2,500-token chat, 25 ms for 25,000, on
-every turn's time to first token. With the router's ids in the body it uses them as they are:
+per message, so a multi-turn chat costs it the new turn only. Without them the rank renders and tokenizes
+the whole history again on every turn, a cost on the time to first token that grows with the chat. With the
+router's ids in the body it uses them as they are:
 
     "lbd_prompt_token_ids": {"ids": [1, 9690, ...], "tokenizer": "<fingerprint>"}
 

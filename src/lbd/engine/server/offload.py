@@ -1,8 +1,8 @@
 """Tokenizer work that can take long runs in a worker process, never on the event loop that answers /health.
 
-Measured on the build machine: HF ``tokenizers`` holds the GIL while it encodes (a 1.3 MB prompt took 1.4 s
-and the loop thread got two time slices in that time), so a thread does not help; a process does. Short texts
-(the usual prompt) are encoded inline: a round trip to the worker costs more than they do. Prompts that can
+HF ``tokenizers`` holds the GIL while it encodes, so a long prompt on a thread would still stall the loop;
+a process does not. Short texts (the usual prompt) are encoded inline: a round trip to the worker costs more
+than they do. Prompts that can
 never fit the context are refused before any of this (``openai_protocol.check_prompt_chars``).
 """
 
@@ -22,7 +22,7 @@ from lbd.engine.server.errors import APIError
 from lbd.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-INLINE_CHARS = 16_384  # longer texts are encoded in the worker (~15 ms of encoding inline at most)
+INLINE_CHARS = 16_384  # longer texts are encoded in the worker, so inline encoding stays short
 INLINE_TOKENS = 16_384  # longer id lists are decoded in the worker
 WORKER_PROCESS_NAME = "lbd-tokenize"
 

@@ -35,25 +35,25 @@ def check_rank(request: web.Request, state: FrontendState) -> None:
         rank = parse_rank(request.headers.getall(RANK_HEADER, ()))
     except RankHeaderError as e:
         raise APIError(str(e), 400, RANK_HEADER) from None
-    if rank is not None and rank != state.args.rank:
+    if rank is not None and rank != state.config.rank:
         raise APIError(f"{RANK_HEADER} {rank} does not match this server's data parallel rank "
-                       f"{state.args.rank}", 400, RANK_HEADER)
+                       f"{state.config.rank}", 400, RANK_HEADER)
 
 
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, within --max-request-body-bytes and --body-read-timeout-s. A body aiohttp cannot
     decode (a bad or unknown Content-Encoding) is the client's error: 400, never 500."""
-    args = request.app[STATE].args
-    limit = args.max_request_body_bytes
+    server = request.app[STATE].config.server
+    limit = server.max_request_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
     try:
-        async with asyncio.timeout(args.body_read_timeout_s):
+        async with asyncio.timeout(server.body_read_timeout_s):
             body = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise _too_large(None, limit) from e
     except TimeoutError:
-        raise APIError(f"request body not received within {args.body_read_timeout_s:g} s "
+        raise APIError(f"request body not received within {server.body_read_timeout_s:g} s "
                        "(--body-read-timeout-s)", 408, close=True) from None
     except (HttpProcessingError, RequestPayloadError) as e:  # e.g. a body its Content-Encoding cannot decode
         why = getattr(e, "message", None) or str(e) or type(e).__name__

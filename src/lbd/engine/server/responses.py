@@ -49,7 +49,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check_prompt_chars(sum(len(str(m["content"])) for m in messages), state.limits, "input")
     ids = await render_prompt_ids(state, messages, param="input")
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "input")
-    gen = Generation(state, f"resp_r{state.args.rank}", [PromptInput(ids, max_tokens)], req.common)
+    gen = Generation(state, f"resp_r{state.config.rank}", [PromptInput(ids, max_tokens)], req.common)
     return await respond(request, gen, ResponsesFormatter(gen, model, req, history))
 
 

@@ -32,7 +32,7 @@ async def models(request: web.Request) -> web.Response:
     state.check_available()  # as /health: listed only when a request for them would be served
     data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "lbd",
              "root": state.info.model_path, "parent": None, "max_model_len": state.info.max_model_len,
-             "permission": []} for name in state.args.model_names]
+             "permission": []} for name in state.config.model.model_names]
     return json_response({"object": "list", "data": data})
 
 
@@ -46,7 +46,7 @@ async def status(request: web.Request) -> web.Response:
     state = state_of(request)
     client = state.client
     ready = client.alive and not state.draining and state.dp_state in (None, DPState.READY)
-    body = EngineStatus(rank=state.args.rank, pid=state.pid, core_pid=client.core_pid, ready=ready,
+    body = EngineStatus(rank=state.config.rank, pid=state.pid, core_pid=client.core_pid, ready=ready,
                         dp=client.dp)
     return web.Response(body=encode(body), content_type="application/json")
 
@@ -73,17 +73,16 @@ async def metrics_text(request: web.Request) -> web.Response:
 async def telemetry(request: web.Request) -> web.Response:
     """The numbers a router reads from /metrics, as JSON under vLLM's metric names (without ``vllm:``).
 
-    Rendering /metrics aggregates every process's multiprocess files into ~50 KB of text: ~6 ms of a sim
-    rank's CPU per scrape (``benchmarks/scrape_cost.py``; this answer ~0.2 ms), ten times a second per router.
-    This answer is the core's last ``SchedulerStats``
-    (at most 100 ms old while it has work; ``age_s`` says how old), ~0.4 KB. /metrics advertises it with the
-    ``X-LBD-Telemetry`` header, so routers that know the header switch to it and others never see it."""
+    Rendering /metrics aggregates every process's multiprocess files into a large text, which costs the rank
+    CPU on every scrape, and routers scrape often. This answer is the core's last ``SchedulerStats`` (at most
+    100 ms old while it has work; ``age_s`` says how old), a few hundred bytes. /metrics advertises it with
+    the ``X-LBD-Telemetry`` header, so routers that know the header switch to it and others never see it."""
     state = state_of(request)
     client = state.client
     s = client.stats
     age = asyncio.get_running_loop().time() - client.last_heard if client.last_heard else None
     return json_response({
-        "engine": state.args.rank, "model_names": state.args.model_names, "pid": state.pid,
+        "engine": state.config.rank, "model_names": state.config.model.model_names, "pid": state.pid,
         "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
         "kv_cache_usage_perc": s.kv_cache_usage, "block_size": s.block_size, "num_gpu_blocks": s.num_blocks,
         "prefix_cache_queries_total": s.prefix_cache_queries, "prefix_cache_hits_total": s.prefix_cache_hits,

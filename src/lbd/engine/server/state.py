@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.slices import FrontendConfig
 from lbd.engine.metrics import FrontendMetrics
 from lbd.engine.server.core_client import CoreClient
 from lbd.engine.server.errors import APIError
@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class FrontendState:
-    args: EngineArgs
+    """One front end's slices, what the core said about itself at hello, and the parts the handlers share
+    (tokenizer, core client, metrics, offload worker, response store)."""
+
+    config: FrontendConfig  # the slices this front end reads (lbd.engine.config.slices)
     info: CoreInfo
     tokenizer: Tokenizer
     client: CoreClient
@@ -43,7 +46,7 @@ class FrontendState:
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_model_len=self.info.max_model_len, max_logprobs=self.args.max_logprobs,
+        return Limits(max_model_len=self.info.max_model_len, max_logprobs=self.config.server.max_logprobs,
                       vocab_size=self.info.vocab_size,
                       max_prompt_chars=self.info.max_model_len * self.tokenizer.max_chars_per_token)
 
@@ -54,8 +57,8 @@ class FrontendState:
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
         if model is None:
-            return self.args.model_name
-        if model not in self.args.model_names:
+            return self.config.model.model_name
+        if model not in self.config.model.model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
         return model
 
@@ -79,7 +82,7 @@ class FrontendState:
         every 100 ms, so requests in flight and no word from it for --health-stall-timeout-s is a stuck step,
         a hung collective or a stopped process; the supervisor then restarts the rank."""
         self.check_available()
-        limit = self.args.health_stall_timeout_s
+        limit = self.config.server.health_stall_timeout_s
         if limit > 0:
             silent = self.client.silence(asyncio.get_running_loop().time())
             if silent > limit:

@@ -87,7 +87,7 @@ async def respond(request: web.Request, gen: Generation, fmt: Formatter) -> web.
         await gen.close()
         state.in_flight -= 1
         if state.tracer is not None:
-            model = getattr(fmt, "model", state.args.model_name)
+            model = getattr(fmt, "model", state.config.model.model_name)
             state.tracer.request_done(request.headers, gen, model, error)
 
 
@@ -138,7 +138,7 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
 
 
 def _log_done(gen: Generation) -> None:
-    if not gen.state.args.disable_log_requests:
+    if not gen.state.config.observability.disable_log_requests:
         reasons = ",".join(str(s.finish_reason) for s in gen.seqs)
         logger.info("%s done: prompt %d tokens, completion %d tokens, finish %s, %.3fs", gen.id,
                     gen.prompt_tokens, gen.completion_tokens, reasons, time.monotonic() - gen.arrival)
