@@ -18,7 +18,7 @@ MAX_LINES = 60
 TABLES = {
     "lbd.bench.cli:make_parser",
     "lbd.engine.config.args:add_engine_arguments",
-    "lbd.router.config:make_parser",
+    "lbd.router.flags:make_parser",
     "lbd.supervisor.flags:add_supervisor_arguments",
 }
 
