@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, derive, read_cluster_token, secure_zmq_client
-from lbd.engine.dp import messages as M
 from lbd.engine.dp.coordinator import ZMQ_PURPOSE
 from lbd.serve.group import Group
 from lbd.serve.plan import parse
 from lbd.serve.registry import MAX_BODY_BYTES, Registry
 from lbd.supervisor.config import parse_args
+from lbd.wire.dp_messages import CoordinatorMessage, Form, Join, decode_from_coordinator, encode
 from support import free_port_run, spawn, stop, wait_http
 
 TOKEN = "s3cret-cluster-token"
@@ -189,7 +189,7 @@ def test_the_coordinator_checks_the_token(tmp_path: Path) -> None:
         assert httpx.get(url + "/status", headers=AUTH).json()["members"][0]["pid"] is None
         assert _form(ctx, rpc, "wrong") is None
         form = _form(ctx, rpc, TOKEN)
-        assert form is not None and form["kind"] == M.FORM and form["size"] == 1
+        assert isinstance(form, Form) and form.size == 1
         assert TOKEN not in (tmp_path / "coordinator.log").read_text()
     finally:
         ctx.term()
@@ -197,15 +197,15 @@ def test_the_coordinator_checks_the_token(tmp_path: Path) -> None:
     assert derive(TOKEN, "a") != derive(TOKEN, "b")
 
 
-def _form(ctx: zmq.Context, rpc: int, token: str | None) -> dict[str, Any] | None:
+def _form(ctx: zmq.Context, rpc: int, token: str | None) -> CoordinatorMessage | None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 1500)
     secure_zmq_client(sock, token, ZMQ_PURPOSE)
     sock.connect(f"tcp://127.0.0.1:{rpc + 2}")
     try:
-        sock.send(M.pack(M.JOIN, rank=0, pid=os.getpid(), last_generation=0))
-        return M.unpack(sock.recv())
+        sock.send(encode(Join(rank=0, pid=os.getpid())))
+        return decode_from_coordinator(sock.recv())
     except zmq.Again:
         return None
     finally:

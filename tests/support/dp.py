@@ -13,6 +13,7 @@ import zmq
 
 from lbd.wire import core_messages as CM
 from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
+from lbd.wire.dp_messages import CoordinatorMessage, RankMessage, decode_from_coordinator, encode
 from support import free_port_run, spawn, stop, wait_http
 from support.parity import Run
 
@@ -115,6 +116,28 @@ class CoreConn:
                     run.chosen.append(lp.token_logprob)
                 if out.finish_reason is not None:
                     self.finished.add(out.request_id)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RankConn:
+    """A stand-in for a rank's core on the coordinator's ZMQ port (A:P+2): sends rank messages (or raw
+    bytes, as a buggy or newer peer would) and reads the coordinator's answers."""
+
+    def __init__(self, group: Group) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{group.rpc_port + 2}")
+
+    def send(self, msg: RankMessage | bytes) -> None:
+        self.sock.send(msg if isinstance(msg, bytes) else encode(msg))
+
+    def recv(self, timeout: float = 10.0) -> CoordinatorMessage | None:
+        """The coordinator's next message, or None when none came within ``timeout``."""
+        if not self.sock.poll(timeout * 1000):
+            return None
+        return decode_from_coordinator(self.sock.recv())
 
     def close(self) -> None:
         self.sock.close(linger=0)

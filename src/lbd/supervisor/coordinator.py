@@ -1,7 +1,7 @@
 """The MoE group's DP coordinator as the supervisor sees it: the process beside rank 0, and its HTTP port.
 
 On rank 0's node the supervisor starts ``python -m lbd.engine.dp.coordinator`` (it hosts the group's TCPStore,
-the ranks' ZMQ channel and an HTTP port; see ``lbd.engine.dp``, its wire in ``lbd.engine.dp.messages``) before
+the ranks' ZMQ channel and an HTTP port; see ``lbd.engine.dp``, its wire in ``lbd.wire.dp_messages``) before
 the ranks, tied to our life (PR_SET_PDEATHSIG), in a process group of its own so that on shutdown it is
 stopped *after* the ranks (they drain with their group intact), and starts it again with the same flags if it
 dies: the ranks then re-form a new generation around it without restarting. On every other node of a group the

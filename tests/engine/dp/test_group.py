@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from lbd.engine.core.engine_core import EngineCore
-from lbd.engine.dp import messages as M
 from lbd.engine.dp.coordinator import Coordinator
 from lbd.engine.dp.wave import Wave
+from lbd.wire.dp_messages import Join, Joined, Lost, Report, WaveEnded, WaveStarted, decode_from_coordinator
 from support import free_port, spawn, stop, tree_usage, wait_http
 from support.dp import CoreConn, Group
 from support.parity import assert_all_close, engine_args, greedy, random_prompts, run_engine
@@ -176,59 +176,62 @@ def _wait_paused(group: Group, timeout: float = 30.0) -> None:
 # ---- the coordinator's state machine and the wave, without processes -------------------------------------
 
 
-def _kinds(out: list[tuple[bytes, bytes]]) -> list[tuple[bytes, str, int | None]]:
-    return [(ident, M.unpack(msg)["kind"], M.unpack(msg).get("generation")) for ident, msg in out]
+def _kinds(out: list[tuple[bytes, bytes]]) -> list[tuple[bytes, str, int]]:
+    """(to whom, kind, generation) of each message the coordinator would send."""
+    sent = [(ident, decode_from_coordinator(data)) for ident, data in out]
+    return [(ident, msg.__struct_config__.tag, msg.generation) for ident, msg in sent]
 
 
 def test_coordinator_forms_aborts_and_re_forms() -> None:
     c = Coordinator(2)
-    join = {"kind": M.JOIN, "pid": 10, "rank": 0}
+    join = Join(rank=0, pid=10)
     assert c.on_message(b"a", join, 0.0) == [] and c.state == "forming"
     assert c.reason == "waiting for ranks [1] to join generation 1"
-    out = c.on_message(b"b", {"kind": M.JOIN, "pid": 11, "rank": 1}, 0.0)
-    assert _kinds(out) == [(b"a", M.FORM, 1), (b"b", M.FORM, 1)]
+    out = c.on_message(b"b", Join(rank=1, pid=11), 0.0)
+    assert _kinds(out) == [(b"a", "form", 1), (b"b", "form", 1)]
     assert c.on_message(b"a", join, 0.0) == []  # a join re-sent before the form arrived changes nothing
     for rank in (0, 1):
-        c.on_message(b"ab"[rank:rank + 1], {"kind": M.JOINED, "rank": rank, "generation": 1}, 0.0)
+        c.on_message(b"ab"[rank:rank + 1], Joined(rank=rank, generation=1), 0.0)
     assert c.state == "ready" and c.reason is None
     # waves: one start is published to every member once; a stale one is ignored
-    start = {"kind": M.WAVE_START, "rank": 1, "generation": 1, "wave": 0}
-    assert [k for _, k, _ in _kinds(c.on_message(b"b", start, 0.0))] == [M.WAVE_START] * 2
-    assert c.on_message(b"a", {**start, "rank": 0}, 0.0) == []
-    c.on_message(b"a", {"kind": M.WAVE_END, "rank": 0, "generation": 1, "wave": 0}, 0.0)
+    start = WaveStarted(rank=1, generation=1, wave=0)
+    assert [k for _, k, _ in _kinds(c.on_message(b"b", start, 0.0))] == ["wave_start"] * 2
+    assert c.on_message(b"a", WaveStarted(rank=0, generation=1, wave=0), 0.0) == []
+    c.on_message(b"a", WaveEnded(rank=0, generation=1, wave=0), 0.0)
     assert not c.wave_active and c.on_message(b"b", start, 0.0) == []
     # a failed member aborts the generation once (told to every member: a wrongly reported one leaves too);
     # the survivors re-join generation 2
-    assert _kinds(c.member_failed(1, "killed")) == [(b"a", M.ABORT, 1), (b"b", M.ABORT, 1)]
+    assert _kinds(c.member_failed(1, "killed")) == [(b"a", "abort", 1), (b"b", "abort", 1)]
     assert (c.generation, c.state, c.member_failed(1, "again")) == (2, "reforming", [])
-    assert c.on_message(b"a", {"kind": M.JOINED, "rank": 0, "generation": 1}, 0.0) == []  # late: ignored
+    assert c.on_message(b"a", Joined(rank=0, generation=1), 0.0) == []  # late: ignored
     c.on_message(b"a", join, 0.0)
-    out = c.on_message(b"c", {"kind": M.JOIN, "pid": 12, "rank": 1}, 0.0)
-    assert _kinds(out) == [(b"a", M.FORM, 2), (b"c", M.FORM, 2)]
+    out = c.on_message(b"c", Join(rank=1, pid=12), 0.0)
+    assert _kinds(out) == [(b"a", "form", 2), (b"c", "form", 2)]
     for rank, ident in ((0, b"a"), (1, b"c")):
-        c.on_message(ident, {"kind": M.JOINED, "rank": rank, "generation": 2}, 0.0)
+        c.on_message(ident, Joined(rank=rank, generation=2), 0.0)
     assert c.state == "ready"
     # a member of the group that joins again (it restarted: a new pid) aborts generation 2 by itself
-    out = c.on_message(b"d", {"kind": M.JOIN, "pid": 13, "rank": 1}, 0.0)
-    assert _kinds(out)[:2] == [(b"a", M.ABORT, 2), (b"c", M.ABORT, 2)] and c.generation == 3
+    out = c.on_message(b"d", Join(rank=1, pid=13), 0.0)
+    assert _kinds(out)[:2] == [(b"a", "abort", 2), (b"c", "abort", 2)] and c.generation == 3
     # a rank whose collective failed reports it
     c.on_message(b"a", join, 0.0)
-    c.on_message(b"d", {"kind": M.JOINED, "rank": 1, "generation": 3}, 0.0)
-    assert c.on_message(b"a", {"kind": M.LOST, "rank": 0, "generation": 3, "reason": "x"}, 0.0)
+    c.on_message(b"d", Joined(rank=1, generation=3), 0.0)
+    assert c.on_message(b"a", Lost(rank=0, generation=3, reason="x"), 0.0)
     assert c.generation == 4 and c.aborts == 3
-    c.on_message(b"a", {"kind": M.REPORT, "rank": 0, "waiting": 2, "running": 1}, 1.0)
+    c.on_message(b"a", Report(rank=0, waiting=2, running=1), 1.0)
     member = c.status(1.5).members[0]
     assert (member.waiting, member.running, member.last_report_age_s) == (2, 1, 0.5)
+    assert c.on_message(b"z", Report(rank=7), 1.0) == []  # not a rank of this group: dropped
 
 
 def test_a_restarted_coordinator_sends_ranks_out_of_its_predecessors_group() -> None:
     c = Coordinator(2)
-    report = {"kind": M.REPORT, "rank": 1, "generation": 5, "ready": True, "waiting": 0, "running": 0}
-    assert _kinds(c.on_message(b"b", report, 0.0)) == [(b"b", M.ABORT, 5)]
-    assert c.on_message(b"b", {**report, "ready": False}, 0.0) == []  # once it left, nothing more
-    c.on_message(b"a", {"kind": M.JOIN, "rank": 0, "pid": 1, "last_generation": 5}, 0.0)
-    out = c.on_message(b"b", {"kind": M.JOIN, "rank": 1, "pid": 2, "last_generation": 5}, 0.0)
-    assert _kinds(out) == [(b"a", M.FORM, 6), (b"b", M.FORM, 6)]  # numbered after the ranks' last one
+    report = Report(rank=1, generation=5, ready=True)
+    assert _kinds(c.on_message(b"b", report, 0.0)) == [(b"b", "abort", 5)]
+    assert c.on_message(b"b", Report(rank=1, generation=5), 0.0) == []  # once it left, nothing more
+    c.on_message(b"a", Join(rank=0, pid=1, last_generation=5), 0.0)
+    out = c.on_message(b"b", Join(rank=1, pid=2, last_generation=5), 0.0)
+    assert _kinds(out) == [(b"a", "form", 6), (b"b", "form", 6)]  # numbered after the ranks' last one
 
 
 def test_wave_numbers_and_stale_starts() -> None:

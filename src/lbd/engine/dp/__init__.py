@@ -1,7 +1,7 @@
 """The data-parallel group of an MoE model: its DP ranks share the expert layers.
 
 Rooms, with one-way imports (each only imports those above it):
-  ``messages``        the ZMQ messages between ranks and the coordinator (no torch)
+  ``messages``        the timing of the ranks' wire to the coordinator (its types: ``lbd.wire.dp_messages``)
   ``coordinator``     the process beside rank 0: TCPStore host, rank reports, waves, generations, HTTP
   ``group``           one generation's torch.distributed process group (gloo on CPU, NCCL on CUDA)
   ``expert_parallel`` which experts a member holds and how tokens reach them (dispatch / combine)

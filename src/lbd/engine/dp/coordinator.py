@@ -1,7 +1,7 @@
 """The DP coordinator of an MoE group: ``python -m lbd.engine.dp.coordinator`` beside rank 0.
 
 It hosts the group's TCPStore (``A:P+1``, so the store outlives any rank), a ZMQ ROUTER (``A:P+2``) the
-ranks' cores talk to (``lbd.engine.dp.messages``), and HTTP (``A:P+3`` unless ``--http-port``): ``/status``
+ranks' cores talk to (``lbd.wire.dp_messages``), and HTTP (``A:P+3`` unless ``--http-port``): ``/status``
 (JSON), ``/metrics`` (Prometheus) and ``POST /members/{rank}/failed`` (the supervisor says a member died or
 hangs). All of it is one asyncio loop that sleeps in epoll between messages: an idle group costs nothing.
 
@@ -39,7 +39,8 @@ import msgspec
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, bearer_ok, is_loopback, secure_zmq_server
 from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
-from lbd.engine.dp import messages as M
+from lbd.engine.dp.messages import log_unknown_kind
+from lbd.wire import dp_messages as DM
 from lbd.wire.dp import CoordinatorMember, CoordinatorStatus, DPState, Wave
 
 if TYPE_CHECKING:
@@ -79,43 +80,42 @@ class Coordinator:
         self.members = [MemberInfo(r) for r in range(self.size)]
 
     # ---- messages from ranks ------------------------------------------------------------------------------
-    def on_message(self, ident: bytes, msg: dict, now: float) -> Outgoing:
-        rank = msg.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < self.size:
+    def on_message(self, ident: bytes, msg: DM.RankMessage, now: float) -> Outgoing:
+        rank = msg.rank
+        if not 0 <= rank < self.size:
             logger.warning("dropping a message from unknown rank %r", rank)
             return []
-        m, kind, gen = self.members[rank], msg["kind"], msg.get("generation")
-        if kind == M.REPORT:
+        m = self.members[rank]
+        if isinstance(msg, DM.Report):
             m.ident = m.ident or ident
-            m.waiting, m.running = int(msg.get("waiting", 0)), int(msg.get("running", 0))
-            m.last_report, m.wave_active = now, bool(msg.get("wave_active"))
-            if msg.get("ready") and not (m.joined and gen == self.generation):
+            m.waiting, m.running = msg.waiting, msg.running
+            m.last_report, m.wave_active = now, msg.wave_active
+            if msg.ready and not (m.joined and msg.generation == self.generation):
                 # a group this coordinator did not form (it was restarted) or already aborted: leave it
                 why = "the coordinator does not know that generation (it restarted): re-join"
-                return [(ident, M.pack(M.ABORT, generation=gen, reason=why))]
+                return [(ident, DM.encode(DM.Abort(generation=msg.generation, reason=why)))]
             return []
-        if kind == M.JOIN:
-            last = msg.get("last_generation")
-            if not self.form_sent and isinstance(last, int) and last >= self.generation:
-                self.generation = last + 1  # a restarted coordinator numbers on after the ranks' last one
-            return self._join(m, ident, msg.get("pid"))
-        if kind == M.JOINED and gen == self.generation and self.form_sent and m.pending:
+        if isinstance(msg, DM.Join):
+            if not self.form_sent and msg.last_generation >= self.generation:
+                self.generation = msg.last_generation + 1  # a restarted coordinator numbers on after theirs
+            return self._join(m, ident, msg.pid)
+        if isinstance(msg, DM.Joined) and msg.generation == self.generation and self.form_sent and m.pending:
             m.joined = True
             if all(x.joined for x in self.members):
                 self.state = DPState.READY
                 logger.info("generation %d ready: %d members", self.generation, self.size)
             return []
-        if kind == M.LOST and gen == self.generation:
-            return self.abort(f"rank {rank} lost generation {gen}: {msg.get('reason')}")
-        if kind == M.WAVE_START and gen == self.generation and self.state is DPState.READY:
-            return self._wave_start(msg.get("wave"))
-        if kind == M.WAVE_END and gen == self.generation and msg.get("wave") == self.wave_id:
+        if isinstance(msg, DM.Lost) and msg.generation == self.generation:
+            return self.abort(f"rank {rank} lost generation {msg.generation}: {msg.reason}")
+        if isinstance(msg, DM.WaveStarted):
+            now_ready = msg.generation == self.generation and self.state is DPState.READY
+            return self._wave_start(msg.wave) if now_ready else []
+        if isinstance(msg, DM.WaveEnded) and msg.generation == self.generation and msg.wave == self.wave_id:
             if self.wave_active:
                 self.wave_active, self.waves_ended = False, self.wave_id
         return []
 
-    def _join(self, m: MemberInfo, ident: bytes, pid: object) -> Outgoing:
-        pid = pid if isinstance(pid, int) else None
+    def _join(self, m: MemberInfo, ident: bytes, pid: int) -> Outgoing:
         out: Outgoing = []
         restarted = m.pid is not None and pid != m.pid
         if m.joined or (self.form_sent and m.pending and restarted):
@@ -129,16 +129,15 @@ class Coordinator:
             return []
         self.form_sent = True
         logger.info("forming generation %d", self.generation)
-        msg = M.pack(M.FORM, generation=self.generation, size=self.size)
+        msg = DM.encode(DM.Form(generation=self.generation, size=self.size))
         return [(x.ident, msg) for x in self.members if x.ident is not None]
 
-    def _wave_start(self, wave: object) -> Outgoing:
-        stale = not isinstance(wave, int) or wave <= self.waves_ended
-        if stale or (self.wave_active and wave == self.wave_id):
+    def _wave_start(self, wave: int) -> Outgoing:
+        if wave <= self.waves_ended or (self.wave_active and wave == self.wave_id):
             return []  # stale, or already running
         self.wave_active, self.wave_id = True, wave
         self.waves_total += 1
-        msg = M.pack(M.WAVE_START, generation=self.generation, wave=wave)
+        msg = DM.encode(DM.StartWave(generation=self.generation, wave=wave))
         return [(x.ident, msg) for x in self.members if x.ident is not None and x.joined]
 
     # ---- failures -----------------------------------------------------------------------------------------
@@ -148,7 +147,7 @@ class Coordinator:
             return []  # nothing formed yet: the ranks still collecting joins go on waiting
         old = self.generation
         logger.warning("aborting generation %d: %s", old, reason)
-        msg = M.pack(M.ABORT, generation=old, reason=reason)
+        msg = DM.encode(DM.Abort(generation=old, reason=reason))
         out = [(x.ident, msg) for x in self.members if x.ident is not None]
         self.generation += 1
         self.state, self.form_sent, self.aborts = DPState.REFORMING, False, self.aborts + 1
@@ -330,8 +329,11 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
         while True:
             ident, data = await sock.recv_multipart()
             try:
-                msg = M.unpack(data)
-            except Exception as e:
+                msg = DM.decode_from_rank(data)
+            except DM.UnknownKind as e:
+                log_unknown_kind(logger, e)
+                continue
+            except ValueError as e:
                 logger.warning("dropping a bad message: %s", e)
                 continue
             await send(coord.on_message(ident, msg, time.monotonic()))

@@ -34,14 +34,30 @@ from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, LoopState
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.dp import endpoints
-from lbd.engine.dp import messages as M
 from lbd.engine.dp.coordinator import ZMQ_PURPOSE
 from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, dummy_pass, routed_experts
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
+from lbd.engine.dp.messages import JOIN_RESEND_S, REPORT_INTERVAL_S, log_unknown_kind
 from lbd.engine.dp.wave import Wave
 from lbd.engine.models.config import load_hf_config
 from lbd.wire import core_messages as CM
 from lbd.wire.dp import DPState, DPStatus
+from lbd.wire.dp_messages import (
+    Abort,
+    CoordinatorMessage,
+    Form,
+    Join,
+    Joined,
+    Lost,
+    RankMessage,
+    Report,
+    StartWave,
+    UnknownKind,
+    WaveEnded,
+    WaveStarted,
+    decode_from_coordinator,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +93,7 @@ class Member:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}-{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # the coordinator's messages are a few dozen bytes
         secure_zmq_client(self.sock, os.environ.get(CLUSTER_TOKEN_ENV) or None, ZMQ_PURPOSE)
         self.sock.connect(coordinator)
         self.last_join = 0.0
@@ -87,15 +104,15 @@ class Member:
     def ready(self) -> bool:
         return self.group is not None
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, msg: RankMessage) -> None:
         try:
-            self.sock.send(M.pack(kind, rank=self.rank, **fields), zmq.NOBLOCK)
+            self.sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # the coordinator is away; joins and reports are re-sent
             pass
 
     def join_if_due(self, now: float) -> None:
-        if self.group is None and now - self.last_join >= M.JOIN_RESEND_S:
-            self.send(M.JOIN, pid=os.getpid(), last_generation=self.status.generation)
+        if self.group is None and now - self.last_join >= JOIN_RESEND_S:
+            self.send(Join(self.rank, pid=os.getpid(), last_generation=self.status.generation))
             self.last_join = now
 
     def form(self, generation: int) -> str | None:
@@ -111,7 +128,7 @@ class Member:
         self.status.state, self.status.generation, self.status.reason = DPState.READY, generation, None
         self.metrics.generation.set(generation)
         self.metrics.ready.set(1)
-        self.send(M.JOINED, generation=generation)
+        self.send(Joined(self.rank, generation=generation))
         logger.info("DP group generation %d formed: rank %d of %d (%s experts, %s)", generation, self.rank,
                     self.size, "expert-parallel" if self.args.enable_expert_parallel else "tensor-parallel",
                     self.dispatcher.plan.backend)
@@ -138,8 +155,8 @@ class Member:
         return int(self.group.all_reduce(flag).item()) == 0
 
     def report(self, waiting: int, running: int) -> None:
-        self.send(M.REPORT, generation=self.status.generation, ready=self.ready, waiting=waiting,
-                  running=running, wave_active=self.wave.active)
+        self.send(Report(self.rank, generation=self.status.generation, ready=self.ready, waiting=waiting,
+                         running=running, wave_active=self.wave.active))
 
     def close(self) -> None:
         self.leave("shutting down")
@@ -234,29 +251,31 @@ class MemberServer(CoreServer):
             except zmq.Again:
                 break
             try:
-                batch.append(M.unpack(data))
-            except Exception as e:
+                batch.append(decode_from_coordinator(data))
+            except UnknownKind as e:
+                log_unknown_kind(logger, e)
+            except ValueError as e:
                 logger.warning("dropping a bad coordinator message: %s", e)
-        aborted = {m.get("generation") for m in batch if m["kind"] == M.ABORT}
+        aborted = {msg.generation for msg in batch if isinstance(msg, Abort)}
         for msg in batch:
-            if msg["kind"] == M.FORM and msg.get("generation") in aborted:
+            if isinstance(msg, Form) and msg.generation in aborted:
                 continue
             self.on_coordinator(msg)
 
-    def on_coordinator(self, msg: dict[str, Any]) -> None:
-        m, kind, gen = self.member, msg["kind"], msg.get("generation")
-        if kind == M.FORM and not m.ready and isinstance(gen, int) and gen > m.status.generation:
+    def on_coordinator(self, msg: CoordinatorMessage) -> None:
+        m, gen = self.member, msg.generation
+        if isinstance(msg, Form) and not m.ready and gen > m.status.generation:
             self.member.status.reason = f"forming generation {gen}"
             problem = m.form(gen)
             if problem is not None:
                 logger.warning("could not join generation %d: %s", gen, problem)
-                m.send(M.LOST, generation=gen, reason=problem)
+                m.send(Lost(m.rank, generation=gen, reason=problem))
                 m.leave(problem)
             self._send_status()
-        elif kind == M.ABORT and m.ready and gen == m.status.generation:
-            self._lose(f"the coordinator aborted generation {gen}: {msg.get('reason')}", tell=False)
-        elif kind == M.WAVE_START and m.ready and gen == m.status.generation:
-            if m.wave.start(msg.get("wave")):
+        elif isinstance(msg, Abort) and m.ready and gen == m.status.generation:
+            self._lose(f"the coordinator aborted generation {gen}: {msg.reason}", tell=False)
+        elif isinstance(msg, StartWave) and m.ready and gen == m.status.generation:
+            if m.wave.start(msg.wave):
                 m.metrics.waves.inc()
                 self._send_status()
 
@@ -267,7 +286,7 @@ class MemberServer(CoreServer):
         self._fail_all(reason)
         m.leave(reason)
         if tell:
-            m.send(M.LOST, generation=gen, reason=reason)
+            m.send(Lost(m.rank, generation=gen, reason=reason))
         m.join_if_due(time.monotonic())
         self._send_status()
 
@@ -294,7 +313,7 @@ class MemberServer(CoreServer):
             m.join_if_due(now)
             if m.ready and (m.wave.active or core.has_work()):
                 self._wave_step(now)
-            if now - self._last_report >= M.REPORT_INTERVAL_S:
+            if now - self._last_report >= REPORT_INTERVAL_S:
                 stats = core.stats()
                 m.report(stats.num_waiting, stats.num_running)
                 self._last_report = now
@@ -306,7 +325,7 @@ class MemberServer(CoreServer):
         core, m = self.core, self.member
         if not m.wave.active and m.wave.start():
             m.metrics.waves.inc()
-            m.send(M.WAVE_START, generation=m.status.generation, wave=m.wave.id)
+            m.send(WaveStarted(m.rank, generation=m.status.generation, wave=m.wave.id))
             self._send_status()
         try:
             before = m.dispatcher.passes
@@ -319,7 +338,7 @@ class MemberServer(CoreServer):
             self.send_outputs(outputs, now)
             if m.wave.stepped(dummy) and m.all_idle(core.has_work()):
                 ended = m.wave.end()
-                m.send(M.WAVE_END, generation=m.status.generation, wave=ended)
+                m.send(WaveEnded(m.rank, generation=m.status.generation, wave=ended))
                 self._send_status()
         except GroupLost as e:
             self._lose(str(e), tell=True)

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TypeVar
 
 import zmq
 
@@ -36,14 +37,15 @@ from lbd.engine.config.layout import parse_partition
 from lbd.engine.config.slices import parallel_config
 from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
-from lbd.engine.executor import messages as M
 from lbd.engine.executor.plan import WorkerPlan, layout_of, plan_workers
 from lbd.engine.models.config import load_hf_config
+from lbd.wire import executor_messages as X
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 200
 _STOP_GRACE_S = 5.0
+W = TypeVar("W", bound=X.FromWorker)
 
 
 class WorkerFailure(RuntimeError):
@@ -101,15 +103,15 @@ class MultiprocExecutor:
         self._launch(self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
                      self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
         self._wait_subscribed(world)
-        self._broadcast(M.CONFIG, self._worker_config(model_path, (store_host, self.store.port)))
-        reports = self._gather(M.BLOCKS, world)
-        self.num_blocks = min(blocks for blocks, _ in reports.values())
-        facts = reports[self._sampler_rank][1]
+        self._broadcast(X.WorkerConfig(**self._worker_config(model_path, (store_host, self.store.port))))
+        reports = self._gather(X.Blocks, world)
+        self.num_blocks = min(r.num_blocks for r in reports.values())
+        facts = reports[self._sampler_rank].facts
         for key in ("block_size", "max_model_len", "vocab_size", "eos_token_id", "device", "dtype",
                     "max_num_seqs", "max_num_batched_tokens"):
             setattr(self, key, facts[key])
-        self._broadcast(M.KV, self.num_blocks)
-        pids = self._gather(M.READY, world)
+        self._broadcast(X.KVSize(self.num_blocks))
+        pids = {rank: r.pid for rank, r in self._gather(X.Ready, world).items()}
         self._watch()
         logger.info("%d workers ready (TP %d x PP %d, pids %s); %d KV blocks for the rank",
                     world, self.layout.tp_size, self.layout.pp_size, [pids[r] for r in range(world)],
@@ -180,13 +182,16 @@ class MultiprocExecutor:
                 if self._pub.recv()[:1] == b"\x01":
                     subscribed += 1
 
-    def _gather(self, kind: str, world: int) -> dict[int, object]:
-        got: dict[int, object] = {}
+    def _gather(self, kind: type[W], world: int) -> dict[int, W]:
+        """Every worker's answer of type ``kind``, by world rank."""
+        got: dict[int, W] = {}
+        want = kind.__struct_config__.tag
         while len(got) < world:
-            msg_kind, rank, body = self._recv(None, f"waiting for {kind}")
-            if msg_kind != kind:
-                raise WorkerFailure(f"worker {rank} sent {msg_kind!r} while the executor waited for {kind!r}")
-            got[rank] = body
+            msg = self._recv(None, f"waiting for {want}")
+            if not isinstance(msg, kind):
+                sent = msg.__struct_config__.tag
+                raise WorkerFailure(f"worker {msg.rank} sent {sent!r} while the executor waited for {want!r}")
+            got[msg.rank] = msg
         return got
 
     # ---- steps ---------------------------------------------------------------------------------------------
@@ -197,46 +202,49 @@ class MultiprocExecutor:
         known = self._known
         known.difference_update(out.finished_ids)
         sampling = [s.request for s in out.seqs if s.sample]
-        new = [[r.request_id, M.params_to_wire(r.sampling),
-                r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else None, r.output_token_ids]
+        new = [X.NewRequest(r.request_id, r.sampling,
+                            r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else None,
+                            r.output_token_ids)
                for r in sampling if r.request_id not in known]
         known.update(r.request_id for r in sampling)
         host = HostBatch.from_seqs(out.seqs, self.block_size)
         rids = [r.request_id for r in sampling]
-        self._broadcast(M.STEP, [seq, host.to_wire(), rids, new, out.finished_ids])
+        self._broadcast(X.Step(seq, host.to_wire(), rids, new, out.finished_ids))
         return seq, rids
 
     def collect(self, handle: tuple[int, list[str]]) -> list[SampledToken]:
         seq, rids = handle
-        kind, rank, body = self._recv(self.timeout_s, f"waiting for step {seq}")
-        if kind != M.OUT or body[0] != seq:
-            raise WorkerFailure(f"worker {rank} answered {kind} {body[:1]} for step {seq}")
-        tokens, logprobs = body[1], M.logprobs_from_wire(body[2])
-        return [SampledToken(r, t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)]
+        msg = self._recv(self.timeout_s, f"waiting for step {seq}")
+        if not isinstance(msg, X.Out) or msg.seq != seq:
+            raise WorkerFailure(f"worker {msg.rank} answered {msg!r:.80} for step {seq}")
+        return [SampledToken(r, t, lp) for r, t, lp in zip(rids, msg.token_ids, msg.logprobs, strict=True)]
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         return self.collect(self.submit(out))
 
     def profile(self, reset: bool = True) -> dict[int, dict]:
         """Every worker's counters since the last reset (call with no batch in flight)."""
-        self._broadcast(M.PROFILE, reset)
-        return self._gather(M.PROFILE, self.layout.world_size)  # type: ignore[return-value]
+        self._broadcast(X.Profile(reset))
+        return {rank: r.counters for rank, r in self._gather(X.Counters, self.layout.world_size).items()}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
-    def _broadcast(self, kind: str, body: object) -> None:
-        self._pub.send(M.pack(kind, body))
+    def _broadcast(self, msg: X.ToWorker) -> None:
+        self._pub.send(X.encode(msg))
 
-    def _recv(self, timeout_s: float | None, what: str) -> list:
+    def _recv(self, timeout_s: float | None, what: str) -> X.FromWorker:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._pull.poll(_POLL_MS):
             self._check_alive(what)
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerFailure(f"no answer from the workers within --distributed-timeout-s "
                                     f"{timeout_s:g} ({what})")
-        kind, rank, body = M.unpack(self._pull.recv())
-        if kind == M.ERROR:
-            raise WorkerFailure(f"worker {rank} failed: {body}")
-        return [kind, rank, body]
+        try:
+            msg = X.decode_from_worker(self._pull.recv())
+        except ValueError as e:
+            raise WorkerFailure(f"a worker sent a message the executor cannot read: {e}") from None
+        if isinstance(msg, X.WorkerError):
+            raise WorkerFailure(f"worker {msg.rank} failed: {msg.reason}")
+        return msg
 
     def _check_alive(self, what: str) -> None:
         self._raise_if_failed()
@@ -267,7 +275,7 @@ class MultiprocExecutor:
         self._closed = True
         self._stop_watch()
         with contextlib.suppress(zmq.ZMQError):
-            self._broadcast(M.SHUTDOWN, None)
+            self._broadcast(X.Shutdown())
         self._stop_workers(_STOP_GRACE_S)
         self._pub.close(linger=0)
         self._pull.close(linger=0)

@@ -19,8 +19,8 @@ from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.runner import ModelRunner, cpu_threads
 from lbd.engine.core.sampler import SampleRow
 from lbd.engine.distributed.context import ParallelContext
-from lbd.engine.executor import messages as M
 from lbd.wire.core_messages import TokenLogprobs
+from lbd.wire.executor_messages import NewRequest
 
 
 class StageRunner(ModelRunner):
@@ -73,7 +73,7 @@ class StageRunner(ModelRunner):
             times.enabled = timed
 
     # ---- a step --------------------------------------------------------------------------------------------
-    def step(self, host: HostBatch, rids: list[str], new: list[list], finished: list[str]
+    def step(self, host: HostBatch, rids: list[str], new: list[NewRequest], finished: list[str]
              ) -> tuple[list[int], list[TokenLogprobs | None]] | None:
         """Run this worker's part of a step; the sampler returns (token ids, logprobs), the others None."""
         t0 = time.perf_counter()
@@ -98,13 +98,14 @@ class StageRunner(ModelRunner):
         self.steps += 1
         return result
 
-    def _update_rows(self, new: list[list], finished: list[str]) -> None:
+    def _update_rows(self, new: list[NewRequest], finished: list[str]) -> None:
         if finished:
             self.sampler.drop(finished)
             for rid in finished:
                 self.rows.pop(rid, None)
-        for rid, params, prompt, outputs in new:
-            self.rows[rid] = SampleRow(rid, M.params_from_wire(params), prompt or [], list(outputs))
+        for r in new:
+            self.rows[r.request_id] = SampleRow(r.request_id, r.sampling, r.prompt_token_ids or [],
+                                                list(r.output_token_ids))
 
     def profile(self, reset: bool) -> dict[str, float]:
         now = time.perf_counter()

@@ -23,8 +23,8 @@ import sys
 
 import zmq
 
-from lbd.engine.executor import messages as M
 from lbd.engine.procutil import freeze_startup_heap, keep_freed_memory, set_pdeathsig
+from lbd.wire import executor_messages as X
 
 logger = logging.getLogger("lbd.engine.worker")
 
@@ -53,12 +53,11 @@ class Channels:
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.connect(results)
 
-    def recv(self) -> tuple[str, object]:
-        kind, body = M.unpack(self.sub.recv())
-        return kind, body
+    def recv(self) -> X.ToWorker:
+        return X.decode_to_worker(self.sub.recv())
 
-    def send(self, kind: str, body: object) -> None:
-        self.push.send(M.pack(kind, self.rank, body))
+    def send(self, msg: X.FromWorker) -> None:
+        self.push.send(X.encode(msg))
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -78,41 +77,40 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     from lbd.engine.distributed.groups import init_process_groups
     from lbd.engine.executor.stage import StageRunner
 
-    kind, cfg = ch.recv()
-    assert kind == M.CONFIG and isinstance(cfg, dict), kind
-    args = EngineArgs(**cfg["args"])
+    cfg = ch.recv()
+    assert isinstance(cfg, X.WorkerConfig), cfg
+    args = EngineArgs(**cfg.args)
     logging.getLogger().setLevel(args.log_level.upper())
-    layout = ParallelLayout(tp_size=cfg["tp"], pp_size=cfg["pp"])
+    layout = ParallelLayout(tp_size=cfg.tp, pp_size=cfg.pp)
     config = resolve_config(args)
     device = torch.device(config.model.device)
     if device.type == "cuda":
         index = ns.device_index
         torch.cuda.set_device(layout.local_index(ns.pp_rank, ns.tp_rank) if index is None else index)
-    host, port = cfg["store"]
+    host, port = cfg.store
     groups = init_process_groups(layout, ns.pp_rank, ns.tp_rank, address=host, port=port, device=device,
-                                 timeout_s=cfg["timeout_s"], timed=cfg["timed"])
-    runner = StageRunner(cfg["model_path"], config, ParallelContext(layout, ns.pp_rank, ns.tp_rank,
-                                                                     cfg["partition"], groups))
+                                 timeout_s=cfg.timeout_s, timed=cfg.timed)
+    runner = StageRunner(cfg.model_path, config, ParallelContext(layout, ns.pp_rank, ns.tp_rank,
+                                                                 cfg.partition, groups))
     if device.type == "cpu":
         from lbd.engine.core.runner import pin_core_thread
 
         pin_core_thread()  # the kernels' pool (if it started) left this worker's first CPU to this thread
-    ch.send(M.BLOCKS, [runner.measure_num_blocks(), runner.facts()])
-    kind, num_blocks = ch.recv()
-    assert kind == M.KV, kind
-    runner.allocate_kv(int(num_blocks))  # type: ignore[arg-type]
+    ch.send(X.Blocks(ns.rank, runner.measure_num_blocks(), runner.facts()))
+    kv = ch.recv()
+    assert isinstance(kv, X.KVSize), kv
+    runner.allocate_kv(kv.num_blocks)
     freeze_startup_heap()
-    ch.send(M.READY, os.getpid())
+    ch.send(X.Ready(ns.rank, os.getpid()))
     while True:
-        kind, body = ch.recv()
-        if kind == M.STEP:
-            seq, wire, rids, new, finished = body  # type: ignore[misc]
-            result = runner.step(HostBatch.from_wire(wire), rids, new, finished)
+        msg = ch.recv()
+        if isinstance(msg, X.Step):
+            result = runner.step(HostBatch.from_wire(msg.batch), msg.sample_ids, msg.new, msg.finished)
             if result is not None:
-                ch.send(M.OUT, [seq, result[0], M.logprobs_to_wire(result[1])])
-        elif kind == M.PROFILE:
-            ch.send(M.PROFILE, runner.profile(bool(body)))
-        elif kind == M.SHUTDOWN:
+                ch.send(X.Out(ns.rank, msg.seq, *result))
+        elif isinstance(msg, X.Profile):
+            ch.send(X.Counters(ns.rank, runner.profile(msg.reset)))
+        elif isinstance(msg, X.Shutdown):
             groups.flush_sends()
             return
 
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(ch, ns)
     except Exception as e:
         logger.exception("worker %d failed", ns.rank)
-        ch.send(M.ERROR, f"{type(e).__name__}: {e}")
+        ch.send(X.WorkerError(ns.rank, f"{type(e).__name__}: {e}"))
         code = 1
     finally:
         ch.close()
