@@ -100,5 +100,5 @@ def test_the_module_stands_alone() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zmq', 'lbd')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(['lbd', 'lbd.wire', 'lbd.wire.core_messages', 'lbd.wire.dp',
-                                      'lbd.wire.tolerant'])
+    assert out.stdout.strip() == str(['lbd', 'lbd.wire', 'lbd.wire.codec', 'lbd.wire.core_messages',
+                                      'lbd.wire.dp', 'lbd.wire.tolerant'])

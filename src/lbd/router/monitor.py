@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -22,7 +23,9 @@ from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
 from lbd.router.upstream import UpstreamError, UpstreamPool
-from lbd.wire.status import RankState, SupervisorStatus, decode_supervisor_status
+
+if TYPE_CHECKING:
+    from lbd.wire.status import SupervisorStatus
 
 log = logging.getLogger("lbd.router")
 _GET_ERRORS = (UpstreamError, TimeoutError, OSError)  # OSError: refused, reset, TLS, DNS
@@ -263,6 +266,9 @@ class Monitor:
 
     # ---- supervisors --------------------------------------------------------------------------------
     async def _follow_supervisor(self, up: Upstream) -> None:
+        # the typed /status only where a supervisor:// upstream is followed (its structs cost ms at start)
+        from lbd.wire.status import decode_supervisor_status
+
         task = asyncio.current_task()
         if task is not None:
             task.lbd_url = up.url  # type: ignore[attr-defined]
@@ -284,6 +290,8 @@ class Monitor:
 
     def apply_status(self, source: str, status: SupervisorStatus) -> None:
         """Mirror a supervisor's /status: ranks appear, leave, drain, restart (new pid)."""
+        from lbd.wire.status import RankState
+
         seen: set[str] = set()
         for r in status.ranks:
             url = r.url.rstrip("/")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from lbd.wire.codec import json_decoder
 from lbd.wire.tolerant import TolerantEnum
 
 
@@ -82,9 +83,8 @@ class CoordinatorStatus(msgspec.Struct):
     members: list[CoordinatorMember] = msgspec.field(default_factory=list)
 
 
-_decode_coordinator = msgspec.json.Decoder(CoordinatorStatus).decode
 
 
 def decode_coordinator_status(body: bytes) -> CoordinatorStatus:
     """Raises ValueError (msgspec's errors are ValueErrors) when ``body`` is not a coordinator status."""
-    return _decode_coordinator(body)
+    return json_decoder(CoordinatorStatus).decode(body)

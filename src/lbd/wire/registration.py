@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from lbd.wire.codec import json_decoder
 from lbd.wire.status import RankStatus, RegistryRendezvous
 
 
@@ -40,22 +41,19 @@ class RegistrationAnswer(msgspec.Struct, kw_only=True):
     rendezvous: RegistryRendezvous | None = None
 
 
-_decode_registration = msgspec.json.Decoder(NodeRegistration).decode
-_decode_heartbeat = msgspec.json.Decoder(NodeHeartbeat).decode
-_decode_answer = msgspec.json.Decoder(RegistrationAnswer).decode
 
 
 def decode_registration(body: bytes) -> NodeRegistration:
     """Raises ValueError naming the field when ``body`` is not a registration."""
-    return _decode_registration(body)
+    return json_decoder(NodeRegistration).decode(body)
 
 
 def decode_heartbeat(body: bytes) -> NodeHeartbeat:
-    return _decode_heartbeat(body)
+    return json_decoder(NodeHeartbeat).decode(body)
 
 
 def decode_answer(body: bytes) -> RegistrationAnswer:
-    return _decode_answer(body)
+    return json_decoder(RegistrationAnswer).decode(body)
 
 
 class ErrorDetail(msgspec.Struct):
@@ -71,12 +69,11 @@ class _ErrorAnswer(msgspec.Struct):
     error: ErrorDetail = msgspec.field(default_factory=ErrorDetail)
 
 
-_decode_error = msgspec.json.Decoder(_ErrorAnswer).decode
 
 
 def decode_error(body: bytes) -> ErrorDetail:
     """The error in a refusal's body; an empty one when the body is not an OpenAI-style error."""
     try:
-        return _decode_error(body).error
+        return json_decoder(_ErrorAnswer).decode(body).error
     except ValueError:
         return ErrorDetail()

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType, field
 
+from lbd.wire.codec import json_decoder
 from lbd.wire.dp import DPState, DPStatus, Wave
 from lbd.wire.roles import NodeRole
 from lbd.wire.tolerant import TolerantEnum
@@ -313,8 +314,6 @@ class EngineStatus(msgspec.Struct):
     dp: DPStatus | None = None
 
 
-_decode_supervisor = msgspec.json.Decoder(SupervisorStatus).decode
-_decode_engine = msgspec.json.Decoder(EngineStatus).decode
 
 
 def encode(status: msgspec.Struct) -> bytes:
@@ -324,8 +323,8 @@ def encode(status: msgspec.Struct) -> bytes:
 
 def decode_supervisor_status(body: bytes) -> SupervisorStatus:
     """Raises ValueError (msgspec's errors are ValueErrors) when ``body`` is not a supervisor status."""
-    return _decode_supervisor(body)
+    return json_decoder(SupervisorStatus).decode(body)
 
 
 def decode_engine_status(body: bytes) -> EngineStatus:
-    return _decode_engine(body)
+    return json_decoder(EngineStatus).decode(body)
