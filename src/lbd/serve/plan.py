@@ -288,6 +288,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     view = n if role == NodeRole.HEAD else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
+    token = cluster_token(ns, env)  # read once: the token file, or $LBD_CLUSTER_TOKEN
     plan = Plan(
         role=role, dp_size=n, dp_size_local=local, dp_start_rank=start, address=address, rpc_port=rpc_port,
         registry=registry, member=member,
@@ -300,13 +301,13 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         probe_interval_s=ns.dp_supervisor_probe_interval_s, probe_timeout_s=ns.dp_supervisor_probe_timeout_s,
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
-        cluster_token=cluster_token(ns, env), insecure_cluster=ns.insecure_cluster,
+        cluster_token=token, insecure_cluster=ns.insecure_cluster,
         supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
         + (_group_argv(ns, address, rpc_port) if moe_group else [])
         + (["--insecure-cluster"] if moe_group and ns.insecure_cluster else []),
         route_argv=_route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
-        api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env, cluster_token(ns, env)),
+        api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env, token),
         limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
     _validate_children(parser, ns, plan, env)

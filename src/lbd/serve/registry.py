@@ -34,7 +34,7 @@ from aiohttp import web
 from msgspec.structs import replace
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, bearer_ok
-from lbd.common.limits import Limits
+from lbd.common.limits import Limits, PeerReadTooLarge, read_capped
 from lbd.serve.group import Group, Rejected, rendezvous, span
 from lbd.supervisor.health import AppServer, error_response, json_errors
 from lbd.wire.registration import (
@@ -68,17 +68,6 @@ def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(data), content_type="application/json")
 
 
-async def _read_capped(request: web.Request, cap: int) -> bytes | None:
-    """The body, or None once it passes ``cap`` bytes (chunked bodies have no length to check first)."""
-    parts, size = [], 0
-    while chunk := await request.content.read(64 * 1024):
-        size += len(chunk)
-        if size > cap:
-            return None
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 class Registry(AppServer):
     def __init__(self, group: Group, address: str | None, rpc_port: int, heartbeat_s: float,
                  token: str | None, group_status: Callable[[], SupervisorStatus]) -> None:
@@ -107,13 +96,13 @@ class Registry(AppServer):
         if (request.content_length or 0) > cap:
             return error_response(413, f"registration body over {cap} bytes")
         try:
-            raw = await asyncio.wait_for(_read_capped(request, cap), self.limits.body_read_timeout_s)
+            return await asyncio.wait_for(read_capped(lambda: request.content.read(64 * 1024), cap),
+                                          self.limits.body_read_timeout_s)
         except TimeoutError:
             return error_response(408, f"registration body not received within "
                                        f"{self.limits.body_read_timeout_s:g} s")
-        if raw is None:
+        except PeerReadTooLarge:  # a chunked body has no length to check first
             return error_response(413, f"registration body over {cap} bytes")
-        return raw
 
     async def _body(self, request: web.Request, decode: Callable[[bytes], Body]) -> Body | web.Response:
         raw = await self._raw(request)
