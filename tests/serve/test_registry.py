@@ -12,7 +12,8 @@ import pytest
 
 from lbd.serve.group import Group, span
 from lbd.serve.registry import Registry
-from lbd.wire.status import RankState, RankStatus, SupervisorStatus
+from lbd.wire.states import RankState
+from lbd.wire.status import RankStatus, SupervisorStatus
 
 
 def _reg(

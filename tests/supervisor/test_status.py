@@ -8,7 +8,8 @@ from aiohttp.test_utils import make_mocked_request
 from lbd.supervisor.config import parse_args
 from lbd.supervisor.health import HealthServer
 from lbd.supervisor.node import Supervisor
-from lbd.wire.status import ProbeSettings, RankState
+from lbd.wire.states import RankState
+from lbd.wire.status import ProbeSettings
 from support import free_port_run
 
 

@@ -14,7 +14,8 @@ from lbd.wire.registration import (
     decode_heartbeat,
     decode_registration,
 )
-from lbd.wire.status import RankState, RankStatus, RegistryRendezvous
+from lbd.wire.states import RankState
+from lbd.wire.status import RankStatus, RegistryRendezvous
 
 
 def _registration() -> NodeRegistration:

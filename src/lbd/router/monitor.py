@@ -23,6 +23,7 @@ from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
 from lbd.router.upstream import UpstreamError, UpstreamPool
+from lbd.wire.states import RankState
 
 if TYPE_CHECKING:
     from lbd.wire.status import SupervisorStatus
@@ -290,8 +291,6 @@ class Monitor:
 
     def apply_status(self, source: str, status: SupervisorStatus) -> None:
         """Mirror a supervisor's /status: ranks appear, leave, drain, restart (new pid)."""
-        from lbd.wire.status import RankState
-
         seen: set[str] = set()
         for r in status.ranks:
             url = r.url.rstrip("/")

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from msgspec.structs import replace
 
 from lbd.wire.registration import NodeRegistration
+from lbd.wire.states import RankState
 from lbd.wire.status import (
     GroupView,
     NodeInfo,
-    RankState,
     RankStatus,
     RegistryRendezvous,
     Rejection,

@@ -35,10 +35,9 @@ from lbd.serve.member import REGISTERED, Membership, url_host
 from lbd.serve.plan import Plan
 from lbd.supervisor.health import AppServer, error_response, json_errors
 from lbd.wire.roles import NodeRole
+from lbd.wire.states import NodePhase, RankState
 from lbd.wire.status import (
     Deployment,
-    NodePhase,
-    RankState,
     RankStatus,
     RouterInfo,
     SupervisorStatus,

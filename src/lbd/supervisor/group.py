@@ -29,7 +29,8 @@ from lbd.supervisor.coordinator import Coordinator
 from lbd.supervisor.moe import GroupSpec
 from lbd.supervisor.rank import RankWorker
 from lbd.wire.dp import CoordinatorStatus, DPState
-from lbd.wire.status import GroupMember, GroupStatus, LastRecovery, RankState, RankStatus
+from lbd.wire.states import RankState
+from lbd.wire.status import GroupMember, GroupStatus, LastRecovery, RankStatus
 from lbd.wire.status import Recovery as RecoveryEntry
 
 log = logging.getLogger("lbd.supervisor")

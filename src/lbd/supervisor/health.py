@@ -119,7 +119,6 @@ from lbd.common.tls import server_context
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from lbd.supervisor.rank import Command
-from lbd.wire import status as wire_status
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 409: "ConflictError"}
@@ -196,6 +195,8 @@ class HealthServer(AppServer):
         return _text(*self.sup.readiness())
 
     async def status(self, request: web.Request) -> web.Response:
+        from lbd.wire import status as wire_status  # lazily, for cold start (lbd.wire.states)
+
         return web.Response(body=wire_status.encode(self.sup.status(self._url_host(request))),
                             content_type="application/json")
 

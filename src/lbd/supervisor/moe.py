@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, is_loopback
 from lbd.common.ports import port_in_use
-from lbd.wire.status import GroupRendezvous
+
+if TYPE_CHECKING:
+    from lbd.wire.status import GroupRendezvous
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 # transformers' defaults of the expert count where config.json may omit it
@@ -99,6 +101,8 @@ class GroupSpec:
         return f"http://{host}:{self.rpc_port + HTTP_OFFSET}"
 
     def rendezvous(self) -> GroupRendezvous:
+        from lbd.wire.status import GroupRendezvous  # lazily, for cold start (lbd.wire.states)
+
         return GroupRendezvous(address=self.address, rpc_port=self.rpc_port,
                                store_port=self.rpc_port + STORE_OFFSET,
                                coordinator_port=self.rpc_port + ZMQ_OFFSET,

@@ -8,23 +8,19 @@ import os
 import signal
 import socket
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lbd.common.tls import client_context
 from lbd.supervisor.config import SupervisorConfig
-from lbd.supervisor.group import MoeGroup
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import Prober
 from lbd.supervisor.process import RankProcess
 from lbd.supervisor.rank import Command, FailureAction, RankWorker, StartRank
-from lbd.wire.status import (
-    NodePhase,
-    ProbeSettings,
-    RankState,
-    RollingRestart,
-    RollingState,
-    SupervisorStatus,
-)
+from lbd.wire.states import NodePhase, RankState, RollingState
+
+if TYPE_CHECKING:
+    from lbd.supervisor.group import MoeGroup
+    from lbd.wire.status import RollingRestart, SupervisorStatus
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -51,8 +47,12 @@ class Supervisor:
         self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
         # the ranks of an MoE model form one group (None: independent dense ranks)
-        self.group = (MoeGroup(cfg.group, self.workers, self.metrics.registry, cfg.on_rank_failure,
-                               cfg.log_level, self._coordinator_fatal) if cfg.group is not None else None)
+        self.group: MoeGroup | None = None
+        if cfg.group is not None:
+            from lbd.supervisor.group import MoeGroup  # only an MoE node loads the group and its coordinator
+
+            self.group = MoeGroup(cfg.group, self.workers, self.metrics.registry, cfg.on_rank_failure,
+                                  cfg.log_level, self._coordinator_fatal)
         self.phase = RUNNING
         self.exit_code = 0
         self.failure: str | None = None
@@ -89,6 +89,8 @@ class Supervisor:
         return True, f"supervisor {self.phase}"
 
     def status(self, url_host: str) -> SupervisorStatus:
+        from lbd.wire.status import ProbeSettings, SupervisorStatus  # lazily, for cold start
+
         ready, reason = self.readiness()
         live, _ = self.liveness()
         cfg = self.cfg
@@ -196,6 +198,8 @@ class Supervisor:
             return f"supervisor is {self.phase}"
         if self._rolling_task is not None and not self._rolling_task.done():
             return "a rolling restart is already running"
+        from lbd.wire.status import RollingRestart  # lazily, for cold start (lbd.wire.states)
+
         self.rolling = RollingRestart(state=RollingState.RUNNING, started_at=time.time())
         self._rolling_task = asyncio.create_task(self._rolling_restart(self.rolling))
         return None

@@ -17,13 +17,15 @@ import signal
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import psutil
 
 from lbd.common.redact import redact_text
 from lbd.supervisor.config import RankSpec
-from lbd.wire.status import WorkerProcess
+
+if TYPE_CHECKING:
+    from lbd.wire.status import WorkerProcess
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -157,6 +159,8 @@ class RankProcess:
     def workers(self) -> list[WorkerProcess]:
         """The rank's TP/PP worker processes, found in its tree by their command line
         (``-m lbd.engine.executor.worker --rank R --tp-rank T --pp-rank P --cpus C``)."""
+        from lbd.wire.status import WorkerProcess  # lazily, for cold start (lbd.wire.states)
+
         found = []
         for p in _descendants(self.pid)[1:]:
             with contextlib.suppress(psutil.Error):

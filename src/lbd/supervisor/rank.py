@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from lbd.common.redact import redact_argv
 from lbd.supervisor.config import RankSpec, SupervisorConfig
@@ -24,7 +24,10 @@ from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
 from lbd.supervisor.process import RankProcess
 from lbd.wire.events import RankEvent, RankEventKind
-from lbd.wire.status import RankState, RankStatus, WorkerProcess
+from lbd.wire.states import RankState
+
+if TYPE_CHECKING:
+    from lbd.wire.status import RankStatus, WorkerProcess
 
 log = logging.getLogger("lbd.supervisor")
 
@@ -169,6 +172,8 @@ class RankWorker:
 
     def status(self, url_host: str) -> RankStatus:
         """This rank's entry in /status (see supervisor/health.py for the shape)."""
+        from lbd.wire.status import RankStatus  # lazily, for cold start (lbd.wire.states)
+
         now = time.monotonic()
         live = getattr(self._proc, "stderr_tail", None)
         tail = list(live) if live and self.state is not RankState.READY else self.stderr_tail

@@ -1,7 +1,8 @@
 """The contracts between lbd's processes, one type each, imported by producer and consumer alike.
 
 Each module holds the types of one wire: ``status`` (the supervisor's and ``lbd serve``'s /status, the
-engine's /status), ``dp`` (the DP group's state, a rank's DP status, the DP coordinator's /status),
+engine's /status; its states in ``states``), ``dp`` (the DP group's state, a rank's DP status, the DP
+coordinator's /status),
 ``dp_messages`` (an MoE DP rank's core <-> the DP coordinator), ``kv_events`` (the KV-event batch in vLLM's
 msgpack format, its encoder and tolerant decoder), ``events`` (the supervisor's rank lifecycle events),
 ``roles`` (node and rank roles), ``core_messages`` (engine core <-> front end) and ``executor_messages`` (a TP

@@ -1,6 +1,7 @@
 """/status, as the supervisor (``lbd supervise``'s health port), ``lbd serve``'s health port and the engine
 answer it; routers, ``lbd serve`` and operators read it. The JSON field names are the wire's (supervisor/
-health.py documents each); encode with ``encode``, read with ``decode_supervisor_status``.
+health.py documents each); encode with ``encode``, read with ``decode_supervisor_status``; the states are
+in ``lbd.wire.states``.
 
 Every field has a default, so a peer that sends fewer (an older supervisor, a stand-in) still decodes;
 fields this version does not know are skipped, and a state it does not know reads ``unknown``. Fields
@@ -18,35 +19,7 @@ from msgspec import UNSET, UnsetType, field
 from lbd.wire.codec import json_decoder
 from lbd.wire.dp import DPState, DPStatus, Wave
 from lbd.wire.roles import NodeRole
-from lbd.wire.tolerant import TolerantEnum
-
-
-class RankState(TolerantEnum):
-    STARTING = "starting"
-    READY = "ready"
-    UNHEALTHY = "unhealthy"
-    RESTARTING = "restarting"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-    MISSING = "missing"  # lbd serve's head: no node has registered this rank
-    UNREACHABLE = "unreachable"  # lbd serve's head: the rank's node missed its heartbeats
-    UNKNOWN = "unknown"  # not told, or a state a newer peer sent
-
-
-class NodePhase(TolerantEnum):
-    RUNNING = "running"
-    STOPPING = "stopping"  # after SIGTERM
-    FAILED = "failed"  # gave up (--on-rank-failure exit, a usage error)
-    UNKNOWN = "unknown"
-
-
-class RollingState(TolerantEnum):
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    UNKNOWN = "unknown"
+from lbd.wire.states import NodePhase, RankState, RollingState
 
 
 class WorkerProcess(msgspec.Struct):
