@@ -6,6 +6,11 @@ the table shows the least of --runs runs.
 
     .venv/bin/python benchmarks/router_cpu.py [--requests 30000] [--runs 5] [--headers sdk]
     PYTHONPATH=/other/checkout .venv/bin/python benchmarks/router_cpu.py   # the same for another tree
+    .venv/bin/python benchmarks/router_cpu.py --instructions   # machine instructions, under valgrind
+
+``--instructions`` counts what the CPU executes instead of timing it, so other work on the machine does not
+move the figure: each case runs under valgrind's callgrind with 500 and with 2,500 requests (PYTHONHASHSEED
+fixed), and the difference over 2,000 is the instructions a request costs (start-up cancels out).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,6 +130,25 @@ async def cpu_per_request(policy: str, body: bytes, headers: bytes, requests: in
     return (time.process_time() - t0) / done
 
 
+def instructions(case: int, requests: int, headers: str) -> int:
+    """Instructions callgrind counts for a whole run of one case (start-up included)."""
+    argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
+            "--only", str(case), "--requests", str(requests), "--runs", "1", "--headers", headers]
+    run = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"},
+                         check=True)
+    return int(re.search(r"Collected : (\d+)", run.stderr).group(1))
+
+
+def print_instructions(cases: list, headers: str) -> int:
+    print("| policy | body | instructions / request |\n|---|---|---:|")
+    for i, (policy, what, _body, traced) in enumerate(cases):
+        if traced:  # spans are exported from a thread: its work does not scale with the request count
+            continue
+        per = (instructions(i, 2500, headers) - instructions(i, 500, headers)) / 2000
+        print(f"| {policy} | {what} | {per:,.0f} |")
+    return 0
+
+
 def main() -> int:
     import uvloop
 
@@ -131,6 +157,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--headers", choices=["wrk", "sdk"], default="sdk",
                    help="the client's header set: wrk's three, or the openai SDK's fifteen")
+    p.add_argument("--only", type=int, default=None, help="run only the case with this index (0-5)")
+    p.add_argument("--instructions", action="store_true",
+                   help="instructions per request under valgrind's callgrind instead of CPU time")
     args = p.parse_args()
     headers = SDK_HEADERS if args.headers == "sdk" else b""
     cases = [("round_robin", "80 B", small_body(), False), ("round_robin", "16 KiB", large_body(), False),
@@ -140,9 +169,13 @@ def main() -> int:
              ("round_robin", "80 B, traced", small_body(), True)]
     print(f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; {args.headers} headers; least of "
           f"{args.runs} runs of {args.requests} requests\n")
+    if args.instructions:
+        return print_instructions(cases, args.headers)
     print("| policy | body | router CPU us / request |\n|---|---|---:|")
-    for policy, what, body, traced in cases:
+    for i, (policy, what, body, traced) in enumerate(cases):
         if traced and importlib.util.find_spec("lbd.router.tracing") is None:
+            continue
+        if args.only is not None and i != args.only:
             continue
         best = min(uvloop.run(cpu_per_request(policy, body, headers, args.requests, traced))
                    for _ in range(args.runs))

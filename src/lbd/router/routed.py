@@ -40,8 +40,9 @@ class RoutedRequest:
     # still runs (a cold.Deferred) or was skipped (cold.HEAD_ONLY); the prompt's ids for ranks that take them
     deferred: Deferred | str | None = None
     prompt_ids: ExactPrompt | None = None
-    snaps: list[EndpointSnapshot] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)  # keys: full (--max-streams-per-endpoint) or failed it
+    # set by ``decide`` on the first try:
+    snaps: list[EndpointSnapshot] = field(init=False)
+    exclude: list[str] = field(init=False)  # keys: full (--max-streams-per-endpoint) or failed it
     full: int = 0  # how many of ``exclude`` were full when the request arrived
 
 

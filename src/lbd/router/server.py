@@ -94,6 +94,7 @@ class _Connection(asyncio.Protocol):
         self.active: Request | None = None  # the request being handled
         self.url = b""
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.header_names: list[bytes] = []  # raw_headers' names in lower case, for lookups
         self.discarding = False  # after a too-large body or a parse error: ignore further bytes
         self.read_paused = False
         self.write_paused = False
@@ -106,6 +107,9 @@ class _Connection(asyncio.Protocol):
         self.lingering = False  # half-closed after a final answer; closes in 2 s
         self.body_since: float | None = None
         self.header_count = 0  # bytes of the header lines of the head being read
+        limits = server.limits
+        self.head_room = limits.max_head_bytes  # less the request line's length, once it is read
+        self.max_line, self.max_headers = limits.max_header_bytes, limits.max_headers
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -177,27 +181,34 @@ class _Connection(asyncio.Protocol):
     # on_message_begin call per request) --
     def on_url(self, url: bytes) -> None:
         self.url += url
-        if len(self.url) > self.server.limits.max_request_line_bytes:
+        limits = self.server.limits
+        if len(self.url) > limits.max_request_line_bytes:
             raise _Refused("request line too long (--max-request-line-bytes)", 414)
+        self.head_room = limits.max_head_bytes - len(self.url)  # for the header lines
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        limits = self.server.limits
+        """Keep one header line. The three limits are checked in one test (this runs for every header of
+        every request); ``_header_refusal`` names the one it broke."""
         size = len(name) + len(value) + 4  # "name: value\r\n"
-        if size > limits.max_header_bytes:
-            raise _Refused("a header line is too long (--max-header-bytes)", 431)
-        if len(self.raw_headers) >= limits.max_headers:
-            raise _Refused("too many headers (--max-headers)", 431)
         self.header_count += size  # (bytes of this head's header lines)
-        if self.header_count + len(self.url) > limits.max_head_bytes:
-            raise _Refused("request head too large (--max-head-bytes)", 431)
-        self.raw_headers.append((name, value))
+        raw = self.raw_headers
+        raw.append((name, value))
+        self.header_names.append(name.lower())
+        if size > self.max_line or len(raw) > self.max_headers or self.header_count > self.head_room:
+            raise self._header_refusal(size)
+
+    def _header_refusal(self, size: int) -> _Refused:
+        if size > self.max_line:
+            return _Refused("a header line is too long (--max-header-bytes)", 431)
+        if len(self.raw_headers) > self.max_headers:
+            return _Refused("too many headers (--max-headers)", 431)
+        return _Refused("request head too large (--max-head-bytes)", 431)
 
     def on_headers_complete(self) -> None:
         p = self.parser
-        raw, url = self.raw_headers, self.url
-        self.raw_headers, self.url = [], b""
+        raw, names, url = self.raw_headers, self.header_names, self.url
+        self.raw_headers, self.header_names, self.url = [], [], b""
         self.head_bytes, self.head_since, self.header_count = 0, None, 0
-        names = [k.lower() for k, _ in raw]
         req = Request(
             p.get_method().decode("latin-1"),
             url.decode("latin-1"),
