@@ -26,6 +26,7 @@ from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest
 
 if TYPE_CHECKING:
     from lbd.engine.kv_events.publisher import KVEvents
+    from lbd.engine.kv_transfer.connector import KVTransfer
     from lbd.engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,22 @@ def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
                     host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
+def make_kv_transfer(config: EngineConfig, runner: Runner, scheduler: Scheduler,
+                     metrics: CoreMetrics | None, flush_events: Any) -> KVTransfer | None:
+    """The KV connector of ``--kv-transfer-config`` (None when off); starts its threads now."""
+    if config.cache.kv_transfer_config is None:
+        return None
+    from lbd.engine.config.kv_transfer import parse_kv_transfer_config
+    from lbd.engine.kv_transfer.connector import KVTransfer
+
+    kv_caches = getattr(runner, "kv_caches", None)
+    if not kv_caches:
+        raise ValueError("--kv-transfer-config needs a one-device rank with a KV cache (not --device sim, "
+                         "not tensor/pipeline parallel)")
+    return KVTransfer(parse_kv_transfer_config(config.cache.kv_transfer_config), config.parallel.rank,
+                      kv_caches, scheduler, metrics.labels if metrics is not None else None, flush_events)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, model_path: str = "",
                  metrics: CoreMetrics | None = None) -> None:
@@ -105,6 +122,7 @@ class EngineCore:
         The core owns ``runner`` from here: ``close`` stops it, and so does a failed start."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
+        self.kv_transfer: KVTransfer | None = None
         self.runner = runner
         self.engine_config = config
         try:
@@ -115,6 +133,12 @@ class EngineCore:
             self.close()
             raise
         self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
+        try:
+            self.kv_transfer = make_kv_transfer(config, runner, self.scheduler, metrics,
+                                                self._flush_kv_events)
+        except Exception:
+            self.close()
+            raise
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
@@ -194,7 +218,8 @@ class EngineCore:
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
                                "kv_cache_dtype": self.engine_config.cache.kv_cache_dtype,
                                "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
-                               "kv_events": self.kv_events.advertised() if self.kv_events else None})
+                               "kv_events": self.kv_events.advertised() if self.kv_events else None,
+                               "kv_transfer": self.kv_transfer.advertised() if self.kv_transfer else None})
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
@@ -206,7 +231,8 @@ class EngineCore:
         if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
             raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
         try:
-            self.scheduler.add_request(req)
+            if self.kv_transfer is None or not self.kv_transfer.admit(req):
+                self.scheduler.add_request(req)
         except RequestRejected as e:
             if e.reason is not None and self.metrics is not None:
                 self.metrics.admission_rejection(e.reason)
@@ -231,6 +257,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; stop the runner's worker processes, if it has any."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -253,6 +282,8 @@ class EngineCore:
         if own_step:
             prof.begin()
         batches, depth = self._batches, self._depth
+        if self.kv_transfer is not None:  # land pulled KV blocks; only parked requests: wait a moment
+            self.kv_transfer.poll(wait=not (self.scheduler.waiting or self.scheduler.running or batches))
         if len(batches) < depth:
             # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
             out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
@@ -273,6 +304,8 @@ class EngineCore:
         # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
         prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
+        if self.kv_transfer is not None:
+            self.kv_transfer.attach(outputs)
         if self.kv_events is not None:
             self.kv_events.flush()
         prof.lap("update")
@@ -289,6 +322,12 @@ class EngineCore:
         """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
         if self.recorder is not None:
             self.recorder.flush()
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()  # served and expired leases go back even while idle
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _submit(self, out: SchedulerOutput) -> Any:
         if self._depth > 1:

@@ -1,0 +1,51 @@
+"""KV blocks as bytes: read from and written into the runner's paged cache (``ModelRunner.kv_caches``).
+
+The runner's cache is, per layer, a (key, value) pair of [blocks, block_size, heads, dim] tensors, or one
+tensor (MLA's latents). A transfer's bytes are tensor-major: for every cache tensor in order, the asked
+blocks in the order asked. ``layout`` names dtype and per-block shapes, so two ranks whose caches differ
+(model, dtype, block size) never exchange bytes: the consumer then recomputes instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVBlockIO:
+    """Reads and writes whole blocks of one runner's KV cache."""
+
+    def __init__(self, kv_caches: list) -> None:
+        self.tensors: list[torch.Tensor] = [t for layer in kv_caches
+                                            for t in (layer if isinstance(layer, tuple) else (layer,))]
+        if not self.tensors:
+            raise ValueError("the runner holds no KV cache to transfer")
+        first = self.tensors[0]
+        self.per_tensor = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.per_tensor)
+        shapes = ",".join("x".join(str(d) for d in t.shape[1:]) for t in self.tensors[:2])
+        dtype = str(first.dtype).removeprefix("torch.")
+        self.layout = f"{dtype}/{len(self.tensors)}/{shapes}/{self.block_bytes}"
+
+    def read(self, block_ids: list[int]) -> bytes:
+        """The blocks' bytes (tensor-major), one copy out of the cache."""
+        if not block_ids:
+            return b""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
+        parts = [t.index_select(0, idx).contiguous().view(torch.uint8).reshape(-1) for t in self.tensors]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        """Copy ``data`` (``read``'s format, same block count) into ``block_ids``."""
+        n = len(block_ids)
+        if len(data) != n * self.block_bytes:
+            raise ValueError(f"expected {n * self.block_bytes} bytes for {n} blocks, got {len(data)}")
+        if not n:
+            return
+        device = self.tensors[0].device
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+        off = 0
+        for t, size in zip(self.tensors, self.per_tensor, strict=True):
+            chunk = buf[off:off + n * size].view(t.dtype).view(n, *t.shape[1:])
+            t.index_copy_(0, idx, chunk)
+            off += n * size
