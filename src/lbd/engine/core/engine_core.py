@@ -26,7 +26,6 @@ from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest
 
 if TYPE_CHECKING:
     from lbd.engine.kv_events.publisher import KVEvents
-    from lbd.engine.kv_transfer.connector import KVTransfer
     from lbd.engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
@@ -99,20 +98,19 @@ def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
                     host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
-def make_kv_transfer(config: EngineConfig, runner: Runner, scheduler: Scheduler,
-                     metrics: CoreMetrics | None, flush_events: Any) -> KVTransfer | None:
-    """The KV connector of ``--kv-transfer-config`` (None when off); starts its threads now."""
-    if config.cache.kv_transfer_config is None:
-        return None
-    from lbd.engine.config.kv_transfer import parse_kv_transfer_config
-    from lbd.engine.kv_transfer.connector import KVTransfer
+class KVConnector(Protocol):
+    """Prefill/decode disaggregation's hooks into the core (``lbd.engine.kv_transfer.connector``, attached
+    above this package by ``lbd.engine.rank_core.build_core``)."""
 
-    kv_caches = getattr(runner, "kv_caches", None)
-    if not kv_caches:
-        raise ValueError("--kv-transfer-config needs a one-device rank with a KV cache (not --device sim, "
-                         "not tensor/pipeline parallel)")
-    return KVTransfer(parse_kv_transfer_config(config.cache.kv_transfer_config), config.parallel.rank,
-                      kv_caches, scheduler, metrics.labels if metrics is not None else None, flush_events)
+    def admit(self, req: Request) -> bool: ...
+
+    def poll(self, wait: bool = False) -> None: ...
+
+    def attach(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def advertised(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class EngineCore:
@@ -122,7 +120,7 @@ class EngineCore:
         The core owns ``runner`` from here: ``close`` stops it, and so does a failed start."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
-        self.kv_transfer: KVTransfer | None = None
+        self.kv_transfer: KVConnector | None = None  # set by lbd.engine.kv_transfer.connector.attach
         self.runner = runner
         self.engine_config = config
         try:
@@ -133,12 +131,6 @@ class EngineCore:
             self.close()
             raise
         self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
-        try:
-            self.kv_transfer = make_kv_transfer(config, runner, self.scheduler, metrics,
-                                                self._flush_kv_events)
-        except Exception:
-            self.close()
-            raise
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
@@ -325,7 +317,7 @@ class EngineCore:
         if self.kv_transfer is not None:
             self.kv_transfer.poll()  # served and expired leases go back even while idle
 
-    def _flush_kv_events(self) -> None:
+    def flush_kv_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.flush()
 

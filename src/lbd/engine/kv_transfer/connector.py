@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 
 from lbd.common.cluster import is_wildcard, read_cluster_token
-from lbd.engine.config.kv_transfer import KVTransferConfig
+from lbd.engine.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
+from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
 from lbd.engine.core.scheduler import Scheduler
 from lbd.engine.kv_transfer.agent import BlockPuller, BlockServer, Leases, PullJob, PullResult
@@ -34,6 +35,26 @@ from lbd.wire.kv_transfer import KVTransferParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # how long a step with only parked requests waits for a pull to land
+
+
+def attach(core: EngineCore) -> None:
+    """Give ``core`` the connector of its ``--kv-transfer-config`` (nothing when unset); starts its threads.
+    On failure the core is closed and the error raised."""
+    config = core.engine_config
+    if config.cache.kv_transfer_config is None:
+        return
+    try:
+        kv_caches = getattr(core.runner, "kv_caches", None)
+        if not kv_caches:
+            raise ValueError("--kv-transfer-config needs a one-device rank with a KV cache (not --device "
+                             "sim, not tensor/pipeline parallel)")
+        core.kv_transfer = KVTransfer(parse_kv_transfer_config(config.cache.kv_transfer_config),
+                                      config.parallel.rank, kv_caches, core.scheduler,
+                                      core.metrics.labels if core.metrics is not None else None,
+                                      core.flush_kv_events)
+    except Exception:
+        core.close()
+        raise
 
 
 class KVTransfer:
