@@ -84,9 +84,13 @@ def test_long_prompts_run_in_two_stages_with_the_colocated_answer(pd, stream: bo
 
 def test_short_prompts_and_a_missing_role_run_colocated(pd) -> None:
     producer, _, router, prefill_only = pd
+    done = "vllm:request_success_total"
+    before = metric_value(httpx.get(pd[1].base_url + "/metrics", timeout=10).text, done)
     text, header = ask(router.url, "hi", False)
     assert header == "colocated (short_prompt)"
     assert text == ask(producer.base_url, "hi", False)[0]
+    after = metric_value(httpx.get(pd[1].base_url + "/metrics", timeout=10).text, done)
+    assert after == before + 1  # it ran on the decode rank
     long = "numbers 0123456789 " * 20
     text, header = ask(prefill_only.url, long, True)
     assert header == "colocated (no_decode_rank)"

@@ -9,9 +9,10 @@ answer. The prefill rank is the one holding most of the prompt (the exact view's
 with the least prefill backlog; the decode rank is the policy's pick among the decode ranks (KV room, load).
 
 The request runs whole on one rank (colocated) when a role has no ready rank, when the prompt is estimated
-shorter than ``--pd-min-prompt-tokens`` (moving its KV costs more than it saves), or when the prefill stage
-fails. The answer's ``x-lbd-disagg`` header says which it was: ``pd <prefill rank>`` or ``colocated
-(<reason>)``.
+shorter than ``--pd-min-prompt-tokens`` (moving its KV costs more than it saves: it then runs on a decode
+rank, as conditional disaggregation does, so the prefill ranks stay free for long prompts), or when the
+prefill stage fails. The answer's ``x-lbd-disagg`` header says which it was: ``pd <prefill rank>`` or
+``colocated (<reason>)``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class Disagg:
         if not prefill or not decode:
             return self._colocated(rr, "no_prefill_rank" if not prefill else "no_decode_rank")
         if rr.facts.prompt_tokens < self.min_prompt_tokens:
+            # a short prompt runs whole on a decode rank: the prefill ranks stay free for long prompts
+            keep = {s.key for s in decode}
+            rr.pd_exclude = [s.key for s in snaps if s.key not in keep]
             return self._colocated(rr, "short_prompt")
         target = self.pick_prefill(rr, prefill)
         params = await self._prefill(rr, target.key, data)
