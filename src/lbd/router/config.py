@@ -283,13 +283,15 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout,
-        pd_disaggregation=bool(ns.pd_disaggregation or ns.prefill or ns.decode),
-        prefill=ns.prefill,
-        decode=ns.decode,
-        pd_min_prompt_tokens=ns.pd_min_prompt_tokens,
-        pd_prefill_timeout_s=ns.pd_prefill_timeout_s,
+        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns),
     )
+
+
+def _pd_settings(ns: argparse.Namespace) -> dict[str, object]:
+    """Prefill/decode disaggregation's settings (lbd.router.disagg); --prefill/--decode turn it on."""
+    return {"pd_disaggregation": bool(ns.pd_disaggregation or ns.prefill or ns.decode), "prefill": ns.prefill,
+            "decode": ns.decode, "pd_min_prompt_tokens": ns.pd_min_prompt_tokens,
+            "pd_prefill_timeout_s": ns.pd_prefill_timeout_s}
 
 
 def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
