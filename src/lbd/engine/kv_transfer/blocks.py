@@ -17,6 +17,8 @@ class KVBlockIO:
     def __init__(self, kv_caches: list) -> None:
         self.tensors: list[torch.Tensor] = [t for layer in kv_caches
                                             for t in (layer if isinstance(layer, tuple) else (layer,))]
+        # bytes views (copies by index are not implemented for every dtype, fp8 among them)
+        self._bytes = [t.view(torch.uint8) for t in self.tensors]
         if not self.tensors:
             raise ValueError("the runner holds no KV cache to transfer")
         first = self.tensors[0]
@@ -31,7 +33,7 @@ class KVBlockIO:
         if not block_ids:
             return b""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
-        parts = [t.index_select(0, idx).contiguous().view(torch.uint8).reshape(-1) for t in self.tensors]
+        parts = [t.index_select(0, idx).reshape(-1) for t in self._bytes]
         return torch.cat(parts).cpu().numpy().tobytes()
 
     def write(self, block_ids: list[int], data: bytes | memoryview) -> None:
@@ -45,7 +47,6 @@ class KVBlockIO:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         off = 0
-        for t, size in zip(self.tensors, self.per_tensor, strict=True):
-            chunk = buf[off:off + n * size].view(t.dtype).view(n, *t.shape[1:])
-            t.index_copy_(0, idx, chunk)
+        for t, size in zip(self._bytes, self.per_tensor, strict=True):
+            t.index_copy_(0, idx, buf[off:off + n * size].view(n, *t.shape[1:]))
             off += n * size
