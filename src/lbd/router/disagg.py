@@ -82,8 +82,13 @@ class Disagg:
             keep = {s.key for s in decode}
             rr.pd_exclude = [s.key for s in snaps if s.key not in keep]
             return self._colocated(rr, "short_prompt")
-        target = self.pick_prefill(rr, prefill)
-        params = await self._prefill(rr, target.key, data)
+        params = None
+        for _ in range(min(2, len(prefill))):  # a failed prefill stage is tried once more elsewhere
+            target = self.pick_prefill(rr, prefill)
+            params = await self._prefill(rr, target.key, data)
+            if params is not None:
+                break
+            prefill.remove(target)
         if params is None:
             return self._colocated(rr, "prefill_failed")
         rr.body = orjson.dumps({**data, "kv_transfer_params": params})

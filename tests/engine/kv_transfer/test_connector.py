@@ -203,3 +203,17 @@ def test_unpulled_leases_are_counted_then_freed(pair) -> None:
         time.sleep(0.5)
     assert metric(producer, "lbd:kv_transfer_pending_leases") == 0
     assert metric(producer, "lbd:kv_transfer_expired_leases_total") == expired0 + 1
+
+
+def test_pulls_beyond_loopback_need_the_cluster_token(pair) -> None:
+    """The producer's address comes from the client: without LBD_CLUSTER_TOKEN a consumer pulls only over
+    loopback, and recomputes otherwise."""
+    producer, consumer = pair
+    base = prompt_ids(50, 4242)
+    colocated = text_of(producer, "/v1/completions", body(base))
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+              "remote_block_ids": [1, 2, 3], "remote_host": "192.0.2.1", "remote_port": 9,
+              "remote_request_id": "r", "tp_size": 1}
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from lbd.common.cluster import is_wildcard, read_cluster_token
+from lbd.common.cluster import is_loopback, is_wildcard, read_cluster_token
 from lbd.engine.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
@@ -70,6 +70,7 @@ class KVTransfer:
         self.params_out: dict[str, KVTransferParams] = {}
         self.parked: dict[str, int] = {}  # consumer request id -> first block index being pulled
         token = read_cluster_token(None)
+        self.secured = token is not None
         self.ctx = zmq.Context(io_threads=1)
         self.server: BlockServer | None = None
         self.puller: BlockPuller | None = None
@@ -129,6 +130,12 @@ class KVTransfer:
         if self.puller is None or params is None or not params.do_remote_prefill:
             return False
         remote = params.block_ids()
+        if not self.secured and not is_loopback(params.remote_host):
+            # the address came from a client: without the cluster token (CURVE) only loopback is pulled from
+            logger.warning("not pulling KV for %s from %s (beyond loopback and no LBD_CLUSTER_TOKEN): "
+                           "recomputing its prefill", req.request_id, params.remote_host)
+            self.metrics.failed.inc()
+            return False
         want = min((req.num_tokens - 1) // self.block_size, len(remote))
         have = len(self.kv.get_computed_prefix(req)[0])
         job = PullJob(req.request_id, params.remote_host or "", params.remote_port or 0,
