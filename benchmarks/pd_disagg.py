@@ -14,6 +14,11 @@ no prefix cache answers them. Deployments run one after the other, ``--rounds`` 
 medians quoted.
 
     python benchmarks/pd_disagg.py [--duration-s 40] [--chats 4] [--rounds 1]
+    python benchmarks/pd_disagg.py --transfer   # the transport's share of one pull (ZMQ TCP vs the copies)
+
+``--transfer`` times one pull's parts for a SmolLM2-135M-shaped cache (30 layers, 3 KV heads of 64, fp32):
+copying the blocks out of the cache, sending them over loopback ZMQ TCP (ROUTER/DEALER, as the connector
+does), and writing them into the other cache. A shared-memory transport would save only the middle part.
 
 Every process started here is stopped before the script exits. The machine is shared: compare the rows of
 one run only.
@@ -108,6 +113,46 @@ async def workload(url: str, args: argparse.Namespace, seed: int) -> dict[str, l
     return out
 
 
+def transfer_costs(blocks: int = 64, reps: int = 5) -> None:
+    """Median ms of the copy out, the loopback ZMQ TCP hop and the copy in, for ``blocks`` blocks."""
+    import torch
+    import zmq
+
+    from lbd.engine.core.kv_alloc import allocate
+    from lbd.engine.kv_transfer.blocks import KVBlockIO
+    from lbd.engine.models.kv_spec import KVSpec
+
+    spec = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    src = KVBlockIO(allocate(spec, blocks * 2, torch.device("cpu")))
+    dst = KVBlockIO(allocate(spec, blocks * 2, torch.device("cpu")))
+    ids = list(range(0, blocks * 2, 2))
+    ctx = zmq.Context()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client.connect(f"tcp://127.0.0.1:{port}")
+    times: dict[str, list[float]] = {"copy out": [], "zmq tcp hop": [], "copy in": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        data = src.read(ids)
+        t1 = time.perf_counter()
+        client.send(b"pull")
+        ident, _ = server.recv_multipart()
+        server.send_multipart([ident, b"h", data], copy=False)
+        got = client.recv_multipart()[1]
+        t2 = time.perf_counter()
+        dst.write(ids, got)
+        t3 = time.perf_counter()
+        for v, dt in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            v.append(dt)
+    ctx.destroy(linger=0)
+    mb = len(data) / 1e6
+    print(f"one pull of {blocks} blocks ({blocks * 16} tokens, {mb:.1f} MB, {spec.bytes_per_token} B/token), "
+          f"median of {reps}:")
+    for k, v in times.items():
+        ms = statistics.median(v) * 1000
+        print(f"  {k}: {ms:.1f} ms ({mb / (ms / 1000):.0f} MB/s)")
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -123,7 +168,11 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--long-every-s", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--transfer", action="store_true", help="only time one pull's parts (see above)")
     args = p.parse_args()
+    if args.transfer:
+        transfer_costs()
+        return 0
     exit_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     model = make_tiny_llama(work / "model", layers=4, hidden=512, heads=8, kv_heads=2, max_pos=4096)

@@ -70,7 +70,7 @@ class BlockServer(threading.Thread):
     """Serves leased blocks to consumers; ``read`` turns block ids into bytes (``KVBlockIO.read``)."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, token: str | None, engine_id: str,
-                 leases: Leases, read: Callable[[list[int]], bytes], layout: str, block_bytes: int,
+                 leases: Leases, read: Callable[[list[int]], memoryview], layout: str, block_bytes: int,
                  on_served: Callable[[int], None]) -> None:
         super().__init__(name="kv-block-server", daemon=True)
         self.engine_id, self.leases, self.read = engine_id, leases, read
@@ -111,8 +111,8 @@ class BlockServer(threading.Thread):
         if header.ok:
             self.on_served(len(data))
 
-    def _answer(self, pull: KT.KVPull) -> tuple[KT.KVBlocksHeader, bytes]:
-        def no(error: str) -> tuple[KT.KVBlocksHeader, bytes]:
+    def _answer(self, pull: KT.KVPull) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
+        def no(error: str) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
             return KT.KVBlocksHeader(pull.transfer_id, False, error), b""
 
         if pull.engine_id != self.engine_id:

@@ -8,6 +8,8 @@ blocks in the order asked. ``layout`` names dtype and per-block shapes, so two r
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -28,13 +30,22 @@ class KVBlockIO:
         dtype = str(first.dtype).removeprefix("torch.")
         self.layout = f"{dtype}/{len(self.tensors)}/{shapes}/{self.block_bytes}"
 
-    def read(self, block_ids: list[int]) -> bytes:
-        """The blocks' bytes (tensor-major), one copy out of the cache."""
-        if not block_ids:
-            return b""
+    def read(self, block_ids: list[int]) -> memoryview:
+        """The blocks' bytes (tensor-major), copied once out of the cache into one buffer."""
+        n = len(block_ids)
+        out = torch.empty(n * self.block_bytes, dtype=torch.uint8)
+        if not n:
+            return memoryview(out.numpy())
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
-        parts = [t.index_select(0, idx).reshape(-1) for t in self._bytes]
-        return torch.cat(parts).cpu().numpy().tobytes()
+        off = 0
+        for t, size in zip(self._bytes, self.per_tensor, strict=True):
+            part = out[off:off + n * size].view(n, *t.shape[1:])
+            if t.device.type == "cpu":
+                torch.index_select(t, 0, idx, out=part)
+            else:
+                part.copy_(t.index_select(0, idx))
+            off += n * size
+        return memoryview(out.numpy())
 
     def write(self, block_ids: list[int], data: bytes | memoryview) -> None:
         """Copy ``data`` (``read``'s format, same block count) into ``block_ids``."""
@@ -44,7 +55,9 @@ class KVBlockIO:
         if not n:
             return
         device = self.tensors[0].device
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        with warnings.catch_warnings():  # read-only bytes: only read from here
+            warnings.simplefilter("ignore", UserWarning)
+            buf = torch.frombuffer(data, dtype=torch.uint8).to(device)
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         off = 0
         for t, size in zip(self._bytes, self.per_tensor, strict=True):
