@@ -16,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
+from lbd.wire.kv_events import BlockStored, decode_batch
 from support.procs import EngineServer
 
 BLOCK = 16
@@ -31,8 +33,14 @@ def kv_config(role: str, **extra: float) -> str:
     return json.dumps(cfg)
 
 
-def start(model: Path, role: str, log: Path, **extra: float) -> EngineServer:
-    return EngineServer(model, *COMMON, "--kv-transfer-config", kv_config(role, **extra), log=log)
+def start(model: Path, role: str, log: Path, *args: str, **extra: float) -> EngineServer:
+    return EngineServer(model, *COMMON, "--kv-transfer-config", kv_config(role, **extra), *args, log=log)
+
+
+def events_config(folder: Path) -> tuple[str, str]:
+    """KV events on an ipc:// socket the engine binds (no port to pick)."""
+    return "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                             "endpoint": f"ipc://{folder}/events.sock"})
 
 
 @pytest.fixture(scope="module", params=["llama", "mixtral"])
@@ -41,7 +49,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     producer = start(model, "kv_producer", logs / "p.log", lease_s=LEASE_S)
     try:
-        consumer = start(model, "kv_consumer", logs / "d.log", pull_timeout_s=2.0)
+        consumer = start(model, "kv_consumer", logs / "d.log", *events_config(logs), pull_timeout_s=2.0)
     except Exception:
         producer.close()
         raise
@@ -217,3 +225,32 @@ def test_pulls_beyond_loopback_need_the_cluster_token(pair) -> None:
     failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
     assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
     assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+
+
+def test_moved_blocks_are_published_as_kv_events(pair) -> None:
+    """Pulled blocks enter the decode rank's prefix cache as one BlockStored run of the prompt's tokens."""
+    producer, consumer = pair
+    endpoint = re.search(r'"endpoint": "([^"]+)"', " ".join(consumer.proc.args)).group(1)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(endpoint)
+        time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+        base = prompt_ids(70, 31337)  # 4 full blocks to move
+        params = prefill(producer, body(base))
+        text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params))
+        runs = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and base[:4 * BLOCK] not in runs:
+            try:
+                _, _, payload = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            batch, _ = decode_batch(payload)
+            runs += [ev.token_ids for ev in batch.events if isinstance(ev, BlockStored)]
+        assert base[:4 * BLOCK] in runs
+    finally:
+        sub.close(linger=0)
+        ctx.term()
