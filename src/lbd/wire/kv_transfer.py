@@ -10,7 +10,8 @@ HTTP (vLLM's contract, as its disaggregation proxy and vllm-router's vLLM PD mod
 Pull (consumer DEALER -> producer ROUTER): ``KVPull`` names the producer's engine id, the transfer (the
 prefill's request id) and the producer's block ids wanted; the answer is ``[KVBlocksHeader, data]``: the
 blocks' bytes in the order asked, each block ``block_bytes`` long, and the layout the bytes follow (both
-sides must agree on it, else the consumer recomputes). Standard library and msgspec only.
+sides must agree on it, else the consumer recomputes). A pull of no blocks tells the producer to free them.
+Standard library and msgspec only.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
 
 class KVPull(msgspec.Struct):
     """Consumer -> producer: the blocks of one transfer (beyond loopback the channel is CURVE-secured with
-    keys derived from the cluster token, ``lbd.common.cluster``)."""
+    keys derived from the cluster token, ``lbd.common.cluster``). ``token_ids``: the consumer's prompt up to
+    the end of the last block wanted; the producer answers only if its prefill had exactly these tokens there
+    (a block's KV depends on every token before it), so no client can pair one prompt's KV with another's."""
 
     engine_id: str
     transfer_id: str
     block_ids: list[int]
+    token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class KVBlocksHeader(msgspec.Struct):

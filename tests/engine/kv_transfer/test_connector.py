@@ -254,3 +254,17 @@ def test_moved_blocks_are_published_as_kv_events(pair) -> None:
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_a_decode_of_another_prompt_gets_no_blocks(pair) -> None:
+    """Params of one prompt's prefill sent with another prompt: the producer refuses the pull (its KV was
+    computed from other tokens), the consumer recomputes, and its prefix cache holds no foreign KV."""
+    producer, consumer = pair
+    first, other = prompt_ids(70, 555), prompt_ids(70, 556)
+    params = prefill(producer, body(first))
+    colocated = text_of(producer, "/v1/completions", body(other))
+    pulled0, _ = moved(consumer)
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(other, kv_transfer_params=params)) == colocated
+    assert moved(consumer)[0] == pulled0
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1

@@ -38,6 +38,7 @@ MAX_PULL_REQUEST_BYTES = 1 << 20  # a KVPull is a few ids: anything larger is no
 class Lease:
     block_ids: list[int]
     deadline: float  # time.monotonic()
+    token_ids: list[int]  # the prompt tokens the blocks hold (block_size each)
 
 
 class Leases:
@@ -48,9 +49,9 @@ class Leases:
         self._leases: dict[str, Lease] = {}
         self.done: queue.SimpleQueue[list[int]] = queue.SimpleQueue()  # served: the core releases them
 
-    def add(self, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+    def add(self, transfer_id: str, block_ids: list[int], deadline: float, token_ids: list[int]) -> None:
         with self._lock:
-            self._leases[transfer_id] = Lease(block_ids, deadline)
+            self._leases[transfer_id] = Lease(block_ids, deadline, token_ids)
 
     def take(self, transfer_id: str) -> Lease | None:
         with self._lock:
@@ -121,8 +122,9 @@ class BlockServer(threading.Thread):
         if lease is None:
             return no(f"no blocks held for {pull.transfer_id} (pulled already, or past the lease)")
         try:
-            if not set(pull.block_ids) <= set(lease.block_ids):
-                return no("asked for blocks outside the transfer")
+            problem = _mismatch(pull, lease)
+            if problem:
+                return no(problem)
             data = self.read(pull.block_ids)
         finally:
             self.leases.done.put(lease.block_ids)
@@ -131,6 +133,22 @@ class BlockServer(threading.Thread):
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _mismatch(pull: KT.KVPull, lease: Lease) -> str | None:
+    """Why ``pull`` may not have these blocks: they must be the lease's blocks that end where the consumer's
+    tokens end, and its tokens must be the ones the prefill computed them from."""
+    if not pull.block_ids:
+        return None  # a release: nothing is read
+    n, held = len(pull.token_ids), len(lease.token_ids) // max(1, len(lease.block_ids))
+    end = n // held if held else 0
+    if not held or n % held or end > len(lease.block_ids) or len(pull.block_ids) > end:
+        return "the blocks asked for are not this transfer's"
+    if lease.block_ids[end - len(pull.block_ids):end] != pull.block_ids:
+        return "the blocks asked for are not this transfer's"
+    if lease.token_ids[:n] != pull.token_ids:
+        return "the prompt differs from the one prefilled: its KV does not apply"
+    return None
 
 
 @dataclass(slots=True)
@@ -142,6 +160,7 @@ class PullJob:
     transfer_id: str
     block_ids: list[int]  # the producer's, in position order
     first: int  # position (in blocks) of the first one in the prompt
+    token_ids: list[int]  # the consumer's prompt through the last block wanted (the producer checks them)
 
 
 @dataclass(slots=True)
@@ -183,7 +202,7 @@ class BlockPuller(threading.Thread):
             secure_zmq_client(sock, self.token, PURPOSE)
             host = f"[{job.host}]" if ":" in job.host and not job.host.startswith("[") else job.host
             sock.connect(f"tcp://{host}:{job.port}")
-            sock.send(KT.encode(KT.KVPull(job.engine_id, job.transfer_id, job.block_ids)))
+            sock.send(KT.encode(KT.KVPull(job.engine_id, job.transfer_id, job.block_ids, job.token_ids)))
             if not sock.poll(int(self.timeout_s * 1000)):
                 return None, f"no answer from {job.host}:{job.port} in {self.timeout_s:g} s"
             frames = sock.recv_multipart(copy=True)

@@ -106,7 +106,8 @@ class KVTransfer:
         blocks = req.block_ids[:min(req.num_prompt_tokens, req.num_computed_tokens) // self.block_size]
         if blocks:
             self.kv.hold(blocks)
-            self.leases.add(req.request_id, list(blocks), time.monotonic() + self.cfg.lease_s)
+            self.leases.add(req.request_id, list(blocks), time.monotonic() + self.cfg.lease_s,
+                            req.prompt_token_ids[:len(blocks) * self.block_size])
             self.metrics.pending.set(len(self.leases))
         self.params_out[req.request_id] = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_block_ids=list(blocks),
@@ -139,13 +140,14 @@ class KVTransfer:
         want = min((req.num_tokens - 1) // self.block_size, len(remote))
         have = len(self.kv.get_computed_prefix(req)[0])
         job = PullJob(req.request_id, params.remote_host or "", params.remote_port or 0,
-                      params.remote_engine_id or "", params.remote_request_id or "", [], have)
+                      params.remote_engine_id or "", params.remote_request_id or "", [], have, [])
         if have >= want:
             job.request_id = ""  # nothing to move: only tell the producer to free its lease
             self.puller.jobs.put(job)
             self.metrics.local_blocks.inc(want)
             return False
         job.block_ids = remote[have:want]
+        job.token_ids = req.prompt_token_ids[:want * self.block_size]
         self.scheduler.add_request(req, parked=True)
         self.parked[req.request_id] = have
         self.puller.jobs.put(job)
