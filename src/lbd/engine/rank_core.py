@@ -52,6 +52,9 @@ def in_dp_group(args: EngineArgs, model_path: str) -> bool:
 def core_loop(args: EngineArgs, model_path: str) -> CoreLoop:
     """The loop this rank's core process runs: a DP-group member's, or a plain core's."""
     if in_dp_group(args, model_path):
+        if args.kv_transfer_config is not None:
+            raise SystemExit("--kv-transfer-config is not supported on the ranks of an MoE model's DP group "
+                             "(--data-parallel-size > 1): run P/D ranks as independent ranks")
         from lbd.engine.dp.rank import GroupMember
 
         return GroupMember(args, model_path)

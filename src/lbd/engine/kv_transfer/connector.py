@@ -37,6 +37,16 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # how long a step with only parked requests waits for a pull to land
 
 
+def _advertised_host(kv_ip: str) -> str:
+    """Where decode ranks reach the block server: ``kv_ip``, or for a wildcard this host's address."""
+    if not is_wildcard(kv_ip):
+        return kv_ip
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def attach(core: EngineCore) -> None:
     """Give ``core`` the connector of its ``--kv-transfer-config`` (nothing when unset); starts its threads.
     On failure the core is closed and the error raised."""
@@ -74,7 +84,7 @@ class KVTransfer:
         self.ctx = zmq.Context(io_threads=1)
         self.server: BlockServer | None = None
         self.puller: BlockPuller | None = None
-        self.host = socket.gethostbyname(socket.gethostname()) if is_wildcard(cfg.kv_ip) else cfg.kv_ip
+        self.host = _advertised_host(cfg.kv_ip)
         if cfg.produces:
             self.server = BlockServer(self.ctx, cfg.kv_ip, cfg.port_for(rank), token, self.engine_id,
                                       self.leases, self.io.read, self.io.layout, self.io.block_bytes,
