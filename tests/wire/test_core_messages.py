@@ -71,7 +71,7 @@ def test_unknown_fields_are_ignored(kind: bytes) -> None:
 def test_nested_unknown_fields_and_missing_defaults() -> None:
     """An output row of a newer core (one more column) and a request of an older front end (fewer sampling
     fields) both read."""
-    row = ["a", [5], None, "length", None, 0, None, 0.0, "new column"]
+    row = ["a", [5], None, "length", None, 0, None, 0.0, None, "new column"]
     stats = msgspec.to_builtins(CM.SchedulerStats())
     back = CM.decode(CM.OUTPUTS, msgspec.msgpack.encode([[row], stats, 7.0]))
     assert back.outputs[0].new_token_ids == [5] and back.outputs[0].timestamp == 7.0
@@ -101,4 +101,4 @@ def test_the_module_stands_alone() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(['lbd', 'lbd.wire', 'lbd.wire.codec', 'lbd.wire.core_messages',
-                                      'lbd.wire.dp', 'lbd.wire.tolerant'])
+                                      'lbd.wire.dp', 'lbd.wire.kv_transfer', 'lbd.wire.tolerant'])

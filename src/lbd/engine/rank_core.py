@@ -31,7 +31,12 @@ def make_runner(args: EngineArgs, model_path: str, **executor_options: Any) -> R
 def build_core(args: EngineArgs, model_path: str, metrics: Any = None, **executor_options: Any) -> EngineCore:
     """An EngineCore with the runner ``make_runner`` picks (tests and tools build a TP/PP core here)."""
     runner = make_runner(args, model_path, **executor_options)
-    return EngineCore.from_args(args, model_path, metrics=metrics, runner=runner)
+    core = EngineCore.from_args(args, model_path, metrics=metrics, runner=runner)
+    if args.kv_transfer_config is not None:
+        from lbd.engine.kv_transfer.connector import attach
+
+        attach(core)
+    return core
 
 
 def in_dp_group(args: EngineArgs, model_path: str) -> bool:
@@ -47,6 +52,9 @@ def in_dp_group(args: EngineArgs, model_path: str) -> bool:
 def core_loop(args: EngineArgs, model_path: str) -> CoreLoop:
     """The loop this rank's core process runs: a DP-group member's, or a plain core's."""
     if in_dp_group(args, model_path):
+        if args.kv_transfer_config is not None:
+            raise SystemExit("--kv-transfer-config is not supported on the ranks of an MoE model's DP group "
+                             "(--data-parallel-size > 1): run P/D ranks as independent ranks")
         from lbd.engine.dp.rank import GroupMember
 
         return GroupMember(args, model_path)

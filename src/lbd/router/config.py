@@ -133,6 +133,12 @@ class RouterConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # prefill/decode disaggregation (lbd.router.disagg)
+    pd_disaggregation: bool = False
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    pd_min_prompt_tokens: int = 256
+    pd_prefill_timeout_s: float = 60.0
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -148,7 +154,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
 
 def _upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:
     """--upstreams, checked; --upstreams-file is read here only to check it (the app follows it)."""
-    upstreams: list[Upstream] = []
+    upstreams: list[Upstream] = _pd_upstreams(p, ns)
     for item in (x for arg in ns.upstreams for x in arg.split(",") if x.strip()):
         try:
             upstreams.append(parse_upstream(item))
@@ -164,6 +170,27 @@ def _upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:
     elif not upstreams:
         p.error("--upstreams (or --upstreams-file) is required: e.g. --upstreams supervisor://127.0.0.1:9256")
     return upstreams
+
+
+def _pd_upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:
+    """--prefill and --decode: engine URLs, also upstreams; normalized back into ``ns`` (endpoint keys)."""
+    out: list[Upstream] = []
+    for flag in ("prefill", "decode"):
+        urls = []
+        for item in (x for arg in getattr(ns, flag) for x in arg.split(",") if x.strip()):
+            try:
+                up = parse_upstream(item)
+            except ValueError as e:
+                p.error(f"--{flag}: {e}")
+            if up.kind != "engine":
+                p.error(f"--{flag} {item}: give an engine rank's http(s):// URL (a supervisor's ranks say "
+                        "their roles in its /status)")
+            urls.append(up.url)
+            out.append(up)
+        setattr(ns, flag, tuple(urls))
+    if ns.pd_min_prompt_tokens < 0 or ns.pd_prefill_timeout_s <= 0:
+        p.error("--pd-min-prompt-tokens must be >= 0 and --pd-prefill-timeout-s > 0")
+    return out
 
 
 def _check_files_and_limits(p: OneLineParser, ns: argparse.Namespace) -> Limits:
@@ -256,8 +283,15 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout,
+        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns),
     )
+
+
+def _pd_settings(ns: argparse.Namespace) -> dict[str, object]:
+    """Prefill/decode disaggregation's settings (lbd.router.disagg); --prefill/--decode turn it on."""
+    return {"pd_disaggregation": bool(ns.pd_disaggregation or ns.prefill or ns.decode), "prefill": ns.prefill,
+            "decode": ns.decode, "pd_min_prompt_tokens": ns.pd_min_prompt_tokens,
+            "pd_prefill_timeout_s": ns.pd_prefill_timeout_s}
 
 
 def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:

@@ -33,6 +33,7 @@ class Endpoint:
     routable: bool = True  # the supervisor's word (ready); static endpoints: always
     draining: bool = False
     pid: int | None = None
+    role: str = "mixed"  # a supervisor's word: prefill, decode or mixed (lbd.router.disagg)
     # passive outlier detection (lbd.router.outlier)
     ejected_by: str = ""  # "health" (probes, scrapes, failed requests) or "outlier" (no first byte)
     waiting: dict[Any, float] = field(default_factory=dict)  # attempts without a first byte -> dispatched at

@@ -48,6 +48,20 @@ def make_parser() -> OneLineParser:
     )
     g.add_argument("--dns-refresh-interval-s", type=float, default=5.0,
                    help="how often supervisor+dns:// names are resolved again (supervisors come and go)")
+    g = p.add_argument_group("prefill/decode disaggregation (vllm-router's flags; lbd.router.disagg)")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill rank (http://host:port); repeatable; implies --vllm-pd-disaggregation")
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode rank (http://host:port); repeatable; implies --vllm-pd-disaggregation")
+    g.add_argument("--vllm-pd-disaggregation", "--pd-disaggregation", dest="pd_disaggregation",
+                   action="store_true",
+                   help="run chat/completions in two stages (prefill rank, then decode rank) with vLLM's "
+                        "kv_transfer_params; roles from --prefill/--decode or the supervisors' /status")
+    g.add_argument("--pd-min-prompt-tokens", type=int, default=256,
+                   help="prompts estimated shorter than this run colocated on one rank (moving their KV "
+                        "costs more than it saves)")
+    g.add_argument("--pd-prefill-timeout-s", type=float, default=60.0,
+                   help="a prefill stage not answered by then runs the request colocated")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="bind address")
     g.add_argument("--port", type=int, default=8080, help="listen port")

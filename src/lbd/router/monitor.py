@@ -300,6 +300,7 @@ class Monitor:
             ep = self.state.add(url, source, r.rank)
             routable = bool(r.routable)
             ep.draining = r.state is RankState.DRAINING
+            ep.role = r.role.value
             pid = r.pid
             new_pid = pid is not None and ep.pid is not None and pid != ep.pid
             if new_pid:  # seen while it starts, too: nothing the old process cached is there any more

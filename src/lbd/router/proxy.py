@@ -34,6 +34,7 @@ from lbd.common.limits import PeerReadTooLarge, read_upstream
 from lbd.policies import Decision, Refusal, RequestFacts, route
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
+from lbd.router.disagg import Disagg
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
@@ -89,6 +90,7 @@ class Proxy:
         self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
         self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
+        self.disagg = Disagg(state) if cfg.pd_disaggregation else None  # lbd.router.disagg
 
     # ---- entry --------------------------------------------------------------------------------------
     def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> Awaitable[None]:
@@ -116,6 +118,8 @@ class Proxy:
         pending = self.facts(rr)
         if pending is not None:
             await pending
+        if self.disagg is not None:
+            await self.disagg.prepare(rr)
         failure: Failure | None = None
         for n in range(self.cfg.max_retries + 1):
             decision = self.decide(rr, n, failure is not None)
@@ -218,6 +222,7 @@ class Proxy:
             cap = self.cfg.max_streams_per_endpoint
             rr.exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
             rr.full = len(rr.exclude)
+            rr.exclude.extend(rr.pd_exclude)
             trial = state.outliers.trial_for(rr.facts)
         if trial is not None:
             decision: Decision | Refusal = Decision(trial.snapshot(state.shared, self.loop.time()),

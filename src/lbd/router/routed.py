@@ -44,6 +44,7 @@ class RoutedRequest:
     snaps: list[EndpointSnapshot] = field(init=False)
     exclude: list[str] = field(init=False)  # keys: full (--max-streams-per-endpoint) or failed it
     full: int = 0  # how many of ``exclude`` were full when the request arrived
+    pd_exclude: list[str] = field(default_factory=list)  # a disaggregated decode stage's non-decode ranks
 
 
 @dataclass(slots=True)

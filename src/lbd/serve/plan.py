@@ -400,6 +400,8 @@ def _route_argv(ns: argparse.Namespace, role: NodeRole, needed: int) -> list[str
         argv += ["--max-num-queued-tokens", str(ns.max_num_queued_tokens)]
     if getattr(ns, "otlp_traces_endpoint", None):  # the router's span is the engine span's parent
         argv += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
+    if getattr(ns, "prefill_ranks", None) or getattr(ns, "decode_ranks", None):  # a P/D node: two stages
+        argv.append("--vllm-pd-disaggregation")
     return argv
 
 

@@ -51,6 +51,7 @@ from lbd.supervisor.flags import (
     make_parser,
 )
 from lbd.supervisor.moe import GroupFlagError, GroupSpec, plan_group
+from lbd.supervisor.roles import RoleError, plan_roles, role_flags
 
 WILDCARD_HOSTS = {None, "", "0.0.0.0", "::"}
 
@@ -70,6 +71,7 @@ class RankSpec:
     bind_host: str | None  # the engine's --host (None: all interfaces)
     engine: str = "lbd"  # --rank-engine ("command" for --rank-command)
     scheme: str = "http"  # https when the ranks serve TLS (--ssl-certfile)
+    role: str = "mixed"  # lbd.wire.roles.RankRole's value (lbd.supervisor.roles)
 
     @property
     def probe_url(self) -> str:
@@ -301,6 +303,10 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         secrets = key_env(ns.rank_engine, ns.rank_command, keys)
     except EngineFlagError as e:
         raise SupervisorArgError(str(e)) from None
+    try:
+        roles = plan_roles(ns, local)
+    except RoleError as e:
+        raise SupervisorArgError(str(e)) from None
     specs = []
     for i in range(local):
         devices = slices[i].split(",") if slices[i] is not None else None
@@ -311,6 +317,7 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         except EngineFlagError as e:
             raise SupervisorArgError(str(e)) from None
         child_env.update(secrets)
+        argv = argv + role_flags(roles[i])
         if ns.rank_engine == "lbd" and ns.rank_command is None and env.get(INTERNAL_KEY_ENV):
             child_env[INTERNAL_KEY_ENV] = env[INTERNAL_KEY_ENV]  # a Ray-placed rank inherits nothing of ours
         child_env.update(group.child_env() if group is not None else {})
@@ -318,7 +325,7 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),
                               probe_host=probe_host_for(ns.host), bind_host=ns.host,
                               engine="command" if ns.rank_command else ns.rank_engine,
-                              scheme="https" if ns.ssl_certfile else "http"))
+                              scheme="https" if ns.ssl_certfile else "http", role=roles[i].value))
     return specs
 
 

@@ -123,6 +123,11 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                    help="what each rank runs: lbd's engine, vLLM's OpenAI server (vllm serve) or SGLang's "
                         "(python3 -m sglang.launch_server), each with its own flags for port, DP rank and "
                         "devices; engine flags are translated, or refused when the engine has no equivalent")
+    g.add_argument("--prefill-ranks", default=None, metavar="I[,I...]",
+                   help="local ranks that prefill for other ranks' decodes (KV producers: their "
+                        "--kv-transfer-config is set); /status names their role")
+    g.add_argument("--decode-ranks", default=None, metavar="I[,I...]",
+                   help="local ranks that decode prompts prefilled elsewhere (KV consumers)")
     g.add_argument("--rank-command", default=None, metavar="TEMPLATE",
                    help="run this command per rank instead; placeholders {model} {served_model_name} {host} "
                         "{port} {rank} {local_rank} {dp_size} {dp_size_local} {devices} {cpus} {tp} {pp}")

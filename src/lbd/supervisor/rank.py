@@ -24,6 +24,7 @@ from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
 from lbd.supervisor.process import RankProcess
 from lbd.wire.events import RankEvent, RankEventKind
+from lbd.wire.roles import RankRole
 from lbd.wire.states import RankState
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class RankWorker:
             engine=self.spec.engine, workers=list(self.workers), attempts=self.attempts,
             backoff_s=self.backoff_s, stderr_tail=list(tail), error_lines=list(errors),
             command=redact_argv(self.spec.argv),
-            kv_event_sources=self.kv_event_sources,
+            kv_event_sources=self.kv_event_sources, role=RankRole(self.spec.role),
         )
 
     def why_not_ready(self) -> str:

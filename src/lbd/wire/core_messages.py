@@ -25,6 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from lbd.wire.dp import DPStatus
+from lbd.wire.kv_transfer import KVTransferParams
 
 ADD, ABORT, HELLO, RESET = b"add", b"abort", b"hello", b"reset_prefix_cache"
 OUTPUTS, READY, ERROR, STATS, RESET_DONE, DP = b"outputs", b"ready", b"error", b"stats", b"reset_done", b"dp"
@@ -62,6 +63,7 @@ class EngineCoreRequest(msgspec.Struct):
     sampling: SamplingParams
     eos_token_id: int | None
     arrival_time: float  # time.time() at the front end
+    kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (lbd.wire.kv_transfer)
 
 
 class Abort(msgspec.Struct):
@@ -104,6 +106,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # outputs only: the front end turns them into vLLM's queue/prefill/decode/inference time histograms.
     timings: tuple[float, float, int] | None = None
     timestamp: float = 0.0  # when the core sent it: the message's, set by ``decode`` (sent as 0)
+    kv_transfer_params: KVTransferParams | None = None  # a finished prefill's, for its remote decode
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

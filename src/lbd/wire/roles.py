@@ -4,9 +4,10 @@
 ``head`` runs the registration service and the router, a ``headless`` node only ranks (``--headless``), a
 ``hybrid`` node its ranks and a router of its own (``--data-parallel-hybrid-lb``).
 
-``RankRole``: what one DP rank does with a request. Every rank today serves whole requests (prefill and
-decode); the enum is where a disaggregated deployment's roles would be named, and decodes a role this
-version does not know as ``unknown``.
+``RankRole``: what one DP rank does with a request: ``mixed`` serves whole requests (prefill and decode);
+in a disaggregated deployment ``prefill`` ranks run prompts and hand their KV blocks to ``decode`` ranks
+(``lbd supervise --prefill-ranks/--decode-ranks``). A role this version does not know decodes as
+``unknown``.
 """
 
 from __future__ import annotations
@@ -22,5 +23,7 @@ class NodeRole(TolerantEnum):
 
 
 class RankRole(TolerantEnum):
-    MIXED = "mixed"  # prefill and decode of its own requests: every rank today
+    MIXED = "mixed"  # prefill and decode of its own requests
+    PREFILL = "prefill"  # prompts only: a KV producer (--kv-transfer-config kv_producer)
+    DECODE = "decode"  # decodes of prompts prefilled elsewhere: a KV consumer
     UNKNOWN = "unknown"

@@ -18,7 +18,7 @@ from msgspec import UNSET, UnsetType, field
 
 from lbd.wire.codec import json_decoder
 from lbd.wire.dp import DPState, DPStatus, Wave
-from lbd.wire.roles import NodeRole
+from lbd.wire.roles import NodeRole, RankRole
 from lbd.wire.states import NodePhase, RankState, RollingState
 
 
@@ -68,6 +68,7 @@ class RankStatus(msgspec.Struct):
     kv_event_sources: dict[str, Any] | None = None  # vLLM's /kv_event_sources shape
     group: int | UnsetType = UNSET  # MoE members: the index of its entry in ``groups``
     node: str | UnsetType = UNSET  # lbd serve's head: the address of the node that reported it
+    role: RankRole = RankRole.MIXED  # prefill/decode disaggregation (lbd supervise --prefill-ranks ...)
 
     def __post_init__(self) -> None:
         if self.routable is None:

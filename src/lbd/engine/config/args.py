@@ -42,6 +42,7 @@ class EngineArgs:
     max_num_queued_tokens: int | None = None
     prefix_caching_hash_algo: str = "sha256"
     kv_events_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_events)
+    kv_transfer_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_transfer)
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -154,6 +155,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5567"}\' (tcp ports are offset by the DP rank)')
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation as vLLM\'s flag: \'{"kv_connector": "LbdConnector", '
+                        '"kv_role": "kv_producer|kv_consumer|kv_both"}\' (requests then carry '
+                        'kv_transfer_params; blocks move over TCP, loopback unless kv_ip says otherwise)')
     g.add_argument("--max-logprobs", type=int, default=20, help="largest top-k logprobs a request may ask")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
@@ -266,6 +271,10 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
                 offset_endpoint_port(cfg.replay_endpoint, args.rank)
         except ValueError as e:
             parser.error(str(e))
+    if args.kv_transfer_config is not None:
+        problem = kv_transfer_problem(args)
+        if problem:
+            parser.error(problem)
     problem = _limits.check_limits(_limits.limits_from(args)) or check_tls(
         args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     if problem:
@@ -273,6 +282,31 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     problem = parallel_flags_problem(args)
     if problem:
         parser.error(problem)
+
+
+def kv_transfer_problem(args: EngineArgs) -> str | None:
+    """``--kv-transfer-config``: its JSON, and the ranks it can run on (one device, a real model)."""
+    from lbd.common.cluster import is_loopback, read_cluster_token
+    from lbd.engine.config.kv_transfer import parse_kv_transfer_config
+
+    try:
+        cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
+    except ValueError as e:
+        return str(e)
+    if args.device == "sim":
+        return ("--kv-transfer-config needs a model's KV cache: --device sim ranks hold none; drop one of "
+                "the two")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        return ("--kv-transfer-config moves the blocks of one-device ranks only: drop it or run with "
+                "--tensor-parallel-size 1 --pipeline-parallel-size 1")
+    if cfg.consumes and not args.enable_prefix_caching:
+        return ("--kv-transfer-config: a kv_consumer (or kv_both) rank lands pulled blocks in its prefix "
+                "cache: drop --no-enable-prefix-caching")
+    if not is_loopback(cfg.kv_ip) and not read_cluster_token(None):
+        return (f"--kv-transfer-config: kv_ip {cfg.kv_ip} is beyond loopback and the KV blocks (every "
+                "prompt's cache) would travel unauthenticated: set LBD_CLUSTER_TOKEN (the same on producer "
+                "and consumer)")
+    return None
 
 
 def _numbers_problem(args: EngineArgs) -> str | None:

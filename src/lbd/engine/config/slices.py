@@ -58,6 +58,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     prefix_caching_hash_algo: str = "sha256"
+    kv_transfer_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_transfer)
 
 
 @dataclass(slots=True, frozen=True)

@@ -98,6 +98,21 @@ def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
                     host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
+class KVConnector(Protocol):
+    """Prefill/decode disaggregation's hooks into the core (``lbd.engine.kv_transfer.connector``, attached
+    above this package by ``lbd.engine.rank_core.build_core``)."""
+
+    def admit(self, req: Request) -> bool: ...
+
+    def poll(self, wait: bool = False) -> None: ...
+
+    def attach(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def advertised(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, model_path: str = "",
                  metrics: CoreMetrics | None = None) -> None:
@@ -105,6 +120,7 @@ class EngineCore:
         The core owns ``runner`` from here: ``close`` stops it, and so does a failed start."""
         self.model_path = model_path
         self.kv_events: KVEvents | None = None
+        self.kv_transfer: KVConnector | None = None  # set by lbd.engine.kv_transfer.connector.attach
         self.runner = runner
         self.engine_config = config
         try:
@@ -194,7 +210,8 @@ class EngineCore:
                         extra={"enable_prefix_caching": cfg.enable_prefix_caching,
                                "kv_cache_dtype": self.engine_config.cache.kv_cache_dtype,
                                "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
-                               "kv_events": self.kv_events.advertised() if self.kv_events else None})
+                               "kv_events": self.kv_events.advertised() if self.kv_events else None,
+                               "kv_transfer": self.kv_transfer.advertised() if self.kv_transfer else None})
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
@@ -206,7 +223,8 @@ class EngineCore:
         if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
             raise RequestRejected(f"Token id out of vocabulary (vocab_size={self.runner.vocab_size})", 400)
         try:
-            self.scheduler.add_request(req)
+            if self.kv_transfer is None or not self.kv_transfer.admit(req):
+                self.scheduler.add_request(req)
         except RequestRejected as e:
             if e.reason is not None and self.metrics is not None:
                 self.metrics.admission_rejection(e.reason)
@@ -231,6 +249,9 @@ class EngineCore:
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; stop the runner's worker processes, if it has any."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -253,6 +274,8 @@ class EngineCore:
         if own_step:
             prof.begin()
         batches, depth = self._batches, self._depth
+        if self.kv_transfer is not None:  # land pulled KV blocks; only parked requests: wait a moment
+            self.kv_transfer.poll(wait=not (self.scheduler.waiting or self.scheduler.running or batches))
         if len(batches) < depth:
             # PP: the live requests spread over `depth` micro-batches, so every stage has one to work on
             out = self.scheduler.schedule(None if depth == 1 else -(-len(self.scheduler.requests) // depth))
@@ -273,6 +296,8 @@ class EngineCore:
         # mark any, so its whole step (the workers' prepare .. sample, the broadcast, the wait) counts here
         prof.lap("forward")
         outputs = self.scheduler.update(out, sampled)
+        if self.kv_transfer is not None:
+            self.kv_transfer.attach(outputs)
         if self.kv_events is not None:
             self.kv_events.flush()
         prof.lap("update")
@@ -289,6 +314,12 @@ class EngineCore:
         """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
         if self.recorder is not None:
             self.recorder.flush()
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()  # served and expired leases go back even while idle
+
+    def flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _submit(self, out: SchedulerOutput) -> Any:
         if self._depth > 1:

@@ -210,15 +210,26 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Drop ``req``'s hold on all its blocks (finish, abort or preemption)."""
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
-        for b in reversed(req.block_ids):
+        self.release(req.block_ids[::-1])
+        req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def hold(self, block_ids: list[int]) -> None:
+        """One more hold on blocks a request still holds (a prefill's blocks kept for a remote decode,
+        ``lbd.engine.kv_transfer``); ``release`` drops it."""
+        for b in block_ids:
+            assert self.ref_cnt[b] > 0, "only blocks in use can be held"
+            self.ref_cnt[b] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one hold on each block, in the order given (the first freed is the first evicted)."""
+        for b in block_ids:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 if self.block_hash[b] is None:
                     self.free_plain.append(b)
                 else:
                     self.evictable[b] = None
-        req.block_ids = []
-        req.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); False, changing nothing, while any block is

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
+from lbd.wire.kv_transfer import KVTransferParams
 
 
 class RequestStatus(Enum):
@@ -38,6 +39,7 @@ class Request:
     queued_at: float = 0.0
     scheduled_at: float = 0.0
     num_preemptions: int = 0
+    kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (engine/kv_transfer)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -46,7 +48,7 @@ class Request:
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, client: bytes = b"", order: int = 0) -> Request:
         return cls(r.request_id, list(r.prompt_token_ids), r.sampling, r.eos_token_id, r.arrival_time, client,
-                   order=order)
+                   order=order, kv_transfer_params=r.kv_transfer_params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lbd.engine.config.slices import CacheConfig, SchedulerLimits
@@ -109,10 +110,16 @@ class Scheduler:
         self._waiting_tokens = 0
         self._next_order = 0
         self._prefill_budget = 0  # prefill tokens the step being scheduled may still take
+        # prefill/decode disaggregation (lbd.engine.kv_transfer): requests admitted but waiting for their KV
+        # blocks (not schedulable until ``unpark``), and a hook that sees each request finish before its
+        # blocks are freed
+        self.parked: dict[str, Request] = {}
+        self.on_finish: Callable[[Request], None] | None = None
 
     # ---- intake ---------------------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        """Queue ``req`` (raises RequestRejected with an HTTP status if it cannot be taken)."""
+    def add_request(self, req: Request, parked: bool = False) -> None:
+        """Queue ``req`` (raises RequestRejected with an HTTP status if it cannot be taken); ``parked``: admit
+        it but hold it back until ``unpark``."""
         cfg = self.config
         if req.request_id in self.requests:
             raise RequestRejected(f"Request id {req.request_id} is already running", 400)
@@ -139,8 +146,18 @@ class Scheduler:
         req.queued_at = time.time()
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        if parked:
+            self.parked[req.request_id] = req
+            return
         self.waiting.append(req)
         self._waiting_tokens += req.num_tokens
+
+    def unpark(self, request_id: str) -> None:
+        """A parked request joins the waiting queue (no-op when it is gone: aborted)."""
+        req = self.parked.pop(request_id, None)
+        if req is not None:
+            self.waiting.append(req)
+            self._waiting_tokens += req.num_tokens
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish the given requests now and free their blocks; returns the ids that were known."""
@@ -151,6 +168,8 @@ class Scheduler:
                 continue  # already finished or never seen: aborts race with completions
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif self.parked.pop(rid, None) is not None:
+                pass
             else:
                 self.waiting.remove(req)
                 self._waiting_tokens -= req.num_tokens
@@ -344,6 +363,8 @@ class Scheduler:
         c, reason = self.counters, req.finish_reason or "abort"
         c.finished += 1
         c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
+        if self.on_finish is not None:
+            self.on_finish(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
@@ -351,7 +372,7 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -359,7 +380,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv, c = self.kv, self.counters
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting) + len(self.parked),
                               kv_cache_usage=kv.usage, num_blocks=self.config.num_blocks,
                               block_size=self.config.block_size, prefix_cache_queries=kv.prefix_queries,
                               prefix_cache_hits=kv.prefix_hits, prompt_tokens=c.prompt_tokens,

@@ -94,7 +94,8 @@ class ChatFormatter:
                     "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
                     "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
         return {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
-                "model": self.model, "choices": choices, "usage": self.gen.usage()}
+                "model": self.model, "choices": choices, "usage": self.gen.usage(),
+                **self.gen.kv_transfer_field()}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,

@@ -87,7 +87,7 @@ class CompletionFormatter:
         choices = [{"index": s.index, "text": self._prefix(s) + "".join(self._text[s.index]),
                     "logprobs": self._logprobs[s.index].as_dict() if self.want_logprobs else None,
                     "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
-        return {**self._chunk(choices), "usage": self.gen.usage()}
+        return {**self._chunk(choices), "usage": self.gen.usage(), **self.gen.kv_transfer_field()}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._chunk([]), "usage": self.gen.usage()}

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -22,6 +23,7 @@ from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.tokenizer import IncrementalDetokenizer
 from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
+from lbd.wire.kv_transfer import params_to_obj
 
 
 @dataclass(slots=True)
@@ -58,7 +60,8 @@ class Generation:
                 self.seqs.append(seq)
                 self._by_id[rid] = seq
                 self._requests.append(EngineCoreRequest(rid, prompt.ids, self._sampling(prompt, i),
-                                                        state.eos_token_id, time.time()))
+                                                        state.eos_token_id, time.time(),
+                                                        common.kv_transfer_params))
 
     def _sampling(self, prompt: PromptInput, i: int) -> SamplingParams:
         sp = msgspec.structs.replace(self.common.sampling, max_tokens=prompt.max_tokens, n=1)
@@ -135,6 +138,13 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    def kv_transfer_field(self) -> dict[str, Any]:
+        """A response's ``kv_transfer_params`` (a finished prefill's, for its remote decode), else nothing."""
+        for s in self.seqs:
+            if s.kv_transfer_params is not None:
+                return {"kv_transfer_params": params_to_obj(s.kv_transfer_params)}
+        return {}
 
     def usage(self) -> dict[str, int]:
         p, c = self.prompt_tokens, self.completion_tokens

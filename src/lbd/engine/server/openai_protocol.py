@@ -10,6 +10,7 @@ import orjson
 from lbd.engine.server.errors import APIError, bad_request
 from lbd.engine.server.fields import Fields, is_int_list
 from lbd.wire.core_messages import SamplingParams
+from lbd.wire.kv_transfer import KVTransferParams, params_from_obj
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP_STRINGS = 64
@@ -40,6 +41,7 @@ class CommonParams:
     skip_special_tokens: bool
     logprobs: int | None  # top-k per token (0 = just the chosen token's), None = no logprobs
     sampling: SamplingParams
+    kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (vLLM's field)
 
 
 @dataclass(slots=True)
@@ -117,7 +119,33 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
         continuous_usage=bool(opts and opts.bool("continuous_usage_stats", False)),
         n=sampling.n, max_tokens=max_tokens, stop=f.str_list("stop", MAX_STOP_STRINGS),
         include_stop=f.bool("include_stop_str_in_output", False),
-        skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling)
+        skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling,
+        kv_transfer_params=kv_transfer_params(f.raw("kv_transfer_params"), sampling.n))
+
+
+def kv_transfer_params(raw: Any, n: int) -> KVTransferParams | None:
+    """vLLM's ``kv_transfer_params``, checked: 400 naming the field for a wrong type, a decode request without
+    where its blocks are, or more than one choice."""
+    if raw is None:
+        return None
+    try:
+        params = params_from_obj(raw)
+    except ValueError as e:
+        raise bad_request(str(e), "kv_transfer_params") from None
+    if params.do_remote_decode and params.do_remote_prefill:
+        raise bad_request("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
+                          "kv_transfer_params")
+    if params.do_remote_prefill:
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
+                               "remote_block_ids") if getattr(params, k) is None]
+        if missing:
+            raise bad_request(f"kv_transfer_params with do_remote_prefill needs {missing}: pass the "
+                              "kv_transfer_params of the prefill's response", "kv_transfer_params")
+        if not 0 < params.remote_port < 65536:
+            raise bad_request("kv_transfer_params.remote_port must be a port number", "kv_transfer_params")
+    if (params.do_remote_decode or params.do_remote_prefill) and n != 1:
+        raise bad_request("kv_transfer_params needs n=1", "n")
+    return params
 
 
 def parse_message(m: Any, i: int) -> dict[str, Any]:

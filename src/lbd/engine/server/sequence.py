@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from lbd.engine.tokenizer import IncrementalDetokenizer
 from lbd.wire.core_messages import EngineCoreOutput, TokenLogprobs
+from lbd.wire.kv_transfer import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class Sequence:
 
     __slots__ = ("index", "prompt_index", "request_id", "prompt_ids", "detok", "num_tokens", "finish_reason",
                  "stop_reason", "first_time", "last_time", "core_done", "num_cached", "timings",
-                 "first_core_ts", "last_core_ts")
+                 "first_core_ts", "last_core_ts", "kv_transfer_params")
 
     def __init__(self, index: int, prompt_index: int, request_id: str, prompt_ids: list[int],
                  detok: IncrementalDetokenizer) -> None:
@@ -47,6 +48,7 @@ class Sequence:
         self.timings: tuple[float, float, int] | None = None  # (queued, scheduled, preemptions), core clock
         self.first_core_ts = 0.0  # core wall-clock times of the outputs with the first and latest tokens
         self.last_core_ts = 0.0
+        self.kv_transfer_params: KVTransferParams | None = None  # a finished prefill's, for its decode
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,7 @@ class Sequence:
         self.num_tokens += len(ids)
         if out.finish_reason is not None:
             self.core_done = True
+            self.kv_transfer_params = out.kv_transfer_params
             if self.finish_reason is None:
                 self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         lps = out.new_logprobs[: len(ids)] if out.new_logprobs is not None else None

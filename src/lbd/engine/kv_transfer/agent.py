@@ -1,0 +1,221 @@
+"""The two threads beside the core loop that move KV blocks between ranks, over TCP through ZMQ.
+
+``BlockServer`` (a producer): a ROUTER socket on ``kv_ip:kv_port``; each ``KVPull`` names a lease (the
+blocks a finished prefill left held for its decode) and the blocks wanted; the answer is a header and the
+blocks' bytes. A lease is served once: then its blocks go back to the core (``done``), which releases them.
+``BlockPuller`` (a consumer): one DEALER per pull, a deadline, an answer capped in size (ZMQ's MAXMSGSIZE);
+whatever goes wrong (timeout, producer gone, wrong layout) comes back as a failed ``PullResult``, and the
+core recomputes that prefill itself. Beyond loopback both ends are CURVE-secured with keys derived from the
+cluster token (``lbd.common.cluster``), so only token holders read anyone's KV.
+
+Why ZMQ TCP and not shared memory: the ranks of a P/D pair are on different hosts as often as not, one
+transport serves both, and on one host the copy out of the cache and into the other costs more than the
+loopback hop (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from lbd.common.cluster import secure_zmq_client, secure_zmq_server
+from lbd.wire import kv_transfer as KT
+
+logger = logging.getLogger(__name__)
+
+PURPOSE = "kv-transfer"
+POLL_MS = 100
+MAX_PULL_REQUEST_BYTES = 1 << 20  # a KVPull is a few ids: anything larger is not one
+
+
+@dataclass(slots=True)
+class Lease:
+    block_ids: list[int]
+    deadline: float  # time.monotonic()
+    token_ids: list[int]  # the prompt tokens the blocks hold (block_size each)
+
+
+class Leases:
+    """Blocks held for pulls, by transfer id; shared by the core thread and the server thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.done: queue.SimpleQueue[list[int]] = queue.SimpleQueue()  # served: the core releases them
+
+    def add(self, transfer_id: str, block_ids: list[int], deadline: float, token_ids: list[int]) -> None:
+        with self._lock:
+            self._leases[transfer_id] = Lease(block_ids, deadline, token_ids)
+
+    def take(self, transfer_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.pop(transfer_id, None)
+
+    def expired(self, now: float) -> list[list[int]]:
+        """Pop the leases past their deadline; their blocks, for the core to release."""
+        with self._lock:
+            gone = [tid for tid, lease in self._leases.items() if lease.deadline <= now]
+            return [self._leases.pop(tid).block_ids for tid in gone]
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+class BlockServer(threading.Thread):
+    """Serves leased blocks to consumers; ``read`` turns block ids into bytes (``KVBlockIO.read``)."""
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int, token: str | None, engine_id: str,
+                 leases: Leases, read: Callable[[list[int]], memoryview], layout: str, block_bytes: int,
+                 on_served: Callable[[int], None]) -> None:
+        super().__init__(name="kv-block-server", daemon=True)
+        self.engine_id, self.leases, self.read = engine_id, leases, read
+        self.layout, self.block_bytes, self.on_served = layout, block_bytes, on_served
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PULL_REQUEST_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        secure_zmq_server(self.sock, token, PURPOSE)
+        bare = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        if port:
+            self.sock.bind(f"tcp://{bare}:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{bare}")
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.sock.poll(POLL_MS):
+                    frames = self.sock.recv_multipart()
+                    if len(frames) == 2:
+                        self._serve(frames[0], frames[1])
+        except zmq.ZMQError as e:
+            if not self._stop.is_set():
+                logger.error("KV block server stopped: %s", e)
+        finally:
+            self.sock.close(linger=0)
+
+    def _serve(self, ident: bytes, payload: bytes) -> None:
+        try:
+            pull = KT.decode_pull(payload)
+        except ValueError:
+            return  # not a pull: nothing to answer
+        header, data = self._answer(pull)
+        self.sock.send_multipart([ident, KT.encode(header), data], copy=False)
+        if header.ok:
+            self.on_served(len(data))
+
+    def _answer(self, pull: KT.KVPull) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
+        def no(error: str) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
+            return KT.KVBlocksHeader(pull.transfer_id, False, error), b""
+
+        if pull.engine_id != self.engine_id:
+            return no(f"engine {pull.engine_id} is not this one ({self.engine_id}): restarted?")
+        lease = self.leases.take(pull.transfer_id)
+        if lease is None:
+            return no(f"no blocks held for {pull.transfer_id} (pulled already, or past the lease)")
+        try:
+            problem = _mismatch(pull, lease)
+            if problem:
+                return no(problem)
+            data = self.read(pull.block_ids)
+        finally:
+            self.leases.done.put(lease.block_ids)
+        return KT.KVBlocksHeader(pull.transfer_id, True, layout=self.layout, block_bytes=self.block_bytes,
+                                 num_blocks=len(pull.block_ids)), data
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _mismatch(pull: KT.KVPull, lease: Lease) -> str | None:
+    """Why ``pull`` may not have these blocks: they must be the lease's blocks that end where the consumer's
+    tokens end, and its tokens must be the ones the prefill computed them from."""
+    if not pull.block_ids:
+        return None  # a release: nothing is read
+    n, held = len(pull.token_ids), len(lease.token_ids) // max(1, len(lease.block_ids))
+    end = n // held if held else 0
+    if not held or n % held or end > len(lease.block_ids) or len(pull.block_ids) > end:
+        return "the blocks asked for are not this transfer's"
+    if lease.block_ids[end - len(pull.block_ids):end] != pull.block_ids:
+        return "the blocks asked for are not this transfer's"
+    if lease.token_ids[:n] != pull.token_ids:
+        return "the prompt differs from the one prefilled: its KV does not apply"
+    return None
+
+
+@dataclass(slots=True)
+class PullJob:
+    request_id: str  # the consumer's request
+    host: str
+    port: int
+    engine_id: str
+    transfer_id: str
+    block_ids: list[int]  # the producer's, in position order
+    first: int  # position (in blocks) of the first one in the prompt
+    token_ids: list[int]  # the consumer's prompt through the last block wanted (the producer checks them)
+
+
+@dataclass(slots=True)
+class PullResult:
+    job: PullJob
+    data: bytes | None  # None: failed
+    error: str = ""
+    seconds: float = 0.0
+
+
+class BlockPuller(threading.Thread):
+    """Runs pulls one after another; results go to ``results`` for the core thread."""
+
+    def __init__(self, ctx: zmq.Context, token: str | None, layout: str, block_bytes: int, timeout_s: float,
+                 max_bytes: int) -> None:
+        super().__init__(name="kv-block-puller", daemon=True)
+        self.ctx, self.token, self.layout, self.block_bytes = ctx, token, layout, block_bytes
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            t0 = time.monotonic()
+            try:
+                data, error = self._pull(job)
+            except zmq.ZMQError as e:
+                data, error = None, f"zmq: {e}"
+            self.results.put(PullResult(job, data, error, time.monotonic() - t0))
+
+    def _pull(self, job: PullJob) -> tuple[bytes | None, str]:
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_bytes, len(job.block_ids) * self.block_bytes + 4096))
+            secure_zmq_client(sock, self.token, PURPOSE)
+            host = f"[{job.host}]" if ":" in job.host and not job.host.startswith("[") else job.host
+            sock.connect(f"tcp://{host}:{job.port}")
+            sock.send(KT.encode(KT.KVPull(job.engine_id, job.transfer_id, job.block_ids, job.token_ids)))
+            if not sock.poll(int(self.timeout_s * 1000)):
+                return None, f"no answer from {job.host}:{job.port} in {self.timeout_s:g} s"
+            frames = sock.recv_multipart(copy=True)
+        finally:
+            sock.close(linger=0)
+        if len(frames) != 2:
+            return None, f"a malformed answer ({len(frames)} frames)"
+        header = KT.decode_header(frames[0])
+        if not header.ok:
+            return None, header.error
+        if header.layout != self.layout or len(frames[1]) != len(job.block_ids) * self.block_bytes:
+            return None, f"the producer's KV layout {header.layout} is not this rank's {self.layout}"
+        return frames[1], ""
+
+    def stop(self) -> None:
+        self.jobs.put(None)

@@ -1,0 +1,104 @@
+"""Prefill/decode disaggregation's wires: the HTTP ``kv_transfer_params`` (vLLM's field names) and the
+messages of the KV-block pull between two engine cores (ZMQ, msgpack).
+
+HTTP (vLLM's contract, as its disaggregation proxy and vllm-router's vLLM PD mode use it):
+- a prefill request carries ``kv_transfer_params`` with ``do_remote_decode: true`` (and ``max_tokens`` 1);
+- its response carries ``kv_transfer_params`` with ``do_remote_prefill: true``, ``remote_engine_id``,
+  ``remote_block_ids``, ``remote_host``, ``remote_port``, ``remote_request_id``, ``tp_size``;
+- the decode request carries those back; the decode rank pulls the blocks it lacks before its first step.
+
+Pull (consumer DEALER -> producer ROUTER): ``KVPull`` names the producer's engine id, the transfer (the
+prefill's request id) and the producer's block ids wanted; the answer is ``[KVBlocksHeader, data]``: the
+blocks' bytes in the order asked, each block ``block_bytes`` long, and the layout the bytes follow (both
+sides must agree on it, else the consumer recomputes). A pull of no blocks tells the producer to free them.
+Standard library and msgspec only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """``kv_transfer_params`` of a request or a response (vLLM's NixlConnector field names); fields this
+    version does not know are skipped."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[Any] | None = None  # ints, or one list of ints per KV-cache group
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1
+
+    def block_ids(self) -> list[int]:
+        """The producer's block ids (vLLM sends one list, or one list per KV-cache group: the first)."""
+        ids = self.remote_block_ids or []
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise ValueError("kv_transfer_params.remote_block_ids must be block ids (integers >= 0)")
+        return list(ids)
+
+
+class KVPull(msgspec.Struct):
+    """Consumer -> producer: the blocks of one transfer (beyond loopback the channel is CURVE-secured with
+    keys derived from the cluster token, ``lbd.common.cluster``). ``token_ids``: the consumer's prompt up to
+    the end of the last block wanted; the producer answers only if its prefill had exactly these tokens there
+    (a block's KV depends on every token before it), so no client can pair one prompt's KV with another's."""
+
+    engine_id: str
+    transfer_id: str
+    block_ids: list[int]
+    token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class KVBlocksHeader(msgspec.Struct):
+    """Producer -> consumer, the first frame of the answer; the second frame holds ``len(block_ids) *
+    block_bytes`` bytes when ``ok``."""
+
+    transfer_id: str
+    ok: bool
+    error: str = ""
+    layout: str = ""  # the KV layout the bytes follow (dtype, per-tensor block shapes)
+    block_bytes: int = 0
+    num_blocks: int = 0
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_PULL = msgspec.msgpack.Decoder(KVPull)
+_HEADER = msgspec.msgpack.Decoder(KVBlocksHeader)
+
+
+def encode(msg: object) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_pull(payload: bytes) -> KVPull:
+    """ValueError (msgspec.DecodeError) for a payload that is not a KVPull."""
+    return _PULL.decode(payload)
+
+
+def decode_header(payload: bytes) -> KVBlocksHeader:
+    return _HEADER.decode(payload)
+
+
+def params_from_obj(obj: Any) -> KVTransferParams:
+    """``kv_transfer_params`` as a client sent it (a JSON object); ValueError naming the field when a known
+    field has the wrong type."""
+    if not isinstance(obj, dict):
+        raise ValueError("kv_transfer_params must be a JSON object")
+    try:
+        params = msgspec.convert(obj, KVTransferParams, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"kv_transfer_params: {e}") from None
+    params.block_ids()
+    return params
+
+
+def params_to_obj(params: KVTransferParams) -> dict[str, Any]:
+    """The JSON object of a response's ``kv_transfer_params``, every field written (as vLLM does)."""
+    return {name: getattr(params, name) for name in params.__struct_fields__}

@@ -1,0 +1,270 @@
+"""Prefill/decode disaggregation end to end: real `lbd serve` ranks, a producer and a consumer, driven with
+vLLM's two-stage requests. Greedy output through the P/D path equals the colocated path's (tiny Llama and tiny
+Mixtral, streamed and not, with and without a prefix already on the decode rank, where only the missing
+blocks move); a producer killed before the pull leaves the decode to recompute; bad params get a 400."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from lbd.wire.kv_events import BlockStored, decode_batch
+from support.procs import EngineServer
+
+BLOCK = 16
+LEASE_S = 4.0  # the producer's lease on blocks nobody pulls
+COMMON = ("--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512", "--served-model-name", "tiny")
+
+
+def kv_config(role: str, **extra: float) -> str:
+    cfg: dict = {"kv_connector": "LbdConnector", "kv_role": role}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return json.dumps(cfg)
+
+
+def start(model: Path, role: str, log: Path, *args: str, **extra: float) -> EngineServer:
+    return EngineServer(model, *COMMON, "--kv-transfer-config", kv_config(role, **extra), *args, log=log)
+
+
+def events_config(folder: Path) -> tuple[str, str]:
+    """KV events on an ipc:// socket the engine binds (no port to pick)."""
+    return "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                             "endpoint": f"ipc://{folder}/events.sock"})
+
+
+@pytest.fixture(scope="module", params=["llama", "mixtral"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    model = request.getfixturevalue(f"tiny_{request.param}")
+    logs = tmp_path_factory.mktemp(f"pd-{request.param}")
+    producer = start(model, "kv_producer", logs / "p.log", lease_s=LEASE_S)
+    try:
+        consumer = start(model, "kv_consumer", logs / "d.log", *events_config(logs), pull_timeout_s=2.0)
+    except Exception:
+        producer.close()
+        raise
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+def metric(server: EngineServer, name: str, **labels: str) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 300) for _ in range(n)]
+
+
+def body(prompt: list[int], **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def post(server: EngineServer, path: str, data: dict) -> dict:
+    r = httpx.post(server.base_url + path, json=data, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(server: EngineServer, path: str, data: dict) -> str:
+    """The completion's text, read from the SSE stream when ``data`` asks for one."""
+    if not data.get("stream"):
+        choice = post(server, path, data)["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    out = []
+    with httpx.stream("POST", server.base_url + path, json=data, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    out.append(c.get("text") or c.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def prefill(producer: EngineServer, data: dict, path: str = "/v1/completions") -> dict:
+    """vLLM's proxy's first stage: the request, with do_remote_decode and one token, not streamed."""
+    first = {**data, "max_tokens": 1, "stream": False,
+             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                                    "remote_port": None}}
+    first.pop("stream_options", None)
+    params = post(producer, path, first)["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_port"] > 0
+    return params
+
+
+def moved(consumer: EngineServer) -> tuple[float, float]:
+    return (metric(consumer, "lbd:kv_transfer_blocks_total", direction="pulled"),
+            metric(consumer, "lbd:kv_transfer_blocks_total", direction="local"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_equals_colocated_and_moves_only_missing_blocks(pair, stream: bool) -> None:
+    producer, consumer = pair
+    seed = 1 + stream
+    base = prompt_ids(70, seed)  # 69 // 16 = 4 full blocks to move
+    data = body(base, stream=stream)
+    colocated = text_of(producer, "/v1/completions", body(base))
+    pulled0, local0 = moved(consumer)
+    params = prefill(producer, data)
+    assert len(params["remote_block_ids"]) == len(base) // BLOCK
+    assert text_of(consumer, "/v1/completions", {**data, "kv_transfer_params": params}) == colocated
+    pulled1, local1 = moved(consumer)
+    assert (pulled1 - pulled0, local1 - local0) == (4, 0)
+
+    longer = base + prompt_ids(40, seed + 100)  # 109 tokens: 6 blocks, the first 4 already on the consumer
+    colocated = text_of(producer, "/v1/completions", body(longer))
+    params = prefill(producer, body(longer, stream=stream))
+    out = text_of(consumer, "/v1/completions", body(longer, stream=stream, kv_transfer_params=params))
+    assert out == colocated
+    pulled2, local2 = moved(consumer)
+    assert (pulled2 - pulled1, local2 - local1) == (2, 4)
+    assert metric(consumer, "lbd:kv_transfer_bytes_per_token") > 0
+    assert metric(consumer, "lbd:kv_transfer_bytes_total", direction="pulled") > 0
+
+
+def test_vllm_proxy_two_stage_chat_field_for_field(pair) -> None:
+    """The requests exactly as vLLM's disaggregated-serving toy proxy sends them (chat, streamed decode)."""
+    producer, consumer = pair
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "proxy " * 40 + str(uuid.uuid4())}],
+               "max_completion_tokens": 10, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    whole = {k: v for k, v in request.items() if k != "stream_options"}
+    colocated = text_of(producer, "/v1/chat/completions", {**whole, "stream": False})
+    request_id = str(uuid.uuid4())
+    headers = {"Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY')}", "X-Request-Id": request_id}
+    req_data = request.copy()
+    req_data["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                      "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                                      "remote_port": None}
+    req_data["stream"] = False
+    req_data["max_tokens"] = 1
+    if "max_completion_tokens" in req_data:
+        req_data["max_completion_tokens"] = 1
+    if "stream_options" in req_data:
+        del req_data["stream_options"]
+    r = httpx.post(producer.base_url + "/v1/chat/completions", json=req_data, headers=headers, timeout=60)
+    r.raise_for_status()
+    kv_transfer_params = r.json().get("kv_transfer_params", {})
+    assert set(kv_transfer_params) >= {"do_remote_decode", "do_remote_prefill", "remote_engine_id",
+                                       "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+                                       "tp_size"}
+    decode = {**request, "kv_transfer_params": kv_transfer_params}
+    pulled0, _ = moved(consumer)
+    assert text_of(consumer, "/v1/chat/completions", decode) == colocated
+    assert moved(consumer)[0] > pulled0
+
+
+@pytest.mark.parametrize("params", [
+    "yes", {"do_remote_prefill": True}, {"remote_port": "x"}, {"remote_block_ids": ["a"]},
+    {"do_remote_decode": True, "do_remote_prefill": True},
+])
+def test_bad_kv_transfer_params_get_400(pair, params) -> None:
+    producer, consumer = pair
+    r = httpx.post(consumer.base_url + "/v1/completions",
+                   json=body(prompt_ids(20, 5), kv_transfer_params=params), timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("kv_transfer_params", "n")
+
+
+def test_killed_producer_decode_recomputes(pair, tiny_llama: Path, tmp_path: Path) -> None:
+    producer, consumer = pair
+    if "mixtral" in str(consumer.log):
+        pytest.skip("once is enough: the recompute path does not depend on the model")
+    doomed = start(tiny_llama, "kv_producer", tmp_path / "doomed.log")
+    try:
+        base = prompt_ids(60, 77)
+        colocated = text_of(producer, "/v1/completions", body(base))
+        params = prefill(doomed, body(base))
+    finally:
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.close()
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+
+
+def test_unpulled_leases_are_counted_then_freed(pair) -> None:
+    producer, _ = pair
+    expired0 = metric(producer, "lbd:kv_transfer_expired_leases_total")
+    prefill(producer, body(prompt_ids(40, 99)))
+    assert metric(producer, "lbd:kv_transfer_pending_leases") >= 1
+    deadline = time.monotonic() + LEASE_S + 10
+    while metric(producer, "lbd:kv_transfer_pending_leases") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(producer, "lbd:kv_transfer_pending_leases") == 0
+    assert metric(producer, "lbd:kv_transfer_expired_leases_total") == expired0 + 1
+
+
+def test_pulls_beyond_loopback_need_the_cluster_token(pair) -> None:
+    """The producer's address comes from the client: without LBD_CLUSTER_TOKEN a consumer pulls only over
+    loopback, and recomputes otherwise."""
+    producer, consumer = pair
+    base = prompt_ids(50, 4242)
+    colocated = text_of(producer, "/v1/completions", body(base))
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+              "remote_block_ids": [1, 2, 3], "remote_host": "192.0.2.1", "remote_port": 9,
+              "remote_request_id": "r", "tp_size": 1}
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+
+
+def test_moved_blocks_are_published_as_kv_events(pair) -> None:
+    """Pulled blocks enter the decode rank's prefix cache as one BlockStored run of the prompt's tokens."""
+    producer, consumer = pair
+    endpoint = re.search(r'"endpoint": "([^"]+)"', " ".join(consumer.proc.args)).group(1)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        sub.connect(endpoint)
+        time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+        base = prompt_ids(70, 31337)  # 4 full blocks to move
+        params = prefill(producer, body(base))
+        text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params))
+        runs = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and base[:4 * BLOCK] not in runs:
+            try:
+                _, _, payload = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            batch, _ = decode_batch(payload)
+            runs += [ev.token_ids for ev in batch.events if isinstance(ev, BlockStored)]
+        assert base[:4 * BLOCK] in runs
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_a_decode_of_another_prompt_gets_no_blocks(pair) -> None:
+    """Params of one prompt's prefill sent with another prompt: the producer refuses the pull (its KV was
+    computed from other tokens), the consumer recomputes, and its prefix cache holds no foreign KV."""
+    producer, consumer = pair
+    first, other = prompt_ids(70, 555), prompt_ids(70, 556)
+    params = prefill(producer, body(first))
+    colocated = text_of(producer, "/v1/completions", body(other))
+    pulled0, _ = moved(consumer)
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(other, kv_transfer_params=params)) == colocated
+    assert moved(consumer)[0] == pulled0
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
