@@ -43,6 +43,7 @@ class RoutedRequest:
     snaps: list[EndpointSnapshot] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)  # keys: full (--max-streams-per-endpoint) or failed it
     full: int = 0  # how many of ``exclude`` were full when the request arrived
+    move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ class CommonParams:
     skip_special_tokens: bool
     logprobs: int | None  # top-k per token (0 = just the chosen token's), None = no logprobs
     sampling: SamplingParams
+    return_token_ids: bool = False  # vLLM's field: prompt_token_ids and each choice's token_ids in the answer
 
 
 @dataclass(slots=True)
@@ -117,7 +118,8 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
         continuous_usage=bool(opts and opts.bool("continuous_usage_stats", False)),
         n=sampling.n, max_tokens=max_tokens, stop=f.str_list("stop", MAX_STOP_STRINGS),
         include_stop=f.bool("include_stop_str_in_output", False),
-        skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling)
+        skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling,
+        return_token_ids=f.bool("return_token_ids", False))
 
 
 def parse_message(m: Any, i: int) -> dict[str, Any]:

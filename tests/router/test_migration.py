@@ -1,0 +1,288 @@
+"""`lbd route` resumes a request on another rank when its rank fails mid-answer (lbd.router.migration).
+
+Two real engine ranks of the slower tiny Llama, each behind a stand-in for a flaky link (``LinkCut``), behind
+one `lbd route`. A greedy 200-token answer is broken after about 50 tokens by a rank SIGKILL, a link reset or
+a SIGKILL of the rank's core alone; the client's answer must equal the unbroken run's, with one ``[DONE]``,
+one ``id`` and ``usage.completion_tokens`` 200. A killed rank is started again on its port in the background
+while the next test runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from support.linkcut import LinkCut
+from support.procs import free_port, spawn, stop, wait_http
+
+MODEL = "tiny"
+TOKENS = 200
+BREAK_AT = 50
+PROMPT = "def add(a, b): return a + b # numbers 0123456789 and symbols"
+MESSAGES = [{"role": "user", "content": "Count the numbers 0123456789 and add them."}]
+FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--health-failure-threshold",
+        "1", "--scrape-interval-ms", "200", "--kv-events", "off", "--debug-headers")
+
+
+class Rank:
+    """One `python -m lbd.engine` on a fixed port (it starts again on the same one), behind a LinkCut."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.model, self.log = model, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.link = LinkCut(self.port)
+        self.proc: subprocess.Popen | None = None
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        self.ready.clear()
+        argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port),
+                "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB"]
+        self.proc = spawn(argv, log=self.log)
+        wait_http(self.url + "/health", timeout=180, proc=self.proc)
+        self.ready.set()
+
+    def restart_soon(self) -> None:
+        assert self.proc is not None
+        stop(self.proc, timeout=5)
+        threading.Thread(target=self.start, daemon=True).start()
+
+    def kill(self) -> None:
+        """SIGKILL the whole rank (its API server and core)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill_core(self) -> None:
+        """SIGKILL the rank's core process alone: its API server lives on and fails the core's requests."""
+        core = httpx.get(self.url + "/status", timeout=5).json()["core_pid"]
+        os.kill(core, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.link.close()
+        if self.proc is not None:
+            stop(self.proc)
+
+
+@pytest.fixture(scope="module")
+def ranks(slower_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
+    logs = tmp_path_factory.mktemp("ranks")
+    rs = [Rank(slower_llama, logs / f"rank{i}.log") for i in range(2)]
+    threads = [threading.Thread(target=r.start) for r in rs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert all(r.ready.is_set() for r in rs), "a rank did not start"
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+def start_router(ranks: list[Rank], log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    ups = ",".join(r.link.url for r in ranks)
+    proc = spawn([sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(port),
+                  "--upstreams", ups, *FAST, *extra], log=log)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", timeout=60, proc=proc)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def router(ranks: list[Rank], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, url = start_router(ranks, tmp_path_factory.mktemp("router") / "router.log")
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def all_ranks_serving(ranks: list[Rank], router: str) -> None:
+    """Both ranks up (a killed one was started again) and in the router's rotation."""
+    for r in ranks:
+        assert r.ready.wait(180), f"rank {r.url} did not come back"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        eps = httpx.get(router + "/router/status", timeout=5).json()["endpoints"]
+        if len(eps) == 2 and all(e["state"] == "ready" for e in eps):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"endpoints not all serving: {eps}")
+
+
+def body(kind: str, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                         "stream": stream, **extra}
+    if stream:
+        b["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        b["messages"] = MESSAGES
+    else:
+        b["prompt"] = PROMPT
+    return b
+
+
+def path(kind: str) -> str:
+    return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+
+def rank_of(ranks: list[Rank], endpoint: str) -> Rank:
+    return next(r for r in ranks if endpoint.rstrip("/").endswith(f":{r.link.port}"))
+
+
+def streamed(router: str, kind: str, fault: Any = None, **extra: Any) -> dict[str, Any]:
+    """One streamed request; ``fault(endpoint)`` runs once BREAK_AT chunks with text arrived."""
+    got: dict[str, Any] = {"text": "", "ids": set(), "done": 0, "errors": [], "usage": None, "finish": None,
+                           "created": set(), "models": set(), "chunks": 0}
+    with httpx.stream("POST", router + path(kind), json=body(kind, **extra), timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        endpoint = r.headers["x-lbd-endpoint"]
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                got["done"] += 1
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                got["errors"].append(ev["error"])
+                continue
+            got["ids"].add(ev["id"])
+            got["created"].add(ev["created"])
+            got["models"].add(ev["model"])
+            if ev.get("usage"):
+                got["usage"] = ev["usage"]
+            for c in ev["choices"]:
+                assert "token_ids" not in c and "prompt_token_ids" not in ev, "token ids leaked to the client"
+                text = c["text"] if kind == "cmpl" else c["delta"].get("content", "")
+                got["text"] += text or ""
+                got["finish"] = c.get("finish_reason") or got["finish"]
+                if text:
+                    got["chunks"] += 1
+                    if got["chunks"] == BREAK_AT and fault is not None:
+                        fault(endpoint)
+    return got
+
+
+@pytest.fixture(scope="module")
+def unbroken(router: str, ranks: list[Rank]) -> dict[str, dict[str, Any]]:
+    for r in ranks:
+        r.ready.wait(180)
+    return {kind: streamed(router, kind) for kind in ("cmpl", "chat")}
+
+
+def fault_of(name: str, ranks: list[Rank]) -> Any:
+    def fault(endpoint: str) -> None:
+        rank = rank_of(ranks, endpoint)
+        if name == "reset":
+            assert rank.link.reset() > 0
+            return
+        rank.kill() if name == "kill" else rank.kill_core()
+        time.sleep(0.2)
+        rank.restart_soon()
+
+    return fault
+
+
+def test_unbroken_runs_are_whole(unbroken: dict[str, dict[str, Any]]) -> None:
+    for got in unbroken.values():
+        assert got["done"] == 1 and not got["errors"] and got["usage"]["completion_tokens"] == TOKENS
+        assert got["finish"] == "length" and len(got["ids"]) == 1
+
+
+@pytest.mark.parametrize("kind", ["cmpl", "chat"])
+@pytest.mark.parametrize("fault", ["reset", "kill", "core"])
+def test_a_stream_broken_mid_answer_is_finished_elsewhere(router: str, ranks: list[Rank], unbroken: dict,
+                                                          kind: str, fault: str) -> None:
+    got = streamed(router, kind, fault_of(fault, ranks))
+    want = unbroken[kind]
+    assert not got["errors"], got["errors"]
+    assert got["text"] == want["text"]
+    assert got["done"] == 1
+    assert len(got["ids"]) == 1 and len(got["created"]) == 1 and got["models"] == {MODEL}
+    assert got["usage"]["completion_tokens"] == TOKENS
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["finish"] == "length"
+
+
+def busy_rank(ranks: list[Rank]) -> Rank:
+    """The rank with a request in flight (polled)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for r in ranks:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(r.url + "/load", timeout=2).json()["server_load"] > 0:
+                    return r
+        time.sleep(0.01)
+    raise AssertionError("no rank took the request")
+
+
+@pytest.mark.parametrize("fault", ["kill", "core"])
+def test_a_whole_answer_broken_mid_answer_is_answered_whole(router: str, ranks: list[Rank], unbroken: dict,
+                                                            fault: str) -> None:
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        result["r"] = httpx.post(router + "/v1/completions", json=body("cmpl", stream=False), timeout=120)
+
+    t = threading.Thread(target=call)
+    t.start()
+    rank = busy_rank(ranks)
+    time.sleep(0.05)
+    rank.kill() if fault == "kill" else rank.kill_core()
+    time.sleep(0.2)
+    rank.restart_soon()
+    t.join(120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["choices"][0]["text"] == unbroken["cmpl"]["text"]
+    assert data["usage"]["completion_tokens"] == TOKENS
+    assert "token_ids" not in data["choices"][0]
+
+
+def test_a_chat_with_tools_ends_with_an_error_naming_why(router: str, ranks: list[Rank]) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    got = streamed(router, "chat", fault_of("reset", ranks), tools=tools)
+    assert got["done"] == 1
+    assert len(got["errors"]) == 1
+    assert "tools" in got["errors"][0]["message"]
+
+
+def test_migration_limit_0_ends_the_stream_as_before(ranks: list[Rank], tmp_path: Path) -> None:
+    proc, url = start_router(ranks, tmp_path / "router0.log", "--migration-limit", "0")
+    try:
+        got = streamed(url, "cmpl", fault_of("reset", ranks))
+    finally:
+        stop(proc)
+    assert got["done"] == 1
+    assert [e["message"] for e in got["errors"]] == [
+        "upstream failed mid-stream (UpstreamError); the response is incomplete"]
+    assert got["usage"] is None
+
+
+def test_moves_are_counted(router: str) -> None:
+    status = httpx.get(router + "/router/status", timeout=5).json()["migrations"]
+    assert status["limit"] == 3
+    moves = status["moves"]
+    assert sum(n for by in moves.values() for n in by.values()) >= 7
+    assert sum(by.get("resumed", 0) for by in moves.values()) >= 6
+    assert any(by.get("impossible") for by in moves.values())
+    text = httpx.get(router + "/metrics", timeout=5).text
+    assert "lbd_router_migrations_total{" in text and "lbd_router_migration_gap_seconds_count" in text
