@@ -64,6 +64,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("lbd.router")
 
 RETRYABLE_CODES = frozenset({502, 503, 504})
+# a failure mid-stream as the client's error event names it (lbd.router.relay's words)
+_CAUSES = {
+    "reset": ("failed", "UpstreamError"),
+    "eof": ("failed", "EOF before [DONE]"),
+    "stall": ("stalled", "TimeoutError"),
+    "error_event": ("failed", "a retryable error event"),
+}
 _POLL_S = 0.05
 _DONE = b"data: [DONE]\n\n"
 
@@ -146,7 +153,7 @@ class Move:
         try:
             while True:
                 self.now = loop.time()
-                data = self._feed(chunk) if chunk else b""
+                data = self.feed(chunk) if chunk else b""
                 if data:
                     try:
                         await out.write(data)
@@ -179,7 +186,7 @@ class Move:
         except ConnectionResetError:
             raise ClientGone() from None
 
-    def _feed(self, chunk: bytes) -> bytes:
+    def feed(self, chunk: bytes) -> bytes:
         """The whole events in what arrived, as the client gets them (a partial event waits for its rest)."""
         buf = self._rest + chunk if self._rest else chunk
         events = buf.split(b"\n\n")
@@ -212,13 +219,15 @@ class Move:
                 self.broken = "error_event"
                 return None
             return ev + b"\n\n"
-        self.chunk(obj)
+        if not self.chunk(obj):  # (nothing to strip or rewrite: the rank's bytes as they were)
+            return ev + b"\n\n"
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    def chunk(self, obj: dict[str, Any]) -> None:
-        """Track one chunk (ids, text) and rewrite it for the client."""
+    def chunk(self, obj: dict[str, Any]) -> bool:
+        """Track one chunk (ids, text) and rewrite it for the client; False: it is unchanged."""
         keep = self.client_ids and not self.resuming
         prompt = obj.get("prompt_token_ids") if keep else obj.pop("prompt_token_ids", None)
+        changed = self.resuming or (prompt is not None and not keep)
         if self.ident is None:
             self.ident = (obj.get("id"), obj.get("created"), obj.get("model"))
         if self.resuming:
@@ -230,6 +239,7 @@ class Move:
             p = c.get("prompt_token_ids") if keep else c.pop("prompt_token_ids", None)
             prompt = prompt if prompt is not None else p
             ids = c.get("token_ids") if self.client_ids else c.pop("token_ids", None)
+            changed = changed or (p is not None and not keep) or (ids is not None and not self.client_ids)
             if self.resuming:
                 if self.kind == "chat":
                     choices[i] = c = as_chat_choice(c)
@@ -248,6 +258,7 @@ class Move:
         usage = obj.get("usage")
         if self.resuming and isinstance(usage, dict) and self.prompt_ids is not None:
             fix_usage(usage, len(self.prompt_ids), self.before)
+        return changed
 
 
 class Migrator:
@@ -291,7 +302,7 @@ class Migrator:
             d = await self._decide(rr, move)
             if d is None:
                 self.count(reason, "no_endpoint")
-                return await self._end(out, move, "no other rank can take it within --retry-budget-s")
+                return await self._end(out, move, "no other rank could take it within --retry-budget-s")
             move.resume_on()
             self._note(rr, move, reason, d)
             span = None
@@ -333,7 +344,7 @@ class Migrator:
             ), "impossible"
         limit = self.cfg.migration_limit
         if move.moves >= limit:
-            return f"it moved {move.moves} times already (--migration-limit {limit})", "limit"
+            return f"it was moved {move.moves} times already (--migration-limit {limit})", "limit"
         return None, ""
 
     def _note(self, rr: RoutedRequest, move: Move, reason: str, d: Decision) -> None:
@@ -380,12 +391,11 @@ class Migrator:
         return Decision(d.endpoint, "pin_fallback", d.detail) if pinned else d
 
     async def _end(self, out: Response, move: Move, why: str) -> None:
-        """The stream ends with an error event naming why it was not resumed."""
-        message = (
-            f"upstream {move.failed_url or move.failed_key} failed mid-stream ({move.broken}) and {why}; "
-            "the response is incomplete"
-        )
-        log.warning("%s", message)
+        """The stream ends with an error event: what failed (as without a move) and why it was not resumed."""
+        what, cause = _CAUSES.get(move.broken or "", ("failed", move.broken))
+        message = f"upstream {what} mid-stream ({cause}); the response is incomplete: {why}"
+        where = move.failed_url or move.failed_key
+        log.warning("upstream %s %s mid-stream (%s), not resumed: %s", where, what, cause, why)
         err = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
         if out.backed_up:
             out.abort()

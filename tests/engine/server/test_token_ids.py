@@ -1,0 +1,49 @@
+"""return_token_ids: a choice's ids are reported with their text, held back with it (a possible stop string)
+and all released when the choice finishes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lbd.engine.server.sequence import Delta
+from lbd.engine.server.token_ids import EmittedIds
+
+
+def delta(seq: SimpleNamespace, text: str, ids: list[int], pieces: list[str],
+          finished: bool = False) -> Delta:
+    """``pieces``: each token's text; the sequence's text grows by them (``text``: what went out)."""
+    offsets = []
+    for p in pieces:
+        offsets.append(seq.detok.length)
+        seq.detok.length += len(p)
+    return Delta(seq, text, ids, None, offsets, finished)  # type: ignore[arg-type]
+
+
+def seq() -> SimpleNamespace:
+    return SimpleNamespace(index=0, detok=SimpleNamespace(length=0))
+
+
+def test_ids_go_out_with_their_text() -> None:
+    s, e = seq(), EmittedIds(1)
+    assert e.take(delta(s, "ab", [1, 2], ["a", "b"])) == [1, 2]
+    assert e.take(delta(s, "c", [3], ["c"])) == [3]
+
+
+def test_held_back_text_holds_back_its_tokens() -> None:
+    s, e = seq(), EmittedIds(1)
+    assert e.take(delta(s, "ab", [1, 2, 3], ["ab", "S", "T"])) == [1]  # "ST" held back (stop "STOP"?)
+    assert e.take(delta(s, "", [4], ["x"])) == []
+    assert e.take(delta(s, "STx", [5], ["y"])) == [2, 3, 4]
+    assert e.take(delta(s, "y", [], [], finished=True)) == [5]
+
+
+def test_a_token_without_text_of_its_own_waits_for_the_next() -> None:
+    s, e = seq(), EmittedIds(1)
+    assert e.take(delta(s, "a", [1, 2], ["a", ""])) == [1]  # 2: half a character
+    assert e.take(delta(s, "é", [3], ["é"])) == [2, 3]
+
+
+def test_finishing_releases_everything() -> None:
+    s, e = seq(), EmittedIds(1)
+    assert e.take(delta(s, "", [1, 2], ["S", "T"])) == []
+    assert e.take(delta(s, "ST", [], [], finished=True)) == [1, 2]
