@@ -3,7 +3,9 @@
 The status and headers go out only with the answer's first body bytes, so an upstream that fails before
 those is still retried elsewhere (a ``Failure``). Once a byte went out there is no retry: a failure mid-stream
 ends the stream with a clear error (an SSE error event, or a cut connection for a sized body). A gap of
---stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way.
+--stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way. A streamed
+chat or completion that may move to another rank goes through ``lbd.router.migration`` instead, which resumes
+it there from the tokens already sent.
 """
 
 from __future__ import annotations
