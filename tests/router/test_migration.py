@@ -278,6 +278,56 @@ def test_migration_limit_0_ends_the_stream_as_before(ranks: list[Rank], tmp_path
     assert got["usage"] is None
 
 
+class Collector:
+    """A stand-in OTLP/HTTP traces receiver (POST /v1/traces, protobuf) in a thread: names and attributes."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        spans = self.spans = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                size = int(self.headers["Content-Length"])
+                req = ExportTraceServiceRequest.FromString(self.rfile.read(size))
+                for sp in (sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans):
+                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in sp.attributes}
+                    spans.append({"name": sp.name, "parent": sp.parent_span_id.hex(), "attrs": attrs})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_move_is_a_span_of_the_request(ranks: list[Rank], unbroken: dict, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    collector = Collector()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export every 50 ms
+    proc, url = start_router(ranks, tmp_path / "router-traced.log", "--otlp-traces-endpoint", collector.url)
+    try:
+        got = streamed(url, "chat", fault_of("reset", ranks))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(s["name"] == "lbd.route" for s in collector.spans):
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+        collector.server.shutdown()
+    assert got["text"] == unbroken["chat"]["text"] and not got["errors"]
+    moves = [s for s in collector.spans if s["name"] == "lbd.migrate"]
+    assert len(moves) == 1 and moves[0]["attrs"]["lbd.migration.reason"] == "reset"
+    assert moves[0]["attrs"]["lbd.migration.tokens_sent"] >= BREAK_AT
+    assert moves[0]["parent"]  # inside the request's span
+
+
 def test_moves_are_counted(router: str) -> None:
     status = httpx.get(router + "/router/status", timeout=5).json()["migrations"]
     assert status["limit"] == 3
