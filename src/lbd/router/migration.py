@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -71,6 +72,9 @@ _CAUSES = {
     "stall": ("stalled", "TimeoutError"),
     "error_event": ("failed", "a retryable error event"),
 }
+# a choice's ids as lbd's engine and vLLM write them (compact JSON); a quote in a string is escaped, so this
+# cannot match text
+_IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]')
 _POLL_S = 0.05
 _DONE = b"data: [DONE]\n\n"
 
@@ -86,6 +90,9 @@ class Move:
 
     def __init__(self, kind: str, data: dict[str, Any], client_ids: bool, impossible: str | None) -> None:
         self.kind, self.data, self.client_ids, self.impossible = kind, data, client_ids, impossible
+        # the usual event (one choice's ids, nothing else to rewrite) has its ids cut out of the bytes, not
+        # parsed and written again; ``chars`` is then not counted (only completions logprobs' offsets need it)
+        self.fast = not client_ids and not data.get("logprobs")
         self.prompt_ids: list[int] | None = None
         self.out_ids: list[int] = []
         self.ids_ok = True  # every event with text had its token ids
@@ -201,6 +208,13 @@ class Move:
         return b"".join(parts)
 
     def _event(self, ev: bytes) -> bytes | None:
+        if self.fast and not self.resuming and self.ident is not None:
+            m = _IDS.search(ev)
+            if m is not None and b"prompt_token_ids" not in ev:
+                ids = m.group(1)
+                if ids:
+                    self.out_ids.extend(map(int, ids.split(b",")))
+                return ev[: m.start()] + ev[m.end() :] + b"\n\n"
         if not ev.startswith(b"data:"):
             return ev + b"\n\n" if ev.strip() else None
         payload = ev[5:].strip()
