@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from lbd.router.migration import Move
+from support import metric_value
 from support.linkcut import LinkCut
 from support.procs import free_port, spawn, stop, wait_http
 from support.tiny import make_tiny_llama
@@ -235,6 +236,10 @@ def resumed(router: str) -> int:
     return sum(by.get("resumed", 0) for by in moves.values())
 
 
+def retried(router: str) -> float:
+    return metric_value(httpx.get(router + "/metrics", timeout=5).text, "lbd_router_retries_total")
+
+
 def busy_rank(ranks: list[Rank]) -> Rank:
     """The rank with a request in flight (polled)."""
     deadline = time.monotonic() + 30
@@ -255,6 +260,7 @@ def test_a_whole_answer_broken_mid_answer_is_answered_whole(router: str, ranks: 
     def call() -> None:
         result["r"] = httpx.post(router + "/v1/completions", json=body("cmpl", stream=False), timeout=120)
 
+    retries = retried(router)
     t = threading.Thread(target=call)
     t.start()
     rank = busy_rank(ranks)
@@ -269,6 +275,8 @@ def test_a_whole_answer_broken_mid_answer_is_answered_whole(router: str, ranks: 
     assert data["choices"][0]["text"] == unbroken["cmpl"]["text"]
     assert data["usage"]["completion_tokens"] == TOKENS
     assert "token_ids" not in data["choices"][0]
+    # it failed on the killed rank before its first byte, and was answered again elsewhere
+    assert retried(router) == retries + 1
 
 
 def test_a_chat_with_tools_ends_with_an_error_naming_why(router: str, ranks: list[Rank]) -> None:
