@@ -41,8 +41,8 @@ FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--
 class Rank:
     """One `python -m lbd.engine` on a fixed port (it starts again on the same one), behind a LinkCut."""
 
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log = model, log
+    def __init__(self, model: Path, log: Path, number: int) -> None:
+        self.model, self.log, self.number = model, log, number
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.link = LinkCut(self.port)
@@ -53,7 +53,8 @@ class Rank:
     def start(self) -> None:
         self.ready.clear()
         argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port),
-                "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB"]
+                "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB",
+                "--data-parallel-rank", str(self.number), "--data-parallel-size", "2"]
         self.proc = spawn(argv, log=self.log)
         wait_http(self.url + "/health", timeout=180, proc=self.proc)
         self.core_pid = httpx.get(self.url + "/status", timeout=5).json()["core_pid"]
@@ -86,7 +87,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
     model = make_tiny_llama(tmp_path_factory.mktemp("model"), layers=8, hidden=512, heads=8, kv_heads=2,
                             intermediate=2048, max_pos=1024)
     logs = tmp_path_factory.mktemp("ranks")
-    rs = [Rank(model, logs / f"rank{i}.log") for i in range(2)]
+    rs = [Rank(model, logs / f"rank{i}.log", i) for i in range(2)]
     threads = [threading.Thread(target=r.start) for r in rs]
     for t in threads:
         t.start()
@@ -153,11 +154,13 @@ def rank_of(ranks: list[Rank], endpoint: str) -> Rank:
     return next(r for r in ranks if endpoint.rstrip("/").endswith(f":{r.link.port}"))
 
 
-def streamed(router: str, kind: str, fault: Any = None, **extra: Any) -> dict[str, Any]:
+def streamed(router: str, kind: str, fault: Any = None, headers: dict[str, str] | None = None,
+             **extra: Any) -> dict[str, Any]:
     """One streamed request; ``fault(endpoint)`` runs once BREAK_AT chunks with text arrived."""
     got: dict[str, Any] = {"text": "", "ids": set(), "done": 0, "errors": [], "usage": None, "finish": None,
                            "created": set(), "models": set(), "chunks": 0}
-    with httpx.stream("POST", router + path(kind), json=body(kind, **extra), timeout=60) as r:
+    req = body(kind, **extra)
+    with httpx.stream("POST", router + path(kind), json=req, headers=headers, timeout=60) as r:
         assert r.status_code == 200, r.read()
         endpoint = r.headers["x-lbd-endpoint"]
         for line in r.iter_lines():
@@ -298,6 +301,35 @@ def test_migration_limit_0_ends_the_stream_as_before(ranks: list[Rank], tmp_path
     assert got["usage"] is None
 
 
+def test_a_stop_string_after_the_move_ends_the_answer_as_unbroken(router: str, ranks: list[Rank],
+                                                                   unbroken: dict) -> None:
+    text = unbroken["cmpl"]["text"]
+    # a stop string well after the break (the chunk of token 50 is at most a few characters a token in)
+    at = next(i for i in range(len(text) * 2 // 3, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    stop = text[at:at + 3]
+    want = streamed(router, "cmpl", stop=[stop])
+    assert want["text"] == text[:at] and want["finish"] == "stop"
+    before = resumed(router)
+    got = streamed(router, "cmpl", fault_of("reset", ranks), stop=[stop])
+    assert resumed(router) == before + 1
+    assert (got["text"], got["finish"], got["done"], got["errors"]) == (want["text"], "stop", 1, [])
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+
+
+def test_a_pinned_stream_moves_only_with_migrate_pinned(router: str, ranks: list[Rank], unbroken: dict,
+                                                        tmp_path: Path) -> None:
+    pin = {"X-data-parallel-rank": "1"}
+    got = streamed(router, "cmpl", fault_of("reset", ranks), headers=pin)
+    assert got["done"] == 1 and [e["message"] for e in got["errors"]] == [
+        "upstream failed mid-stream (UpstreamError); the response is incomplete"]
+    proc, url = start_router(ranks, tmp_path / "router-pinned.log", "--migrate-pinned")
+    try:
+        got = streamed(url, "cmpl", fault_of("reset", ranks), headers=pin)
+    finally:
+        stop(proc)
+    assert not got["errors"] and got["text"] == unbroken["cmpl"]["text"] and got["done"] == 1
+
+
 class Collector:
     """A stand-in OTLP/HTTP traces receiver (POST /v1/traces, protobuf) in a thread: names and attributes."""
 
@@ -352,7 +384,7 @@ def test_moves_are_counted(router: str) -> None:
     status = httpx.get(router + "/router/status", timeout=5).json()["migrations"]
     assert status["limit"] == 3
     moves = status["moves"]
-    assert sum(by.get("resumed", 0) for by in moves.values()) == 6, moves
+    assert sum(by.get("resumed", 0) for by in moves.values()) == 7, moves
     assert sum(by.get("impossible", 0) for by in moves.values()) == 1, moves
     text = httpx.get(router + "/metrics", timeout=5).text
     assert "lbd_router_migrations_total{" in text and "lbd_router_migration_gap_seconds_count" in text

@@ -1,5 +1,5 @@
-"""return_token_ids: a choice's ids are reported with their text, held back with it (a possible stop string)
-and all released when the choice finishes."""
+"""return_token_ids: a choice's ids are reported with their text, held back with it (a possible stop string),
+text goes out in whole tokens, and everything is released when the choice finishes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from lbd.engine.server.token_ids import EmittedIds
 
 def delta(seq: SimpleNamespace, text: str, ids: list[int], pieces: list[str],
           finished: bool = False) -> Delta:
-    """``pieces``: each token's text; the sequence's text grows by them (``text``: what went out)."""
+    """``pieces``: each token's text; the sequence's text grows by them (``text``: what the detokenizer let
+    go of)."""
     offsets = []
     for p in pieces:
         offsets.append(seq.detok.length)
@@ -25,25 +26,32 @@ def seq() -> SimpleNamespace:
 
 def test_ids_go_out_with_their_text() -> None:
     s, e = seq(), EmittedIds(1)
-    assert e.take(delta(s, "ab", [1, 2], ["a", "b"])) == [1, 2]
-    assert e.take(delta(s, "c", [3], ["c"])) == [3]
+    assert e.take(delta(s, "ab", [1, 2], ["a", "b"])) == ("ab", [1, 2])
+    assert e.take(delta(s, "c", [3], ["c"])) == ("c", [3])
 
 
 def test_held_back_text_holds_back_its_tokens() -> None:
     s, e = seq(), EmittedIds(1)
-    assert e.take(delta(s, "ab", [1, 2, 3], ["ab", "S", "T"])) == [1]  # "ST" held back (stop "STOP"?)
-    assert e.take(delta(s, "", [4], ["x"])) == []
-    assert e.take(delta(s, "STx", [5], ["y"])) == [2, 3, 4]
-    assert e.take(delta(s, "y", [], [], finished=True)) == [5]
+    assert e.take(delta(s, "ab", [1, 2, 3], ["ab", "S", "T"])) == ("ab", [1])  # "ST": a stop string's start?
+    assert e.take(delta(s, "", [4], ["x"])) == ("", [])
+    assert e.take(delta(s, "STx", [5], ["y"])) == ("STx", [2, 3, 4])
+    assert e.take(delta(s, "y", [], [], finished=True)) == ("y", [5])
+
+
+def test_a_token_s_text_is_never_sent_in_part() -> None:
+    s, e = seq(), EmittedIds(1)
+    assert e.take(delta(s, "aG", [1, 2], ["a", "Ger"])) == ("a", [1])  # "er" held back: "G" waits with it
+    assert e.take(delta(s, "er", [3], ["man"])) == ("Ger", [2])
+    assert e.take(delta(s, "man", [], [], finished=True)) == ("man", [3])
 
 
 def test_a_token_without_text_of_its_own_waits_for_the_next() -> None:
     s, e = seq(), EmittedIds(1)
-    assert e.take(delta(s, "a", [1, 2], ["a", ""])) == [1]  # 2: half a character
-    assert e.take(delta(s, "é", [3], ["é"])) == [2, 3]
+    assert e.take(delta(s, "a", [1, 2], ["a", ""])) == ("a", [1])  # 2: half a character
+    assert e.take(delta(s, "é", [3], ["é"])) == ("é", [2, 3])
 
 
 def test_finishing_releases_everything() -> None:
     s, e = seq(), EmittedIds(1)
-    assert e.take(delta(s, "", [1, 2], ["S", "T"])) == []
-    assert e.take(delta(s, "ST", [], [], finished=True)) == [1, 2]
+    assert e.take(delta(s, "", [1, 2], ["S", "T"])) == ("", [])
+    assert e.take(delta(s, "ST", [], [], finished=True)) == ("ST", [1, 2])

@@ -75,11 +75,11 @@ class ChatFormatter:
         return chunk
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        ids = self._ids.take(delta) if self._ids is not None else None
-        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        text, ids = self._ids.take(delta) if self._ids is not None else (delta.text, None)
+        if not text and not delta.finished and not (self.want_logprobs and delta.token_ids):
             return None
         choice: dict[str, Any] = {"index": delta.seq.index,
-                                  "delta": {"content": delta.text} if delta.text else {},
+                                  "delta": {"content": text} if text else {},
                                   "logprobs": self._lp(delta), "finish_reason": delta.seq.finish_reason}
         if delta.finished:
             choice["stop_reason"] = delta.seq.stop_reason
@@ -96,7 +96,7 @@ class ChatFormatter:
         i = delta.seq.index
         self._text[i].append(delta.text)
         if self._ids is not None:
-            self._out_ids[i].extend(self._ids.take(delta))
+            self._out_ids[i].extend(self._ids.take(delta)[1])
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
 

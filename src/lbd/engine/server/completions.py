@@ -69,8 +69,8 @@ class CompletionFormatter:
                              "finish_reason": None, "stop_reason": None}])
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        ids = self._ids.take(delta) if self._ids is not None else None
-        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        text, ids = self._ids.take(delta) if self._ids is not None else (delta.text, None)
+        if not text and not delta.finished and not (self.want_logprobs and delta.token_ids):
             return None
         lp = None
         if self.want_logprobs and delta.logprobs is not None:
@@ -78,7 +78,7 @@ class CompletionFormatter:
             acc.add(self.tok, delta.token_ids, delta.logprobs, delta.offsets, len(self._prefix(delta.seq)))
             lp = acc.as_dict()
         seq = delta.seq
-        choice = {"index": seq.index, "text": delta.text, "logprobs": lp,
+        choice = {"index": seq.index, "text": text, "logprobs": lp,
                   "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
         if ids is not None:
             self._with_ids(choice, seq, ids)
@@ -95,7 +95,7 @@ class CompletionFormatter:
         i = delta.seq.index
         self._text[i].append(delta.text)
         if self._ids is not None:
-            self._out_ids[i].extend(self._ids.take(delta))
+            self._out_ids[i].extend(self._ids.take(delta)[1])
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].add(self.tok, delta.token_ids, delta.logprobs, delta.offsets,
                                   len(self._prefix(delta.seq)))

@@ -1,12 +1,13 @@
 """``return_token_ids`` (vLLM's request field): the prompt's token ids and each choice's output token ids in
 the answer, as ``prompt_token_ids`` and ``token_ids``.
 
-A choice's ``token_ids`` in a streamed chunk are the tokens whose text is in the text sent so far, not the
-tokens the core produced for that chunk: text that could still start a stop string is held back, and its
-tokens are held back with it. A router resuming a broken stream elsewhere (``lbd.router.migration``) then
-resends exactly the tokens whose text the client has, and the held-back tail is generated again, so a stop
-string that spans the switch is still found. A token that decodes to no text by itself (part of a multi-byte
-character) goes out with the next token whose text does.
+A choice's ``token_ids`` in a streamed chunk are the tokens whose text is in the chunk, not the tokens the
+core produced for it: text that could still start a stop string is held back, and its tokens are held back
+with it; and text goes out in whole tokens (a token's text is not split across chunks). A router resuming a
+broken stream elsewhere (``lbd.router.migration``) then resends exactly the tokens whose text the client has,
+and the held-back tail is generated again, so a stop string that spans the switch is still found. A token that
+decodes to no text by itself (part of a multi-byte character) goes out with the next token whose text does.
+Logprobs still go out as the core produces them.
 """
 
 from __future__ import annotations
@@ -15,34 +16,42 @@ from lbd.engine.server.sequence import Delta
 
 
 class EmittedIds:
-    """Per choice: the output token ids not yet reported, with the offset where each one's text ends."""
+    """Per choice: the output token ids not yet reported, with where each one's text starts and ends, and the
+    text held back with them."""
 
-    __slots__ = ("_pending", "_sent")
+    __slots__ = ("_pending", "_sent", "_held")
 
     def __init__(self, n: int) -> None:
         self._pending: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # (id, start, end)
         self._sent = [0] * n  # characters of each choice's text that went out
+        self._held = [""] * n  # text ready to go out but for the rest of its token
 
-    def take(self, delta: Delta) -> list[int]:
-        """The ids whose text is complete in what went out with ``delta`` (all of them once it finished)."""
+    def take(self, delta: Delta) -> tuple[str, list[int]]:
+        """The text to send for ``delta`` and the ids whose text it completes: the text is cut at the end of
+        the last whole token, so no token's text goes out in part (all of it once the choice finished)."""
         i = delta.seq.index
         pending = self._pending[i]
         ids, offsets = delta.token_ids, delta.offsets
         last = len(ids) - 1
         for k, token in enumerate(ids):
             pending.append((token, offsets[k], offsets[k + 1] if k < last else delta.seq.detok.length))
-        self._sent[i] += len(delta.text)
+        text = self._held[i] + delta.text
         if delta.finished:
             out = [t for t, _, _ in pending]
             pending.clear()
-            return out
-        sent = self._sent[i]
-        n = 0
+            self._held[i] = ""
+            self._sent[i] += len(text)
+            return text, out
+        ready = self._sent[i] + len(text)
+        n, cut = 0, self._sent[i]
         for k, (_, start, end) in enumerate(pending):
-            if end > sent:
+            if end > ready:
                 break
             if end > start:  # a token with text of its own ends a run (empty ones before it go with it)
-                n = k + 1
+                n, cut = k + 1, end
         out = [t for t, _, _ in pending[:n]]
         del pending[:n]
-        return out
+        keep = cut - self._sent[i]
+        self._held[i] = text[keep:]
+        self._sent[i] = cut
+        return text[:keep], out
