@@ -82,7 +82,6 @@ class Move:
         idle = relay.cfg.stream_idle_timeout_s
         if self.resuming and (upstream.status != 200 or "text/event-stream" not in upstream.content_type):
             what = f"upstream {a.ep.url} answered the continuation with {upstream.status}"
-            relay.state.fail(a.ep, "request", what)
             return Failure(upstream.status, what, "continuation_refused", upstream.status >= 500)
         try:
             first = await upstream.read_chunk(idle)
