@@ -26,7 +26,7 @@ from lbd.router.upstream import UpstreamError
 
 
 class Tracked(Protocol):
-    """A stream that may move to another rank mid-stream (lbd.router.migration.Move)."""
+    """A stream that may move to another rank mid-stream (lbd.router.resumable.Move)."""
 
     def takes(self, upstream: UpstreamResponse) -> bool: ...
 
@@ -55,7 +55,7 @@ class Relay:
         move: Tracked | None = None,
     ) -> Failure | None:
         """Pass the answer through; a failure before its first byte is still retryable. A stream that may move
-        to another rank (``move``) goes through lbd.router.migration's tracking pump instead."""
+        to another rank (``move``) goes through its tracking pump (lbd.router.resumable) instead."""
         if move is not None and move.takes(upstream):
             return await move.relay(self, out, a, upstream, rid_header)
         idle = self.cfg.stream_idle_timeout_s
