@@ -158,7 +158,7 @@ def streamed(router: str, kind: str, fault: Any = None, headers: dict[str, str] 
              **extra: Any) -> dict[str, Any]:
     """One streamed request; ``fault(endpoint)`` runs once BREAK_AT chunks with text arrived."""
     got: dict[str, Any] = {"text": "", "ids": set(), "done": 0, "errors": [], "usage": None, "finish": None,
-                           "created": set(), "models": set(), "chunks": 0}
+                           "created": set(), "models": set(), "chunks": 0, "logprobs": []}
     req = body(kind, **extra)
     with httpx.stream("POST", router + path(kind), json=req, headers=headers, timeout=60) as r:
         assert r.status_code == 200, r.read()
@@ -181,6 +181,11 @@ def streamed(router: str, kind: str, fault: Any = None, headers: dict[str, str] 
             for c in ev["choices"]:
                 assert "token_ids" not in c and "prompt_token_ids" not in ev, "token ids leaked to the client"
                 text = c["text"] if kind == "cmpl" else c["delta"].get("content", "")
+                lp = c.get("logprobs")
+                if lp and kind == "cmpl":
+                    got["logprobs"] += zip(lp["tokens"], lp["text_offset"], lp["token_logprobs"], strict=True)
+                elif lp:
+                    got["logprobs"] += [(e["token"], e["logprob"]) for e in lp["content"]]
                 got["text"] += text or ""
                 got["finish"] = c.get("finish_reason") or got["finish"]
                 if text:
@@ -330,6 +335,17 @@ def test_a_pinned_stream_moves_only_with_migrate_pinned(router: str, ranks: list
     assert not got["errors"] and got["text"] == unbroken["cmpl"]["text"] and got["done"] == 1
 
 
+@pytest.mark.parametrize("kind", ["cmpl", "chat"])
+def test_logprobs_continue_across_a_move(router: str, ranks: list[Rank], kind: str) -> None:
+    extra = {"logprobs": 1} if kind == "cmpl" else {"logprobs": True, "top_logprobs": 1}
+    want = streamed(router, kind, **extra)
+    got = streamed(router, kind, fault_of("reset", ranks), **extra)
+    assert got["text"] == want["text"] and not got["errors"]
+    assert len(got["logprobs"]) == TOKENS
+    assert [e[:-1] for e in got["logprobs"]] == [e[:-1] for e in want["logprobs"]]  # tokens (and offsets)
+    assert [e[-1] for e in got["logprobs"]] == pytest.approx([e[-1] for e in want["logprobs"]], abs=1e-3)
+
+
 class Collector:
     """A stand-in OTLP/HTTP traces receiver (POST /v1/traces, protobuf) in a thread: names and attributes."""
 
@@ -384,7 +400,7 @@ def test_moves_are_counted(router: str) -> None:
     status = httpx.get(router + "/router/status", timeout=5).json()["migrations"]
     assert status["limit"] == 3
     moves = status["moves"]
-    assert sum(by.get("resumed", 0) for by in moves.values()) == 7, moves
+    assert sum(by.get("resumed", 0) for by in moves.values()) == 9, moves
     assert sum(by.get("impossible", 0) for by in moves.values()) == 1, moves
     text = httpx.get(router + "/metrics", timeout=5).text
     assert "lbd_router_migrations_total{" in text and "lbd_router_migration_gap_seconds_count" in text

@@ -17,6 +17,7 @@ from lbd.engine.server.state import FrontendState
 from lbd.engine.server.streaming import respond
 from lbd.engine.server.token_ids import EmittedIds
 from lbd.engine.tokenizer import ChatTemplateError
+from lbd.wire.core_messages import TokenLogprobs
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -75,28 +76,30 @@ class ChatFormatter:
         return chunk
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        text, ids = self._ids.take(delta) if self._ids is not None else (delta.text, None)
-        if not text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
+        out = self._ids.take(delta) if self._ids is not None else None
+        text, ids, lps, _ = out if out is not None else (delta.text, delta.token_ids, delta.logprobs, None)
+        if not text and not delta.finished and not (self.want_logprobs and ids):
             return None
         choice: dict[str, Any] = {"index": delta.seq.index,
                                   "delta": {"content": text} if text else {},
-                                  "logprobs": self._lp(delta), "finish_reason": delta.seq.finish_reason}
+                                  "logprobs": self._lp(ids, lps), "finish_reason": delta.seq.finish_reason}
         if delta.finished:
             choice["stop_reason"] = delta.seq.stop_reason
-        if ids is not None:
+        if out is not None:
             choice["token_ids"] = ids
         return self._chunk(choice)
 
-    def _lp(self, delta: Delta) -> dict[str, Any] | None:
-        if not self.want_logprobs or delta.logprobs is None:
+    def _lp(self, ids: list[int], lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if not self.want_logprobs or lps is None:
             return None
-        return {"content": chat_entries(self.tok, delta.token_ids, delta.logprobs)}
+        return {"content": chat_entries(self.tok, ids, lps)}
 
     def collect(self, delta: Delta) -> None:
         i = delta.seq.index
         self._text[i].append(delta.text)
         if self._ids is not None:
-            self._out_ids[i].extend(self._ids.take(delta)[1])
+            self._out_ids[i].extend(self._ids.take(delta).token_ids)
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
 

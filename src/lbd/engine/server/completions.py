@@ -69,18 +69,21 @@ class CompletionFormatter:
                              "finish_reason": None, "stop_reason": None}])
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        text, ids = self._ids.take(delta) if self._ids is not None else (delta.text, None)
-        if not text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
+        out = self._ids.take(delta) if self._ids is not None else None
+        text, ids, lps, offsets = out if out is not None else (delta.text, delta.token_ids, delta.logprobs,
+                                                                 delta.offsets)
+        if not text and not delta.finished and not (self.want_logprobs and ids):
             return None
         lp = None
-        if self.want_logprobs and delta.logprobs is not None:
+        if self.want_logprobs and lps is not None:
             acc = CompletionLogprobs()
-            acc.add(self.tok, delta.token_ids, delta.logprobs, delta.offsets, len(self._prefix(delta.seq)))
+            acc.add(self.tok, ids, lps, offsets, len(self._prefix(delta.seq)))
             lp = acc.as_dict()
         seq = delta.seq
         choice = {"index": seq.index, "text": text, "logprobs": lp,
                   "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
-        if ids is not None:
+        if out is not None:
             self._with_ids(choice, seq, ids)
         return self._chunk([choice])
 
@@ -95,7 +98,7 @@ class CompletionFormatter:
         i = delta.seq.index
         self._text[i].append(delta.text)
         if self._ids is not None:
-            self._out_ids[i].extend(self._ids.take(delta)[1])
+            self._out_ids[i].extend(self._ids.take(delta).token_ids)
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].add(self.tok, delta.token_ids, delta.logprobs, delta.offsets,
                                   len(self._prefix(delta.seq)))
