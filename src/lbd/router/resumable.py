@@ -167,6 +167,8 @@ class Move:
         if payload == b"[DONE]":
             self.done = True
             return None
+        if self.impossible is not None and b'"error"' not in payload:  # nothing to track: it cannot move
+            return ev + b"\n\n"
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
