@@ -28,6 +28,7 @@ LBD = [sys.executable, "-m", "lbd", "route"]
         (["--upstreams", "http://h:1", "--port", "70000"], "--port"),
         (["--upstreams", "http://h:1", "--policy", "nope"], "--policy"),
         (["--upstreams", "http://h:1", "--max-retries", "-1"], "--max-retries"),
+        (["--upstreams", "http://h:1", "--migration-limit", "-1"], "--migration-limit"),
         (["--upstreams", "http://h:1", "--bogus"], "--bogus"),
         (["--upstreams", "http://h:1", "--kv-events", "maybe"], "--kv-events"),
         (["--upstreams", "http://h:1", "--evict-weight", "-1"], "--evict-weight"),

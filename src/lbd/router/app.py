@@ -172,6 +172,7 @@ class RouterApp:
             "worker": self.shared.worker,
             "ready": self.state.ready(),
             "endpoints": self.state.status(),
+            "migrations": self.proxy.migrator.status(),
         }
         out.send(200, _JSON, orjson.dumps(body))
 

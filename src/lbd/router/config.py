@@ -96,6 +96,8 @@ class RouterConfig:
     max_retries: int
     retry_budget_s: float
     max_request_body_bytes: int
+    migration_limit: int
+    migrate_pinned: bool
     pin_fallback: bool
     debug_headers: bool
     session_header: str
@@ -250,6 +252,8 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         max_retries=ns.max_retries,
         retry_budget_s=ns.retry_budget_s,
         max_request_body_bytes=ns.max_request_body_bytes,
+        migration_limit=ns.migration_limit,
+        migrate_pinned=ns.migrate_pinned,
         pin_fallback=ns.pin_fallback,
         debug_headers=ns.debug_headers,
         session_header=ns.session_header,
@@ -328,6 +332,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
     for flag, value in {
         "--max-retries": ns.max_retries,
         "--retry-budget-s": ns.retry_budget_s,
+        "--migration-limit": ns.migration_limit,
         "--rate-limit-rps": ns.rate_limit_rps,
         "--rate-limit-tps": ns.rate_limit_tps,
         "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,

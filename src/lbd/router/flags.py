@@ -210,4 +210,17 @@ def make_parser() -> OneLineParser:
         help="other endpoints tried when one fails before any byte reached the client",
     )
     g.add_argument("--retry-budget-s", type=float, default=30.0, help="no retry starts after this long")
+    g.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="moves of one streamed request to another rank after its upstream failed mid-stream (the "
+        "router resumes it from the tokens already sent, lbd.router.migration); 0: the stream ends with an "
+        "error event",
+    )
+    g.add_argument(
+        "--migrate-pinned",
+        action="store_true",
+        help="also move a request pinned with X-data-parallel-rank (without it, it ends with an error event)",
+    )
     return p

@@ -179,6 +179,19 @@ class RouterMetrics:
         self.disconnects = Counter(
             "lbd_router_client_disconnects", "Clients gone before their response ended.", ["endpoint"], **kw
         )
+        self.migrations = Counter(
+            "lbd_router_migrations",
+            "Streams moved to another rank after a mid-stream failure (lbd.router.migration), by the "
+            "failure and how the move ended (resumed, failed, impossible, limit, no_endpoint).",
+            ["reason", "outcome"],
+            **kw,
+        )
+        self.migration_gap = Histogram(
+            "lbd_router_migration_gap_seconds",
+            "Time from a stream's failure to the next token from the rank it moved to.",
+            buckets=_BUCKETS,
+            **kw,
+        )
 
     def _dirty(self) -> None:
         if self.multiprocess and self._flush_at is None:

@@ -41,6 +41,7 @@ from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADER
 from lbd.router.kv.forward import FIELD as FORWARDED_IDS
 from lbd.router.kv.forward import strip_client_copy
 from lbd.router.messages import Request, Response
+from lbd.router.migration import Migrator, path_for
 from lbd.router.relay import Relay
 from lbd.router.routed import Attempt, ClientGone, Failure, Refused, RoutedRequest
 from lbd.router.state import RouterState
@@ -74,6 +75,7 @@ class Proxy:
         self._hash_prefix = state.policy.uses_prefix_hashes
         self._headers = HeaderRewriter()
         self.relay = Relay(state, self._headers)
+        self.migrator = Migrator(state, tracer)
         self.cfg = state.cfg
         self.gate = gate
         self.loop = asyncio.get_running_loop()
@@ -115,6 +117,8 @@ class Proxy:
         rr = self.admit(request, key, trace)
         if isinstance(rr, Refused):
             return self._refuse(out, rr)
+        if self.cfg.migration_limit:
+            self.migrator.prepare(rr)
         pending = self.facts(rr)
         if pending is not None:
             await pending
@@ -134,6 +138,8 @@ class Proxy:
                 break
         if failure is not None:
             self._failure_response(out, failure, rr.rid_header)
+        elif rr.move is not None and rr.move.broken is not None:  # failed mid-stream: resume elsewhere
+            await self.migrator.resume(self, rr, out)
 
     # ---- admit --------------------------------------------------------------------------------------
     def admit(self, request: Request, key: ApiKey | None = None,
@@ -260,7 +266,7 @@ class Proxy:
             for snap in snaps:
                 if not snap.healthy or snap.draining:
                     out = True
-                    if snap.key in exclude:
+                    if snap.key in exclude and snap.key not in rr.pd_exclude:  # (non-decode ranks stay out)
                         exclude.remove(snap.key)
             decision = route(self.state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback)
             if not isinstance(decision, Refusal):
@@ -298,13 +304,17 @@ class Proxy:
         if ep is None or pool is None:  # removed between the snapshot and now
             return Failure(503, f"endpoint {d.endpoint.key} left", "upstream_gone", True)
         a, body, headers = self._dispatch(rr, ep, d)
+        move = rr.move
+        if move is not None and move.resuming:  # a continuation (lbd.router.migration)
+            body = move.body
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         try:
             try:
                 request = rr.request
+                target = path_for(move, request.raw_path)
                 upstream = await pool.request(
-                    request.method, request.raw_path, headers, body, self.cfg.response_timeout_s
+                    request.method, target, headers, body, self.cfg.response_timeout_s
                 )
             except (UpstreamError, OSError) as e:  # (TimeoutError is an OSError)
                 failure = self._unanswered(ep, e)
@@ -317,7 +327,7 @@ class Proxy:
                         state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
                     else:
                         ep.record_success("request")
-                    failure = await self.relay.relay(out, a, upstream, rr.rid_header)
+                    failure = await self.relay.relay(out, a, upstream, rr.rid_header, move)
             status = str(failure.status if failure is not None else out.status)
             return failure
         except ClientGone:

@@ -3,13 +3,16 @@
 The status and headers go out only with the answer's first body bytes, so an upstream that fails before
 those is still retried elsewhere (a ``Failure``). Once a byte went out there is no retry: a failure mid-stream
 ends the stream with a clear error (an SSE error event, or a cut connection for a sized body). A gap of
---stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way.
+--stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way. A streamed
+chat or completion that may move to another rank goes through ``lbd.router.migration`` instead, which resumes
+it there from the tokens already sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 import orjson
 
@@ -20,6 +23,16 @@ from lbd.router.routed import Attempt, ClientGone, Failure
 from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
+
+
+class Tracked(Protocol):
+    """A stream that may move to another rank mid-stream (lbd.router.resumable.Move)."""
+
+    def takes(self, upstream: UpstreamResponse) -> bool: ...
+
+    async def relay(
+        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes
+    ) -> Failure | None: ...
 
 log = logging.getLogger("lbd.router")
 
@@ -34,9 +47,17 @@ class Relay:
         self.rewriter = rewriter
 
     async def relay(
-        self, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes
+        self,
+        out: Response,
+        a: Attempt,
+        upstream: UpstreamResponse,
+        rid_header: bytes,
+        move: Tracked | None = None,
     ) -> Failure | None:
-        """Pass the answer through; a failure before its first byte is still retryable."""
+        """Pass the answer through; a failure before its first byte is still retryable. A stream that may move
+        to another rank (``move``) goes through its tracking pump (lbd.router.resumable) instead."""
+        if move is not None and move.takes(upstream):
+            return await move.relay(self, out, a, upstream, rid_header)
         idle = self.cfg.stream_idle_timeout_s
         length = upstream.content_length
         # sized and small, or already whole (a 204 or 304 has no body: it must not be sent as a chunked one)
@@ -47,16 +68,7 @@ class Relay:
                 first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
         except (UpstreamError, TimeoutError) as e:
             return self.no_first_byte(a, e, idle)
-        # The answer began: the endpoint makes progress, the request's prefill is over (its pending blocks
-        # settle), and a stream's first event is a time to first token for the policy to learn from.
-        state = self.state
-        a.started = True
-        state.outliers.answered(a.ep, a, self.loop.time())
-        state.shared.start(a.ep.slot, a.charge)
-        if a.pending is not None:
-            state.exact.settle(a.pending, True)  # type: ignore[union-attr]
-        if not small and "text/event-stream" in upstream.content_type:  # (a whole answer includes decode)
-            state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
+        self.began(a, upstream, not small)
         headers = self.response_headers(upstream, a.decision, rid_header)
         try:
             if small:
@@ -67,6 +79,18 @@ class Relay:
             raise ClientGone() from None
         await self.pump(out, upstream, first, a.ep.url, idle)
         return None
+
+    def began(self, a: Attempt, upstream: UpstreamResponse, stream: bool) -> None:
+        """The answer began: the endpoint makes progress, the request's prefill is over (its pending blocks
+        settle), and a stream's first event is a time to first token for the policy to learn from."""
+        state = self.state
+        a.started = True
+        state.outliers.answered(a.ep, a, self.loop.time())
+        state.shared.start(a.ep.slot, a.charge)
+        if a.pending is not None:
+            state.exact.settle(a.pending, True)  # type: ignore[union-attr]
+        if stream and "text/event-stream" in upstream.content_type:  # (a whole answer includes decode)
+            state.policy.on_first_byte(a.decision, self.loop.time() - a.dispatched_at)
 
     def no_first_byte(self, a: Attempt, e: Exception, idle: float) -> Failure:
         """The upstream closed or went quiet before its answer's first byte: retryable when it closed."""

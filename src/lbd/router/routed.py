@@ -45,6 +45,7 @@ class RoutedRequest:
     exclude: list[str] = field(init=False)  # keys: full (--max-streams-per-endpoint) or failed it
     full: int = 0  # how many of ``exclude`` were full when the request arrived
     pd_exclude: list[str] = field(default_factory=list)  # a disaggregated decode stage's non-decode ranks
+    move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
 
 
 @dataclass(slots=True)

@@ -79,5 +79,9 @@ class RouterTracer:
             t.span.set_status(self._status(self._error, f"answered {status}" if status else "no answer"))
         t.span.end()
 
+    def child(self, t: RouteTrace, name: str, attrs: dict[str, Any]) -> Any:
+        """A span inside the request's (a move to another rank: lbd.router.migration); the caller ends it."""
+        return self.tracer.start_span(name, context=self._in_context(t.span), attributes=attrs)
+
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -15,7 +15,9 @@ from lbd.engine.server.request_io import checked_state, read_json
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.server.streaming import respond
+from lbd.engine.server.token_ids import EmittedIds
 from lbd.engine.tokenizer import ChatTemplateError
+from lbd.wire.core_messages import TokenLogprobs
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -58,33 +60,46 @@ class ChatFormatter:
         n = len(gen.seqs)
         self._text: list[list[str]] = [[] for _ in range(n)]
         self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self._ids = EmittedIds(n) if gen.common.return_token_ids else None
+        self._out_ids: list[list[int]] = [[] for _ in range(n)]
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
                 "model": self.model, "choices": [choice]}
 
     def stream_start(self, seq: Sequence) -> dict[str, Any] | None:
-        return self._chunk({"index": seq.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+        chunk = self._chunk({"index": seq.index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+        if self._ids is not None:  # return_token_ids: the prompt's ids with the first chunk (as vLLM)
+            chunk["prompt_token_ids"] = seq.prompt_ids
+            chunk["choices"][0]["token_ids"] = []
+        return chunk
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
+        out = self._ids.take(delta) if self._ids is not None else None
+        text, ids, lps, _ = out if out is not None else (delta.text, delta.token_ids, delta.logprobs, None)
+        if not text and not delta.finished and not (self.want_logprobs and ids):
             return None
         choice: dict[str, Any] = {"index": delta.seq.index,
-                                  "delta": {"content": delta.text} if delta.text else {},
-                                  "logprobs": self._lp(delta), "finish_reason": delta.seq.finish_reason}
+                                  "delta": {"content": text} if text else {},
+                                  "logprobs": self._lp(ids, lps), "finish_reason": delta.seq.finish_reason}
         if delta.finished:
             choice["stop_reason"] = delta.seq.stop_reason
+        if out is not None:
+            choice["token_ids"] = ids
         return self._chunk(choice)
 
-    def _lp(self, delta: Delta) -> dict[str, Any] | None:
-        if not self.want_logprobs or delta.logprobs is None:
+    def _lp(self, ids: list[int], lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if not self.want_logprobs or lps is None:
             return None
-        return {"content": chat_entries(self.tok, delta.token_ids, delta.logprobs)}
+        return {"content": chat_entries(self.tok, ids, lps)}
 
     def collect(self, delta: Delta) -> None:
         i = delta.seq.index
         self._text[i].append(delta.text)
+        if self._ids is not None:
+            self._out_ids[i].extend(self._ids.take(delta).token_ids)
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
 
@@ -93,9 +108,14 @@ class ChatFormatter:
                     "message": {"role": "assistant", "content": "".join(self._text[s.index])},
                     "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
                     "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
-        return {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
-                "model": self.model, "choices": choices, "usage": self.gen.usage(),
-                **self.gen.kv_transfer_field()}
+        out = {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
+               "model": self.model, "choices": choices, "usage": self.gen.usage(),
+               **self.gen.kv_transfer_field()}
+        if self._ids is not None:
+            out["prompt_token_ids"] = self.gen.seqs[0].prompt_ids
+            for s, c in zip(self.gen.seqs, choices, strict=True):
+                c["token_ids"] = self._out_ids[s.index]
+        return out
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,

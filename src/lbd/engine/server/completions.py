@@ -13,6 +13,7 @@ from lbd.engine.server.openai_protocol import CompletionRequest, parse_completio
 from lbd.engine.server.request_io import checked_state, read_json
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.streaming import respond
+from lbd.engine.server.token_ids import EmittedIds
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -50,6 +51,9 @@ class CompletionFormatter:
         n = len(gen.seqs)
         self._text: list[list[str]] = [[] for _ in range(n)]
         self._logprobs = [CompletionLogprobs() for _ in range(n)]
+        self._ids = EmittedIds(n) if req.common.return_token_ids else None
+        self._out_ids: list[list[int]] = [[] for _ in range(n)]
+        self._prompt_sent: set[int] = set()
 
     def _prefix(self, seq: Sequence) -> str:
         return self.prompt_texts[seq.prompt_index] if self.echo else ""
@@ -65,20 +69,36 @@ class CompletionFormatter:
                              "finish_reason": None, "stop_reason": None}])
 
     def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
-        if not delta.text and not delta.finished and not (self.want_logprobs and delta.token_ids):
+        # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
+        out = self._ids.take(delta) if self._ids is not None else None
+        text, ids, lps, offsets = out if out is not None else (delta.text, delta.token_ids, delta.logprobs,
+                                                                 delta.offsets)
+        if not text and not delta.finished and not (self.want_logprobs and ids):
             return None
         lp = None
-        if self.want_logprobs and delta.logprobs is not None:
+        if self.want_logprobs and lps is not None:
             acc = CompletionLogprobs()
-            acc.add(self.tok, delta.token_ids, delta.logprobs, delta.offsets, len(self._prefix(delta.seq)))
+            acc.add(self.tok, ids, lps, offsets, len(self._prefix(delta.seq)))
             lp = acc.as_dict()
         seq = delta.seq
-        return self._chunk([{"index": seq.index, "text": delta.text, "logprobs": lp,
-                             "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}])
+        choice = {"index": seq.index, "text": text, "logprobs": lp,
+                  "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+        if out is not None:
+            self._with_ids(choice, seq, ids)
+        return self._chunk([choice])
+
+    def _with_ids(self, choice: dict[str, Any], seq: Sequence, ids: list[int]) -> None:
+        """return_token_ids: the choice's ids, and the prompt's with its first chunk."""
+        if seq.index not in self._prompt_sent:
+            self._prompt_sent.add(seq.index)
+            choice["prompt_token_ids"] = seq.prompt_ids
+        choice["token_ids"] = ids
 
     def collect(self, delta: Delta) -> None:
         i = delta.seq.index
         self._text[i].append(delta.text)
+        if self._ids is not None:
+            self._out_ids[i].extend(self._ids.take(delta).token_ids)
         if self.want_logprobs and delta.logprobs is not None:
             self._logprobs[i].add(self.tok, delta.token_ids, delta.logprobs, delta.offsets,
                                   len(self._prefix(delta.seq)))
@@ -87,6 +107,9 @@ class CompletionFormatter:
         choices = [{"index": s.index, "text": self._prefix(s) + "".join(self._text[s.index]),
                     "logprobs": self._logprobs[s.index].as_dict() if self.want_logprobs else None,
                     "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
+        if self._ids is not None:
+            for s, c in zip(self.gen.seqs, choices, strict=True):
+                self._with_ids(c, s, self._out_ids[s.index])
         return {**self._chunk(choices), "usage": self.gen.usage(), **self.gen.kv_transfer_field()}
 
     def usage_chunk(self) -> dict[str, Any]:

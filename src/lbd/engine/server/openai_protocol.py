@@ -42,6 +42,7 @@ class CommonParams:
     logprobs: int | None  # top-k per token (0 = just the chosen token's), None = no logprobs
     sampling: SamplingParams
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (vLLM's field)
+    return_token_ids: bool = False  # vLLM's field: prompt_token_ids and each choice's token_ids in the answer
 
 
 @dataclass(slots=True)
@@ -120,7 +121,8 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
         n=sampling.n, max_tokens=max_tokens, stop=f.str_list("stop", MAX_STOP_STRINGS),
         include_stop=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling,
-        kv_transfer_params=kv_transfer_params(f.raw("kv_transfer_params"), sampling.n))
+        kv_transfer_params=kv_transfer_params(f.raw("kv_transfer_params"), sampling.n),
+        return_token_ids=f.bool("return_token_ids", False))
 
 
 def kv_transfer_params(raw: Any, n: int) -> KVTransferParams | None:

@@ -1,0 +1,219 @@
+"""Resume a stream on another rank when its upstream fails after the first byte went to the client.
+
+A failure mid-stream is a reset or EOF before ``[DONE]``, a gap of --stream-idle-timeout-s, or an SSE error
+event the rank marks retryable (code 502, 503 or 504: lbd's engine sends 503 when its core died, a draining
+rank cuts or fails its streams the same way). Instead of ending the stream with an error event (what
+``lbd.router.relay`` does, and what --migration-limit 0 keeps), the router continues the same request on
+another rank that the policy picks (the failed one excluded, the request's prefix facts as they were, so a
+rank that holds the conversation's blocks is preferred), up to --migration-limit moves.
+
+Knowing what was streamed: the router asks the rank for token ids (vLLM's ``return_token_ids`` field, which
+lbd's engine implements too: ``prompt_token_ids`` with the first chunk, each choice's ``token_ids``) and
+strips them from what the client sees unless the client asked for them. The ids counted are those of events
+written to the client whole; lbd's engine reports a token only once its text went out (text held back for a
+possible stop string is held back with its tokens, ``lbd.engine.server.token_ids``), so that text is generated
+again on the new rank and a stop string spanning the switch is still found. (A vLLM rank reports ids as it
+produces them: with stop strings, held-back text can be lost at a switch there.) The prompt's ids are the
+rank's own rendering (``prompt_token_ids``), for chat too: the router's template is not needed, and a rank
+that returns no ids makes the request one that cannot be resumed, said so in the error event.
+
+The continuation (``lbd.router.continuation``) is a completions token prompt; its chunks are rewritten as the
+original stream's (its ``id``, ``created``, ``model``; chat deltas; usage over the whole request; logprobs'
+offsets), and the client sees one ``[DONE]``. Greedy decoding continues token for token; seeded sampling
+continues with the same seed on the new rank, so the sample can differ from an unbroken run: the move's log
+line says so.
+
+Non-streamed requests need no token ids: a rank sends a non-streamed answer whole when it is done, so a
+failure while it generates is a failure before the first byte, which the proxy already retries on another
+rank (from the start: nothing reached the client). Only a body over the relay's whole-read size can break
+mid-answer, and those are cut as before. Pinned requests (X-data-parallel-rank) move only with
+--migrate-pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+from lbd.policies import Decision, Refusal, route
+from lbd.router.continuation import COMPLETIONS, impossible, kind_of, with_token_ids
+from lbd.router.messages import Response
+from lbd.router.resumable import DONE, Move
+from lbd.router.routed import Failure, RoutedRequest
+from lbd.router.state import RouterState
+
+if TYPE_CHECKING:
+    from lbd.router.tracing import RouterTracer
+
+log = logging.getLogger("lbd.router")
+
+# a failure mid-stream as the client's error event names it (lbd.router.relay's words)
+_CAUSES = {
+    "reset": ("failed", "UpstreamError"),
+    "eof": ("failed", "EOF before [DONE]"),
+    "stall": ("stalled", "TimeoutError"),
+    "error_event": ("failed", "a retryable error event"),
+}
+_POLL_S = 0.05
+
+
+class Attempts(Protocol):
+    """What runs one try of a request on one endpoint (lbd.router.proxy.Proxy)."""
+
+    async def attempt(self, rr: RoutedRequest, out: Response, d: Decision) -> Failure | None: ...
+
+
+class Migrator:
+    """Makes each eligible request's ``Move`` and runs its moves (--migration-limit, --migrate-pinned)."""
+
+    def __init__(self, state: RouterState, tracer: RouterTracer | None = None) -> None:
+        self.state, self.cfg, self.tracer = state, state.cfg, tracer
+        self.loop = state.loop
+        self.tally: dict[str, dict[str, int]] = {}  # reason -> outcome -> moves (/router/status)
+
+    def prepare(self, rr: RoutedRequest) -> None:
+        """A ``Move`` for a streamed chat or completion that may move; its body asks for token ids."""
+        data = rr.data
+        if data is None or not data.get("stream") or rr.request.method != "POST":
+            return
+        kind = kind_of(rr.request.path)
+        if kind is None or (rr.facts.pinned_rank is not None and not self.cfg.migrate_pinned):
+            return
+        why = impossible(kind, data)
+        if why is None:
+            rr.body = with_token_ids(rr.body)
+        rr.move = Move(kind, data, data.get("return_token_ids") is True, why)
+
+    def status(self) -> dict[str, Any]:
+        return {"limit": self.cfg.migration_limit, "moves": self.tally}
+
+    def count(self, reason: str, outcome: str) -> None:
+        self.state.metrics.migrations.labels(reason, outcome).inc()
+        by = self.tally.setdefault(reason, {})
+        by[outcome] = by.get(outcome, 0) + 1
+
+    async def resume(self, proxy: Attempts, rr: RoutedRequest, out: Response) -> None:
+        """Move the broken stream until it ends, the client goes, or no move is left."""
+        move: Move = rr.move
+        while move.broken is not None:
+            reason = move.broken
+            why, outcome = self._why_not(move)
+            if why is not None:
+                self.count(reason, outcome)
+                return await self._end(out, move, why)
+            d = await self._decide(rr, move)
+            if d is None:
+                self.count(reason, "no_endpoint")
+                return await self._end(out, move, "no other rank could take it within --retry-budget-s")
+            move.resume_on()
+            self._note(rr, move, reason, d)
+            span = None
+            if self.tracer is not None and rr.trace is not None:
+                span = self.tracer.child(
+                    rr.trace,
+                    "lbd.migrate",
+                    {
+                        "lbd.migration.reason": reason,
+                        "lbd.migration.from": move.failed_key,
+                        "lbd.endpoint": d.endpoint.key,
+                        "lbd.migration.tokens_sent": move.before,
+                    },
+                )
+            try:
+                failure = await proxy.attempt(rr, out, d)
+            finally:
+                if span is not None:
+                    span.end()
+            self._after(move, reason, failure, d)
+            if failure is not None and not failure.retryable:
+                return await self._end(out, move, failure.message)
+
+    def _after(self, move: Move, reason: str, failure: Failure | None, d: Decision) -> None:
+        if move.gap is not None:
+            self.count(reason, "resumed")
+            self.state.metrics.migration_gap.observe(move.gap)
+            return
+        self.count(reason, "failed")
+        if failure is not None:
+            move.broken, move.failed_key, move.failed_url = failure.kind, d.endpoint.key, d.endpoint.url
+
+    def _why_not(self, move: Move) -> tuple[str | None, str]:
+        if move.impossible is not None:
+            return f"it cannot be resumed on another rank: {move.impossible}", "impossible"
+        if move.prompt_ids is None or not move.ids_ok:
+            return (
+                "it cannot be resumed on another rank: the rank returned no token ids (return_token_ids)"
+            ), "impossible"
+        limit = self.cfg.migration_limit
+        if move.moves >= limit:
+            return f"it was moved {move.moves} times already (--migration-limit {limit})", "limit"
+        return None, ""
+
+    def _note(self, rr: RoutedRequest, move: Move, reason: str, d: Decision) -> None:
+        data = move.data
+        sampled = data.get("temperature", 1.0) not in (0, 0.0) and data.get("top_k") != 1
+        rid = rr.rid_header[14:-2].decode("latin-1")
+        log.info(
+            "request %s: %s on %s after %d tokens; resuming on %s (move %d)%s",
+            rid,
+            reason,
+            move.failed_key,
+            move.before,
+            d.endpoint.key,
+            move.moves,
+            f"; sampled (seed {data.get('seed')}): the continuation is not bit-reproducible"
+            if sampled
+            else "",
+        )
+
+    async def _decide(self, rr: RoutedRequest, move: Move) -> Decision | None:
+        """The policy's choice for the continuation, the failed ranks excluded; waits (within
+        --retry-budget-s from the failure) while none can take it, e.g. an MoE group re-forming."""
+        state, cfg = self.state, self.cfg
+        if move.failed_key and move.failed_key not in rr.exclude:
+            rr.exclude.append(move.failed_key)
+        facts = rr.facts
+        pinned = facts.pinned_rank is not None
+        if pinned:  # (--migrate-pinned) the pinned rank failed it: the policy picks among the others
+            facts = dataclasses.replace(facts, pinned_rank=None)
+        deadline = move.broke_at + cfg.retry_budget_s
+        while True:
+            snaps = state.snapshots()
+            d = route(state.policy, facts, snaps, rr.exclude, cfg.pin_fallback)
+            if not isinstance(d, Refusal):
+                break
+            if self.loop.time() >= deadline:
+                return None
+            await asyncio.sleep(_POLL_S)
+            for snap in snaps:  # an excluded rank that went out counts again once it is back
+                out = not snap.healthy or snap.draining
+                if out and snap.key in rr.exclude and snap.key not in rr.pd_exclude:  # (P/D: decodes only)
+                    rr.exclude.remove(snap.key)
+        if rr.trace is not None:
+            rr.trace.decided(cfg.policy, d)
+        return Decision(d.endpoint, "pin_fallback", d.detail) if pinned else d
+
+    async def _end(self, out: Response, move: Move, why: str) -> None:
+        """The stream ends with an error event: what failed (as without a move) and why it was not resumed."""
+        what, cause = _CAUSES.get(move.broken or "", ("failed", move.broken))
+        message = f"upstream {what} mid-stream ({cause}); the response is incomplete: {why}"
+        where = move.failed_url or move.failed_key
+        log.warning("upstream %s %s mid-stream (%s), not resumed: %s", where, what, cause, why)
+        err = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+        if out.backed_up:
+            out.abort()
+            return
+        try:
+            await out.write(b"data: " + orjson.dumps(err) + b"\n\n" + DONE)
+            out.end()
+        except ConnectionResetError:
+            out.abort()
+
+
+def path_for(move: Move | None, raw_path: str) -> str:
+    """Where an attempt goes: a continuation always to the completions path."""
+    return COMPLETIONS if move is not None and move.resuming else raw_path

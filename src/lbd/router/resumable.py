@@ -1,0 +1,223 @@
+"""One resumable stream as the client has it (``Move``): the tracking pump that passes a rank's SSE events on
+while it counts the output token ids whose text reached the client, strips the ids the client did not ask for,
+and, on a continuation, rewrites the chunks as the original stream's. A failure mid-stream sets ``broken``;
+``lbd.router.migration`` then picks the next rank and starts the continuation (``resume_on``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import orjson
+
+from lbd.router.continuation import (
+    as_chat_choice,
+    choice_text,
+    continuation,
+    fix_usage,
+    shift_offsets,
+)
+from lbd.router.messages import Response
+from lbd.router.relay import Relay, Watchdog
+from lbd.router.routed import Attempt, ClientGone, Failure
+from lbd.router.upstream import Response as UpstreamResponse
+from lbd.router.upstream import UpstreamError
+
+RETRYABLE_CODES = frozenset({502, 503, 504})  # an error event with one of these codes: the rank failed
+# a choice's ids as lbd's engine and vLLM write them (compact JSON); a quote in a string is escaped, so this
+# cannot match text
+_IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]')
+DONE = b"data: [DONE]\n\n"
+
+
+class Move:
+    """One request's stream as the client has it, and its moves."""
+
+    def __init__(self, kind: str, data: dict[str, Any], client_ids: bool, impossible: str | None) -> None:
+        self.kind, self.data, self.client_ids, self.impossible = kind, data, client_ids, impossible
+        # the usual event (one choice's ids, nothing else to rewrite) has its ids cut out of the bytes, not
+        # parsed and written again; ``chars`` is then not counted (only completions logprobs' offsets need it)
+        self.fast = not client_ids and not data.get("logprobs")
+        self.prompt_ids: list[int] | None = None
+        self.out_ids: list[int] = []
+        self.ids_ok = True  # every event with text had its token ids
+        self.chars = 0  # text characters the client has
+        self.ident: tuple[Any, Any, Any] | None = None  # the original's id, created, model
+        self.resuming = False
+        self.body = b""  # the continuation's body, while resuming
+        self.before = 0  # output tokens before the current continuation
+        self.base_chars = 0
+        self.moves = 0
+        self.broken: str | None = None  # why the current upstream failed mid-stream
+        self.failed_key = ""
+        self.failed_url = ""
+        self.broke_at = 0.0
+        self.gap: float | None = None  # failure to the continuation's first token
+        self.done = False
+        self.now = 0.0  # loop time of the chunk being read
+        self._rest = b""
+
+    def takes(self, upstream: UpstreamResponse) -> bool:
+        """Whether this answer goes through the tracking pump (a continuation always does)."""
+        return self.resuming or (
+            upstream.status == 200
+            and upstream.content_length is None
+            and "text/event-stream" in upstream.content_type
+        )
+
+    def resume_on(self) -> None:
+        """Start a continuation from what the client has."""
+        assert self.prompt_ids is not None
+        self.body = orjson.dumps(continuation(self.kind, self.data, self.prompt_ids, self.out_ids))
+        self.resuming, self.broken, self.gap, self._rest = True, None, None, b""
+        self.before, self.base_chars = len(self.out_ids), self.chars
+        self.moves += 1
+
+    async def relay(
+        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes
+    ) -> Failure | None:
+        """Pass the (continuation's) stream on, tracking it; a failure mid-stream sets ``broken``."""
+        idle = relay.cfg.stream_idle_timeout_s
+        if self.resuming and (upstream.status != 200 or "text/event-stream" not in upstream.content_type):
+            what = f"upstream {a.ep.url} answered the continuation with {upstream.status}"
+            return Failure(upstream.status, what, "continuation_refused", upstream.status >= 500)
+        try:
+            first = await upstream.read_chunk(idle)
+        except (UpstreamError, TimeoutError) as e:
+            return relay.no_first_byte(a, e, idle)
+        relay.began(a, upstream, stream=True)
+        if not self.resuming:
+            try:
+                out.start(upstream.status, relay.response_headers(upstream, a.decision, rid_header), None)
+            except ConnectionResetError:
+                raise ClientGone() from None
+        await self._pump(relay, out, a, upstream, first, idle)
+        return None
+
+    async def _pump(
+        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, chunk: bytes, idle: float
+    ) -> None:
+        loop = relay.loop
+        task = asyncio.current_task()
+        assert task is not None
+        dog = Watchdog(loop, idle, task)
+        try:
+            while True:
+                self.now = loop.time()
+                data = self.feed(chunk) if chunk else b""
+                if data:
+                    try:
+                        await out.write(data)
+                    except ConnectionResetError:
+                        raise ClientGone() from None
+                    dog.last = loop.time()
+                if self.done or self.broken is not None:
+                    break
+                chunk = await upstream.read_chunk()
+                if not chunk:
+                    self.broken = "eof"
+                    break
+        except asyncio.CancelledError:
+            if not dog.fired:
+                raise
+            task.uncancel()
+            self.broken = "stall"
+        except UpstreamError:
+            self.broken = "reset"
+        finally:
+            dog.cancel()
+        if self.broken is not None:
+            relay.state.fail(a.ep, "request", f"failed mid-stream ({self.broken})")
+            relay.state.metrics.upstream_errors.labels(a.ep.url, "mid_stream").inc()
+            self.failed_key, self.failed_url, self.broke_at = a.ep.key, a.ep.url, loop.time()
+            return
+        try:
+            await out.write(DONE)
+            out.end()
+        except ConnectionResetError:
+            raise ClientGone() from None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events in what arrived, as the client gets them (a partial event waits for its rest)."""
+        buf = self._rest + chunk if self._rest else chunk
+        events = buf.split(b"\n\n")
+        self._rest = events.pop()
+        parts = []
+        for ev in events:
+            if self.done or self.broken is not None:
+                break
+            piece = self._event(ev)
+            if piece is not None:
+                parts.append(piece)
+        return b"".join(parts)
+
+    def _event(self, ev: bytes) -> bytes | None:
+        if self.fast and not self.resuming and self.ident is not None:
+            m = _IDS.search(ev)
+            if m is not None and b"prompt_token_ids" not in ev:
+                ids = m.group(1)
+                if ids:
+                    self.out_ids.extend(map(int, ids.split(b",")))
+                return ev[: m.start()] + ev[m.end() :] + b"\n\n"
+        if not ev.startswith(b"data:"):
+            return ev + b"\n\n" if ev.strip() else None
+        payload = ev[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        if self.impossible is not None and b'"error"' not in payload:  # nothing to track: it cannot move
+            return ev + b"\n\n"
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return ev + b"\n\n"
+        if not isinstance(obj, dict):
+            return ev + b"\n\n"
+        err = obj.get("error")
+        if err is not None:
+            if isinstance(err, dict) and err.get("code") in RETRYABLE_CODES:
+                self.broken = "error_event"
+                return None
+            return ev + b"\n\n"
+        if not self.chunk(obj):  # (nothing to strip or rewrite: the rank's bytes as they were)
+            return ev + b"\n\n"
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def chunk(self, obj: dict[str, Any]) -> bool:
+        """Track one chunk (ids, text) and rewrite it for the client; False: it is unchanged."""
+        keep = self.client_ids and not self.resuming
+        prompt = obj.get("prompt_token_ids") if keep else obj.pop("prompt_token_ids", None)
+        changed = self.resuming or (prompt is not None and not keep)
+        if self.ident is None:
+            self.ident = (obj.get("id"), obj.get("created"), obj.get("model"))
+        if self.resuming:
+            obj["id"], obj["created"], obj["model"] = self.ident
+            if self.kind == "chat":
+                obj["object"] = "chat.completion.chunk"
+        choices = obj.get("choices") or []
+        for i, c in enumerate(choices):
+            p = c.get("prompt_token_ids") if keep else c.pop("prompt_token_ids", None)
+            prompt = prompt if prompt is not None else p
+            ids = c.get("token_ids") if self.client_ids else c.pop("token_ids", None)
+            changed = changed or (p is not None and not keep) or (ids is not None and not self.client_ids)
+            if self.resuming:
+                if self.kind == "chat":
+                    choices[i] = c = as_chat_choice(c)
+                else:
+                    shift_offsets(c.get("logprobs"), self.base_chars)
+            text = choice_text(self.kind, c)
+            if ids is not None:
+                self.out_ids.extend(ids)
+            elif text:
+                self.ids_ok = False
+            self.chars += len(text)
+            if self.resuming and self.gap is None and (ids or text):
+                self.gap = self.now - self.broke_at
+        if prompt is not None and self.prompt_ids is None and not self.resuming:
+            self.prompt_ids = list(prompt)
+        usage = obj.get("usage")
+        if self.resuming and isinstance(usage, dict) and self.prompt_ids is not None:
+            fix_usage(usage, len(self.prompt_ids), self.before)
+        return changed
