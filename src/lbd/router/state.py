@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from lbd.common.tls import client_context
 from lbd.policies import EndpointSnapshot, Policy, make_policy
@@ -16,6 +17,9 @@ from lbd.router.metrics import RouterMetrics
 from lbd.router.outlier import Outliers, ejection_cap
 from lbd.router.shared import SharedCounters
 from lbd.router.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from lbd.router.load_feed import LoadFeed
 
 log = logging.getLogger("lbd.router")
 
@@ -38,7 +42,8 @@ class RouterState:
             evict_weight=cfg.evict_weight,
         )
         self.exact: ExactView | None = None  # set by the app when --kv-events is not off
-        self.metrics = RouterMetrics(self.live_rows, self.kv_rows)
+        self.push: LoadFeed | None = None  # set by the monitor unless --telemetry-push off
+        self.metrics = RouterMetrics(self.live_rows, self.kv_rows, self.push_rows)
         self.outliers = Outliers(self, cfg.outlier_first_byte_timeout_s, cfg.outlier_ejection_s)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
@@ -125,6 +130,9 @@ class RouterState:
         if self.exact is not None:
             self.exact.restarted(ep.url, why)
 
+    def push_rows(self) -> Iterable[tuple[str, float, bool]]:
+        return self.push.rows() if self.push is not None else ()
+
     def kv_rows(self) -> list[tuple[str, float, float, int]]:
         return self.exact.metric_rows() if self.exact is not None else []
 
@@ -190,6 +198,7 @@ class RouterState:
                     "failures": ep.failures,
                     "last_error": ep.last_error or None,
                     "kv_events": self.exact.status(ep.url) if self.exact is not None else {"mode": "off"},
+                    "telemetry_push": self.push.status(ep.url) if self.push is not None else None,
                 }
             )
         return out
