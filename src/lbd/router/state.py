@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lbd.common.tls import client_context
-from lbd.policies import EndpointSnapshot, Policy, make_policy
+from lbd.policies import EndpointSnapshot, Policy, RequestFacts, make_policy
+from lbd.policies.sample import SAMPLE_ABOVE, SAMPLE_K, holder_keys, sample_indices
 from lbd.router.config import RouterConfig
 from lbd.router.endpoints import Endpoint
 from lbd.router.kv.view import ExactView
@@ -47,6 +49,7 @@ class RouterState:
         self.outliers = Outliers(self, cfg.outlier_first_byte_timeout_s, cfg.outlier_ejection_s)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
+        self._rng = random.Random(shared.worker)  # the decision's sample (snapshots_for)
 
     def add(self, url: str, source: str, rank: int | None = None) -> Endpoint:
         ep = self.endpoints.get(url)
@@ -93,6 +96,20 @@ class RouterState:
             return [ep.static_snapshot() for ep in self.order]
         now = self.loop.time()
         return [ep.snapshot(self.shared, now) for ep in self.order]
+
+    def snapshots_for(self, facts: RequestFacts) -> list[EndpointSnapshot]:
+        """The endpoints one decision looks at: every one up to ``SAMPLE_ABOVE``, else a random ``SAMPLE_K``
+        and those holding the request's prefix (lbd.policies.sample). A pinned request sees every one."""
+        order = self.order
+        if len(order) <= SAMPLE_ABOVE or facts.pinned_rank is not None:
+            return self.snapshots()
+        now = self.loop.time()
+        picked = {id(order[i]): order[i] for i in sample_indices(len(order), SAMPLE_K, self._rng)}
+        for key in holder_keys(self.policy, facts, rng=self._rng):
+            ep = self.endpoints.get(key)
+            if ep is not None:
+                picked[id(ep)] = ep
+        return [ep.snapshot(self.shared, now) for ep in picked.values()]
 
     def fail(self, ep: Endpoint, source: str, error: str) -> None:
         """A connect error, timeout or 5xx from ``ep`` seen by ``source`` (probe, scrape or request). Failed
