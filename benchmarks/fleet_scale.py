@@ -44,7 +44,7 @@ MODEL = "standin-model"
 BLOCK_WORDS = 16
 
 
-# ---- processes -----------------------------------------------------------------------------------------------
+# ---- processes ---------------------------------------------------------------------------------------------
 def start_fleet(n: int, push: bool, tmp: Path, heartbeat_s: float) -> tuple[object, list[str], str]:
     base, control = free_port_run(n), free_port()
     argv = [PY, str(STANDIN), "--ranks", str(n), "--base-port", str(base), "--control-port", str(control),
@@ -81,7 +81,7 @@ def wait_settled(router: str, n: int, push: bool, timeout: float = 120.0) -> flo
     raise TimeoutError(f"only {len(ok)} of {n} endpoints settled")
 
 
-# ---- workload ------------------------------------------------------------------------------------------------
+# ---- workload ----------------------------------------------------------------------------------------------
 def prompts(count: int, seed: int = 0) -> list[str]:
     """Shared-prefix multi-turn: 12 system prompts of ~1,500 words, sessions of 5 turns, interleaved."""
     rng = random.Random(seed)
@@ -139,7 +139,7 @@ async def drive(router: str, texts: list[str], rate: float) -> list[int]:
     return statuses
 
 
-# ---- router numbers ------------------------------------------------------------------------------------------
+# ---- router numbers ----------------------------------------------------------------------------------------
 def overhead_buckets(router: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of lbd_router_overhead_seconds, every policy summed."""
     sums: dict[float, float] = {}
@@ -171,7 +171,7 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-# ---- KV-event ingest -----------------------------------------------------------------------------------------
+# ---- KV-event ingest ------------------------------------------------------------------------------------
 def kv_ingest_rate(seconds: float = 3.0) -> float:
     """Events/s one core applies through the router's feed (decode, sequence, index), no socket."""
     from lbd.router.kv.feed import EventFeed, Source
@@ -204,7 +204,7 @@ def kv_ingest_rate(seconds: float = 3.0) -> float:
     return asyncio.run(run())
 
 
-# ---- one run -------------------------------------------------------------------------------------------------
+# ---- one run -----------------------------------------------------------------------------------------------
 def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="fleet-") as d:
         tmp = Path(d)
@@ -227,7 +227,8 @@ def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
             after = overhead_buckets(router_url)
             diff = [(b, c - dict(before).get(b, 0.0)) for b, c in after]
             s1 = httpx.get(control + "/standin/stats", timeout=30).json()
-            hits = (s1["prefix_hits"] - s0["prefix_hits"]) / max(1, s1["prefix_queries"] - s0["prefix_queries"])
+            queries = s1["prefix_queries"] - s0["prefix_queries"]
+            hits = (s1["prefix_hits"] - s0["prefix_hits"]) / max(1, queries)
             oracle = oracle_hit_rate(texts)
             return {"ranks": n, "mode": "pushed" if push else "scraped", "settle_s": round(settle, 1),
                     "idle_cpu": idle, "load_cpu": busy, "p50_ms": quantile(diff, 0.5) * 1e3,
@@ -241,8 +242,8 @@ def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    head = ("| ranks | telemetry | idle router CPU (% core) | CPU under load (% core) | overhead p50 / p99 (ms) "
-            "| RSS (MiB) | ok/sent | prefix hits (of oracle) |")
+    head = ("| ranks | telemetry | idle router CPU (% core) | CPU under load (% core) "
+            "| overhead p50 / p99 (ms) | RSS (MiB) | ok/sent | prefix hits (of oracle) |")
     out = [head, "|" + "---|" * 8]
     for r in rows:
         out.append(f"| {r['ranks']} | {r['mode']} | {100 * r['idle_cpu']:.1f} | {100 * r['load_cpu']:.1f} "
