@@ -204,6 +204,40 @@ def kv_ingest_rate(seconds: float = 3.0) -> float:
     return asyncio.run(run())
 
 
+# ---- the decision alone ------------------------------------------------------------------------------------
+def decision_times(n: int, count: int = 3000) -> tuple[float, float]:
+    """(p50, p99) ms of one decision in-process, as the router makes it: the snapshots it looks at
+    (``RouterState.snapshots_for``: every endpoint up to 64, a sample beyond), ``route`` with the default
+    policy, and ``on_dispatch`` (the prefix index update), for shared-prefix requests over ``n`` endpoints."""
+    from lbd.policies import RequestFacts, chunk_hashes, route
+    from lbd.router.config import parse_args
+    from lbd.router.shared import SharedCounters
+    from lbd.router.state import RouterState
+    from lbd.router.telemetry import Sample
+
+    async def run() -> tuple[float, float]:
+        cfg = parse_args(["--upstreams", "http://127.0.0.1:1", "--kv-events", "off"])
+        state = RouterState(cfg, SharedCounters(1, 1024))
+        rng = random.Random(n)
+        for i in range(n):
+            ep = state.add(f"http://127.0.0.1:{20000 + i}", "static", i)
+            ep.models = frozenset({MODEL})
+            ep.take_sample(Sample(running=rng.randrange(8), waiting=rng.randrange(3), kv_usage=rng.random(),
+                                  block_size=16, num_blocks=4096), state.loop.time(), 0, 0)
+        texts = prompts(count, seed=n)
+        times = []
+        for text in texts:
+            facts = RequestFacts(model=MODEL, prefix_hashes=chunk_hashes(text), prompt_tokens=len(text) // 4)
+            t0 = time.perf_counter()
+            d = route(state.policy, facts, state.snapshots_for(facts))
+            state.policy.on_dispatch(facts, d.endpoint.key)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3
+
+    return asyncio.run(run())
+
+
 # ---- one run -----------------------------------------------------------------------------------------------
 def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="fleet-") as d:
@@ -230,7 +264,9 @@ def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
             queries = s1["prefix_queries"] - s0["prefix_queries"]
             hits = (s1["prefix_hits"] - s0["prefix_hits"]) / max(1, queries)
             oracle = oracle_hit_rate(texts)
+            d50, d99 = decision_times(n)
             return {"ranks": n, "mode": "pushed" if push else "scraped", "settle_s": round(settle, 1),
+                    "decision_p50_ms": d50, "decision_p99_ms": d99,
                     "idle_cpu": idle, "load_cpu": busy, "p50_ms": quantile(diff, 0.5) * 1e3,
                     "p99_ms": quantile(diff, 0.99) * 1e3, "rss_mb": proc.memory_info().rss / 2**20,
                     "ok": sum(s == 200 for s in statuses), "sent": len(statuses), "hit_rate": hits,
@@ -243,10 +279,12 @@ def run_one(n: int, push: bool, args: argparse.Namespace) -> dict[str, object]:
 
 def table(rows: list[dict[str, object]]) -> str:
     head = ("| ranks | telemetry | idle router CPU (% core) | CPU under load (% core) "
-            "| overhead p50 / p99 (ms) | RSS (MiB) | ok/sent | prefix hits (of oracle) |")
-    out = [head, "|" + "---|" * 8]
+            "| decision p50 / p99 (ms) "
+            "| router overhead p50 / p99 (ms) | RSS (MiB) | ok/sent | prefix hits (of oracle) |")
+    out = [head, "|" + "---|" * 9]
     for r in rows:
         out.append(f"| {r['ranks']} | {r['mode']} | {100 * r['idle_cpu']:.1f} | {100 * r['load_cpu']:.1f} "
+                   f"| {r['decision_p50_ms']:.3f} / {r['decision_p99_ms']:.3f} "
                    f"| {r['p50_ms']:.3f} / {r['p99_ms']:.3f} | {r['rss_mb']:.0f} | {r['ok']}/{r['sent']} "
                    f"| {100 * r['hit_rate']:.1f}% ({100 * r['hit_rate'] / max(1e-9, r['oracle']):.0f}%) |")
     return "\n".join(out)

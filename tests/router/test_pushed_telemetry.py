@@ -149,3 +149,28 @@ def test_sim_engine_publishes_and_a_restart_is_followed(tiny_llama: Path, tmp_pa
                 _until(lambda: _views_match(router, [eng.base_url]), 5)
         finally:
             router.close()
+
+
+def test_a_fleet_beyond_the_sample_threshold_keeps_prefixes_together(tmp_path: Path) -> None:
+    """80 ranks (over policies.sample.SAMPLE_ABOVE): each decision scores a sample, and the sample always
+    holds the endpoint that has the request's prefix, so one conversation's turns stay on one rank."""
+    f = Fleet(tmp_path, 80)
+    router = RouterServer("--upstreams", ",".join(f.urls), "--debug-headers", "--kv-events", "off",
+                          log=tmp_path / "router.log")
+    try:
+        router.wait_ready()
+        _until(lambda: sum((e.get("telemetry_push") or {}).get("state") == "pushed"
+                           for e in router.status()["endpoints"]) == 80, 60)
+        system = " ".join(f"word{i}" for i in range(400))
+        chosen = []
+        with httpx.Client(timeout=30) as client:
+            for turn in range(12):
+                r = client.post(router.url + "/v1/completions", json={
+                    "model": "standin-model", "prompt": f"{system} question {turn}", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                chosen.append(r.headers["x-lbd-endpoint"])
+        top = max(set(chosen), key=chosen.count)
+        assert chosen.count(top) >= 10, chosen
+    finally:
+        router.close()
+        stop(f.proc)

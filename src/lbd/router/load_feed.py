@@ -10,6 +10,8 @@
 - A rank that stays silent for ``STALE_BEATS`` heartbeats is marked stale, and its scrape loop wakes up and
   scrapes (the fallback, as for engines that do not publish: vLLM, SGLang) until messages come again; a
   sweep every quarter heartbeat finds them, so a silent rank is scraped within two heartbeats.
+- While a stream is fresh its last state still holds (a change would have been sent), so the sweep keeps the
+  endpoint's sample age (what the policies weigh against ``--stale-after-ms``) under a quarter heartbeat.
 - Staleness is exported: ``lbd_router_telemetry_push_age_seconds`` and the ``telemetry_push`` entry of each
   endpoint in /router/status.
 """
@@ -245,7 +247,10 @@ class LoadFeed:
             await asyncio.sleep(max(0.01, beat * SWEEP_BEATS))
             now = self.loop.time()
             for rec in self.by_url.values():
-                if not rec.stale and now - rec.last_at > STALE_BEATS * rec.heartbeat_s:
+                if not rec.stale and now - rec.last_at <= STALE_BEATS * rec.heartbeat_s:
+                    # a fresh stream sends every change: its last state still holds (the policies' age)
+                    rec.ep.sample_at = now
+                elif not rec.stale:
                     rec.stale = True
                     rec.stale_count += 1
                     rec.stale_after_s = now - rec.last_at
