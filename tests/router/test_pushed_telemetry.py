@@ -29,13 +29,14 @@ FIELDS = (("running", "num_requests_running"), ("waiting", "num_requests_waiting
 
 
 class Fleet:
-    def __init__(self, tmp: Path, ranks: int) -> None:
+    def __init__(self, tmp: Path, ranks: int, *extra: str, env: dict[str, str] | None = None) -> None:
         self.base = free_port_run(ranks)
         self.control = f"http://127.0.0.1:{free_port()}"
         port = self.control.rpartition(":")[2]
         self.urls = [f"http://127.0.0.1:{self.base + i}" for i in range(ranks)]
         self.proc = spawn([sys.executable, str(STANDIN), "--ranks", str(ranks), "--base-port", str(self.base),
-                           "--control-port", port, "--heartbeat-s", str(HEARTBEAT_S)], log=tmp / "fleet.log")
+                           "--control-port", port, "--heartbeat-s", str(HEARTBEAT_S), *extra],
+                          env=env, log=tmp / "fleet.log")
         for url in self.urls:
             wait_http(url + "/health", 30, self.proc)
 
@@ -173,4 +174,31 @@ def test_a_fleet_beyond_the_sample_threshold_keeps_prefixes_together(tmp_path: P
         assert chosen.count(top) >= 10, chosen
     finally:
         router.close()
+        stop(f.proc)
+
+
+def test_a_curve_stream_is_followed_only_with_the_cluster_token(tmp_path: Path) -> None:
+    """Streams secured with the cluster token: a router holding it follows them; one without it (or with
+    another token) cannot complete the handshake and scrapes those ranks instead."""
+    token = {"LBD_CLUSTER_TOKEN": "fleet-test-token"}
+    f = Fleet(tmp_path, 2, "--curve", env=token)
+    routers = {
+        "right": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r1.log", env=token),
+        "none": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r2.log",
+                             env={"LBD_CLUSTER_TOKEN": ""}),
+        "wrong": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r3.log",
+                              env={"LBD_CLUSTER_TOKEN": "another"}),
+    }
+    try:
+        for r in routers.values():
+            r.wait_ready()
+        _until(lambda: all(_push(routers["right"], u).get("state") == "pushed" for u in f.urls), 10)
+        f.act(0, "set", {"running": 6, "waiting": 3})
+        for r in routers.values():  # pushed or scraped, every router ends with the rank's numbers
+            _until(lambda r=r: _views_match(r, f.urls), 5)
+        assert all(_push(routers["none"], u) == {} for u in f.urls)  # no token: not even tried
+        assert all(_push(routers["wrong"], u).get("messages", 0) == 0 for u in f.urls)
+    finally:
+        for r in routers.values():
+            r.close()
         stop(f.proc)

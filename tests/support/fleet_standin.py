@@ -9,7 +9,7 @@ Each rank has its own HTTP port (base port + i) serving what a router reads of a
 /v1/models, /metrics (vLLM's names, advertising /telemetry), /telemetry (with its ``load_stream``), and
 /v1/completions and /v1/chat/completions (streamed or not). Unless ``--no-push``, each rank publishes its load
 on its own ZMQ PUB socket in the documented wire format (``lbd.wire.load_state``): on change (at most every
-20 ms) and every ``--heartbeat-s``.
+20 ms) and every ``--heartbeat-s``; ``--curve`` makes each a CURVE server keyed by ``$LBD_CLUSTER_TOKEN``.
 
 Answers take the time a sim profile gives (``lbd.engine.sim_profiles``): each rank runs continuous batching
 over its requests, one step at a time, prefill of the uncached prompt tokens then one token per step. The
@@ -29,6 +29,7 @@ import asyncio
 import collections
 import hashlib
 import json
+import os
 import random
 import secrets
 import sys
@@ -37,8 +38,9 @@ import time
 import zmq
 from aiohttp import web
 
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_server
 from lbd.engine.sim_profiles import StepShape, get_profile
-from lbd.wire.load_state import TOPIC, LoadState, encode_state
+from lbd.wire.load_state import PURPOSE, TOPIC, LoadState, encode_state
 
 MODEL = "standin-model"
 BLOCK_WORDS = 16
@@ -95,7 +97,7 @@ class Rank:
         stream = None
         if self.pub is not None:
             stream = {"endpoint": self.stream, "instance": self.instance, "topic": TOPIC.decode(),
-                      "heartbeat_s": self.fleet.heartbeat_s, "curve": False}
+                      "heartbeat_s": self.fleet.heartbeat_s, "curve": self.fleet.ns.curve}
         return {"engine": self.index, "model_names": [MODEL], "num_requests_running": running,
                 "num_requests_waiting": waiting, "kv_cache_usage_perc": kv, "block_size": BLOCK_WORDS,
                 "num_gpu_blocks": self.fleet.num_blocks, "prefix_cache_queries_total": self.prefix_queries,
@@ -216,6 +218,8 @@ class Fleet:
             if not self.ns.no_push:
                 rank.pub = self.ctx.socket(zmq.PUB)
                 rank.pub.setsockopt(zmq.LINGER, 0)
+                if self.ns.curve:  # as a rank serving beyond loopback with the cluster token set
+                    secure_zmq_server(rank.pub, os.environ[CLUSTER_TOKEN_ENV], PURPOSE)
                 port = rank.pub.bind_to_random_port("tcp://127.0.0.1")
                 rank.stream = f"tcp://127.0.0.1:{port}"
             rank.last_sent = time.monotonic() - random.random() * self.heartbeat_s  # independent phases
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--control-port", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--no-push", action="store_true", help="publish nothing: routers scrape every rank")
+    p.add_argument("--curve", action="store_true",
+                   help="secure the streams with CURVE keys derived from $LBD_CLUSTER_TOKEN")
     p.add_argument("--sim-profile", default="h100-llama3-8b")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--num-blocks", type=int, default=4096)

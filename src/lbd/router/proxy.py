@@ -229,6 +229,7 @@ class Proxy:
                 # the sample could not serve it: decide over every endpoint
                 rr.snaps = state.snapshots()
                 rr.exclude = [e.key for e in rr.snaps if e.inflight >= self.cfg.max_streams_per_endpoint]
+                rr.full = len(rr.exclude)
                 decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
         if isinstance(decision, Refusal):
             return None if retrying else self._refusal(rr, decision)
