@@ -12,6 +12,8 @@
   sweep every quarter heartbeat finds them, so a silent rank is scraped within two heartbeats.
 - While a stream is fresh its last state still holds (a change would have been sent), so the sweep keeps the
   endpoint's sample age (what the policies weigh against ``--stale-after-ms``) under a quarter heartbeat.
+- Messages are attributed by their ``instance`` (one socket cannot tell its peers apart): the publishers a
+  router follows are trusted as its KV-event publishers are (loopback, or CURVE with the cluster token).
 - Staleness is exported: ``lbd_router_telemetry_push_age_seconds`` and the ``telemetry_push`` entry of each
   endpoint in /router/status.
 """
@@ -30,7 +32,6 @@ from typing import TYPE_CHECKING, Protocol
 import zmq
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_client
-from lbd.common.limits import PEER_MESSAGE_MAX_BYTES
 from lbd.router.kv.view import subscribe_address
 from lbd.router.telemetry import Sample
 from lbd.wire.load_state import PURPOSE, TOPIC, BadLoadState, LoadState, decode_advertised, decode_state
@@ -53,6 +54,7 @@ log = logging.getLogger("lbd.router")
 STALE_BEATS = 1.5  # silent this many heartbeats: stale (the sweep runs every SWEEP_BEATS)
 SWEEP_BEATS = 0.25
 _DRAIN_MAX = 512  # messages read between two returns to the event loop
+MAX_MESSAGE_BYTES = 64 * 1024  # a load state is about 100 bytes
 
 
 @dataclass(slots=True)
@@ -164,7 +166,7 @@ class LoadFeed:
         if sock is None:
             sock = self._subs[curve] = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_MAX_BYTES)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger one drops that publisher
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -182,8 +184,9 @@ class LoadFeed:
                 if len(frames) == 2:
                     self.on_message(frames[1])
         except zmq.ZMQError as e:
-            if e.errno != zmq.EAGAIN:
+            if e.errno != zmq.EAGAIN:  # the socket is closing (or broken): wait for the descriptor again
                 log.warning("load stream: read failed: %s", e)
+            return
         except Exception:  # one bad message must not end the stream for every rank
             log.exception("load stream: a message failed")
         self.loop.call_soon(self._drain, sock)  # more queued: after the loop's other work
