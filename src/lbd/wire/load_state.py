@@ -21,8 +21,8 @@ on a known ``stream`` address is a restarted rank (its cache is cold), a ``seq``
 
 **When.** On every change of ``running``, ``waiting``, ``kv_usage`` or ``num_blocks`` (coalesced: at most one
 message per ``min_interval_s``), and at least every ``heartbeat_s`` (an idle rank still proves it is alive).
-A subscriber that hears nothing for two heartbeats marks the rank stale and reads its telemetry by scraping
-until messages come again.
+lbd's router marks a rank that stays silent for 1.5 heartbeats stale (so it is scraped within two) and reads
+its telemetry by scraping until messages come again.
 
 **Security.** The stream binds loopback unless the rank serves on a named non-loopback address and a
 cluster token is set (``LBD_CLUSTER_TOKEN``); it is then a CURVE server with the key pair derived from the
