@@ -98,8 +98,8 @@ class EngineServer:
     """A real `python -m lbd.engine` process on a free loopback port."""
 
     def __init__(self, model: Path | str | None, *args: str, env: dict[str, str] | None = None,
-                 log: Path | None = None, ready_timeout: float = 120.0) -> None:
-        self.port = free_port()
+                 log: Path | None = None, ready_timeout: float = 120.0, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if model is not None:

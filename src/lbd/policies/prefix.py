@@ -33,11 +33,14 @@ def chunk_hashes(text: str | bytes, chunk_chars: int = CHUNK_CHARS, limit: int =
 
 
 class PrefixIndex:
-    """Chunk hashes per endpoint key, each endpoint bounded to ``capacity`` entries (LRU)."""
+    """Chunk hashes per endpoint key, each endpoint bounded to ``capacity`` entries (LRU), and the inverse
+    (hash -> the keys holding it), so the endpoints holding a prefix are found without visiting every
+    endpoint (``holders``: a fleet's decision samples endpoints and adds those)."""
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
         self._by_key: dict[str, OrderedDict[int, None]] = {}
+        self._keys: dict[int, set[str]] = {}
 
     def match(self, key: str, hashes: Sequence[int]) -> int:
         """How many leading chunks of ``hashes`` endpoint ``key`` has seen."""
@@ -55,16 +58,43 @@ class PrefixIndex:
         seen = self._by_key.get(key)
         if seen is None:
             seen = self._by_key[key] = OrderedDict()
+        keys = self._keys
         for h in hashes:
             if h in seen:
                 seen.move_to_end(h)
             else:
                 seen[h] = None
+                holders = keys.get(h)
+                if holders is None:
+                    keys[h] = {key}
+                else:
+                    holders.add(key)
         while len(seen) > self.capacity:
-            seen.popitem(last=False)
+            self._drop(seen.popitem(last=False)[0], key)
+
+    def _drop(self, h: int, key: str) -> None:
+        holders = self._keys.get(h)
+        if holders is not None:
+            holders.discard(key)
+            if not holders:
+                del self._keys[h]
+
+    def holders(self, hashes: Sequence[int]) -> set[str]:
+        """The keys holding the longest prefix of ``hashes`` that any endpoint holds (empty: none). A
+        chained hash stands for its whole prefix, so the deepest one held is found by bisection."""
+        keys = self._keys
+        lo, hi = 0, len(hashes)  # hashes[:lo] held by someone; hashes[hi:] by no one
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[mid] in keys:
+                lo = mid + 1
+            else:
+                hi = mid
+        return keys[hashes[lo - 1]] if lo else set()
 
     def size(self, key: str) -> int:
         return len(self._by_key.get(key, ()))
 
     def forget(self, key: str) -> None:
-        self._by_key.pop(key, None)
+        for h in self._by_key.pop(key, ()):
+            self._drop(h, key)

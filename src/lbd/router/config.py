@@ -104,6 +104,7 @@ class RouterConfig:
     prefill_tokens_per_s: float | None
     log_level: str
     kv_events: str = "auto"
+    telemetry_push: str = "auto"  # follow the load streams ranks advertise (lbd.router.load_feed)
     evict_weight: float = 1.0
     tokenizer: Path | None = None
     forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
@@ -260,7 +261,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         prefill_tokens_per_s=ns.prefill_tokens_per_s,
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
-        kv_events=ns.kv_events,
+        kv_events=ns.kv_events, telemetry_push=ns.telemetry_push,
         evict_weight=ns.evict_weight,
         tokenizer=ns.tokenizer,
         forward_prompt_ids=ns.forward_prompt_ids is not False,

@@ -160,6 +160,11 @@ def make_parser() -> OneLineParser:
         help="how often each rank's /metrics is read, by the router as a whole: with --workers N each worker "
         "reads it every N intervals (the engines' metrics cost them CPU; the workers share dispatch counts)",
     )
+    g.add_argument(
+        "--telemetry-push", default="auto", choices=["auto", "off"],
+        help="auto: follow the load stream a rank advertises in its JSON telemetry (lbd.wire.load_state) and "
+        "scrape it only while the stream is silent; off: scrape every rank",
+    )
     g.add_argument("--scrape-timeout-ms", type=float, default=1000.0,
                    help="a scrape slower than this counts as failed")
     g.add_argument(

@@ -109,11 +109,36 @@ class _KvLive(Collector):
         yield blocks
 
 
+class _PushLive(Collector):
+    """Pushed-telemetry gauges per endpoint that advertises a load stream (lbd.router.load_feed)."""
+
+    def __init__(self, rows: Callable[[], Iterable[tuple[str, float, bool]]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        age = GaugeMetricFamily(
+            "lbd_router_telemetry_push_age_seconds",
+            "Seconds since the endpoint's last pushed load state (-1: none yet; this worker).",
+            labels=["endpoint"],
+        )
+        stale = GaugeMetricFamily(
+            "lbd_router_telemetry_push_stale",
+            "1 when the endpoint's load stream went silent and it is scraped instead (this worker).",
+            labels=["endpoint"],
+        )
+        for url, age_s, is_stale in self.rows():
+            age.add_metric([url], age_s)
+            stale.add_metric([url], 1.0 if is_stale else 0.0)
+        yield age
+        yield stale
+
+
 class RouterMetrics:
     def __init__(
         self,
         live_rows: Callable[[], Iterable[tuple[str, int, bool, float]]],
         kv_rows: Callable[[], Iterable[tuple[str, float, float, int]]] = list,
+        push_rows: Callable[[], Iterable[tuple[str, float, bool]]] = list,
     ) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         own = None if self.multiprocess else CollectorRegistry()
@@ -125,6 +150,7 @@ class RouterMetrics:
             self._registry = own  # type: ignore[assignment]
         self._registry.register(_Live(live_rows))
         self._registry.register(_KvLive(kv_rows))
+        self._registry.register(_PushLive(push_rows))
         # tallies since the last flush
         self._requests: dict[tuple[str, str], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}

@@ -19,6 +19,7 @@ from lbd.common.limits import peer_read_cap, read_upstream
 from lbd.router.config import Upstream, read_upstreams_file
 from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
+from lbd.router.load_feed import LoadFeed
 from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
@@ -42,6 +43,9 @@ class Monitor:
         self.file_urls: set[str] = set()
         key = self.cfg.upstream_api_key
         self._auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+        # pushed telemetry (lbd.router.load_feed): ranks that publish their load are not scraped while fresh
+        self.push = LoadFeed(state) if self.cfg.telemetry_push != "off" else None
+        state.push = self.push
         state.on_added.append(self._start_endpoint)
         state.on_removed.append(self._stop_endpoint)
 
@@ -52,6 +56,8 @@ class Monitor:
         if self.cfg.upstreams_file is not None:
             self.reload_file()
         self.source_tasks.append(asyncio.ensure_future(self._outlier_loop()))
+        if self.push is not None:
+            self.push.start()
 
     def _start_source(self, up: Upstream, source: str) -> None:
         if up.kind == "supervisor":
@@ -104,6 +110,8 @@ class Monitor:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.push is not None:
+            await self.push.close()
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
@@ -129,6 +137,8 @@ class Monitor:
             t.cancel()
         if self.state.exact is not None:
             self.state.exact.remove(ep.url)
+        if self.push is not None:
+            self.push.remove(ep.url)
         pool = self.pools.pop(ep.url, None)
         if pool is not None:
             pool.close()
@@ -164,6 +174,8 @@ class Monitor:
         loop = asyncio.get_running_loop()
         interval = self.cfg.scrape_interval_s * max(1, self.cfg.workers)
         while True:
+            if self.push is not None and self.push.fresh(ep.url):
+                await self.push.until_stale(ep.url)  # its pushed state is fresh: no scrape until it is not
             began = loop.time()
             if ep.healthy and ep.routable:
                 await self.scrape(ep)
@@ -208,6 +220,8 @@ class Monitor:
         if ep.take_sample(sample, began, totals.dispatched, totals.finished):
             self.state.reorder()
         ep.record_success("scrape")
+        if self.push is not None and sample.load_stream is not None:
+            self.push.adopt(ep, sample.load_stream)
 
     def _scrape_failed(self, ep: Endpoint, error: str) -> None:
         ep.scrape_errors += 1

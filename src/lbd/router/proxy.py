@@ -224,7 +224,8 @@ class Proxy:
         state = self.state
         trial = None
         if n == 0:
-            rr.snaps = snaps = state.snapshots()  # live in-flight counts: --max-streams-per-endpoint
+            # live in-flight counts (--max-streams-per-endpoint); a sample of a large fleet (policies.sample)
+            rr.snaps = snaps = state.snapshots_for(rr.facts)
             cap = self.cfg.max_streams_per_endpoint
             rr.exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
             rr.full = len(rr.exclude)
@@ -235,6 +236,12 @@ class Proxy:
                                                     "half_open_trial")
         else:
             decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
+            if isinstance(decision, Refusal) and len(rr.snaps) < len(state.order):
+                # the sample could not serve it: decide over every endpoint
+                rr.snaps = state.snapshots()
+                rr.exclude = [e.key for e in rr.snaps if e.inflight >= self.cfg.max_streams_per_endpoint]
+                rr.full = len(rr.exclude)
+                decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
         if isinstance(decision, Refusal):
             return None if retrying else self._refusal(rr, decision)
         if rr.trace is not None:

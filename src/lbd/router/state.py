@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from lbd.common.tls import client_context
-from lbd.policies import EndpointSnapshot, Policy, make_policy
+from lbd.policies import EndpointSnapshot, Policy, RequestFacts, make_policy
+from lbd.policies.sample import SAMPLE_ABOVE, SAMPLE_K, holder_keys, sample_indices
 from lbd.router.config import RouterConfig
 from lbd.router.endpoints import Endpoint
 from lbd.router.kv.view import ExactView
@@ -16,6 +19,9 @@ from lbd.router.metrics import RouterMetrics
 from lbd.router.outlier import Outliers, ejection_cap
 from lbd.router.shared import SharedCounters
 from lbd.router.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from lbd.router.load_feed import LoadFeed
 
 log = logging.getLogger("lbd.router")
 
@@ -38,10 +44,12 @@ class RouterState:
             evict_weight=cfg.evict_weight,
         )
         self.exact: ExactView | None = None  # set by the app when --kv-events is not off
-        self.metrics = RouterMetrics(self.live_rows, self.kv_rows)
+        self.push: LoadFeed | None = None  # set by the monitor unless --telemetry-push off
+        self.metrics = RouterMetrics(self.live_rows, self.kv_rows, self.push_rows)
         self.outliers = Outliers(self, cfg.outlier_first_byte_timeout_s, cfg.outlier_ejection_s)
         self.on_added: list = []  # callbacks(endpoint) run when an endpoint appears (start its monitors)
         self.on_removed: list = []
+        self._rng = random.Random(shared.worker)  # the decision's sample (snapshots_for)
 
     def add(self, url: str, source: str, rank: int | None = None) -> Endpoint:
         ep = self.endpoints.get(url)
@@ -89,6 +97,20 @@ class RouterState:
         now = self.loop.time()
         return [ep.snapshot(self.shared, now) for ep in self.order]
 
+    def snapshots_for(self, facts: RequestFacts) -> list[EndpointSnapshot]:
+        """The endpoints one decision looks at: every one up to ``SAMPLE_ABOVE``, else a random ``SAMPLE_K``
+        and those holding the request's prefix (lbd.policies.sample). A pinned request sees every one."""
+        order = self.order
+        if len(order) <= SAMPLE_ABOVE or facts.pinned_rank is not None:
+            return self.snapshots()
+        now = self.loop.time()
+        picked = {id(order[i]): order[i] for i in sample_indices(len(order), SAMPLE_K, self._rng)}
+        for key in holder_keys(self.policy, facts, rng=self._rng):
+            ep = self.endpoints.get(key)
+            if ep is not None:
+                picked[id(ep)] = ep
+        return [ep.snapshot(self.shared, now) for ep in picked.values()]
+
     def fail(self, ep: Endpoint, source: str, error: str) -> None:
         """A connect error, timeout or 5xx from ``ep`` seen by ``source`` (probe, scrape or request). Failed
         requests count against --outlier-consecutive-5xx and may not eject more than
@@ -124,6 +146,9 @@ class RouterState:
         self.policy.forget(ep.url)
         if self.exact is not None:
             self.exact.restarted(ep.url, why)
+
+    def push_rows(self) -> Iterable[tuple[str, float, bool]]:
+        return self.push.rows() if self.push is not None else ()
 
     def kv_rows(self) -> list[tuple[str, float, float, int]]:
         return self.exact.metric_rows() if self.exact is not None else []
@@ -190,6 +215,7 @@ class RouterState:
                     "failures": ep.failures,
                     "last_error": ep.last_error or None,
                     "kv_events": self.exact.status(ep.url) if self.exact is not None else {"mode": "off"},
+                    "telemetry_push": self.push.status(ep.url) if self.push is not None else None,
                 }
             )
         return out

@@ -76,6 +76,7 @@ class Sample:
     generation_tokens: float = 0.0
     ranks: set[int] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
+    load_stream: object = None  # the pushed load stream the rank advertises (lbd.router.load_feed)
 
 
 def family_lines(text: str, name: str) -> list[str]:
@@ -178,6 +179,7 @@ def parse_telemetry(body: bytes) -> Sample:
     if isinstance(engine, int) and not isinstance(engine, bool):
         s.ranks.add(engine)
     s.models.update(str(m) for m in data.get("model_names") or () if m)
+    s.load_stream = data.get("load_stream")
     return s
 
 

@@ -4,10 +4,10 @@ Each module holds the types of one wire: ``status`` (the supervisor's and ``lbd 
 engine's /status; its states in ``states``), ``dp`` (the DP group's state, a rank's DP status, the DP
 coordinator's /status),
 ``dp_messages`` (an MoE DP rank's core <-> the DP coordinator), ``kv_events`` (the KV-event batch in vLLM's
-msgpack format, its encoder and tolerant decoder), ``events`` (the supervisor's rank lifecycle events),
-``roles`` (node and rank roles), ``core_messages`` (engine core <-> front end) and ``executor_messages`` (a TP
-x PP rank's core <-> its workers). Types are msgspec Structs or slots dataclasses; their field names are the
-wire's.
+msgpack format, its encoder and tolerant decoder), ``load_state`` (a rank's load, pushed to routers),
+``events`` (the supervisor's rank lifecycle events), ``roles`` (node and rank roles), ``core_messages``
+(engine core <-> front end) and ``executor_messages`` (a TP x PP rank's core <-> its workers). Types are
+msgspec Structs or slots dataclasses; their field names are the wire's.
 
 Rules: this package imports nothing of lbd (the standard library, msgspec and msgpack only, never torch), so
 every program can import it. Decoders tolerate what a newer peer may add: unknown fields are skipped, and an

@@ -84,6 +84,7 @@ class EngineArgs:
     responses_store_max_entries: int = 4096
     responses_store_max_bytes: int = 256 * 1024 * 1024
     profile_steps: int = 0
+    load_heartbeat_s: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -191,6 +192,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="log where the time of a step goes (scheduling, input preparation, attention, "
                         "linear, sampling, IPC; the front ends' detokenization and streaming) every N steps; "
                         "0 = off")
+    g.add_argument("--load-heartbeat-s", type=float, default=1.0, metavar="S",
+                   help="push this rank's load (running, waiting, KV use) to routers on a ZMQ stream, on "
+                        "every change and at least every S seconds (advertised in /telemetry; "
+                        "lbd.wire.load_state); 0 = off (routers scrape)")
 
     add_tls_arguments(parser)
     _limits.add_limit_arguments(parser)
@@ -346,6 +351,8 @@ def _numbers_problem(args: EngineArgs) -> str | None:
         return "--shutdown-timeout must be >= 0"
     if args.profile_steps < 0:
         return f"--profile-steps must be >= 0 (0 = off), got {args.profile_steps}"
+    if not (args.load_heartbeat_s == 0 or 0.05 <= args.load_heartbeat_s <= 60):
+        return f"--load-heartbeat-s must be 0 (off) or 0.05..60 seconds, got {args.load_heartbeat_s}"
     if args.health_stall_timeout_s < 0 or 0 < args.health_stall_timeout_s < 1.5:
         return ("--health-stall-timeout-s must be 0 (off) or at least 1.5: an idle core speaks only "
                 "once a second")

@@ -127,6 +127,7 @@ class ObservabilityConfig:
     otlp_traces_endpoint: str | None = None
     profile_steps: int = 0
     kv_events_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_events)
+    load_heartbeat_s: float = 1.0  # the pushed load state's heartbeat (lbd.wire.load_state); 0 = off
 
 
 @dataclass(slots=True, frozen=True)

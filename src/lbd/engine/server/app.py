@@ -118,6 +118,13 @@ class Frontend:
             from lbd.engine.server.tracing import RequestTracer
 
             self.state.tracer = RequestTracer(endpoint, rank)
+        heartbeat = self.config.observability.load_heartbeat_s
+        if heartbeat > 0:
+            from lbd.engine.server.load_stream import LoadPublisher
+
+            pub = self.state.load_stream = LoadPublisher(rank, heartbeat, self.config.server.host)
+            self.client.on_stats = pub.update
+            pub.start()
 
     def _response_store(self) -> ResponseStore:
         """This front end's share of the rank's response store (see responses_store)."""
@@ -159,6 +166,9 @@ class Frontend:
     async def close(self) -> None:
         if self.offload is not None:
             self.offload.close()
+        if self.state is not None and self.state.load_stream is not None:
+            self.client.on_stats = None
+            self.state.load_stream.close()
         await self.client.close()
         if self.state is not None and self.state.tracer is not None:
             await asyncio.to_thread(self.state.tracer.shutdown)

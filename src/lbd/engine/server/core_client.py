@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 
 import psutil
 import zmq
@@ -65,6 +66,7 @@ class CoreClient:
         # growing old is a stall too, also once the requests that were waiting have been given up.
         self.pending_since: float | None = None
         self.dp: DPStatus | None = None  # the core's DP-group status; None: no group
+        self.on_stats: Callable[[CM.SchedulerStats], None] | None = None  # the load stream's feed
 
     @property
     def core_pid(self) -> int | None:
@@ -162,6 +164,8 @@ class CoreClient:
         """Route one decoded message; returns the number of tokens it carried."""
         if isinstance(msg, CM.EngineCoreOutputs):
             self.stats = msg.stats
+            if self.on_stats is not None:
+                self.on_stats(msg.stats)
             tokens = 0
             for out in msg.outputs:
                 tokens += len(out.new_token_ids)
@@ -171,6 +175,8 @@ class CoreClient:
             return tokens
         if isinstance(msg, CM.SchedulerStats):
             self.stats = msg
+            if self.on_stats is not None:
+                self.on_stats(msg)
         elif isinstance(msg, DPStatus):
             self.dp = msg
         elif isinstance(msg, CM.RequestError):

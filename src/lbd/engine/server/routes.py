@@ -81,13 +81,14 @@ async def telemetry(request: web.Request) -> web.Response:
     client = state.client
     s = client.stats
     age = asyncio.get_running_loop().time() - client.last_heard if client.last_heard else None
+    stream = state.load_stream.advertised() if state.load_stream is not None else None
     return json_response({
         "engine": state.config.rank, "model_names": state.config.model.model_names, "pid": state.pid,
         "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
         "kv_cache_usage_perc": s.kv_cache_usage, "block_size": s.block_size, "num_gpu_blocks": s.num_blocks,
         "prefix_cache_queries_total": s.prefix_cache_queries, "prefix_cache_hits_total": s.prefix_cache_hits,
         "prompt_tokens_total": s.prompt_tokens, "generation_tokens_total": s.generation_tokens,
-        "server_load": state.in_flight, "age_s": age,
+        "server_load": state.in_flight, "age_s": age, "load_stream": stream,
     })
 
 

@@ -21,6 +21,7 @@ from lbd.wire.dp import DPState
 
 if TYPE_CHECKING:
     from lbd.engine.server.forwarded import ForwardedPrompts
+    from lbd.engine.server.load_stream import LoadPublisher
     from lbd.engine.server.tracing import RequestTracer
 
 
@@ -43,6 +44,7 @@ class FrontendState:
     in_flight: int = 0
     draining: bool = False
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    load_stream: LoadPublisher | None = None  # the pushed load state (--load-heartbeat-s)
 
     @property
     def limits(self) -> Limits:

@@ -1,0 +1,280 @@
+"""Pushed telemetry: one SUB socket per router worker follows every rank's load stream
+(``lbd.wire.load_state``), and a rank's scrape loop sleeps while its stream is fresh.
+
+- A rank advertises its stream in its JSON telemetry; the first scrape that reads it ``adopt``s the rank: the
+  subscriber connects (one socket over all ranks, two when some streams are CURVE-secured) and maps the
+  publisher's ``instance`` to the endpoint.
+- Each message is a full state: it becomes the endpoint's sample, as a scrape's would (``take_sample``). A
+  ``seq`` that skips is a gap (counted; the message itself resyncs). A new ``instance`` from a known stream
+  address is a restarted rank: the router forgets what it had cached there and follows the new epoch.
+- A rank that stays silent for ``STALE_BEATS`` heartbeats is marked stale, and its scrape loop wakes up and
+  scrapes (the fallback, as for engines that do not publish: vLLM, SGLang) until messages come again; a
+  sweep every quarter heartbeat finds them, so a silent rank is scraped within two heartbeats.
+- While a stream is fresh its last state still holds (a change would have been sent), so the sweep keeps the
+  endpoint's sample age (what the policies weigh against ``--stale-after-ms``) under a quarter heartbeat.
+- Messages are attributed by their ``instance`` (one socket cannot tell its peers apart): the publishers a
+  router follows are trusted as its KV-event publishers are (loopback, or CURVE with the cluster token).
+- Staleness is exported: ``lbd_router_telemetry_push_age_seconds`` and the ``telemetry_push`` entry of each
+  endpoint in /router/status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import zmq
+
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_client
+from lbd.router.kv.view import subscribe_address
+from lbd.router.telemetry import Sample
+from lbd.wire.load_state import PURPOSE, TOPIC, BadLoadState, LoadState, decode_advertised, decode_state
+
+if TYPE_CHECKING:
+    from lbd.router.endpoints import Endpoint
+    from lbd.router.shared import SharedCounters
+
+
+class Table(Protocol):
+    """What the feed needs of the router's endpoint table (``lbd.router.state.RouterState``)."""
+
+    shared: SharedCounters
+
+    def restarted(self, ep: Endpoint, why: str) -> None: ...
+
+    def reorder(self) -> None: ...
+
+log = logging.getLogger("lbd.router")
+STALE_BEATS = 1.5  # silent this many heartbeats: stale (the sweep runs every SWEEP_BEATS)
+SWEEP_BEATS = 0.25
+_DRAIN_MAX = 512  # messages read between two returns to the event loop
+MAX_MESSAGE_BYTES = 64 * 1024  # a load state is about 100 bytes
+
+
+@dataclass(slots=True)
+class Pushed:
+    """One endpoint's stream as this worker follows it."""
+
+    ep: Endpoint
+    stream: str  # the advertised address (the rank's identity across restarts)
+    connect: str  # where this worker connected
+    instance: str
+    heartbeat_s: float
+    curve: bool
+    last_seq: int = -1
+    last_at: float = 0.0  # loop time of the last message (0: none yet)
+    lag_s: float = 0.0  # arrival minus the publisher's ts, last message
+    messages: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    stale: bool = True  # no fresh message: the scrape loop runs
+    stale_count: int = 0
+    stale_after_s: float = 0.0  # how long it had been silent when last marked stale
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class LoadFeed:
+    def __init__(self, state: Table) -> None:
+        self.state = state
+        self.loop = asyncio.get_running_loop()
+        self.by_url: dict[str, Pushed] = {}
+        self.by_instance: dict[str, Pushed] = {}
+        self.by_stream: dict[str, Pushed] = {}
+        self._ctx = zmq.Context.instance()
+        self._subs: dict[bool, zmq.Socket] = {}  # curve -> the socket
+        self._token = os.environ.get(CLUSTER_TOKEN_ENV) or None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.unknown = 0  # messages from no adopted instance (a restart not yet seen, a removed rank)
+        self.bad = 0
+        self.messages = 0
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._sweep())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sock in self._subs.values():
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(sock.getsockopt(zmq.FD))
+            sock.close(linger=0)
+        self._subs.clear()
+
+    # ---- endpoints ------------------------------------------------------------------------------------
+    def adopt(self, ep: Endpoint, advertised: object) -> None:
+        """``ep``'s telemetry advertised a stream: follow it (again, when it moved or restarted)."""
+        adv = decode_advertised(advertised)
+        if adv is None or adv.topic != TOPIC.decode():
+            return
+        connect = subscribe_address(adv.endpoint, ep.url)
+        if connect is None:
+            return
+        if adv.curve and not self._token:
+            return  # a secured stream and no token here: scrape this rank
+        rec = self.by_url.get(ep.url)
+        if rec is not None and rec.instance == adv.instance and rec.connect == connect:
+            return
+        if rec is not None:
+            self._forget(rec)
+            if rec.instance != adv.instance and rec.last_at:
+                self.state.restarted(ep, "it advertises a new load stream")
+        rec = Pushed(ep, adv.endpoint, connect, adv.instance, max(0.05, adv.heartbeat_s), adv.curve)
+        self.by_url[ep.url] = self.by_instance[adv.instance] = self.by_stream[adv.endpoint] = rec
+        self._socket(adv.curve).connect(connect)
+        log.info("telemetry of %s: following its load stream %s", ep.url, connect)
+
+    def remove(self, url: str) -> None:
+        rec = self.by_url.get(url)
+        if rec is not None:
+            self._forget(rec)
+
+    def _forget(self, rec: Pushed) -> None:
+        self.by_url.pop(rec.ep.url, None)
+        if self.by_instance.get(rec.instance) is rec:
+            del self.by_instance[rec.instance]
+        if self.by_stream.get(rec.stream) is rec:
+            del self.by_stream[rec.stream]
+        if not any(r.connect == rec.connect for r in self.by_url.values()):
+            with contextlib.suppress(zmq.ZMQError):
+                self._subs[rec.curve].disconnect(rec.connect)
+        rec.wake.set()
+
+    def fresh(self, url: str) -> bool:
+        rec = self.by_url.get(url)
+        return rec is not None and not rec.stale
+
+    async def until_stale(self, url: str) -> None:
+        """Wait while ``url``'s stream is fresh (its scrape loop sleeps here)."""
+        rec = self.by_url.get(url)
+        if rec is None or rec.stale:
+            return
+        rec.wake.clear()
+        await rec.wake.wait()
+
+    # ---- the socket -----------------------------------------------------------------------------------
+    def _socket(self, curve: bool) -> zmq.Socket:
+        """The SUB socket (plain or CURVE), read straight from the event loop: its descriptor wakes the loop,
+        and a read takes every message queued (up to ``_DRAIN_MAX``, then the loop runs other work first)."""
+        sock = self._subs.get(curve)
+        if sock is None:
+            sock = self._subs[curve] = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger one drops that publisher
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            if curve:
+                secure_zmq_client(sock, self._token, PURPOSE)
+            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+        return sock
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        try:
+            for _ in range(_DRAIN_MAX):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return  # the descriptor is edge-triggered: reading EVENTS re-arms it
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if len(frames) == 2:
+                    self.on_message(frames[1])
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EAGAIN:  # the socket is closing (or broken): wait for the descriptor again
+                log.warning("load stream: read failed: %s", e)
+            return
+        except Exception:  # one bad message must not end the stream for every rank
+            log.exception("load stream: a message failed")
+        self.loop.call_soon(self._drain, sock)  # more queued: after the loop's other work
+
+    # ---- messages -------------------------------------------------------------------------------------
+    def on_message(self, payload: bytes) -> None:
+        try:
+            msg = decode_state(payload)
+        except BadLoadState:
+            self.bad += 1
+            return
+        rec = self.by_instance.get(msg.instance)
+        if rec is None:
+            rec = self.by_stream.get(msg.stream)
+            if rec is None:
+                self.unknown += 1
+                return
+            self._new_epoch(rec, msg.instance)
+        if msg.seq <= rec.last_seq:
+            return  # a duplicate or one overtaken: the newer state is already applied
+        if rec.last_seq >= 0 and msg.seq != rec.last_seq + 1:
+            rec.gaps += 1
+        rec.last_seq = msg.seq
+        self.apply(rec, msg)
+
+    def _new_epoch(self, rec: Pushed, instance: str) -> None:
+        """A new publisher on a known stream address: the rank restarted, its cache is cold."""
+        if self.by_instance.get(rec.instance) is rec:
+            del self.by_instance[rec.instance]
+        rec.instance, rec.last_seq = instance, -1
+        rec.restarts += 1
+        self.by_instance[instance] = rec
+        self.state.restarted(rec.ep, "its load stream has a new instance")
+
+    def apply(self, rec: Pushed, msg: LoadState) -> None:
+        now = self.loop.time()
+        ep = rec.ep
+        rec.messages += 1
+        self.messages += 1
+        rec.last_at = now
+        rec.lag_s = max(0.0, time.time() - msg.ts)
+        rec.heartbeat_s = max(0.05, msg.heartbeat_s)
+        if rec.stale:
+            rec.stale = False
+            log.debug("telemetry of %s: pushed (stream %s)", ep.url, rec.connect)
+        sample = Sample(running=msg.running, waiting=msg.waiting, kv_usage=msg.kv_usage,
+                        prefix_queries=msg.prefix_queries, prefix_hits=msg.prefix_hits,
+                        block_size=msg.block_size, num_blocks=msg.num_blocks, prompt_tokens=msg.prompt_tokens,
+                        generation_tokens=msg.generation_tokens)
+        sample.ranks.add(msg.rank)
+        sample.models.update(ep.models)
+        totals = self.state.shared.totals(ep.slot)
+        ep.new_process = False
+        if ep.take_sample(sample, now, totals.dispatched, totals.finished):
+            self.state.reorder()
+
+    # ---- staleness ------------------------------------------------------------------------------------
+    async def _sweep(self) -> None:
+        while True:
+            beat = min((r.heartbeat_s for r in self.by_url.values()), default=1.0)
+            await asyncio.sleep(max(0.01, beat * SWEEP_BEATS))
+            now = self.loop.time()
+            for rec in self.by_url.values():
+                if not rec.stale and now - rec.last_at <= STALE_BEATS * rec.heartbeat_s:
+                    # a fresh stream sends every change: its last state still holds (the policies' age)
+                    rec.ep.sample_at = now
+                elif not rec.stale:
+                    rec.stale = True
+                    rec.stale_count += 1
+                    rec.stale_after_s = now - rec.last_at
+                    rec.wake.set()  # its scrape loop takes over
+                    log.info("telemetry of %s: no load message for %.2fs; scraping it until they return",
+                             rec.ep.url, now - rec.last_at)
+
+    # ---- reporting ------------------------------------------------------------------------------------
+    def status(self, url: str) -> dict[str, object] | None:
+        rec = self.by_url.get(url)
+        if rec is None:
+            return None
+        age = self.loop.time() - rec.last_at if rec.last_at else None
+        return {"stream": rec.connect, "state": "stale" if rec.stale else "pushed",
+                "age_s": None if age is None else round(age, 3), "lag_s": round(rec.lag_s, 4),
+                "heartbeat_s": rec.heartbeat_s, "seq": rec.last_seq, "messages": rec.messages,
+                "gaps": rec.gaps, "restarts": rec.restarts, "stale_count": rec.stale_count,
+                "stale_after_s": round(rec.stale_after_s, 3)}
+
+    def rows(self) -> Iterable[tuple[str, float, bool]]:
+        """(endpoint, seconds since its last message or -1, stale) per followed stream."""
+        now = self.loop.time()
+        for url, rec in self.by_url.items():
+            yield url, (now - rec.last_at) if rec.last_at else -1.0, rec.stale
