@@ -3,8 +3,9 @@ and not, while a chaos action runs every N seconds: SIGKILL of a rank or of its 
 or of its core alone, a rolling restart, and a reset of the router's connections to the ranks
 (benchmarks/soak_chaos.py). Reports requests sent, completed, failed by reason (lost before any byte vs
 broken mid-stream, with what the stream's error event said), failures by the chaos action they followed,
-retried (the router's counters), the chaos log, and RSS, open FDs and threads of every
-process over time, with a plot.
+retried and migrated (the router's counters: streams resumed on another rank, with the time from the
+failure to the next token, against one prefill of the same prompt on a rank measured at the end of the same
+run), the chaos log, and RSS, open FDs and threads of every process over time, with a plot.
 
     python benchmarks/soak.py --duration-s 600 --chaos-every-s 20 --rate 4 --out /tmp/soak
 
@@ -38,6 +39,7 @@ from support.procs import exit_on_sigterm  # noqa: E402
 from support.tiny import make_tiny_llama  # noqa: E402
 
 TOKEN = "soak-admin-token"
+PROMPT = "Once upon a time"
 
 
 class Load:
@@ -64,7 +66,7 @@ class Load:
             await asyncio.gather(*tasks)
 
     async def one(self, client: httpx.AsyncClient, stream: bool, t0: float) -> None:
-        body = {"model": self.model, "prompt": "Once upon a time", "max_tokens": self.max_tokens,
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": stream}
         began = time.monotonic()
         got_bytes = False
@@ -152,6 +154,20 @@ def summarize(load: Load, chaos: Chaos, sampler: Sampler, router_metrics: str, d
                       "p99": lat[int(len(lat) * 0.99)] if lat else None},
         "chaos": chaos.done, "resources": flatness(sampler.rows, warmup_s),
     }
+
+
+def prefill_s(node: SupervisorNode, model: str, prompt: str, tries: int = 5) -> float:
+    """Median time to the first streamed token of ``prompt`` on the ranks directly: one prefill (a prompt
+    under one block is never a prefix-cache hit): what a resumed stream's new rank does first."""
+    times = []
+    for r in node.status()["ranks"]:
+        for _ in range(tries):
+            body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+            t0 = time.monotonic()
+            with httpx.stream("POST", r["url"] + "/v1/completions", json=body, timeout=30) as resp:
+                next(line for line in resp.iter_lines() if line.startswith("data: {"))
+                times.append(time.monotonic() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def grew(summary: dict) -> list[str]:
@@ -251,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         duration = time.monotonic() - t0
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
         summary = summarize(load, chaos, sampler, metrics, duration, warmup_s=min(30.0, duration / 5))
+        summary["migrations"] = httpx.get(router.url + "/router/status", timeout=10).json()["migrations"]
+        summary["one_prefill_s"] = round(prefill_s(node, str(model), PROMPT), 4)
         (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": sampler.rows,
                                                    "outcomes": load.outcomes}, indent=1))
         plot(summary, load, sampler, out / "soak.png")

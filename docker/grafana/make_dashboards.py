@@ -98,6 +98,12 @@ def router() -> dict:
                 (f"sum by (endpoint) (rate(lbd_router_client_disconnects_total{SEL}{RATE}))",
                  "{{endpoint}}")],
                 "ops"),
+            panel("Streams moved to another rank mid-answer, by cause and outcome", [
+                (f"sum by (reason, outcome) (rate(lbd_router_migrations_total{SEL}{RATE}))",
+                 "{{reason}}: {{outcome}}")], "ops"),
+            panel("Moved streams: failure to next token, p50 / p99", [
+                (_q("lbd_router_migration_gap_seconds", 0.5), "p50"),
+                (_q("lbd_router_migration_gap_seconds", 0.99), "p99")], "s"),
         ]),
         ("Telemetry", [
             panel("Endpoint takes traffic (1) or not (0)", [
@@ -105,6 +111,10 @@ def router() -> dict:
             panel("Age of the last /metrics scrape", [
                 (f"max by (endpoint) (lbd_router_scrape_age_seconds{SEL})", "{{endpoint}}")], "s",
                 description="-1: never scraped"),
+            panel("Age of the last pushed load state", [
+                (f"max by (endpoint) (lbd_router_telemetry_push_age_seconds{SEL})", "{{endpoint}}")], "s"),
+            panel("Pushed streams gone stale (scraped instead)", [
+                (f"sum by (endpoint) (lbd_router_telemetry_push_stale{SEL})", "{{endpoint}}")]),
             panel("Failed scrapes", [
                 (f"sum by (endpoint) (rate(lbd_router_scrape_errors_total{SEL}{RATE}))", "{{endpoint}}")],
                 "ops"),

@@ -33,6 +33,7 @@ mid-answer, and those are cut as before. Pinned requests (X-data-parallel-rank) 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from lbd.router.tracing import RouterTracer
 
 log = logging.getLogger("lbd.router")
+GAPS_KEPT = 1024  # the last moves' gaps from failure to the next token, for /router/status's p50/p99
 
 # a failure mid-stream as the client's error event names it (lbd.router.relay's words)
 _CAUSES = {
@@ -74,6 +76,7 @@ class Migrator:
         self.state, self.cfg, self.tracer = state, state.cfg, tracer
         self.loop = state.loop
         self.tally: dict[str, dict[str, int]] = {}  # reason -> outcome -> moves (/router/status)
+        self.gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)  # failure -> next token, s
 
     def prepare(self, rr: RoutedRequest) -> None:
         """A ``Move`` for a streamed chat or completion that may move; its body asks for token ids."""
@@ -89,7 +92,9 @@ class Migrator:
         rr.move = Move(kind, data, data.get("return_token_ids") is True, why)
 
     def status(self) -> dict[str, Any]:
-        return {"limit": self.cfg.migration_limit, "moves": self.tally}
+        gaps = sorted(self.gaps)
+        return {"limit": self.cfg.migration_limit, "moves": self.tally,
+                "gap_s": {"count": len(gaps), "p50": _quantile(gaps, 0.5), "p99": _quantile(gaps, 0.99)}}
 
     def count(self, reason: str, outcome: str) -> None:
         self.state.metrics.migrations.labels(reason, outcome).inc()
@@ -136,10 +141,11 @@ class Migrator:
         if move.gap is not None:
             self.count(reason, "resumed")
             self.state.metrics.migration_gap.observe(move.gap)
+            self.gaps.append(move.gap)
             return
         self.count(reason, "failed")
         if failure is not None:
-            move.broken, move.failed_key, move.failed_url = failure.kind, d.endpoint.key, d.endpoint.url
+            move.broken, move.failed_key, move.failed_url = failure.kind, d.endpoint.key, d.endpoint.key
 
     def _why_not(self, move: Move) -> tuple[str | None, str]:
         if move.impossible is not None:
@@ -212,6 +218,10 @@ class Migrator:
             out.end()
         except ConnectionResetError:
             out.abort()
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
 
 
 def path_for(move: Move | None, raw_path: str) -> str:
