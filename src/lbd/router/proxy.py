@@ -34,7 +34,6 @@ from lbd.common.limits import PeerReadTooLarge, read_upstream
 from lbd.policies import Decision, Refusal, RequestFacts, route
 from lbd.router import admission
 from lbd.router.auth import Gate, requested_tokens, retry_after
-from lbd.router.disagg import Disagg
 from lbd.router.endpoints import Endpoint
 from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
@@ -49,6 +48,7 @@ from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
 
 if TYPE_CHECKING:
+    from lbd.router.disagg import Disagg
     from lbd.router.tracing import RouterTracer, RouteTrace
 
 log = logging.getLogger("lbd.router")
@@ -92,7 +92,11 @@ class Proxy:
         self._rid_prefix = os.urandom(8).hex().encode()
         self._rid_count = itertools.count()
         self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
-        self.disagg = Disagg(state) if cfg.pd_disaggregation else None  # lbd.router.disagg
+        self.disagg: Disagg | None = None
+        if cfg.pd_disaggregation:  # only a P/D router loads the two stages (cold start)
+            from lbd.router.disagg import Disagg
+
+            self.disagg = Disagg(state)
 
     # ---- entry --------------------------------------------------------------------------------------
     def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> Awaitable[None]:
