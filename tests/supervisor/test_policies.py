@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -46,7 +47,9 @@ def test_on_rank_failure_exit_shuts_the_node_down(tiny_llama: Path, tmp_path: Pa
         node.signal_rank(0, signal.SIGKILL)
         assert node.proc.wait(60) == 1
         log = node.log_text()
-        assert "rank 0 killed by SIGKILL: shutting the node down (--on-rank-failure exit)" in log, log[-3000:]
+        # the rank's exit or, on a busy machine, its failed probes may be seen first: either way rank 0's
+        # failure shuts the node down
+        assert re.search(r"rank 0 .*: shutting the node down \(--on-rank-failure exit\)", log), log[-3000:]
         assert "[rank 1] " in log and "SIGTERM" in log  # the healthy rank was stopped, gracefully
         assert not gone_within(node.marked_processes(), 5.0)
     finally:

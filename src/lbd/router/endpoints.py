@@ -52,6 +52,7 @@ class Endpoint:
     telemetry_path: str = "/metrics"  # or the cheap JSON path the engine's /metrics advertised (/telemetry)
     telemetry_refused: bool = False  # that path failed: /metrics until the process behind is a new one
     new_process: bool = False  # a restart was just handled: the next scrape's lower counters are expected
+    forgot_at: float = -math.inf  # loop time its cached prefixes were last forgotten (restart, re-admission)
     snap: EndpointSnapshot | None = None
     snap_stale: bool = True  # set by __setattr__ when one of _SNAPSHOT_INPUTS changes
 

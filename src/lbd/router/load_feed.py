@@ -123,7 +123,9 @@ class LoadFeed:
             return
         if rec is not None:
             self._forget(rec)
-            if rec.instance != adv.instance and rec.last_at:
+            # a new process, unless its restart was already handled (the supervisor's new pid, a
+            # re-admission) after the old stream's last message: what was routed since must not be forgotten
+            if rec.instance != adv.instance and rec.last_at > max(ep.forgot_at, 0.0):
                 self.state.restarted(ep, "it advertises a new load stream")
         rec = Pushed(ep, adv.endpoint, connect, adv.instance, max(0.05, adv.heartbeat_s), adv.curve)
         self.by_url[ep.url] = self.by_instance[adv.instance] = self.by_stream[adv.endpoint] = rec

@@ -135,6 +135,7 @@ class RouterState:
             log.info("endpoint re-admitted: %s (rank %s): %s", ep.url, ep.rank, why)
             self.policy.forget(ep.url)  # it may be a new process: nothing it held is known to be cached
             ep.new_process = True
+            ep.forgot_at = self.loop.time()
         self.outliers.forget(ep)
         ep.readmit()
 
@@ -142,6 +143,7 @@ class RouterState:
         """The process behind ``ep`` is new: its prefix cache is cold."""
         log.info("endpoint %s (rank %s) restarted (%s): forgetting what it had cached", ep.url, ep.rank, why)
         ep.new_process = True
+        ep.forgot_at = self.loop.time()
         ep.telemetry_refused = False  # a new process may serve the JSON telemetry its /metrics advertises
         self.policy.forget(ep.url)
         if self.exact is not None:
