@@ -17,6 +17,7 @@ from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import check_tls
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.router.flags import OneLineParser, make_parser
+from lbd.router.kv.index import DEFAULT_MAX_BLOCKS
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +105,8 @@ class RouterConfig:
     prefill_tokens_per_s: float | None
     log_level: str
     kv_events: str = "auto"
+    kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS  # the exact index's caps (lbd.router.kv.index)
+    kv_index_max_blocks_per_endpoint: int | None = None  # None: from the endpoint's KV capacity
     telemetry_push: str = "auto"  # follow the load streams ranks advertise (lbd.router.load_feed)
     evict_weight: float = 1.0
     tokenizer: Path | None = None
@@ -260,6 +263,8 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events, telemetry_push=ns.telemetry_push,
+        kv_index_max_blocks=ns.kv_index_max_blocks,
+        kv_index_max_blocks_per_endpoint=ns.kv_index_max_blocks_per_endpoint,
         evict_weight=ns.evict_weight,
         tokenizer=ns.tokenizer,
         forward_prompt_ids=ns.forward_prompt_ids is not False,
@@ -316,6 +321,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--max-request-body-bytes": ns.max_request_body_bytes,
         "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
         "--min-ready-endpoints": ns.min_ready_endpoints,
+        "--kv-index-max-blocks": ns.kv_index_max_blocks,
     }
     for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
                         "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
@@ -323,6 +329,8 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
             positive[flag] = value
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
+    if ns.kv_index_max_blocks_per_endpoint is not None:
+        positive["--kv-index-max-blocks-per-endpoint"] = ns.kv_index_max_blocks_per_endpoint
     if ns.prefill_tokens_per_s is not None:
         positive["--prefill-tokens-per-s"] = ns.prefill_tokens_per_s
     for flag, value in positive.items():
