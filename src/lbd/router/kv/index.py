@@ -6,6 +6,12 @@ tuple hash: cheap, the same in every worker; a collision could only misroute a r
 KV, since the engine verifies its own blocks). Each endpoint maps the engine's block hashes to these keys
 (BlockRemoved names engine hashes), with a count (vLLM may store the same block twice). One dict maps every
 key to a bitmask of the endpoints holding it, so a request's chain is walked once for all endpoints.
+
+Memory is bounded per endpoint (its cap: its least recently stored blocks go first) and per worker; a removal
+or a clear names many blocks and is applied in one pass (``BlockIndex.release_keys``). A chain's head is
+stored before its tail, so an endpoint over its cap loses its oldest chains from the head: their tails stay
+unreachable until they go too (the cap sits above the engine's capacity, where the engine's own removals
+keep the index under it).
 """
 
 from __future__ import annotations
@@ -142,14 +148,6 @@ class BlockIndex:
         self._free_bits.append(blocks.bit.bit_length() - 1)
 
     # ---- updates -------------------------------------------------------------------------------------------
-    def hold(self, key: int, bit: int) -> None:
-        held = self.held[key] = self.held.get(key, 0) | bit
-        pending = self.pending.get(key) if self.pending else None
-        self.union[key] = held if pending is None else held | pending
-
-    def release_key(self, key: int, bit: int) -> None:
-        self.release_keys((key,), bit)
-
     def release_keys(self, keys: Iterable[int], bit: int) -> None:
         """``bit`` no longer holds ``keys``: one pass, no call per key (a removal names many blocks)."""
         held, pending, union = self.held, self.pending, self.union
