@@ -263,8 +263,6 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events, telemetry_push=ns.telemetry_push,
-        kv_index_max_blocks=ns.kv_index_max_blocks,
-        kv_index_max_blocks_per_endpoint=ns.kv_index_max_blocks_per_endpoint,
         evict_weight=ns.evict_weight,
         tokenizer=ns.tokenizer,
         forward_prompt_ids=ns.forward_prompt_ids is not False,
@@ -291,8 +289,14 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns),
+        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns), **_kv_index_settings(ns),
     )
+
+
+def _kv_index_settings(ns: argparse.Namespace) -> dict[str, object]:
+    """The exact KV index's caps (lbd.router.kv.index)."""
+    return {"kv_index_max_blocks": ns.kv_index_max_blocks,
+            "kv_index_max_blocks_per_endpoint": ns.kv_index_max_blocks_per_endpoint}
 
 
 def _pd_settings(ns: argparse.Namespace) -> dict[str, object]:
