@@ -23,6 +23,8 @@ from lbd.common.limits import raise_open_files_limit
 from lbd.common.tls import server_context
 from lbd.router.auth import Gate
 from lbd.router.config import RouterConfig
+from lbd.router.kv.index import BlockIndex
+from lbd.router.kv.memory import IndexCollector
 from lbd.router.kv.tokenize import load_local
 from lbd.router.kv.view import ExactView
 from lbd.router.messages import Request, Response
@@ -61,6 +63,7 @@ class RouterApp:
         self.monitor = Monitor(self.state)
         if cfg.kv_events != "off":
             self.state.exact = await self._exact_view()
+            self.state.metrics.register(IndexCollector(self.state.exact.index))
         # GET (and HEAD) only; other methods on these paths are proxied or 404
         self.own: dict[str, Callable[[Request, Response], Awaitable[None]]] = {
             "/health": self.health,
@@ -83,7 +86,8 @@ class RouterApp:
         return ExactView(self.cfg.kv_events, self.monitor._get, self.cfg.stale_after_s,
                          max(1.0, self.cfg.health_timeout_s), local, getattr(self.shared, "kv_pending", None),
                          self.cfg.forward_prompt_ids,
-                         IdsSigner(self.cfg.internal_key) if self.cfg.internal_key else None)
+                         IdsSigner(self.cfg.internal_key) if self.cfg.internal_key else None,
+                         BlockIndex(self.cfg.kv_index_max_blocks, self.cfg.kv_index_max_blocks_per_endpoint))
 
     async def close(self) -> None:
         if self.state.exact is not None:
@@ -172,6 +176,7 @@ class RouterApp:
             "worker": self.shared.worker,
             "ready": self.state.ready(),
             "endpoints": self.state.status(),
+            "kv_index": self.state.exact.index_status() if self.state.exact is not None else None,
             "migrations": self.proxy.migrator.status(),
         }
         out.send(200, _JSON, orjson.dumps(body))

@@ -17,6 +17,7 @@ from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import check_tls
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.router.flags import OneLineParser, make_parser
+from lbd.router.kv.index import DEFAULT_MAX_BLOCKS
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +105,8 @@ class RouterConfig:
     prefill_tokens_per_s: float | None
     log_level: str
     kv_events: str = "auto"
+    kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS  # the exact index's caps (lbd.router.kv.index)
+    kv_index_max_blocks_per_endpoint: int | None = None  # None: from the endpoint's KV capacity
     telemetry_push: str = "auto"  # follow the load streams ranks advertise (lbd.router.load_feed)
     evict_weight: float = 1.0
     tokenizer: Path | None = None
@@ -286,8 +289,14 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns),
+        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns), **_kv_index_settings(ns),
     )
+
+
+def _kv_index_settings(ns: argparse.Namespace) -> dict[str, object]:
+    """The exact KV index's caps (lbd.router.kv.index)."""
+    return {"kv_index_max_blocks": ns.kv_index_max_blocks,
+            "kv_index_max_blocks_per_endpoint": ns.kv_index_max_blocks_per_endpoint}
 
 
 def _pd_settings(ns: argparse.Namespace) -> dict[str, object]:
@@ -316,6 +325,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--max-request-body-bytes": ns.max_request_body_bytes,
         "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
         "--min-ready-endpoints": ns.min_ready_endpoints,
+        "--kv-index-max-blocks": ns.kv_index_max_blocks,
     }
     for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
                         "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
@@ -323,6 +333,8 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
             positive[flag] = value
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
+    if ns.kv_index_max_blocks_per_endpoint is not None:
+        positive["--kv-index-max-blocks-per-endpoint"] = ns.kv_index_max_blocks_per_endpoint
     if ns.prefill_tokens_per_s is not None:
         positive["--prefill-tokens-per-s"] = ns.prefill_tokens_per_s
     for flag, value in positive.items():

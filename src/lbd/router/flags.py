@@ -10,6 +10,7 @@ from lbd import policies
 from lbd.common.limits import add_limit_arguments
 from lbd.common.tls import add_tls_arguments
 from lbd.router.auth import add_auth_arguments
+from lbd.router.kv.index import DEFAULT_BLOCKS_PER_ENDPOINT, DEFAULT_MAX_BLOCKS
 from lbd.router.outlier import add_outlier_arguments
 
 PROG = "lbd route"
@@ -153,6 +154,17 @@ def make_parser() -> OneLineParser:
         "advertise they take ids of the same tokenizer and template, so they skip rendering and tokenizing "
         "the prompt again (default: on with the exact view and $LBD_INTERNAL_KEY, the ranks' internal key "
         "the ids are signed with; needs --kv-events auto or on)",
+    )
+    g.add_argument(
+        "--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
+        help="the most blocks the exact KV index holds per worker, over every endpoint: each endpoint gets "
+        "an equal share at most (the index costs 100 to 300 bytes per endpoint-block: benchmarks/RESULTS.md)",
+    )
+    g.add_argument(
+        "--kv-index-max-blocks-per-endpoint", type=int, default=None,
+        help="the most blocks the exact KV index holds for one endpoint; over it, the endpoint's least "
+        "recently stored blocks go (default: twice its reported KV capacity, else "
+        f"{DEFAULT_BLOCKS_PER_ENDPOINT})",
     )
     g = p.add_argument_group("telemetry and health")
     g.add_argument(

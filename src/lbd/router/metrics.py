@@ -158,6 +158,10 @@ class RouterMetrics:
         self._overhead: dict[str, list[float]] = {}  # policy -> the same
         self._flush_at: asyncio.TimerHandle | None = None
 
+    def register(self, collector: Collector) -> None:
+        """Another collector of live values on /metrics (the exact KV index's: lbd.router.kv.memory)."""
+        self._registry.register(collector)
+
     def _declare(self, kw: dict[str, Any]) -> None:
         """The metrics (a table); ``kw``: the registry to put them in (None: the multiprocess one)."""
         self.requests = Counter(

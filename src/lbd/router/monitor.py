@@ -124,7 +124,8 @@ class Monitor:
         self._refetch_models(ep)
         if self.state.exact is not None:
             block_size = lambda: (ep.sample.block_size if ep.sample is not None else 0) or 16  # noqa: E731
-            self.state.exact.add(ep.url, lambda: ep.models, block_size, ep.slot)
+            capacity = lambda: ep.sample.num_blocks if ep.sample is not None else 0  # noqa: E731
+            self.state.exact.add(ep.url, lambda: ep.models, block_size, ep.slot, capacity)
 
     def _refetch_models(self, ep: Endpoint) -> None:
         """A (re)started process may serve other models: ask again (tracked, so removal cancels it)."""

@@ -9,7 +9,8 @@
   retains it, the view is cleared and marked partial (events lost: blocks it held before are unknown).
 - A sequence number that goes back means a new publisher (the engine restarted): clear, replay from 0.
 - A disconnection (the engine died) clears the view at once: a restarted rank's cache is cold.
-AllBlocksCleared clears the view too. ``state`` is connecting, syncing, live or disconnected.
+AllBlocksCleared clears the view too. After each batch the endpoint's blocks are trimmed to their cap
+(``EndpointBlocks.trim``). ``state`` is connecting, syncing, live or disconnected.
 """
 
 from __future__ import annotations
@@ -245,3 +246,4 @@ class EventFeed:
             elif kind is AllBlocksCleared:
                 counts["cleared"] += 1
                 blocks.clear()
+        blocks.trim()  # over its cap, the endpoint lets go of its least recently stored blocks

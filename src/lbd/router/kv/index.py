@@ -6,14 +6,24 @@ tuple hash: cheap, the same in every worker; a collision could only misroute a r
 KV, since the engine verifies its own blocks). Each endpoint maps the engine's block hashes to these keys
 (BlockRemoved names engine hashes), with a count (vLLM may store the same block twice). One dict maps every
 key to a bitmask of the endpoints holding it, so a request's chain is walked once for all endpoints.
+
+Memory is bounded per endpoint (its cap: its least recently stored blocks go first) and per worker; a removal
+or a clear names many blocks and is applied in one pass (``BlockIndex.release_keys``). A chain's head is
+stored before its tail, so an endpoint over its cap loses its oldest chains from the head: their tails stay
+unreachable until they go too (the cap sits above the engine's capacity, where the engine's own removals
+keep the index under it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 ROOT_KEY = 0x6C6264_6B76  # the parent key of a chain's first block
+DEFAULT_MAX_BLOCKS = 8 << 20  # endpoint-blocks over every endpoint, per worker (--kv-index-max-blocks)
+DEFAULT_BLOCKS_PER_ENDPOINT = 256 << 10  # an endpoint whose KV capacity is not known
+RECHECK_CAP = 64  # EndpointBlocks.trim calls between two look-ups of the cap
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
@@ -93,35 +103,75 @@ class BlockIndex:
     """All endpoints' blocks, for one router worker: ``held`` from the events, ``pending`` for blocks this
     worker sent an endpoint to compute that its events have not announced yet (a request sharing a prefix
     with one still in prefill goes where the prefix is being computed: it will hit there), ``union`` of both
-    for the lookup. Pending entries are counted per (key, endpoint) and dropped after the first byte."""
+    for the lookup (the same mask object as ``held``'s where nothing is pending: wide fleets' masks are big).
+    Pending entries are counted per (key, endpoint) and dropped after the first byte.
 
-    def __init__(self) -> None:
+    Memory is bounded by caps on the blocks held per endpoint (``EndpointBlocks.cap``): ``max_blocks`` over
+    every endpoint (each gets an equal share), and per endpoint ``max_blocks_per_endpoint`` when given, else
+    twice the endpoint's reported KV capacity, else ``default_blocks_per_endpoint``."""
+
+    def __init__(
+        self,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        max_blocks_per_endpoint: int | None = None,
+        default_blocks_per_endpoint: int = DEFAULT_BLOCKS_PER_ENDPOINT,
+    ) -> None:
         self.held: dict[int, int] = {}  # own key -> bitmask of endpoints
         self.pending: dict[int, int] = {}
         self.union: dict[int, int] = {}
+        self.max_blocks = max_blocks
+        self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self.default_blocks_per_endpoint = default_blocks_per_endpoint
+        self.endpoints: set[EndpointBlocks] = set()
+        self.evicted = 0  # blocks let go of over the caps, every endpoint's
         self._pending_count: dict[tuple[int, int], int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
+
+    @property
+    def width(self) -> int:
+        """Bits a mask may use: the endpoints' bits ever handed out."""
+        return self._next_bit
 
     def endpoint(self) -> EndpointBlocks:
         bit = self._free_bits.pop() if self._free_bits else self._next_bit
         if bit == self._next_bit:
             self._next_bit += 1
-        return EndpointBlocks(self, 1 << bit)
+        blocks = EndpointBlocks(self, 1 << bit)
+        self.endpoints.add(blocks)
+        return blocks
 
     def release(self, blocks: EndpointBlocks) -> None:
         blocks.clear()
         self.purge_pending(blocks.bit)
+        self.endpoints.discard(blocks)
         self._free_bits.append(blocks.bit.bit_length() - 1)
 
     # ---- updates -------------------------------------------------------------------------------------------
-    def hold(self, key: int, bit: int) -> None:
-        self.held[key] = self.held.get(key, 0) | bit
-        self.union[key] = self.union.get(key, 0) | bit
-
-    def release_key(self, key: int, bit: int) -> None:
-        _drop(self.held, key, bit)
-        self._recompute(key)
+    def release_keys(self, keys: Iterable[int], bit: int) -> None:
+        """``bit`` no longer holds ``keys``: one pass, no call per key (a removal names many blocks)."""
+        held, pending, union = self.held, self.pending, self.union
+        keep = ~bit
+        if not pending:
+            for k in keys:
+                left = held.get(k, 0) & keep
+                if left:
+                    held[k] = union[k] = left
+                else:
+                    held.pop(k, None)
+                    union.pop(k, None)
+            return
+        for k in keys:
+            left = held.get(k, 0) & keep
+            if left:
+                held[k] = left
+            else:
+                held.pop(k, None)
+            both = left | pending.get(k, 0)
+            if both:
+                union[k] = both
+            else:
+                union.pop(k, None)
 
     def _recompute(self, key: int) -> None:
         both = self.held.get(key, 0) | self.pending.get(key, 0)
@@ -183,15 +233,22 @@ class BlockIndex:
 
 
 class EndpointBlocks:
-    """One endpoint's blocks: engine hash -> [own key, copies]."""
+    """One endpoint's blocks: engine hash -> own key, in the order they were (last) stored, and the extra
+    copies of a block stored more than once (vLLM may store a block twice). Over its ``cap`` (``trim``) it
+    lets go of its least recently stored blocks, a slice at a time so that the scan for them stays cheap."""
 
-    __slots__ = ("index", "bit", "by_engine", "orphans")
+    __slots__ = ("index", "bit", "by_engine", "copies", "orphans", "evicted", "capacity", "limit", "_recheck")
 
-    def __init__(self, index: BlockIndex, bit: int) -> None:
+    def __init__(self, index: BlockIndex, bit: int, capacity: Callable[[], int] = lambda: 0) -> None:
         self.index = index
         self.bit = bit
-        self.by_engine: dict[Any, list] = {}
+        self.by_engine: dict[Any, int] = {}
+        self.copies: dict[Any, int] = {}  # engine hash -> copies beyond the first
         self.orphans = 0  # stored blocks whose parent this view never saw (it joined late or lost events)
+        self.evicted = 0  # blocks let go of over the cap (the engine may still hold them)
+        self.capacity = capacity  # the engine's KV capacity in blocks (0: not known)
+        self.limit = 0  # the cap as last looked up (trim)
+        self._recheck = 0
 
     def __len__(self) -> int:
         return len(self.by_engine)
@@ -204,15 +261,16 @@ class EndpointBlocks:
         block_size: int,
         extra_keys: Sequence[Any] | None = None,
     ) -> None:
+        by_engine = self.by_engine
         if parent is None:
             key = ROOT_KEY
         else:
-            entry = self.by_engine.get(_hashable(parent))
-            if entry is None:
+            key = by_engine.get(_hashable(parent))
+            if key is None:
                 self.orphans += len(hashes)
                 return
-            key = entry[0]
-        index, bit, by_engine = self.index, self.bit, self.by_engine
+        index, bit = self.index, self.bit
+        held, pending, union = index.held, index.pending, index.union
         for i, h in enumerate(hashes):
             tokens = token_ids[i * block_size : (i + 1) * block_size]
             if len(tokens) < block_size:
@@ -220,30 +278,78 @@ class EndpointBlocks:
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             key = hash((key, *tokens)) if extra is None else hash((key, *tokens, _hashable(extra)))
             h = _hashable(h)
-            entry = by_engine.get(h)
-            if entry is None:
-                by_engine[h] = [key, 1]
-                index.hold(key, bit)
-            else:
-                entry[1] += 1
+            if h in by_engine:  # another copy: counted, and now the most recently stored
+                self.copies[h] = self.copies.get(h, 0) + 1
+                key = by_engine.pop(h)
+                by_engine[h] = key
+                continue
+            by_engine[h] = key
+            mask = held[key] = held.get(key, 0) | bit
+            union[key] = mask if not pending or key not in pending else mask | pending[key]
 
     def removed(self, hashes: Sequence[Any]) -> None:
-        index, by_engine = self.index, self.by_engine
-        for h in hashes:
-            h = _hashable(h)
-            entry = by_engine.get(h)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] <= 0:
+        """One pass over the hashes, the index updated once for all the blocks gone."""
+        by_engine, copies = self.by_engine, self.copies
+        gone: list[int] = []
+        try:
+            for h in hashes:
+                key = by_engine.get(h)
+                if key is None:
+                    continue
+                if copies and h in copies:
+                    n = copies.pop(h) - 1
+                    if n:
+                        copies[h] = n
+                    continue
                 del by_engine[h]
-                index.release_key(entry[0], self.bit)
+                gone.append(key)
+        except TypeError:  # a list where a tuple was meant (msgpack): made hashable, from the first one on
+            first = next((i for i, h in enumerate(hashes) if isinstance(h, list)), None)
+            if first is None:
+                raise
+            self.removed([_hashable(h) for h in hashes[first:]])
+        self.index.release_keys(gone, self.bit)
+
+    @property
+    def cap(self) -> int:
+        """The most blocks this endpoint's index may hold."""
+        index = self.index
+        own = index.max_blocks_per_endpoint
+        if own is None:
+            capacity = self.capacity()
+            own = 2 * capacity if capacity > 0 else index.default_blocks_per_endpoint
+        return max(1, min(own, index.max_blocks // max(1, len(index.endpoints))))
+
+    def trim(self) -> int:
+        """Let go of the least recently stored blocks over the cap (and a slice more, so that this runs
+        once per slice of stores, not once per store); how many went. The cap is looked up again every
+        ``RECHECK_CAP`` calls (it moves when endpoints come and go or the capacity becomes known) and
+        whenever the blocks pass the last one seen."""
+        self._recheck -= 1
+        if self._recheck <= 0:
+            self._recheck, self.limit = RECHECK_CAP, self.cap
+        if len(self.by_engine) <= self.limit:
+            return 0
+        cap = self.limit = self.cap
+        over = len(self.by_engine) - cap
+        if over <= 0:
+            return 0
+        n = min(len(self.by_engine), over + (cap >> 4))
+        victims = list(islice(self.by_engine, n))
+        by_engine, copies = self.by_engine, self.copies
+        gone = [by_engine.pop(h) for h in victims]
+        if copies:
+            for h in victims:
+                copies.pop(h, None)
+        self.index.release_keys(gone, self.bit)
+        self.evicted += n
+        self.index.evicted += n
+        return n
 
     def clear(self) -> None:
-        index, bit = self.index, self.bit
-        for key, _ in self.by_engine.values():
-            index.release_key(key, bit)
+        self.index.release_keys(self.by_engine.values(), self.bit)
         self.by_engine.clear()
+        self.copies.clear()
         self.orphans = 0
 
 

@@ -28,6 +28,7 @@ from lbd.router.kv.feed import EventFeed, Source
 from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, with_ids
 from lbd.router.kv.index import BlockIndex
 from lbd.router.kv.lookup import Lookup
+from lbd.router.kv.memory import IndexMemory, estimate
 from lbd.router.kv.shared_pending import SharedPending
 from lbd.router.kv.tokenize import RouterTokenizer
 
@@ -79,6 +80,7 @@ class ExactView:
         shared: SharedPending | None = None,
         forward_ids: bool = True,
         signer: IdsSigner | None = None,
+        index: BlockIndex | None = None,
     ) -> None:
         self.mode = mode
         # --forward-prompt-ids, with the internal key that ranks check the ids' signature with
@@ -90,7 +92,8 @@ class ExactView:
         self.stale_s = stale_s
         self.timeout_s = timeout_s
         self.local_tokenizer = local_tokenizer
-        self.index = BlockIndex()
+        self.index = index if index is not None else BlockIndex()  # the caps: --kv-index-max-blocks...
+        self._memory: tuple[float, IndexMemory] | None = None  # (when, the estimate) for status()
         self.views: dict[str, EndpointView] = {}
         # the request side (lookup): tokenize, walk the chain, mark and settle pending blocks
         self.lookup = Lookup(self.views, self.index, shared, stale_s)
@@ -105,12 +108,16 @@ class ExactView:
         models: Callable[[], frozenset[str]],
         default_block_size: Callable[[], int],
         slot: int = -1,
+        capacity: Callable[[], int] = lambda: 0,
     ) -> None:
-        """Follow ``url``'s events; ``slot`` is its shared-counter slot (the same in every worker)."""
+        """Follow ``url``'s events; ``slot`` is its shared-counter slot (the same in every worker);
+        ``capacity`` its KV capacity in blocks (0: not known), which sets its cap in the index."""
         if self.mode == "off" or url in self.views:
             return
+        blocks = self.index.endpoint()
+        blocks.capacity = capacity
         view = self.views[url] = EndpointView(
-            url, models, self.index.endpoint(), default_block_size=default_block_size, slot=slot
+            url, models, blocks, default_block_size=default_block_size, slot=slot
         )
         if slot >= 0:
             self._by_slot[slot] = view
@@ -272,6 +279,9 @@ class ExactView:
             "routed_on_head": view.routed_on_head,
             "head_only": view.head_only,
             "forwarded_ids": view.forwarded if view.takes_ids else None,
+            "index_bytes": self.memory().endpoint_bytes(len(view.blocks)),
+            "cap_blocks": view.blocks.cap,
+            "evicted": view.blocks.evicted,
         }
         if feed is None:
             out["reason"] = view.reason
@@ -301,6 +311,27 @@ class ExactView:
             else:
                 out["reason"] = f"event feed {st.state}"
         return out
+
+    def memory(self) -> IndexMemory:
+        """The index's memory estimate, at most a second old (one status page asks once per endpoint)."""
+        now = time.monotonic()
+        if self._memory is None or now - self._memory[0] > 1.0:
+            self._memory = (now, estimate(self.index))
+        return self._memory[1]
+
+    def index_status(self) -> dict[str, Any]:
+        """The whole index: /router/status's ``kv_index``."""
+        m, index = self.memory(), self.index
+        return {
+            "bytes": m.bytes,
+            "blocks": m.blocks,
+            "keys": m.keys,
+            "endpoints": m.endpoints,
+            "bytes_per_block": round(m.per_block, 1),
+            "max_blocks": index.max_blocks,
+            "max_blocks_per_endpoint": index.max_blocks_per_endpoint,
+            "evicted": index.evicted,
+        }
 
     def metric_rows(self) -> list[tuple[str, float, float, int]]:
         """(url, event lag s, seconds since the last batch, indexed blocks) per endpoint with a feed."""
