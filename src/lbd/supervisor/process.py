@@ -23,6 +23,7 @@ import psutil
 
 from lbd.common.redact import redact_text
 from lbd.supervisor.config import RankSpec
+from lbd.supervisor.proctree import descendants
 
 if TYPE_CHECKING:
     from lbd.wire.status import WorkerProcess
@@ -185,11 +186,7 @@ def _flag(cmd: list[str], flag: str) -> str | None:
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
+    return descendants(pid)  # the rank's tree only, not a scan of every process (see .proctree)
 
 
 async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
