@@ -23,7 +23,6 @@ import psutil
 
 from lbd.common.redact import redact_text
 from lbd.supervisor.config import RankSpec
-from lbd.supervisor.proctree import descendants
 
 if TYPE_CHECKING:
     from lbd.wire.status import WorkerProcess
@@ -186,7 +185,11 @@ def _flag(cmd: list[str], flag: str) -> str | None:
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
-    return descendants(pid)  # the rank's tree only, not a scan of every process (see .proctree)
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
