@@ -1,17 +1,19 @@
 """`lbd supervise` at scale: one node of N ``--device sim`` ranks, its health port polled while ranks restart.
 
     python benchmarks/supervisor_scale.py [--sizes 8,64] [--steady-s 10] [--chaos-s 40] [--hz 50]
-                                          [--kill-every-s 2] [--interval 1.0]
+                                          [--kill-every-s 2] [--interval 1.0] [--settle-s 10]
 
 For each node size: start the node, wait until every rank is ready, read what one sim rank costs (RSS of its
-process tree, CPU while idle), then poll /health, /readyz and /status on the health port from one
-keep-alive client at ``--hz`` (each tick asks all three in turn) for ``--steady-s`` with nothing happening,
-then for ``--chaos-s`` while ranks restart: a rolling restart through the admin endpoint, and a SIGKILL of
-a random ready rank every ``--kill-every-s``. Latencies are timed on the client (the health port's answer
-as a router or an orchestrator sees it), with the supervisor's own CPU over the same window.
+process tree, CPU while idle), then poll /health, /readyz and /status on the health port from a client
+process of its own, one keep-alive connection, ``--hz`` ticks a second (each tick asks all three in turn):
+for ``--steady-s`` with nothing happening, then for ``--chaos-s`` while ranks restart (a rolling restart
+through the admin endpoint, and a SIGKILL of a random ready rank every ``--kill-every-s``). Latencies are
+timed on the client, as a router or an orchestrator sees them, with the supervisor's own CPU over the window.
 
-Sim ranks are cheap but not free: the table reports the node size that was asked for and the cost that
-decides how many fit on a machine. Every process started here is stopped before the script exits.
+Both windows run twice: at normal priority, then with the supervisor and the client at SCHED_FIFO (ranks
+started meanwhile are reset to normal priority on fork). On a small shared machine the first measures the
+run queue as much as the supervisor; the second shows the supervisor's own latency. Needs root (or
+CAP_SYS_NICE) for the second. Every process started here is stopped before the script exits.
 """
 
 from __future__ import annotations
