@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from lbd.common.redact import redact_argv
+from lbd.supervisor import rank as rank_module
 from lbd.supervisor.config import parse_args
 from lbd.supervisor.health import HealthServer
 from lbd.supervisor.node import Supervisor
@@ -58,3 +62,29 @@ def test_rank_url_host(bind: str | None, host_header: str, expected: str) -> Non
     server = HealthServer(sup)
     request = make_mocked_request("GET", "/status", headers={"Host": host_header})
     assert server._url_host(request) == expected
+
+
+def test_status_command_is_redacted_once_and_follows_an_argv_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/status reads every rank's masked command line on every call: it is redacted once per argv, yet a new
+    argv (a Ray placement rewrites it) shows at once, and a caller editing the list it got changes nothing."""
+    calls: list[int] = []
+
+    def counted(argv: Sequence[str]) -> list[str]:  # the real redaction, counted
+        calls.append(1)
+        return redact_argv(argv)
+
+    monkeypatch.setattr(rank_module, "redact_argv", counted)
+    sup = _supervisor()
+    worker = sup.workers[0]
+    worker.spec.argv = [*worker.spec.argv, "--api-key", "sk-not-shown"]  # pragma: allowlist secret
+    first = sup.status("127.0.0.1").ranks[0].command
+    assert first[-2:] == ["--api-key", "***"]
+    for _ in range(3):
+        assert sup.status("127.0.0.1").ranks[0].command == first
+    assert len(calls) == len(sup.workers)  # once per rank, not once per call
+    first.append("--edited")
+    assert "--edited" not in worker.command()
+    worker.spec.argv = [*worker.spec.argv, "--token=tk-new"]  # pragma: allowlist secret
+    assert worker.command()[-1] == "--token=***"
+    worker.spec.argv.append("--extra")  # edited in place, too
+    assert worker.command()[-1] == "--extra"

@@ -135,6 +135,7 @@ class RankWorker:
         self._task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._command: tuple[tuple[str, ...], list[str]] = ((), [])  # (argv, its redaction), see command()
         metrics.add_rank(spec.rank, tuple(s.value for s in SUPERVISED_STATES))
         metrics.set_state(spec.rank, RankState.STARTING.value, RankState.STARTING.value)
 
@@ -197,9 +198,17 @@ class RankWorker:
             devices=self.spec.devices, cpus=self.spec.cpus,
             engine=self.spec.engine, workers=list(self.workers), attempts=self.attempts,
             backoff_s=self.backoff_s, stderr_tail=list(tail), error_lines=list(errors),
-            command=redact_argv(self.spec.argv),
+            command=self.command(),
             kv_event_sources=self.kv_event_sources, role=RankRole(self.spec.role),
         )
+
+    def command(self) -> list[str]:
+        """The rank's command line with secret values masked, redacted again only when the argv changed (a
+        Ray placement rewrites it): /status reads it for every rank on every call."""
+        argv = tuple(self.spec.argv)
+        if argv != self._command[0]:
+            self._command = (argv, redact_argv(argv))
+        return list(self._command[1])
 
     def why_not_ready(self) -> str:
         """One clause for /readyz: the state, a crash loop's attempt and delay, the last failure."""
