@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -106,3 +107,29 @@ def test_bad_pd_flags_exit_2(flags: list[str], needle: str) -> None:
     out = subprocess.run([sys.executable, "-m", "lbd", "route", *flags], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_concurrent_long_prompts_spread_over_prefill_ranks(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two long prompts at once go to two prefill ranks: a rank in the middle of a long prefill step reports
+    no queue, so the router counts its own prefill stages (sim ranks, time dilated: a prefill takes ~1 s)."""
+    sim = ("--device", "sim", "--sim-profile", "h100-llama3-8b*100", "--max-model-len", "512",
+           "--served-model-name", "tiny")
+    kv = [json.dumps({"kv_connector": "LbdConnector", "kv_role": r}) for r in ("kv_producer", "kv_consumer")]
+    ranks: list[EngineServer] = []
+    router = None
+    try:
+        for i, role in enumerate([kv[0], kv[0], kv[1]]):
+            log = tmp_path / f"{i}.log"
+            ranks.append(EngineServer(tiny_llama, *sim, "--kv-transfer-config", role, log=log))
+        router = RouterServer("--prefill", ranks[0].base_url, "--prefill", ranks[1].base_url, "--decode",
+                              ranks[2].base_url, "--pd-min-prompt-tokens", "32", *FAST,
+                              log=tmp_path / "route.log").wait_ready()
+        prompts = [f"{uuid.uuid4()} " + "numbers 0123456789 " * 40 for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            headers = [h for _, h in pool.map(lambda p: ask(router.url, p, False), prompts)]
+        assert sorted(headers) == sorted(f"pd {r.base_url}" for r in ranks[:2])
+    finally:
+        if router is not None:
+            router.close()
+        for r in ranks:
+            r.close()

@@ -12,6 +12,9 @@ pass by ``SimProfile.step_time``, a roofline model of one step:
 "KV tokens read" is each sequence's context after the step. Every constant is written down below with its
 source: vendor datasheets, the model's published config, and stated efficiency factors.
 
+Prefill/decode disaggregation: a decode rank's pull of the KV blocks it lacks takes ``kv_transfer_time``,
+the link's per-pull latency plus the blocks' tokens * KV bytes per token over the link's bandwidth.
+
 This module imports only the standard library (16 simulated ranks share two CPU cores).
 """
 
@@ -64,6 +67,9 @@ class SimProfile:
     step_overhead_s: float  # per step: kernel launches and host work that does not overlap the device
     seq_overhead_s: float  # per sequence in the batch: sampling, metadata
     time_scale: float = 1.0  # > 1 dilates simulated time (CPU-bound hosts: keep the "device" the bottleneck)
+    # the link KV blocks cross between a prefill and a decode rank (lbd.engine.kv_transfer.sim)
+    kv_link_bandwidth: float = 25 * GB  # effective bytes/s of one pull
+    kv_link_latency_s: float = 0.5e-3  # per pull: request, descriptor exchange, completion notice
 
     @property
     def flops(self) -> float:
@@ -83,6 +89,13 @@ class SimProfile:
         memory = (self.weight_bytes + shape.kv_tokens_read * self.kv_bytes_per_token) / self.bandwidth
         host = self.step_overhead_s + shape.num_seqs * self.seq_overhead_s
         return self.time_scale * (host + max(compute, memory))
+
+    def kv_transfer_time(self, tokens: int) -> float:
+        """Seconds one pull of ``tokens`` tokens' KV takes over the profile's link (then times
+        ``time_scale``): the per-pull latency plus the bytes over the effective bandwidth."""
+        return self.time_scale * (
+            self.kv_link_latency_s + tokens * self.kv_bytes_per_token / self.kv_link_bandwidth
+        )
 
     def kv_cache_bytes(self, gpu_memory_utilization: float) -> float:
         """KV budget the way vLLM sizes it: utilisation * memory - weights - activation peak."""
@@ -116,6 +129,15 @@ _LLAMA3_8B = dict(
 _SERVING = dict(
     bandwidth_efficiency=0.80, flops_efficiency=0.55, step_overhead_s=0.5e-3, seq_overhead_s=10e-6
 )
+# The KV link of a P/D pair (a prefill rank on one node, its decode rank on another): DGX H100/H200 give each
+# GPU one ConnectX-7 NIC, 400 Gb/s InfiniBand NDR = 50 GB/s line rate (NVIDIA DGX H100 datasheet). A pull
+# moves every layer's K and V of each block as separate scattered pieces (a few KiB each for 16-token
+# blocks), so we assume half of line rate: 25 GB/s. Per pull 0.5 ms (assumed): the request to the producer,
+# the descriptor exchange and the completion notice, a few network round trips plus the transfer engine's
+# bookkeeping.
+_LINK_NDR = dict(kv_link_bandwidth=0.5 * 50 * GB, kv_link_latency_s=0.5e-3)
+# DGX A100: one ConnectX-6 per GPU, 200 Gb/s InfiniBand HDR = 25 GB/s line rate; the same half and latency.
+_LINK_HDR = dict(kv_link_bandwidth=0.5 * 25 * GB, kv_link_latency_s=0.5e-3)
 # vLLM keeps back the peak activation memory of a max_num_batched_tokens=8192 profile run plus CUDA graphs and
 # non-torch allocations: about 4 GB for an 8B model.
 _ACTIVATIONS_8B = 4.0 * GB
@@ -133,6 +155,7 @@ PROFILES: dict[str, SimProfile] = {
         activation_bytes=_ACTIVATIONS_8B,
         **_LLAMA3_8B,
         **_SERVING,
+        **_LINK_NDR,
     ),
     "h200-llama3-8b": SimProfile(
         name="h200-llama3-8b",
@@ -145,6 +168,7 @@ PROFILES: dict[str, SimProfile] = {
         activation_bytes=_ACTIVATIONS_8B,
         **_LLAMA3_8B,
         **_SERVING,
+        **_LINK_NDR,
     ),
     "a100-llama3-8b": SimProfile(
         name="a100-llama3-8b",
@@ -157,6 +181,7 @@ PROFILES: dict[str, SimProfile] = {
         activation_bytes=_ACTIVATIONS_8B,
         **_LLAMA3_8B,
         **_SERVING,
+        **_LINK_HDR,
     ),
     # Measured run: this project's build machines (2 x86 cores), transformers fp32 greedy on
     # SmolLM2-135M-Instruct (shared/ENV-NOTES.md): ~10 tok/s single stream, prefill ~220 tok/s. Expressed as
@@ -181,6 +206,11 @@ PROFILES: dict[str, SimProfile] = {
         activation_bytes=0.0,
         step_overhead_s=0.0,
         seq_overhead_s=0.0,
+        # measured: one LbdConnector pull of 64 blocks (47.2 MB) between two CPU ranks here took 678 ms end to
+        # end (copy out 299, loopback ZMQ TCP 148, copy in 231 ms; benchmarks/RESULTS.md, issue 31):
+        # 70 MB/s; 1 ms per pull (assumed: a loopback round trip and two thread hand-offs)
+        kv_link_bandwidth=47.2e6 / 0.678,
+        kv_link_latency_s=1e-3,
     ),
 }
 DEFAULT_PROFILE = "h100-llama3-8b"

@@ -5,8 +5,11 @@ supervisors' /status), a chat or completion request first goes to a prefill rank
 proxy sends it (``kv_transfer_params`` with ``do_remote_decode``, ``max_tokens`` 1, not streamed); the
 ``kv_transfer_params`` of that answer go into the request, which then runs the usual way (policy, retries,
 streaming relay) over the decode ranks only: the decode rank pulls the blocks it lacks and streams the
-answer. The prefill rank is the one holding most of the prompt (the exact view's cached tokens), then the one
-with the least prefill backlog; the decode rank is the policy's pick among the decode ranks (KV room, load).
+answer. The prefill rank is the one with the least prefill work ahead of the prompt's: the prompt tokens of
+this router's prefill stages running there plus the prompt's tokens not cached there (the exact view's cached
+tokens), then the scraped backlog. The stages are counted here because a rank busy with one long prefill step
+reports no queue until the step ends. The decode rank is the policy's pick among the decode ranks (KV room,
+load).
 
 The request runs whole on one rank (colocated) when a role has no ready rank, when the prompt is estimated
 shorter than ``--pd-min-prompt-tokens`` (moving its KV costs more than it saves: it then runs on a decode
@@ -47,6 +50,7 @@ class Disagg:
         self.decode_urls = frozenset(cfg.decode)
         self.min_prompt_tokens = cfg.pd_min_prompt_tokens
         self.timeout_s = cfg.pd_prefill_timeout_s
+        self.prefilling: dict[str, int] = {}  # prefill rank -> prompt tokens of its stages in flight
 
     def roles(self, snaps: list[EndpointSnapshot]) -> tuple[list[EndpointSnapshot], list[EndpointSnapshot]]:
         """The ready prefill and decode ranks: by flag, or by the role a supervisor's /status gave them."""
@@ -85,7 +89,12 @@ class Disagg:
         params = None
         for _ in range(min(2, len(prefill))):  # a failed prefill stage is tried once more elsewhere
             target = self.pick_prefill(rr, prefill)
-            params = await self._prefill(rr, target.key, data)
+            tokens = rr.facts.prompt_tokens
+            self.prefilling[target.key] = self.prefilling.get(target.key, 0) + tokens
+            try:
+                params = await self._prefill(rr, target.key, data)
+            finally:
+                self.prefilling[target.key] -= tokens
             if params is not None:
                 break
             prefill.remove(target)
@@ -98,9 +107,12 @@ class Disagg:
         self.state.metrics.decision("pd", "pd")
 
     def pick_prefill(self, rr: RoutedRequest, ranks: list[EndpointSnapshot]) -> EndpointSnapshot:
-        """Most of the prompt cached there first, then the least prefill backlog, then fewest in flight."""
+        """The least prefill work ahead: tokens of stages in flight there plus the prompt's uncached tokens;
+        then the scraped backlog, then fewest in flight."""
         cached = rr.facts.cached_tokens or {}
-        return min(ranks, key=lambda s: (-cached.get(s.key, 0), s.unstarted_tokens + s.waiting, s.inflight))
+        need = rr.facts.prompt_tokens
+        return min(ranks, key=lambda s: (self.prefilling.get(s.key, 0) + need - cached.get(s.key, 0),
+                                         s.unstarted_tokens + s.waiting, s.inflight))
 
     def _colocated(self, rr: RoutedRequest, reason: str) -> None:
         rr.rid_header += b"x-lbd-disagg: colocated (%s)\r\n" % reason.encode()

@@ -39,7 +39,6 @@ def test_bad_configs_name_the_key(text: str, needle: str) -> None:
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--device", "sim"], "--device sim"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 1"),
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
 ])

@@ -159,7 +159,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='prefill/decode disaggregation as vLLM\'s flag: \'{"kv_connector": "LbdConnector", '
                         '"kv_role": "kv_producer|kv_consumer|kv_both"}\' (requests then carry '
-                        'kv_transfer_params; blocks move over TCP, loopback unless kv_ip says otherwise)')
+                        'kv_transfer_params; blocks move over TCP, loopback unless kv_ip says otherwise; '
+                        '--device sim ranks model the transfer time from --sim-profile)')
     g.add_argument("--max-logprobs", type=int, default=20, help="largest top-k logprobs a request may ask")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
@@ -290,7 +291,8 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
 
 
 def kv_transfer_problem(args: EngineArgs) -> str | None:
-    """``--kv-transfer-config``: its JSON, and the ranks it can run on (one device, a real model)."""
+    """``--kv-transfer-config``: its JSON, and the ranks it can run on (one device; ``--device sim`` ranks
+    model the transfer, ``lbd.engine.kv_transfer.sim``)."""
     from lbd.common.cluster import is_loopback, read_cluster_token
     from lbd.engine.config.kv_transfer import parse_kv_transfer_config
 
@@ -298,9 +300,6 @@ def kv_transfer_problem(args: EngineArgs) -> str | None:
         cfg = parse_kv_transfer_config(args.kv_transfer_config or "")
     except ValueError as e:
         return str(e)
-    if args.device == "sim":
-        return ("--kv-transfer-config needs a model's KV cache: --device sim ranks hold none; drop one of "
-                "the two")
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         return ("--kv-transfer-config moves the blocks of one-device ranks only: drop it or run with "
                 "--tensor-parallel-size 1 --pipeline-parallel-size 1")

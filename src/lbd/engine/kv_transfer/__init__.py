@@ -5,5 +5,6 @@ consumer, behind ``--kv-transfer-config`` (``lbd.engine.config.kv_transfer``) an
 - ``blocks``: the bytes of KV blocks, read from and written into the runner's paged cache;
 - ``agent``: the two threads beside the core loop (the producer's block server, the consumer's puller);
 - ``connector``: the core's side, hooked into the scheduler at three points (a prefill's finish holds its
-  blocks, a decode request waits parked while its blocks come, the pulled blocks enter the prefix cache).
+  blocks, a decode request waits parked while its blocks come, the pulled blocks enter the prefix cache);
+- ``sim``: ``--device sim`` ranks' blocks, which move in modelled time only (the sim profile's link).
 """

@@ -110,7 +110,7 @@ class BlockServer(threading.Thread):
         header, data = self._answer(pull)
         self.sock.send_multipart([ident, KT.encode(header), data], copy=False)
         if header.ok:
-            self.on_served(len(data))
+            self.on_served(len(pull.block_ids))
 
     def _answer(self, pull: KT.KVPull) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
         def no(error: str) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
@@ -172,13 +172,15 @@ class PullResult:
 
 
 class BlockPuller(threading.Thread):
-    """Runs pulls one after another; results go to ``results`` for the core thread."""
+    """Runs pulls one after another; results go to ``results`` for the core thread. ``pace`` (sim ranks:
+    ``lbd.engine.kv_transfer.sim``) gives a pull of n blocks its modelled duration, waited out before the
+    result is handed over."""
 
     def __init__(self, ctx: zmq.Context, token: str | None, layout: str, block_bytes: int, timeout_s: float,
-                 max_bytes: int) -> None:
+                 max_bytes: int, pace: Callable[[int], float] | None = None) -> None:
         super().__init__(name="kv-block-puller", daemon=True)
         self.ctx, self.token, self.layout, self.block_bytes = ctx, token, layout, block_bytes
-        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.timeout_s, self.max_bytes, self.pace = timeout_s, max_bytes, pace
         self.jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
 
@@ -192,6 +194,8 @@ class BlockPuller(threading.Thread):
                 data, error = self._pull(job)
             except zmq.ZMQError as e:
                 data, error = None, f"zmq: {e}"
+            if self.pace is not None and data is not None and job.block_ids:
+                time.sleep(max(0.0, t0 + self.pace(len(job.block_ids)) - time.monotonic()))
             self.results.put(PullResult(job, data, error, time.monotonic() - t0))
 
     def _pull(self, job: PullJob) -> tuple[bytes | None, str]:

@@ -29,6 +29,7 @@ class KVBlockIO:
         shapes = ",".join("x".join(str(d) for d in t.shape[1:]) for t in self.tensors[:2])
         dtype = str(first.dtype).removeprefix("torch.")
         self.layout = f"{dtype}/{len(self.tensors)}/{shapes}/{self.block_bytes}"
+        self.wire_block_bytes = self.block_bytes  # every byte crosses the wire (a sim rank's: none)
 
     def read(self, block_ids: list[int]) -> memoryview:
         """The blocks' bytes (tensor-major), copied once out of the cache into one buffer."""

@@ -7,6 +7,7 @@ request waits parked in the scheduler (admitted, not schedulable). When the bloc
 fresh blocks and registered in the prefix cache (KV events published), and the request is unparked: its
 first step finds them there and computes only the tail. A failed or late pull unparks it all the same, and
 the prefill is recomputed: slower, never wrong, never lost. Leases nobody pulled are freed after ``lease_s``.
+A ``--device sim`` rank runs all of this with modelled blocks (``lbd.engine.kv_transfer.sim``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,10 +28,13 @@ from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
 from lbd.engine.core.scheduler import Scheduler
 from lbd.engine.kv_transfer.agent import BlockPuller, BlockServer, Leases, PullJob, PullResult
-from lbd.engine.kv_transfer.blocks import KVBlockIO
 from lbd.engine.kv_transfer.metrics import KVTransferMetrics
 from lbd.wire.core_messages import EngineCoreOutput
 from lbd.wire.kv_transfer import KVTransferParams
+
+if TYPE_CHECKING:
+    from lbd.engine.kv_transfer.blocks import KVBlockIO
+    from lbd.engine.kv_transfer.sim import SimBlockIO
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +58,8 @@ def attach(core: EngineCore) -> None:
     if config.cache.kv_transfer_config is None:
         return
     try:
-        kv_caches = getattr(core.runner, "kv_caches", None)
-        if not kv_caches:
-            raise ValueError("--kv-transfer-config needs a one-device rank with a KV cache (not --device "
-                             "sim, not tensor/pipeline parallel)")
         core.kv_transfer = KVTransfer(parse_kv_transfer_config(config.cache.kv_transfer_config),
-                                      config.parallel.rank, kv_caches, core.scheduler,
+                                      config.parallel.rank, block_io(core), core.scheduler,
                                       core.metrics.labels if core.metrics is not None else None,
                                       core.flush_kv_events)
     except Exception:
@@ -67,14 +67,30 @@ def attach(core: EngineCore) -> None:
         raise
 
 
+def block_io(core: EngineCore) -> KVBlockIO | SimBlockIO:
+    """The blocks' bytes of ``core``'s runner: its KV tensors, or a sim rank's modelled blocks."""
+    runner = core.runner
+    if getattr(runner, "device", "") == "sim":
+        from lbd.engine.kv_transfer.sim import SimBlockIO
+
+        return SimBlockIO(runner.profile, core.scheduler.kv.block_size)  # type: ignore[attr-defined]
+    kv_caches = getattr(runner, "kv_caches", None)
+    if not kv_caches:
+        raise ValueError("--kv-transfer-config needs a one-device rank with a KV cache (not tensor/pipeline "
+                         "parallel)")
+    from lbd.engine.kv_transfer.blocks import KVBlockIO
+
+    return KVBlockIO(kv_caches)
+
+
 class KVTransfer:
-    def __init__(self, cfg: KVTransferConfig, rank: int, kv_caches: list, scheduler: Scheduler,
+    def __init__(self, cfg: KVTransferConfig, rank: int, io: KVBlockIO | SimBlockIO, scheduler: Scheduler,
                  labels: dict[str, str] | None, flush_events: Callable[[], None]) -> None:
         self.cfg, self.scheduler, self.kv = cfg, scheduler, scheduler.kv
         self.block_size = scheduler.kv.block_size
         self.flush_events = flush_events
         self.engine_id = cfg.engine_id or uuid.uuid4().hex
-        self.io = KVBlockIO(kv_caches)
+        self.io = io
         self.metrics = KVTransferMetrics(labels, self.io.block_bytes, self.block_size)
         self.leases = Leases()
         self.params_out: dict[str, KVTransferParams] = {}
@@ -87,12 +103,13 @@ class KVTransfer:
         self.host = _advertised_host(cfg.kv_ip)
         if cfg.produces:
             self.server = BlockServer(self.ctx, cfg.kv_ip, cfg.port_for(rank), token, self.engine_id,
-                                      self.leases, self.io.read, self.io.layout, self.io.block_bytes,
+                                      self.leases, self.io.read, self.io.layout, self.io.wire_block_bytes,
                                       self.metrics.served)
             self.server.start()
         if cfg.consumes:
-            self.puller = BlockPuller(self.ctx, token, self.io.layout, self.io.block_bytes,
-                                      cfg.pull_timeout_s, cfg.max_pull_bytes)
+            self.puller = BlockPuller(self.ctx, token, self.io.layout, self.io.wire_block_bytes,
+                                      cfg.pull_timeout_s, cfg.max_pull_bytes,
+                                      getattr(self.io, "transfer_seconds", None))
             self.puller.start()
         scheduler.on_finish = self.on_finish
         logger.info("KV transfer: %s, engine id %s, %s, %d bytes per token", cfg.kv_role, self.engine_id,
@@ -177,7 +194,8 @@ class KVTransfer:
             elif not self._import(req, job, result.data):
                 self.metrics.failed.inc()
             else:
-                self.metrics.pulled(len(job.block_ids), len(result.data), result.seconds)
+                self.metrics.pulled(len(job.block_ids), len(job.block_ids) * self.io.block_bytes,
+                                    result.seconds)
             self.scheduler.unpark(job.request_id)
 
     def _import(self, req: Request, job: PullJob, data: bytes) -> bool:

@@ -62,7 +62,7 @@ class KVTransferMetrics:
         self.bytes_in.inc(nbytes)
         self.pull_seconds.observe(seconds)
 
-    def served(self, nbytes: int) -> None:
+    def served(self, blocks: int) -> None:
         """Called from the server thread (prometheus-client's values are thread-safe)."""
-        self.bytes_out.inc(nbytes)
-        self.blocks_out.inc(nbytes // self.block_bytes)
+        self.bytes_out.inc(blocks * self.block_bytes)
+        self.blocks_out.inc(blocks)
