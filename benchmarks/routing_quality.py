@@ -9,16 +9,19 @@ per target: every router starts from cold caches and zeroed counters. Every flee
 
 Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
 `/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index), `/noevict`
-(`--evict-weight 0`: no charge for the hot prefixes a placement evicts) and `/noids`
-(`--no-forward-prompt-ids`: the ranks render and tokenize every prompt themselves), and vllm-router
+(`--evict-weight 0`: no charge for the hot prefixes a placement evicts), `/noids`
+(`--no-forward-prompt-ids`: the ranks render and tokenize every prompt themselves) and `/nopush`
+(`--telemetry-push off`: the router scrapes every rank's /metrics instead of following its pushed load
+state), and vllm-router
 (cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
 Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID; 2,000 requests by
-default: the first ~70 ms of simulated time are 8 cold 2,200-token prefills with every request of their
-groups queued behind them, about 20 slow requests no placement avoids, so with the 320 requests of earlier
-runs p99 was the 3rd-worst request and measured that floor, not routing); many-tenant (after llm-d's
-precise-prefix benchmark: 48 tenants each with a 3,000-token system prompt, several users per tenant in
-3-turn sessions, Poisson arrivals stepping up; each rank's KV cache holds a fifth of all the tenants'
+default: the first ~70 ms of simulated time are 8 cold 2,200-token prefills with every request of their groups
+queued behind them, about 20 slow requests no placement avoids, so with the 320 requests of earlier runs p99
+was the 3rd-worst request and measured that floor, not routing; --mt-groups, --mt-prompt-len and --mt-turns
+reshape it, e.g. issue 32's cold burst: 12 prompts of 1,500 tokens, 5 turns, --mt-rate 40); many-tenant (after
+llm-d's precise-prefix benchmark: 48 tenants each with a 3,000-token system prompt, several users per tenant
+in 3-turn sessions, Poisson arrivals stepping up; each rank's KV cache holds a fifth of all the tenants'
 prompts and the fleet 1.6x of them, so tenants partitioned over the ranks fit with room for the running
 requests, while a router that spreads every tenant everywhere thrashes). The steps go up past the one where
 round robin saturates (its median TTFT at least twice its first step's: the median request queues as long as
@@ -29,10 +32,13 @@ request has its first token) and how many of the slowest 1% are start-up request
 (routing_report.startup_split), ITL p99, output tok/s (latencies divided by the time scale: simulated H100
 time), prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that
 holds every block any rank computed, looked up in arrival order: the best any router could do), and the
-most/fewest requests served by one rank. Stepped workloads report every step.
+most/fewest requests served by one rank, and how many cold requests (each group's first) waited behind
+another cold prefill (routing_report.cold_stacks, a client-side proxy). Stepped workloads report every step.
+`--repeat N` runs every target N times, interleaved (all targets, then all again), and tabulates every run.
 
     .venv/bin/python benchmarks/routing_quality.py [--quick] [--only lbd:predicted_ttft,lbd:round_robin]
         [--workloads multi-turn,many-tenant,skew] [--mt-rate 800] [--skew-rate 250] [--time-scale 40]
+        [--mt-groups 8 --mt-prompt-len 2000 --mt-turns 4] [--repeat 1]
         [--plot benchmarks/routing_quality.png] [--json out.json]
 """
 
@@ -70,7 +76,9 @@ from routing_report import (  # noqa: E402
     BASELINE,
     OURS,
     Row,
+    cold_stacks,
     plot,
+    runs_table,
     saturated_step,
     startup_split,
     step_table,
@@ -111,10 +119,10 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         "shared-prefix multi-turn",
         WorkloadSpec(
             name="multi-turn",
-            num_groups=8,
-            system_prompt_len=2000,
+            num_groups=args.mt_groups,
+            system_prompt_len=args.mt_prompt_len,
             question_len=200,
-            num_turns=4,
+            num_turns=args.mt_turns,
             output_len=32,
         ),
         BenchConfig(
@@ -238,6 +246,8 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
                 extra += ["--evict-weight", "0"]
             elif mod == "noids":
                 extra += ["--no-forward-prompt-ids"]
+            elif mod == "nopush":
+                extra += ["--telemetry-push", "off"]
             else:
                 raise ValueError(f"target {name}: unknown suffix /{mod}")
         return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", *extra)
@@ -250,7 +260,7 @@ def available_targets() -> list[str]:
     from lbd import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
-    names += [f"{OURS}/w2", f"{OURS}/w4", f"{OURS}/approx", f"{OURS}/noevict", f"{OURS}/noids"]
+    names += [f"{OURS}/{m}" for m in ("w2", "w4", "approx", "noevict", "noids", "nopush")]
     if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
     if peer_installed("sglang-router"):
@@ -307,6 +317,28 @@ def decision_counts(port: int) -> dict[str, int]:
     return out
 
 
+def overhead_ms(port: int, q: float = 0.95) -> float:
+    """lbd's time from a request's arrival to its dispatch (parse, tokenize, decide), real ms, quantile ``q``
+    interpolated in the histogram's buckets (summed over workers). The 95th covers a run's cold requests (each
+    group's first, tokenized by the router), a few percent of a multi-turn run."""
+    buckets: dict[float, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("lbd_router_overhead_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = math.inf if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    cum = sorted(buckets.items())
+    if not cum or cum[-1][1] <= 0:
+        return math.nan
+    want, lo, c_lo = q * cum[-1][1], 0.0, 0.0
+    for hi, c_hi in cum:
+        if c_hi >= want:
+            hi = lo if math.isinf(hi) else hi
+            return 1e3 * (lo + (hi - lo) * (want - c_lo) / max(1e-9, c_hi - c_lo))
+        lo, c_lo = hi, c_hi
+    return math.nan
+
+
 def wait_exact(port: int, workers: int, timeout: float = 60.0) -> None:
     """Until every router worker has answered /router/status with an exact view of every rank (a new
     connection per poll, so SO_REUSEPORT spreads them over the workers)."""
@@ -323,8 +355,10 @@ def wait_exact(port: int, workers: int, timeout: float = 60.0) -> None:
 
 
 # ---- one run -----------------------------------------------------------------------------------------------
-def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource, logs: Path) -> list[Row]:
-    tag = f"{wl.spec.name}-{wl.name[:4]}-{target.replace(':', '-').replace('/', '-')}"
+def run_one(
+    args: argparse.Namespace, wl: Workload, target: str, src: TextSource, logs: Path, run: int = 0
+) -> list[Row]:
+    tag = f"{wl.spec.name}-{wl.name[:4]}-{target.replace(':', '-').replace('/', '-')}-{run}"
     fleet = start_fleet(args, wl, logs / f"{tag}-supervise.log")
     scale = wl.time_scale or args.time_scale
     router = None
@@ -364,6 +398,7 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
             if target == BASELINE and saturated_step(p50s) is not None:
                 break  # the baseline saturated: higher steps would only queue longer (see the doc)
         reasons = decision_counts(port) if target.startswith("lbd:") else {}
+        overhead = overhead_ms(port) if target.startswith("lbd:") else math.nan
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
         own_cores = (tree_usage(*trees)[0] - cpu0) / (time.monotonic() - t0)  # ranks + router + this client
     finally:
@@ -383,6 +418,7 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
         served = [int(delta("request_success_total", k)) for k in range(args.ranks)]
         s = summarize(result.records, result.duration_s, {})
         n_startup, steady_p99, slowest_startup = startup_split(result.records, scale)
+        n_cold, n_stacked = cold_stacks(result.records)
         shorts = [r.ttft for r in result.records if r.ok and r.kind == "short"]
         rows.append(
             Row(
@@ -412,6 +448,11 @@ def run_one(args: argparse.Namespace, wl: Workload, target: str, src: TextSource
                 startup_requests=n_startup,
                 steady_ttft_p99_ms=steady_p99,
                 slowest_startup=slowest_startup,
+                run=run,
+                cold_requests=n_cold,
+                cold_stacked=n_stacked,
+                load_avg=os.getloadavg()[0],
+                router_overhead_ms=overhead,
             )
         )
     return rows
@@ -430,6 +471,8 @@ def report(files: list[Path]) -> int:
             mine = [r for r in rows if r.workload == wl]
             stepped = any(math.isfinite(r.step_rate) for r in mine)
             print(f"\n### {wl}\n\n{step_table(mine) if stepped else table(mine)}")
+            if any(r.run for r in mine):
+                print(f"\n{runs_table(mine)}")
         print("\n### Targets (issue 13)\n\n" + "\n".join(verdicts(rows)) + "\n")
     return 0
 
@@ -442,6 +485,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=40.0, help="dilation of simulated time (see the doc)")
     p.add_argument("--mt-rate", type=float, default=800.0, help="multi-turn: simulated requests/s (Poisson)")
     p.add_argument("--mt-requests", type=int, default=2000, help="multi-turn: requests (see the doc)")
+    p.add_argument("--mt-groups", type=int, default=8, help="multi-turn: system prompts (prefix groups)")
+    p.add_argument("--mt-prompt-len", type=int, default=2000, help="multi-turn: system prompt tokens")
+    p.add_argument("--mt-turns", type=int, default=4, help="multi-turn: turns per session")
     p.add_argument("--skew-rate", type=float, default=250.0, help="skew: simulated requests/s (Poisson)")
     p.add_argument("--tenants", type=int, default=48, help="many-tenant: tenants (system prompts)")
     p.add_argument("--tenant-prompt-len", type=int, default=3000, help="many-tenant: system prompt tokens")
@@ -462,6 +508,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the targets available here and exit")
     p.add_argument("--workloads", default="multi-turn,many-tenant,skew")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    p.add_argument("--repeat", type=int, default=1, help="run every target this many times, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=str(ROOT / "benchmarks" / "routing_quality.png"))
     p.add_argument("--json", default=None, help="write every row here (after every target)")
@@ -503,25 +550,24 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows: list[Row] = []
-    for wl in chosen:
-        for target in targets:
-            t0 = time.monotonic()
-            got = run_one(args, wl, target, src, logs)
-            rows += got
-            for row in got:
-                step = f" @ {row.step_rate:g} req/s" if math.isfinite(row.step_rate) else ""
-                print(
-                    f"  {wl.name}{step} / {target}: TTFT p90 {row.ttft_p90_ms:,.1f} "
-                    f"p99 {row.ttft_p99_ms:,.1f} ms, hit {100 * row.hit_rate:.1f}% "
-                    f"(oracle {100 * row.oracle_hit_rate:.1f}%, lengths matched "
-                    f"{row.oracle_length_matches}), {row.failed} failed, host CPU "
-                    f"{row.host_cpu_percent:.0f}% (ours {row.own_cores:.2f} cores) {row.reasons or ''}",
-                    flush=True,
-                )
-            print(f"  ({time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
-            if args.json:  # after every target: a run cut short keeps what it measured
-                rows_json = orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2)
-                Path(args.json).write_bytes(rows_json)
+    for wl, run, target in ((w, k, t) for w in chosen for k in range(args.repeat) for t in targets):
+        t0 = time.monotonic()
+        got = run_one(args, wl, target, src, logs, run)
+        rows += got
+        for row in got:
+            step = f" @ {row.step_rate:g} req/s" if math.isfinite(row.step_rate) else ""
+            print(
+                f"  {wl.name}{step} / {target}: TTFT p90 {row.ttft_p90_ms:,.1f} "
+                f"p99 {row.ttft_p99_ms:,.1f} ms, hit {100 * row.hit_rate:.1f}% "
+                f"(oracle {100 * row.oracle_hit_rate:.1f}%, lengths matched "
+                f"{row.oracle_length_matches}), {row.failed} failed, host CPU "
+                f"{row.host_cpu_percent:.0f}% (ours {row.own_cores:.2f} cores) {row.reasons or ''}",
+                flush=True,
+            )
+        print(f"  ({time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f})", flush=True)
+        if args.json:  # after every target: a run cut short keeps what it measured
+            rows_json = orjson.dumps([asdict(r) for r in rows], option=orjson.OPT_INDENT_2)
+            Path(args.json).write_bytes(rows_json)
     for wl in chosen:
         mine = [r for r in rows if r.workload == wl.name]
         scale = wl.time_scale or args.time_scale
@@ -537,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{wl.cfg.request_rate * scale:g} req/s simulated, time scale {scale:g})\n"
             )
             print(table(mine))
+        if args.repeat > 1:
+            print(f"\nEvery run (cold stacked: see routing_report.cold_stacks)\n\n{runs_table(mine)}")
     checks = verdicts(rows)
     if checks:
         print("\n### Targets (issue 13)\n")

@@ -49,6 +49,11 @@ class Row:
     startup_requests: int = 0
     steady_ttft_p99_ms: float = math.nan
     slowest_startup: str = ""  # "k/n": k of the n slowest requests (the top 1%) are start-up requests
+    run: int = 0  # --repeat: which round of the interleaved targets
+    cold_requests: int = 0  # prefix groups' first requests (see ``cold_stacks``)
+    cold_stacked: int = 0  # of those, the ones that waited behind another cold prefill
+    load_avg: float = math.nan  # the host's 1-minute load average when the run ended
+    router_overhead_ms: float = math.nan  # lbd: p95 real ms from a request's arrival to its dispatch
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -76,6 +81,30 @@ def startup_split(records: list[Any], scale: float) -> tuple[int, float, str]:
     k = sum(r.start < warm_from for r in slowest)
     p99 = percentile(steady, 99) * 1e3 / scale if steady else math.nan
     return len(ok) - len(steady), p99, f"{k}/{n}"
+
+
+def cold_stacks(records: list[Any], factor: float = 1.5) -> tuple[int, int]:
+    """(cold requests, cold requests stacked behind another cold prefill), from the client's records alone.
+
+    A cold request is its prefix group's first: no rank holds its prompt. It counts as stacked when its TTFT
+    is past ``factor`` x the run's fastest cold TTFT while another cold request was between its own start and
+    first token when it arrived: a rank computing one cold prompt after another (a free rank would have
+    taken it at the fastest cold time). A client-side proxy: which rank served a request is not known here."""
+    ok = sorted((r for r in records if r.ok and r.ttft is not None), key=lambda r: r.start)
+    first: dict[int, Any] = {}
+    for r in ok:
+        first.setdefault(r.group, r)
+    cold = sorted(first.values(), key=lambda r: r.start)
+    if not cold:
+        return 0, 0
+    floor = min(r.ttft for r in cold)
+    stacked = 0
+    for r in cold:
+        if r.ttft <= factor * floor:
+            continue
+        if any(o is not r and o.start <= r.start < o.start + o.ttft for o in cold):
+            stacked += 1
+    return len(cold), stacked
 
 
 def table(rows: list[Row]) -> str:
@@ -115,6 +144,23 @@ def table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines)
+
+
+def runs_table(rows: list[Row]) -> str:
+    """One line per run of each target (--repeat): TTFT percentiles, cold requests stacked, host load."""
+    out = [
+        "| run | target | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | cold stacked / cold | hit / oracle "
+        "| lbd overhead p95 ms (real) | load avg |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: r.run):
+        over = "-" if math.isnan(r.router_overhead_ms) else f"{r.router_overhead_ms:.1f}"
+        out.append(
+            f"| {r.run} | {r.target} | {r.ttft_p50_ms:,.1f} | {r.ttft_p90_ms:,.1f} | {r.ttft_p99_ms:,.1f} "
+            f"| {r.cold_stacked}/{r.cold_requests} | {100 * r.hit_vs_oracle:.0f}% "
+            f"| {over} | {r.load_avg:.1f} |"
+        )
+    return "\n".join(out)
 
 
 def step_table(rows: list[Row]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.routing_report import Row, saturated_step, startup_split, verdicts
+from benchmarks.routing_report import Row, cold_stacks, saturated_step, startup_split, verdicts
 
 from lbd.bench.client import RequestRecord
 
@@ -52,3 +52,18 @@ def test_startup_ends_when_every_group_has_its_first_token() -> None:
     assert math.isclose(p99, want)
     n, p99, slowest = startup_split([], 1.0)
     assert n == 0 and math.isnan(p99) and slowest == ""
+
+
+def test_a_cold_request_behind_another_cold_prefill_counts_as_stacked() -> None:
+    """Three groups: group 1's cold request arrives while group 0's computes and takes twice its time (it
+    waited behind it); group 2's arrives during group 0's too but takes the fastest cold time (a free rank);
+    a slow warm turn is not a cold request."""
+    recs = [
+        RequestRecord("a", 0, start=0.0, ttft=1.0, group=0),
+        RequestRecord("b", 0, start=0.5, ttft=2.0, group=1),
+        RequestRecord("c", 0, start=0.6, ttft=1.0, group=2),
+        RequestRecord("a", 1, start=1.2, ttft=3.0, group=0),
+    ]
+    assert cold_stacks(recs) == (3, 1)
+    assert cold_stacks([RequestRecord("a", 0, start=0.0, ttft=2.5, group=0)]) == (1, 0)
+    assert cold_stacks([]) == (0, 0)
