@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +15,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from support import (  # noqa: E402
     RouterProc,
+    kill_leftovers,
     make_tiny_deepseek_v2,
     make_tiny_llama,
     make_tiny_mixtral,
     make_tiny_qwen3,
     make_tiny_qwen3_moe,
 )
+
+
+def _interrupted(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI timeout, a `kill`) ends the run as Ctrl-C does: the fixtures tear down, so no server a
+    module-scoped fixture started outlives the suite."""
+    signal.signal(signal.SIGTERM, _interrupted)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Whatever an interrupted test started and did not stop goes with the run."""
+    kill_leftovers()
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from support.procs import (  # noqa: F401  (re-exported for the tests)
     exit_on_sigterm,
     free_port,
     free_port_run,
+    kill_leftovers,
     spawn,
     stop,
     tree_usage,

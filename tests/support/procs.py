@@ -74,8 +74,24 @@ def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None =
     working directory first on sys.path, so a child that must import another source tree runs in it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     out = open(log, "ab") if log else None  # noqa: SIM115 - closed by the OS with the child
-    return subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+    proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True, cwd=cwd)
+    SPAWNED.append(proc)
+    return proc
+
+
+SPAWNED: list[subprocess.Popen] = []  # every child spawn() started, for kill_leftovers()
+
+
+def kill_leftovers() -> int:
+    """SIGKILL the process group of every spawned child still running (a run cut short by a signal skips
+    some teardown); returns how many there were."""
+    alive = [p for p in SPAWNED if p.poll() is None]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+    SPAWNED.clear()
+    return len(alive)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
