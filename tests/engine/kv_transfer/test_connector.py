@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from lbd.wire.kv_events import BlockStored, decode_batch
+from support.kv_events import wait_for_stored_run
 from support.procs import EngineServer
 
 BLOCK = 16
@@ -241,15 +241,7 @@ def test_moved_blocks_are_published_as_kv_events(pair) -> None:
         base = prompt_ids(70, 31337)  # 4 full blocks to move
         params = prefill(producer, body(base))
         text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params))
-        runs = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and base[:4 * BLOCK] not in runs:
-            try:
-                _, _, payload = sub.recv_multipart()
-            except zmq.Again:
-                continue
-            batch, _ = decode_batch(payload)
-            runs += [ev.token_ids for ev in batch.events if isinstance(ev, BlockStored)]
+        runs = wait_for_stored_run(sub, base[:4 * BLOCK])
         assert base[:4 * BLOCK] in runs
     finally:
         sub.close(linger=0)

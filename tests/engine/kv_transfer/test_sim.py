@@ -18,7 +18,7 @@ import zmq
 
 from lbd.engine.kv_transfer.sim import SimBlockIO
 from lbd.engine.sim_profiles import PROFILES, get_profile
-from lbd.wire.kv_events import BlockStored, decode_batch
+from support.kv_events import wait_for_stored_run
 from support.procs import EngineServer
 
 BLOCK = 16
@@ -161,15 +161,7 @@ def test_sim_pulled_blocks_are_published_as_kv_events(pair) -> None:
         time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
         base = [random.Random(99).randrange(10, 300) for _ in range(70)]  # 4 full blocks
         two_stage(producer, consumer, base)
-        runs: list[list[int]] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and base[: 4 * BLOCK] not in runs:
-            try:
-                _, _, payload = sub.recv_multipart()
-            except zmq.Again:
-                continue
-            batch, _ = decode_batch(payload)
-            runs += [ev.token_ids for ev in batch.events if isinstance(ev, BlockStored)]
+        runs = wait_for_stored_run(sub, base[: 4 * BLOCK])
         assert base[: 4 * BLOCK] in runs
     finally:
         sub.close(linger=0)
