@@ -9,6 +9,7 @@ The policies see only ``RoutedRequest.facts``; the rest is the router's own book
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ class RoutedRequest:
     snaps: list[EndpointSnapshot] = field(init=False)
     exclude: list[str] = field(init=False)  # keys: full (--max-streams-per-endpoint) or failed it
     full: int = 0  # how many of ``exclude`` were full when the request arrived
-    pd_exclude: list[str] = field(default_factory=list)  # a disaggregated decode stage's non-decode ranks
+    pd_exclude: Sequence[str] = ()  # a P/D decode stage's non-decode ranks (set by lbd.router.disagg)
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import zmq
 
+from support import metric_value
 from support.kv_events import wait_for_stored_run
 from support.procs import EngineServer
 
@@ -59,13 +60,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def metric(server: EngineServer, name: str, **labels: str) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, name, **labels)
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:

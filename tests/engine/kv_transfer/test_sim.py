@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import re
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import zmq
 
 from lbd.engine.kv_transfer.sim import SimBlockIO
 from lbd.engine.sim_profiles import PROFILES, get_profile
+from support import metric_value
 from support.kv_events import wait_for_stored_run
 from support.procs import EngineServer
 
@@ -39,13 +39,7 @@ def test_modelled_time_grows_with_blocks_and_follows_the_layout() -> None:
 
 
 def metric(server: EngineServer, name: str, **labels: str) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, name, **labels)
 
 
 @pytest.fixture(scope="module")
