@@ -30,9 +30,9 @@ FIELDS = (("running", "num_requests_running"), ("waiting", "num_requests_waiting
 
 class Fleet:
     def __init__(self, tmp: Path, ranks: int, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.base = free_port_run(ranks)
-        self.control = f"http://127.0.0.1:{free_port()}"
-        port = self.control.rpartition(":")[2]
+        self.base = free_port_run(ranks + 1)  # the control port is the run's last: below the ephemeral range
+        port = str(self.base + ranks)
+        self.control = f"http://127.0.0.1:{port}"
         self.urls = [f"http://127.0.0.1:{self.base + i}" for i in range(ranks)]
         self.proc = spawn([sys.executable, str(STANDIN), "--ranks", str(ranks), "--base-port", str(self.base),
                            "--control-port", port, "--heartbeat-s", str(HEARTBEAT_S), *extra],
@@ -51,7 +51,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Rou
     router = RouterServer("--upstreams", ",".join(f.urls), "--policy", "least_load", log=tmp / "router.log")
     try:
         router.wait_ready()
-        _until(lambda: all(_push(router, u)["state"] == "pushed" for u in f.urls if _push(router, u)), 10)
+        # every rank followed and heard from (a rank not adopted yet has no push record at all)
+        _until(lambda: all(_push(router, u).get("state") == "pushed" for u in f.urls), 10)
         yield f, router
     finally:
         router.close()
@@ -96,8 +97,10 @@ def test_router_view_equals_scraped_view_through_a_script(fleet: tuple[Fleet, Ro
     for step in script:
         step()
         _until(lambda: _views_match(router, f.urls), 3 * HEARTBEAT_S + 2)
+    # the gap is counted when the message after the skipped one arrives; the views can match before that
+    # (a rank silent past two heartbeats is scraped), so wait for it rather than read it once
+    _until(lambda: _push(router, f.urls[1])["gaps"] >= 1, 3 * HEARTBEAT_S + 2)
     pushes = [_push(router, u) for u in f.urls]
-    assert pushes[1]["gaps"] >= 1, pushes[1]
     assert pushes[2]["restarts"] >= 1, pushes[2]
     assert all(p["state"] == "pushed" for p in pushes), pushes
     metrics = httpx.get(router.url + "/metrics", timeout=5).text

@@ -56,7 +56,8 @@ def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = 
     last: object = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready"
+                               f"{log_tail(proc)}")
         try:
             r = httpx.get(url, timeout=2.0)
             if r.status_code in ok:
@@ -76,10 +77,20 @@ def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None =
     out = open(log, "ab") if log else None  # noqa: SIM115 - closed by the OS with the child
     proc = subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True, cwd=cwd)
+    LOGS[proc.pid] = log
     SPAWNED.append(proc)
     return proc
 
 
+def log_tail(proc: subprocess.Popen, chars: int = 3000) -> str:
+    """The end of the log spawn() gave ``proc``, for an error message (a CI run keeps only its output)."""
+    log = LOGS.get(proc.pid)
+    if log is None or not log.exists():
+        return ""
+    return f"; the end of its log {log}:\n" + log.read_text(errors="replace")[-chars:]
+
+
+LOGS: dict[int, Path | None] = {}  # pid -> the log spawn() opened for it
 SPAWNED: list[subprocess.Popen] = []  # every child spawn() started, for kill_leftovers()
 
 
