@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from lbd.policies import Decision, Refusal, route
-from lbd.router.continuation import COMPLETIONS, impossible, kind_of, with_token_ids
+from lbd.router.continuation import impossible, kind_of, with_token_ids
 from lbd.router.messages import Response
 from lbd.router.resumable import DONE, Move
 from lbd.router.routed import Failure, RoutedRequest
@@ -222,8 +222,3 @@ class Migrator:
 
 def _quantile(ordered: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
-
-
-def path_for(move: Move | None, raw_path: str) -> str:
-    """Where an attempt goes: a continuation always to the completions path."""
-    return COMPLETIONS if move is not None and move.resuming else raw_path

@@ -19,7 +19,6 @@ from lbd.common.limits import peer_read_cap, read_upstream
 from lbd.router.config import Upstream, read_upstreams_file
 from lbd.router.discovery import follow_dns
 from lbd.router.endpoints import Endpoint
-from lbd.router.load_feed import LoadFeed
 from lbd.router.outlier import CHECK_INTERVAL_S
 from lbd.router.state import RouterState
 from lbd.router.telemetry import TELEMETRY_HEADER, parse_metrics, parse_telemetry
@@ -27,6 +26,7 @@ from lbd.router.upstream import UpstreamError, UpstreamPool
 from lbd.wire.states import RankState
 
 if TYPE_CHECKING:
+    from lbd.router.load_feed import LoadFeed
     from lbd.wire.status import SupervisorStatus
 
 log = logging.getLogger("lbd.router")
@@ -43,9 +43,10 @@ class Monitor:
         self.file_urls: set[str] = set()
         key = self.cfg.upstream_api_key
         self._auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
-        # pushed telemetry (lbd.router.load_feed): ranks that publish their load are not scraped while fresh
-        self.push = LoadFeed(state) if self.cfg.telemetry_push != "off" else None
-        state.push = self.push
+        # pushed telemetry (lbd.router.load_feed): ranks that publish their load are not scraped while fresh;
+        # started with the first rank that advertises a stream (a router over peers that publish none never
+        # loads it)
+        self.push: LoadFeed | None = None
         state.on_added.append(self._start_endpoint)
         state.on_removed.append(self._stop_endpoint)
 
@@ -56,8 +57,6 @@ class Monitor:
         if self.cfg.upstreams_file is not None:
             self.reload_file()
         self.source_tasks.append(asyncio.ensure_future(self._outlier_loop()))
-        if self.push is not None:
-            self.push.start()
 
     def _start_source(self, up: Upstream, source: str) -> None:
         if up.kind == "supervisor":
@@ -221,8 +220,16 @@ class Monitor:
         if ep.take_sample(sample, began, totals.dispatched, totals.finished):
             self.state.reorder()
         ep.record_success("scrape")
-        if self.push is not None and sample.load_stream is not None:
-            self.push.adopt(ep, sample.load_stream)
+        if sample.load_stream is not None and self.cfg.telemetry_push != "off":
+            self._load_feed().adopt(ep, sample.load_stream)
+
+    def _load_feed(self) -> LoadFeed:
+        if self.push is None:
+            from lbd.router.load_feed import LoadFeed  # lazily: on first use, for cold start
+
+            self.push = self.state.push = LoadFeed(self.state)
+            self.push.start()
+        return self.push
 
     def _scrape_failed(self, ep: Endpoint, error: str) -> None:
         ep.scrape_errors += 1

@@ -21,6 +21,7 @@ free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -40,7 +41,6 @@ from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADER
 from lbd.router.kv.forward import FIELD as FORWARDED_IDS
 from lbd.router.kv.forward import strip_client_copy
 from lbd.router.messages import Request, Response
-from lbd.router.migration import Migrator, path_for
 from lbd.router.relay import Relay
 from lbd.router.routed import Attempt, ClientGone, Failure, Refused, RoutedRequest
 from lbd.router.state import RouterState
@@ -49,6 +49,7 @@ from lbd.router.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from lbd.router.disagg import Disagg
+    from lbd.router.migration import Migrator
     from lbd.router.tracing import RouterTracer, RouteTrace
 
 log = logging.getLogger("lbd.router")
@@ -75,7 +76,6 @@ class Proxy:
         self._hash_prefix = state.policy.uses_prefix_hashes
         self._headers = HeaderRewriter()
         self.relay = Relay(state, self._headers)
-        self.migrator = Migrator(state, tracer)
         self.cfg = state.cfg
         self.gate = gate
         self.loop = asyncio.get_running_loop()
@@ -97,6 +97,13 @@ class Proxy:
             from lbd.router.disagg import Disagg
 
             self.disagg = Disagg(state)
+
+    @functools.cached_property
+    def migrator(self) -> Migrator:
+        """Mid-stream migration, loaded with the first request that uses it (cold start)."""
+        from lbd.router.migration import Migrator
+
+        return Migrator(self.state, self.tracer)
 
     # ---- entry --------------------------------------------------------------------------------------
     def handle(self, request: Request, out: Response, key: ApiKey | None = None) -> Awaitable[None]:
@@ -316,16 +323,15 @@ class Proxy:
             return Failure(503, f"endpoint {d.endpoint.key} left", "upstream_gone", True)
         a, body, headers = self._dispatch(rr, ep, d)
         move = rr.move
+        target = rr.request.raw_path
         if move is not None and move.resuming:  # a continuation (lbd.router.migration)
-            body = move.body
+            body, target = move.body, move.path
         status = "client_gone"
         upstream: UpstreamResponse | None = None
         try:
             try:
-                request = rr.request
-                target = path_for(move, request.raw_path)
                 upstream = await pool.request(
-                    request.method, target, headers, body, self.cfg.response_timeout_s
+                    rr.request.method, target, headers, body, self.cfg.response_timeout_s
                 )
             except (UpstreamError, OSError) as e:  # (TimeoutError is an OSError)
                 failure = self._unanswered(ep, e)

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from lbd.router.continuation import (
+    COMPLETIONS,
     as_chat_choice,
     choice_text,
     continuation,
@@ -34,6 +35,8 @@ DONE = b"data: [DONE]\n\n"
 
 class Move:
     """One request's stream as the client has it, and its moves."""
+
+    path = COMPLETIONS  # where a continuation goes, chat or not
 
     def __init__(self, kind: str, data: dict[str, Any], client_ids: bool, impossible: str | None) -> None:
         self.kind, self.data, self.client_ids, self.impossible = kind, data, client_ids, impossible
