@@ -29,6 +29,7 @@ import orjson
 from lbd.common.limits import read_aiohttp
 from lbd.supervisor.moe import GroupSpec
 from lbd.supervisor.process import child_setup
+from lbd.supervisor.spawn import Child, spawn
 from lbd.wire.dp import CoordinatorStatus, decode_coordinator_status
 from lbd.wire.status import CoordinatorInfo
 
@@ -50,7 +51,7 @@ class Coordinator:
         self.url = spec.coordinator_url
         self.argv = spec.coordinator_argv(sys.executable, log_level)
         self.on_fatal = on_fatal  # the coordinator refused its flags (exit 2): restarting cannot help
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: Child | None = None
         self.restarts = 0
         self.last_exit_code: int | None = None
         self.status: CoordinatorStatus | None = None
@@ -69,9 +70,8 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._poll(), name="coordinator-poll"))
 
     async def _spawn(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, **self.spec.child_env()}, preexec_fn=child_setup(os.getpid()))
+        self.proc = await spawn(self.argv, env={**os.environ, **self.spec.child_env()},
+                                preexec_fn=child_setup(os.getpid()), pipe_output=False)
         log.info("DP coordinator: started pid %d (store :%d, ZMQ :%d, HTTP %s)", self.proc.pid,
                  self.spec.rendezvous().store_port, self.spec.rendezvous().coordinator_port, self.url)
 

@@ -2,7 +2,8 @@
 
 The child calls prctl(PR_SET_PDEATHSIG, SIGKILL) before exec, so a SIGKILL of the supervisor (which runs no
 cleanup) still takes the rank's launcher down; the engine's own children do the same towards the launcher.
-Because the signal follows the parent *thread*, ranks are spawned from the event-loop (main) thread.
+The signal follows the parent *thread*: ranks are forked by ``lbd.supervisor.spawn``'s one long-lived thread,
+off the event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import psutil
 
 from lbd.common.redact import redact_text
 from lbd.supervisor.config import RankSpec
+from lbd.supervisor.spawn import Child, spawn
 
 if TYPE_CHECKING:
     from lbd.wire.status import WorkerProcess
@@ -69,7 +71,7 @@ def child_setup(parent_pid: int) -> Callable[[], None]:
 class RankProcess:
     """A started rank: its launcher pid (also its process group id) and the relay of its output."""
 
-    def __init__(self, spec: RankSpec, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, spec: RankSpec, proc: Child) -> None:
         self.spec = spec
         self.proc = proc
         self.pid: int = proc.pid
@@ -109,10 +111,7 @@ class RankProcess:
     async def start(cls, spec: RankSpec) -> RankProcess:
         env = {**os.environ, **spec.env}
         env.pop("LBD_ADMIN_TOKEN", None)  # ranks have no use for the supervisor's secret
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=child_setup(os.getpid()),
-            limit=_LINE_LIMIT)
+        proc = await spawn(spec.argv, env=env, preexec_fn=child_setup(os.getpid()), limit=_LINE_LIMIT)
         return cls(spec, proc)
 
     @property
