@@ -176,6 +176,7 @@ class RankProcess:
         _, pending = await asyncio.wait(self._relays, timeout=1.0)
         for task in pending:
             task.cancel()
+        self.proc.close()
 
 
 def _flag(cmd: list[str], flag: str) -> str | None:

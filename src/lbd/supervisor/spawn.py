@@ -75,27 +75,45 @@ class Child:
         self._limit = limit
         self._loop = asyncio.get_running_loop()
         self._exited: asyncio.Future[int] = self._loop.create_future()
+        self._transports: list[asyncio.BaseTransport] = []
+        self._pidfd = -1
 
     async def _attach(self) -> None:
         for name in ("stdout", "stderr"):
             pipe = getattr(self._popen, name)
             if pipe is not None:
                 reader = asyncio.StreamReader(limit=self._limit, loop=self._loop)
-                await self._loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+                transport, _ = await self._loop.connect_read_pipe(
+                    lambda r=reader: asyncio.StreamReaderProtocol(r), pipe)
+                self._transports.append(transport)
                 setattr(self, name, reader)
         try:
-            fd = os.pidfd_open(self.pid)
+            self._pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):  # an old kernel (or not Linux): poll
             self._loop.create_task(self._poll_exit())
             return
-        self._loop.add_reader(fd, self._on_pidfd, fd)
+        self._loop.add_reader(self._pidfd, self._on_pidfd)
 
-    def _on_pidfd(self, fd: int) -> None:
+    def _on_pidfd(self) -> None:
         if self._popen.poll() is None:  # readable means exited; reaped by someone else, poll says so too
             return
-        self._loop.remove_reader(fd)
-        os.close(fd)
+        self._close_pidfd()
         self._settle()
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def close(self) -> None:
+        """Close the output pipes (whatever is left unread is dropped) and stop watching for the exit. The
+        pipes' write ends may outlive the child in processes it started: EOF alone would not free them."""
+        for transport in self._transports:
+            transport.close()
+        self._transports.clear()
+        if self.returncode is not None:
+            self._close_pidfd()
 
     async def _poll_exit(self) -> None:
         while self._popen.poll() is None:
