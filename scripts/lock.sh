@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 UV=.venv/bin/uv
 [ -x "$UV" ] || { echo "lock.sh: no $UV: run bash scripts/setup.sh first" >&2; exit 2; }
-exec "$UV" pip compile pyproject.toml --extra dev --extra ray --universal --python-version 3.11 \
+exec "$UV" pip compile pyproject.toml --extra dev --extra ray --extra nixl --universal --python-version 3.11 \
   --constraint requirements/pins.txt --custom-compile-command "bash scripts/lock.sh" --annotation-style line \
   -o requirements/lock.txt "$@"

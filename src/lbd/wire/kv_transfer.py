@@ -11,6 +11,9 @@ Pull (consumer DEALER -> producer ROUTER): ``KVPull`` names the producer's engin
 prefill's request id) and the producer's block ids wanted; the answer is ``[KVBlocksHeader, data]``: the
 blocks' bytes in the order asked, each block ``block_bytes`` long, and the layout the bytes follow (both
 sides must agree on it, else the consumer recomputes). A pull of no blocks tells the producer to free them.
+A NIXL consumer asks for ``transport="nixl"``: a producer with NIXL then answers where to READ the blocks
+(``NixlRemote``, with its agent's metadata unless the consumer has it) instead of their bytes, and releases
+them when the READ's notification arrives; one without NIXL sends the bytes as usual.
 Standard library and msgspec only.
 """
 
@@ -54,6 +57,8 @@ class KVPull(msgspec.Struct):
     transfer_id: str
     block_ids: list[int]
     token_ids: list[int] = msgspec.field(default_factory=list)
+    transport: str = "bytes"  # "nixl": answer with a NixlRemote, the consumer READs the blocks itself
+    nixl_known: bool = False  # the consumer holds the producer's NIXL agent metadata already
 
 
 class KVBlocksHeader(msgspec.Struct):
@@ -66,11 +71,25 @@ class KVBlocksHeader(msgspec.Struct):
     layout: str = ""  # the KV layout the bytes follow (dtype, per-tensor block shapes)
     block_bytes: int = 0
     num_blocks: int = 0
+    transport: str = "bytes"  # what the second frame holds: the blocks' bytes, or a NixlRemote
+
+
+class NixlRemote(msgspec.Struct):
+    """Where a NIXL consumer READs a producer's blocks: the producer's agent (its metadata, empty when the
+    consumer said it has it) and, per KV-cache tensor in layout order, its base address and bytes per block
+    (block b of tensor i starts at ``regions[i][0] + b * regions[i][1]``)."""
+
+    agent: str
+    metadata: bytes
+    regions: list[tuple[int, int]]
+    mem_type: str  # NIXL's: DRAM (a CPU cache) or VRAM
+    dev_id: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
 _PULL = msgspec.msgpack.Decoder(KVPull)
 _HEADER = msgspec.msgpack.Decoder(KVBlocksHeader)
+_NIXL = msgspec.msgpack.Decoder(NixlRemote)
 
 
 def encode(msg: object) -> bytes:
@@ -84,6 +103,10 @@ def decode_pull(payload: bytes) -> KVPull:
 
 def decode_header(payload: bytes) -> KVBlocksHeader:
     return _HEADER.decode(payload)
+
+
+def decode_nixl_remote(payload: bytes) -> NixlRemote:
+    return _NIXL.decode(payload)
 
 
 def params_from_obj(obj: Any) -> KVTransferParams:

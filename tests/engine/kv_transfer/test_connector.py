@@ -5,9 +5,7 @@ blocks move); a producer killed before the pull leaves the decode to recompute; 
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
 import signal
 import time
@@ -18,30 +16,10 @@ import httpx
 import pytest
 import zmq
 
-from support import metric_value
 from support.kv_events import wait_for_stored_run
-from support.procs import EngineServer
+from support.pd import BLOCK, body, events_config, metric, moved, prefill, prompt_ids, start, text_of
 
-BLOCK = 16
 LEASE_S = 4.0  # the producer's lease on blocks nobody pulls
-COMMON = ("--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512", "--served-model-name", "tiny")
-
-
-def kv_config(role: str, **extra: float) -> str:
-    cfg: dict = {"kv_connector": "LbdConnector", "kv_role": role}
-    if extra:
-        cfg["kv_connector_extra_config"] = extra
-    return json.dumps(cfg)
-
-
-def start(model: Path, role: str, log: Path, *args: str, **extra: float) -> EngineServer:
-    return EngineServer(model, *COMMON, "--kv-transfer-config", kv_config(role, **extra), *args, log=log)
-
-
-def events_config(folder: Path) -> tuple[str, str]:
-    """KV events on an ipc:// socket the engine binds (no port to pick)."""
-    return "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                             "endpoint": f"ipc://{folder}/events.sock"})
 
 
 @pytest.fixture(scope="module", params=["llama", "mixtral"])
@@ -57,57 +35,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     yield producer, consumer
     consumer.close()
     producer.close()
-
-
-def metric(server: EngineServer, name: str, **labels: str) -> float:
-    return metric_value(httpx.get(server.base_url + "/metrics", timeout=10).text, name, **labels)
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 300) for _ in range(n)]
-
-
-def body(prompt: list[int], **kw) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw}
-
-
-def post(server: EngineServer, path: str, data: dict) -> dict:
-    r = httpx.post(server.base_url + path, json=data, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def text_of(server: EngineServer, path: str, data: dict) -> str:
-    """The completion's text, read from the SSE stream when ``data`` asks for one."""
-    if not data.get("stream"):
-        choice = post(server, path, data)["choices"][0]
-        return choice["text"] if "text" in choice else choice["message"]["content"]
-    out = []
-    with httpx.stream("POST", server.base_url + path, json=data, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for c in json.loads(line[6:])["choices"]:
-                    out.append(c.get("text") or c.get("delta", {}).get("content") or "")
-    return "".join(out)
-
-
-def prefill(producer: EngineServer, data: dict, path: str = "/v1/completions") -> dict:
-    """vLLM's proxy's first stage: the request, with do_remote_decode and one token, not streamed."""
-    first = {**data, "max_tokens": 1, "stream": False,
-             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                    "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                                    "remote_port": None}}
-    first.pop("stream_options", None)
-    params = post(producer, path, first)["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True and params["remote_port"] > 0
-    return params
-
-
-def moved(consumer: EngineServer) -> tuple[float, float]:
-    return (metric(consumer, "lbd:kv_transfer_blocks_total", direction="pulled"),
-            metric(consumer, "lbd:kv_transfer_blocks_total", direction="local"))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -310,6 +310,20 @@ def kv_transfer_problem(args: EngineArgs) -> str | None:
         return (f"--kv-transfer-config: kv_ip {cfg.kv_ip} is beyond loopback and the KV blocks (every "
                 "prompt's cache) would travel unauthenticated: set LBD_CLUSTER_TOKEN (the same on producer "
                 "and consumer)")
+    if cfg.kv_connector == "NixlConnector":
+        return _nixl_problem(args)
+    return None
+
+
+def _nixl_problem(args: EngineArgs) -> str | None:
+    import importlib.util
+
+    if args.device == "sim":
+        return ("--kv-transfer-config: NixlConnector moves real KV blocks; --device sim ranks model the "
+                "transfer with LbdConnector")
+    if not any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu13", "nixl_cu12")):
+        return ("--kv-transfer-config: NixlConnector needs NIXL, which is not installed: pip install "
+                "'lbd[nixl]' (nixl-cu13), or nixl-cu12 on CUDA 12; or use LbdConnector")
     return None
 
 

@@ -1,14 +1,15 @@
 """``--kv-transfer-config``: vLLM's JSON keys for prefill/decode disaggregation, parsed and checked with the
 standard library only (``args`` validates the flag with it; the supervisor and the router read roles from it).
 
-Keys (vLLM's ``KVTransferConfig``): ``kv_connector`` (``LbdConnector``: KV blocks pulled over TCP through
-ZMQ, ``lbd.engine.kv_transfer``), ``kv_role`` (``kv_producer``: prefills and serves its blocks;
-``kv_consumer``: pulls blocks for its decodes; ``kv_both``), ``engine_id`` (a fresh id per start when unset),
-``kv_ip`` (where the block server binds: loopback by default; anything else needs the cluster token, which
-then CURVE-secures the channel), ``kv_port`` (0 or unset: the OS picks; else offset by the DP rank, as vLLM
-does) and ``kv_connector_extra_config``: ``pull_timeout_s`` (5: a consumer that has not got its blocks by
-then recomputes the prefill itself), ``lease_s`` (60: a producer frees blocks nobody pulled after this),
-``max_pull_bytes`` (1 GiB: the largest answer a consumer reads).
+Keys (vLLM's ``KVTransferConfig``): ``kv_connector`` (``LbdConnector``: KV blocks pulled over TCP through ZMQ,
+``lbd.engine.kv_transfer``; ``NixlConnector``: READ through NIXL, the same checks on the ZMQ side channel,
+``lbd.engine.kv_transfer.nixl``; needs the ``nixl`` package), ``kv_role`` (``kv_producer``: prefills and
+serves its blocks; ``kv_consumer``: pulls blocks for its decodes; ``kv_both``), ``engine_id`` (a fresh id per
+start when unset), ``kv_ip`` (where the block server binds: loopback by default; anything else needs the
+cluster token, which then CURVE-secures the channel), ``kv_port`` (0 or unset: the OS picks; else offset by
+the DP rank, as vLLM does) and ``kv_connector_extra_config``: ``pull_timeout_s`` (5: a consumer that has not
+got its blocks by then recomputes the prefill itself), ``lease_s`` (60: a producer frees blocks nobody pulled
+after this), ``max_pull_bytes`` (1 GiB: the largest answer a consumer reads).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-CONNECTORS = ("LbdConnector",)
+CONNECTORS = ("LbdConnector", "NixlConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FLAG = "--kv-transfer-config"
 EXAMPLE = '\'{"kv_connector": "LbdConnector", "kv_role": "kv_both"}\''
@@ -86,7 +87,7 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     connector = raw.get("kv_connector")
     if connector not in CONNECTORS:
         raise ValueError(f"{FLAG}: kv_connector {connector!r} is not one of {list(CONNECTORS)} "
-                         "(LbdConnector moves KV blocks over TCP through ZMQ)")
+                         "(LbdConnector moves KV blocks over TCP through ZMQ, NixlConnector through NIXL)")
     role = raw.get("kv_role")
     if role not in ROLES:
         raise ValueError(f"{FLAG}: kv_role {role!r} is not one of {list(ROLES)}")

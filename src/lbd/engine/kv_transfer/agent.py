@@ -3,6 +3,8 @@
 ``BlockServer`` (a producer): a ROUTER socket on ``kv_ip:kv_port``; each ``KVPull`` names a lease (the
 blocks a finished prefill left held for its decode) and the blocks wanted; the answer is a header and the
 blocks' bytes. A lease is served once: then its blocks go back to the core (``done``), which releases them.
+With NIXL (``lbd.engine.kv_transfer.nixl``) the answer says where to READ the blocks instead, and the lease
+ends on the READ's notification.
 ``BlockPuller`` (a consumer): one DEALER per pull, a deadline, an answer capped in size (ZMQ's MAXMSGSIZE);
 whatever goes wrong (timeout, producer gone, wrong layout) comes back as a failed ``PullResult``, and the
 core recomputes that prefill itself. Beyond loopback both ends are CURVE-secured with keys derived from the
@@ -21,17 +23,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from lbd.common.cluster import secure_zmq_client, secure_zmq_server
 from lbd.wire import kv_transfer as KT
 
+if TYPE_CHECKING:
+    from lbd.engine.kv_transfer.nixl import NixlSink, NixlSource
+
 logger = logging.getLogger(__name__)
 
 PURPOSE = "kv-transfer"
 POLL_MS = 100
 MAX_PULL_REQUEST_BYTES = 1 << 20  # a KVPull is a few ids: anything larger is not one
+NIXL_POLL_MS = 5  # a NIXL producer's wait for pulls between reads of its READ notifications
+ANSWER_SLACK = 1 << 16  # an answer's bytes beyond its blocks: the header, or a NixlRemote's metadata
 
 
 @dataclass(slots=True)
@@ -39,6 +47,7 @@ class Lease:
     block_ids: list[int]
     deadline: float  # time.monotonic()
     token_ids: list[int]  # the prompt tokens the blocks hold (block_size each)
+    lent: int = 0  # blocks a NIXL consumer is reading (held until its notification or the deadline)
 
 
 class Leases:
@@ -52,6 +61,16 @@ class Leases:
     def add(self, transfer_id: str, block_ids: list[int], deadline: float, token_ids: list[int]) -> None:
         with self._lock:
             self._leases[transfer_id] = Lease(block_ids, deadline, token_ids)
+
+    def lend(self, transfer_id: str, blocks: int, deadline: float) -> Lease | None:
+        """Mark a lease as being read over NIXL (once: a second pull finds none); it stays held until
+        ``take`` (the READ's notification) or ``deadline``, pushed out so no block is freed under a READ."""
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            if lease is None or lease.lent:
+                return None
+            lease.lent, lease.deadline = max(1, blocks), max(lease.deadline, deadline)
+            return lease
 
     def take(self, transfer_id: str) -> Lease | None:
         with self._lock:
@@ -72,10 +91,12 @@ class BlockServer(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, token: str | None, engine_id: str,
                  leases: Leases, read: Callable[[list[int]], memoryview], layout: str, block_bytes: int,
-                 on_served: Callable[[int], None]) -> None:
+                 on_served: Callable[[int], None], nixl: NixlSource | None = None,
+                 read_grace_s: float = 60.0) -> None:
         super().__init__(name="kv-block-server", daemon=True)
         self.engine_id, self.leases, self.read = engine_id, leases, read
         self.layout, self.block_bytes, self.on_served = layout, block_bytes, on_served
+        self.nixl, self.read_grace_s = nixl, read_grace_s
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PULL_REQUEST_BYTES)
@@ -92,15 +113,27 @@ class BlockServer(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.sock.poll(POLL_MS):
+                if self.sock.poll(POLL_MS if self.nixl is None else NIXL_POLL_MS):
                     frames = self.sock.recv_multipart()
                     if len(frames) == 2:
                         self._serve(frames[0], frames[1])
+                if self.nixl is not None:
+                    self._read_done(self.nixl.released())
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 logger.error("KV block server stopped: %s", e)
         finally:
             self.sock.close(linger=0)
+            if self.nixl is not None:
+                self.nixl.close()
+
+    def _read_done(self, transfer_ids: list[str]) -> None:
+        """NIXL READs that finished: their leases end, the blocks go back to the core."""
+        for tid in transfer_ids:
+            lease = self.leases.take(tid)
+            if lease is not None:
+                self.leases.done.put(lease.block_ids)
+                self.on_served(lease.lent)
 
     def _serve(self, ident: bytes, payload: bytes) -> None:
         try:
@@ -118,6 +151,8 @@ class BlockServer(threading.Thread):
 
         if pull.engine_id != self.engine_id:
             return no(f"engine {pull.engine_id} is not this one ({self.engine_id}): restarted?")
+        if pull.transport == "nixl" and self.nixl is not None and pull.block_ids:
+            return self._lend(pull, no)
         lease = self.leases.take(pull.transfer_id)
         if lease is None:
             return no(f"no blocks held for {pull.transfer_id} (pulled already, or past the lease)")
@@ -130,6 +165,22 @@ class BlockServer(threading.Thread):
             self.leases.done.put(lease.block_ids)
         return KT.KVBlocksHeader(pull.transfer_id, True, layout=self.layout, block_bytes=self.block_bytes,
                                  num_blocks=len(pull.block_ids)), data
+
+    def _lend(self, pull: KT.KVPull, no: Callable[[str], tuple[KT.KVBlocksHeader, bytes]]
+              ) -> tuple[KT.KVBlocksHeader, bytes | memoryview]:
+        """A NIXL consumer's pull: the same checks, then where to READ instead of the bytes."""
+        assert self.nixl is not None
+        lease = self.leases.lend(pull.transfer_id, len(pull.block_ids), time.monotonic() + self.read_grace_s)
+        if lease is None:
+            return no(f"no blocks held for {pull.transfer_id} (pulled already, or past the lease)")
+        problem = _mismatch(pull, lease)
+        if problem:
+            if self.leases.take(pull.transfer_id) is not None:  # as for bytes: a pull that does not fit
+                self.leases.done.put(lease.block_ids)                # ends the lease
+            return no(problem)
+        return KT.KVBlocksHeader(pull.transfer_id, True, layout=self.layout, block_bytes=self.block_bytes,
+                                 num_blocks=len(pull.block_ids), transport="nixl"), \
+            KT.encode(self.nixl.remote(pull.nixl_known))
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,6 +220,7 @@ class PullResult:
     data: bytes | None  # None: failed
     error: str = ""
     seconds: float = 0.0
+    nixl: bool = False  # the blocks came by a NIXL READ
 
 
 class BlockPuller(threading.Thread):
@@ -177,10 +229,11 @@ class BlockPuller(threading.Thread):
     result is handed over."""
 
     def __init__(self, ctx: zmq.Context, token: str | None, layout: str, block_bytes: int, timeout_s: float,
-                 max_bytes: int, pace: Callable[[int], float] | None = None) -> None:
+                 max_bytes: int, pace: Callable[[int], float] | None = None, nixl: NixlSink | None = None
+                 ) -> None:
         super().__init__(name="kv-block-puller", daemon=True)
         self.ctx, self.token, self.layout, self.block_bytes = ctx, token, layout, block_bytes
-        self.timeout_s, self.max_bytes, self.pace = timeout_s, max_bytes, pace
+        self.timeout_s, self.max_bytes, self.pace, self.nixl = timeout_s, max_bytes, pace, nixl
         self.jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[PullResult] = queue.SimpleQueue()
 
@@ -191,35 +244,59 @@ class BlockPuller(threading.Thread):
                 return
             t0 = time.monotonic()
             try:
-                data, error = self._pull(job)
+                data, error, nixl = self._pull(job)
             except zmq.ZMQError as e:
-                data, error = None, f"zmq: {e}"
+                data, error, nixl = None, f"zmq: {e}", False
             if self.pace is not None and data is not None and job.block_ids:
                 time.sleep(max(0.0, t0 + self.pace(len(job.block_ids)) - time.monotonic()))
-            self.results.put(PullResult(job, data, error, time.monotonic() - t0))
+            self.results.put(PullResult(job, data, error, time.monotonic() - t0, nixl))
 
-    def _pull(self, job: PullJob) -> tuple[bytes | None, str]:
+    def _pull(self, job: PullJob) -> tuple[bytes | None, str, bool]:
+        """The blocks' bytes or None, why not, and whether they came over NIXL."""
         sock = self.ctx.socket(zmq.DEALER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_bytes, len(job.block_ids) * self.block_bytes + 4096))
+            sock.setsockopt(zmq.MAXMSGSIZE,
+                            min(self.max_bytes, len(job.block_ids) * self.block_bytes + ANSWER_SLACK))
             secure_zmq_client(sock, self.token, PURPOSE)
             host = f"[{job.host}]" if ":" in job.host and not job.host.startswith("[") else job.host
             sock.connect(f"tcp://{host}:{job.port}")
-            sock.send(KT.encode(KT.KVPull(job.engine_id, job.transfer_id, job.block_ids, job.token_ids)))
+            nixl = self.nixl
+            sock.send(KT.encode(KT.KVPull(
+                job.engine_id, job.transfer_id, job.block_ids, job.token_ids,
+                transport="bytes" if nixl is None else "nixl",
+                nixl_known=nixl is not None and nixl.knows(job.engine_id))))
             if not sock.poll(int(self.timeout_s * 1000)):
-                return None, f"no answer from {job.host}:{job.port} in {self.timeout_s:g} s"
+                return None, f"no answer from {job.host}:{job.port} in {self.timeout_s:g} s", False
             frames = sock.recv_multipart(copy=True)
         finally:
             sock.close(linger=0)
         if len(frames) != 2:
-            return None, f"a malformed answer ({len(frames)} frames)"
+            return None, f"a malformed answer ({len(frames)} frames)", False
         header = KT.decode_header(frames[0])
         if not header.ok:
-            return None, header.error
-        if header.layout != self.layout or len(frames[1]) != len(job.block_ids) * self.block_bytes:
-            return None, f"the producer's KV layout {header.layout} is not this rank's {self.layout}"
-        return frames[1], ""
+            return None, header.error, False
+        if header.layout != self.layout:
+            return None, f"the producer's KV layout {header.layout} is not this rank's {self.layout}", False
+        if header.transport == "nixl" and self.nixl is not None:
+            data, error = self._read(job, frames[1])
+            return data, error, True
+        if header.transport != "bytes" or len(frames[1]) != len(job.block_ids) * self.block_bytes:
+            return None, f"a malformed answer ({header.transport}, {len(frames[1])} bytes)", False
+        return frames[1], "", False
+
+    def _read(self, job: PullJob, remote: bytes) -> tuple[bytes | None, str]:
+        """The blocks READ over NIXL from where the producer said they are."""
+        from lbd.engine.kv_transfer.nixl import NixlError
+
+        assert self.nixl is not None
+        try:
+            where = KT.decode_nixl_remote(remote)
+            return self.nixl.read(job.engine_id, where, job.block_ids, job.transfer_id, self.timeout_s), ""
+        except NixlError as e:
+            return None, f"nixl: {e}"
+        except Exception as e:  # NIXL's own errors, a malformed NixlRemote: this pull fails, not the thread
+            return None, f"nixl: {type(e).__name__}: {e}"
 
     def stop(self) -> None:
         self.jobs.put(None)

@@ -34,6 +34,7 @@ from lbd.wire.kv_transfer import KVTransferParams
 
 if TYPE_CHECKING:
     from lbd.engine.kv_transfer.blocks import KVBlockIO
+    from lbd.engine.kv_transfer.nixl import NixlSink, NixlSource
     from lbd.engine.kv_transfer.sim import SimBlockIO
 
 logger = logging.getLogger(__name__)
@@ -101,20 +102,33 @@ class KVTransfer:
         self.server: BlockServer | None = None
         self.puller: BlockPuller | None = None
         self.host = _advertised_host(cfg.kv_ip)
+        source, sink = self._nixl(io) if cfg.kv_connector == "NixlConnector" else (None, None)
         if cfg.produces:
             self.server = BlockServer(self.ctx, cfg.kv_ip, cfg.port_for(rank), token, self.engine_id,
                                       self.leases, self.io.read, self.io.layout, self.io.wire_block_bytes,
-                                      self.metrics.served)
+                                      self.metrics.served, source, cfg.lease_s)
             self.server.start()
         if cfg.consumes:
             self.puller = BlockPuller(self.ctx, token, self.io.layout, self.io.wire_block_bytes,
                                       cfg.pull_timeout_s, cfg.max_pull_bytes,
-                                      getattr(self.io, "transfer_seconds", None))
+                                      getattr(self.io, "transfer_seconds", None), sink)
             self.puller.start()
         scheduler.on_finish = self.on_finish
         logger.info("KV transfer: %s, engine id %s, %s, %d bytes per token", cfg.kv_role, self.engine_id,
                     f"blocks served on {self.host}:{self.server.port}" if self.server else "no block server",
                     self.io.block_bytes // self.block_size)
+
+    def _nixl(self, io: KVBlockIO | SimBlockIO) -> tuple[NixlSource | None, NixlSink | None]:
+        """NixlConnector's two ends for this rank's roles (lbd.engine.kv_transfer.nixl)."""
+        from lbd.engine.kv_transfer.blocks import KVBlockIO
+        from lbd.engine.kv_transfer.nixl import NixlSink, NixlSource
+
+        if not isinstance(io, KVBlockIO):
+            raise ValueError("--kv-transfer-config: NixlConnector moves real KV blocks; a --device sim rank "
+                             "models transfers with LbdConnector")
+        loopback = is_loopback(self.cfg.kv_ip)
+        return (NixlSource(io, self.engine_id, loopback) if self.cfg.produces else None,
+                NixlSink(io, self.engine_id, loopback) if self.cfg.consumes else None)
 
     def advertised(self) -> dict[str, Any]:
         """What /status and the router learn: role, engine id, where blocks are served."""
@@ -195,7 +209,7 @@ class KVTransfer:
                 self.metrics.failed.inc()
             else:
                 self.metrics.pulled(len(job.block_ids), len(job.block_ids) * self.io.block_bytes,
-                                    result.seconds)
+                                    result.seconds, result.nixl)
             self.scheduler.unpark(job.request_id)
 
     def _import(self, req: Request, job: PullJob, data: bytes) -> bool:

@@ -34,6 +34,8 @@ def _families() -> dict[str, Any]:
         waiting=gauge("lbd:kv_transfer_pulls_in_flight", "Decode requests waiting for their blocks."),
         per_token=gauge("lbd:kv_transfer_bytes_per_token",
                         "KV bytes per token of this rank's cache layout (what a transfer moves per token)."),
+        nixl=Counter("lbd:kv_transfer_nixl_reads", "Pulls whose blocks came by a NIXL READ (NixlConnector on "
+                     "both ends), of the pulls counted in lbd:kv_transfer_pull_seconds.", LABELS),
         seconds=Histogram("lbd:kv_transfer_pull_seconds", "Time of one KV pull, asked to landed.", LABELS,
                           buckets=PULL_SECONDS_BUCKETS),
     )
@@ -55,9 +57,12 @@ class KVTransferMetrics:
         self.pending = f["pending"].labels(**lv)
         self.pulls_waiting = f["waiting"].labels(**lv)
         self.pull_seconds = f["seconds"].labels(**lv)
+        self.nixl_reads = f["nixl"].labels(**lv)
         f["per_token"].labels(**lv).set(block_bytes / block_size)
 
-    def pulled(self, blocks: int, nbytes: int, seconds: float) -> None:
+    def pulled(self, blocks: int, nbytes: int, seconds: float, nixl: bool = False) -> None:
+        if nixl:
+            self.nixl_reads.inc()
         self.blocks_in.inc(blocks)
         self.bytes_in.inc(nbytes)
         self.pull_seconds.observe(seconds)
