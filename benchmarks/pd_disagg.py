@@ -14,6 +14,7 @@ no prefix cache answers them. Deployments run one after the other, ``--rounds`` 
 medians quoted.
 
     python benchmarks/pd_disagg.py [--duration-s 40] [--chats 4] [--rounds 1]
+    python benchmarks/pd_disagg.py --connectors LbdConnector,NixlConnector   # a 1P+1D row for each
     python benchmarks/pd_disagg.py --transfer   # the transport's share of one pull (ZMQ TCP vs the copies)
 
 ``--transfer`` times one pull's parts for a SmolLM2-135M-shaped cache (30 layers, 3 KV heads of 64, fp32):
@@ -33,6 +34,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,18 +51,21 @@ ENGINE = ("--kv-cache-memory-bytes", "512MiB", "--max-model-len", "4096", "--ser
           "--log-level", "warning")
 
 
-def kv(role: str) -> list[str]:
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "LbdConnector", "kv_role": role})]
+def kv(role: str, connector: str) -> list[str]:
+    return ["--kv-transfer-config", json.dumps({"kv_connector": connector, "kv_role": role})]
 
 
 def start(model: Path, mode: str, logs: Path) -> tuple[list[EngineServer], RouterServer]:
-    roles = ("kv_producer", "kv_consumer") if mode == "1P+1D" else (None, None)
+    """``mode``: "colocated DP=2", or "1P+1D" and the connector after a space."""
+    pd = mode.startswith("1P+1D")
+    connector = mode.split()[-1] if pd else ""
+    roles = ("kv_producer", "kv_consumer") if pd else (None, None)
     engines = []
     for cpu, role in enumerate(roles):
-        engines.append(EngineServer(model, *ENGINE, *(kv(role) if role else []),
+        engines.append(EngineServer(model, *ENGINE, *(kv(role, connector) if role else []),
                                     env={"LBD_RANK_CPUS": str(cpu)}, log=logs / f"{mode}-{cpu}.log"))
     urls = [e.base_url for e in engines]
-    flags = (["--prefill", urls[0], "--decode", urls[1], "--pd-min-prompt-tokens", "1000"] if mode == "1P+1D"
+    flags = (["--prefill", urls[0], "--decode", urls[1], "--pd-min-prompt-tokens", "1000"] if pd
              else ["--upstreams", ",".join(urls)])
     router = RouterServer(*flags, "--scrape-interval-ms", "100", log=logs / f"{mode}-route.log").wait_ready()
     return engines, router
@@ -145,12 +150,47 @@ def transfer_costs(blocks: int = 64, reps: int = 5) -> None:
         for v, dt in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
             v.append(dt)
     ctx.destroy(linger=0)
+    nixl_read(src, dst, ids, times, reps)
     mb = len(data) / 1e6
     print(f"one pull of {blocks} blocks ({blocks * 16} tokens, {mb:.1f} MB, {spec.bytes_per_token} B/token), "
           f"median of {reps}:")
     for k, v in times.items():
         ms = statistics.median(v) * 1000
         print(f"  {k}: {ms:.1f} ms ({mb / (ms / 1000):.0f} MB/s)")
+
+
+def nixl_read(src, dst, ids: list[int], times: dict[str, list[float]], reps: int) -> None:
+    """NixlConnector's path for the same blocks: a NIXL READ (UCX, in-process agents) out of the producer's
+    registered cache into the consumer's staging buffer, then the same copy in."""
+    try:
+        from lbd.engine.kv_transfer.nixl import NixlSink, NixlSource
+        source, sink = NixlSource(src, "bench", True), NixlSink(dst, "bench", True)
+    except ImportError as e:
+        print(f"  (no NIXL row: {e})")
+        return
+    remote = source.remote(False)
+    times["nixl read (replaces copy out + hop)"], times["copy in (after nixl)"] = [], []
+    done = threading.Event()
+
+    def producer_progress() -> None:  # what the producer's block server does while a READ is in flight
+        while not done.is_set():
+            source.released()
+            time.sleep(0.0002)
+
+    threading.Thread(target=producer_progress, daemon=True).start()
+    for i in range(reps + 1):  # the first READ sets up the UCX endpoint: not timed
+        t0 = time.perf_counter()
+        data = sink.read("bench", remote, ids, f"t{i}", 10.0)
+        t1 = time.perf_counter()
+        dst.write(ids, data)
+        t2 = time.perf_counter()
+        remote = source.remote(True)
+        if i:
+            times["nixl read (replaces copy out + hop)"].append(t1 - t0)
+            times["copy in (after nixl)"].append(t2 - t1)
+    done.set()
+    sink.close()
+    source.close()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -168,6 +208,8 @@ def main() -> int:
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--long-every-s", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--connectors", default="LbdConnector",
+                   help="comma-separated: one 1P+1D row per connector (LbdConnector, NixlConnector)")
     p.add_argument("--transfer", action="store_true", help="only time one pull's parts (see above)")
     args = p.parse_args()
     if args.transfer:
@@ -176,10 +218,11 @@ def main() -> int:
     exit_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     model = make_tiny_llama(work / "model", layers=4, hidden=512, heads=8, kv_heads=2, max_pos=4096)
-    rows: dict[str, list[dict[str, float]]] = {"colocated DP=2": [], "1P+1D": []}
+    rows: dict[str, list[dict[str, float]]] = {"colocated DP=2": []}
+    rows.update({f"1P+1D {c}": [] for c in args.connectors.split(",")})
     for r in range(args.rounds):
         for mode in rows:
-            engines, router = start(model, "1P+1D" if mode == "1P+1D" else "colocated", work)
+            engines, router = start(model, mode, work)
             try:
                 res = asyncio.run(workload(router.url, args, seed=r))
             finally:

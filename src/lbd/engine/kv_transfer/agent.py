@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 PURPOSE = "kv-transfer"
 POLL_MS = 100
 MAX_PULL_REQUEST_BYTES = 1 << 20  # a KVPull is a few ids: anything larger is not one
-NIXL_POLL_MS = 5  # a NIXL producer's wait for pulls between reads of its READ notifications
+NIXL_POLL_MS = 5  # a NIXL producer's wait for pulls between reads of its READ notifications, none in flight
+NIXL_PROGRESS_S = 0.0002  # its pause between two progress calls while READs are in flight (yields the GIL)
 ANSWER_SLACK = 1 << 16  # an answer's bytes beyond its blocks: the header, or a NixlRemote's metadata
 
 
@@ -82,6 +83,11 @@ class Leases:
             gone = [tid for tid, lease in self._leases.items() if lease.deadline <= now]
             return [self._leases.pop(tid).block_ids for tid in gone]
 
+    def lending(self) -> bool:
+        """Whether a NIXL READ may be in flight (a lease lent and not yet ended)."""
+        with self._lock:
+            return any(lease.lent for lease in self._leases.values())
+
     def __len__(self) -> int:
         return len(self._leases)
 
@@ -113,12 +119,15 @@ class BlockServer(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.sock.poll(POLL_MS if self.nixl is None else NIXL_POLL_MS):
+                reading = self.nixl is not None and self.leases.lending()
+                if self.sock.poll(0 if reading else POLL_MS if self.nixl is None else NIXL_POLL_MS):
                     frames = self.sock.recv_multipart()
                     if len(frames) == 2:
                         self._serve(frames[0], frames[1])
-                if self.nixl is not None:
+                if self.nixl is not None:  # reading its notifications also progresses NIXL's transfers
                     self._read_done(self.nixl.released())
+                    if reading:
+                        time.sleep(NIXL_PROGRESS_S)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 logger.error("KV block server stopped: %s", e)

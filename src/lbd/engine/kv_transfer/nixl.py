@@ -51,7 +51,9 @@ def _agent(name: str, loopback: bool) -> Any:
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     api = agent_api()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    # no progress thread: NIXL's spins a core even when idle; the callers progress it (the consumer while it
+    # waits for its READ, the producer's block server while a READ of its blocks is in flight)
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _memory(tensor: torch.Tensor) -> tuple[str, int]:
