@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
         summary = summarize(load, chaos, sampler, metrics, duration, warmup_s=min(30.0, duration / 5))
         summary["migrations"] = httpx.get(router.url + "/router/status", timeout=10).json()["migrations"]
+        wait_for(chaos.ready, 120)  # the last chaos action may have left a rank restarting
         summary["one_prefill_s"] = round(prefill_s(node, str(model), PROMPT), 4)
         (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": sampler.rows,
                                                    "outcomes": load.outcomes}, indent=1))

@@ -5,7 +5,9 @@ moved blocks."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 from pathlib import Path
 
 import httpx
@@ -86,3 +88,19 @@ def prefill(producer: EngineServer, data: dict, path: str = "/v1/completions") -
 def moved(consumer: EngineServer) -> tuple[float, float]:
     return (metric(consumer, "lbd:kv_transfer_blocks_total", direction="pulled"),
             metric(consumer, "lbd:kv_transfer_blocks_total", direction="local"))
+
+
+def assert_killed_producer_means_recompute(producer: EngineServer, consumer: EngineServer,
+                                           doomed: EngineServer) -> None:
+    """``doomed`` prefills, is SIGKILLed before the pull, and ``consumer`` still answers what colocated
+    ``producer`` answers (it recomputed the prefill), with one failed pull counted."""
+    prompt = prompt_ids(60, 77)
+    try:
+        colocated = text_of(producer, "/v1/completions", body(prompt))
+        params = prefill(doomed, body(prompt))
+    finally:
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.close()
+    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
+    assert text_of(consumer, "/v1/completions", body(prompt, kv_transfer_params=params)) == colocated
+    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1

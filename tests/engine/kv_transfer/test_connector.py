@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,18 @@ import pytest
 import zmq
 
 from support.kv_events import wait_for_stored_run
-from support.pd import BLOCK, body, events_config, metric, moved, prefill, prompt_ids, start, text_of
+from support.pd import (
+    BLOCK,
+    assert_killed_producer_means_recompute,
+    body,
+    events_config,
+    metric,
+    moved,
+    prefill,
+    prompt_ids,
+    start,
+    text_of,
+)
 
 LEASE_S = 4.0  # the producer's lease on blocks nobody pulls
 
@@ -111,16 +121,7 @@ def test_killed_producer_decode_recomputes(pair, tiny_llama: Path, tmp_path: Pat
     if "mixtral" in str(consumer.log):
         pytest.skip("once is enough: the recompute path does not depend on the model")
     doomed = start(tiny_llama, "kv_producer", tmp_path / "doomed.log")
-    try:
-        base = prompt_ids(60, 77)
-        colocated = text_of(producer, "/v1/completions", body(base))
-        params = prefill(doomed, body(base))
-    finally:
-        os.killpg(doomed.proc.pid, signal.SIGKILL)
-        doomed.close()
-    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
-    assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
-    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+    assert_killed_producer_means_recompute(producer, consumer, doomed)
 
 
 def test_unpulled_leases_are_counted_then_freed(pair) -> None:

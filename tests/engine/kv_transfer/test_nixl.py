@@ -9,8 +9,6 @@ naming the flag."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from support.pd import BLOCK, body, kv_config, metric, moved, prefill, prompt_ids, start, text_of
+from support.pd import (
+    BLOCK,
+    assert_killed_producer_means_recompute,
+    body,
+    kv_config,
+    metric,
+    moved,
+    prefill,
+    prompt_ids,
+    start,
+    text_of,
+)
 
 pytest.importorskip("nixl_cu13", reason="NixlConnector's tests need lbd[nixl] (bash scripts/setup.sh)")
 
@@ -106,16 +115,7 @@ def test_connectors_interoperate_both_ways(nixl_pair, tiny_llama: Path, tmp_path
 def test_killed_nixl_producer_decode_recomputes(nixl_pair, tiny_llama: Path, tmp_path: Path) -> None:
     producer, consumer = nixl_pair
     doomed = start(tiny_llama, "kv_producer", tmp_path / "doomed.log", connector="NixlConnector")
-    try:
-        prompt = prompt_ids(60, 77)
-        colocated = text_of(producer, "/v1/completions", body(prompt))
-        params = prefill(doomed, body(prompt))
-    finally:
-        os.killpg(doomed.proc.pid, signal.SIGKILL)
-        doomed.close()
-    failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
-    assert text_of(consumer, "/v1/completions", body(prompt, kv_transfer_params=params)) == colocated
-    assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+    assert_killed_producer_means_recompute(producer, consumer, doomed)
 
 
 def test_nixl_on_a_sim_rank_exits_2_naming_the_flag(tiny_llama: Path) -> None:
