@@ -139,20 +139,28 @@ def test_two_front_ends_share_one_core_and_sigkill_leaves_no_orphan(tiny_llama: 
         srv.close()
 
 
+def _one_running_one_waiting(url: str, tries: int = 3) -> tuple[Stream, Stream]:
+    """A 600-token stream running (~1.2 s here) and a second one queued behind it (--max-num-seqs 1). On a
+    loaded machine the second may arrive only after the first ended; then both end and it is tried again."""
+    for _ in range(tries):
+        first = Stream(url, max_tokens=600)
+        first.start()
+        assert first.first.wait(30) and first.status == 200
+        second = Stream(url, max_tokens=30)
+        second.start()
+        while first.is_alive():
+            if metric_value(httpx.get(url + "/metrics").text, "vllm:num_requests_waiting") >= 1:
+                return first, second
+            time.sleep(0.02)
+        second.join(30)
+    raise AssertionError(f"the second request never waited behind the first in {tries} tries")
+
+
 def test_admission_503_and_sigterm_drains_in_flight_streams(slower_llama: Path, tmp_path: Path) -> None:
     srv = start(slower_llama, tmp_path, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
                 "--shutdown-timeout", "60")
     try:
-        # long enough (~3 s here) that the queue is still full when the third request comes
-        first = Stream(srv.base_url, max_tokens=600)
-        first.start()
-        assert first.first.wait(30) and first.status == 200
-        second = Stream(srv.base_url, max_tokens=30)
-        second.start()
-        deadline = time.monotonic() + 10
-        while metric_value(httpx.get(srv.base_url + "/metrics").text, "vllm:num_requests_waiting") < 1:
-            assert time.monotonic() < deadline, "second request never waited"
-            time.sleep(0.02)
+        first, second = _one_running_one_waiting(srv.base_url)
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503, r.text
         assert "waiting queue is full" in r.json()["error"]["message"]

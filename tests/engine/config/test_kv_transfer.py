@@ -21,12 +21,13 @@ def test_keys_and_defaults() -> None:
     assert (cfg.port_for(0), cfg.port_for(3)) == (14579, 14582)
     both = parse_kv_transfer_config('{"kv_connector": "LbdConnector", "kv_role": "kv_both"}')
     assert both.consumes and both.produces and both.port_for(2) == 0
+    assert parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}').produces
 
 
 @pytest.mark.parametrize("text, needle", [
     ("{", "not valid JSON"),
     ("[]", "JSON object"),
-    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "kv_connector"),
+    ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}', "kv_connector"),
     ('{"kv_connector": "LbdConnector", "kv_role": "kv_sometimes"}', "kv_role"),
     ('{"kv_connector": "LbdConnector", "kv_role": "kv_both", "kv_port": 70000}', "kv_port"),
     ('{"kv_connector": "LbdConnector", "kv_role": "kv_both", "nope": 1}', "unknown key"),
