@@ -4,10 +4,12 @@ moved blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -104,3 +106,20 @@ def assert_killed_producer_means_recompute(producer: EngineServer, consumer: Eng
     failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
     assert text_of(consumer, "/v1/completions", body(prompt, kv_transfer_params=params)) == colocated
     assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
+
+
+@contextlib.contextmanager
+def producer_and_consumer(model: Path, logs: Path, connector: str = "LbdConnector", lease_s: float = 60.0,
+                          pull_timeout_s: float = 5.0, consumer_args: tuple[str, ...] = ()
+                          ) -> Iterator[tuple[EngineServer, EngineServer]]:
+    """A kv_producer and a kv_consumer engine of ``model``, both closed on the way out."""
+    producer = start(model, "kv_producer", logs / "p.log", connector=connector, lease_s=lease_s)
+    try:
+        consumer = start(model, "kv_consumer", logs / "d.log", *consumer_args, connector=connector,
+                         pull_timeout_s=pull_timeout_s)
+        try:
+            yield producer, consumer
+        finally:
+            consumer.close()
+    finally:
+        producer.close()

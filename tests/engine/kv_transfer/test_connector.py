@@ -24,6 +24,7 @@ from support.pd import (
     metric,
     moved,
     prefill,
+    producer_and_consumer,
     prompt_ids,
     start,
     text_of,
@@ -36,15 +37,9 @@ LEASE_S = 4.0  # the producer's lease on blocks nobody pulls
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     model = request.getfixturevalue(f"tiny_{request.param}")
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
-    producer = start(model, "kv_producer", logs / "p.log", lease_s=LEASE_S)
-    try:
-        consumer = start(model, "kv_consumer", logs / "d.log", *events_config(logs), pull_timeout_s=2.0)
-    except Exception:
-        producer.close()
-        raise
-    yield producer, consumer
-    consumer.close()
-    producer.close()
+    with producer_and_consumer(model, logs, lease_s=LEASE_S, pull_timeout_s=2.0,
+                               consumer_args=events_config(logs)) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -24,6 +24,7 @@ from support.pd import (
     metric,
     moved,
     prefill,
+    producer_and_consumer,
     prompt_ids,
     start,
     text_of,
@@ -37,16 +38,8 @@ LEASE_S = 30.0  # long: a lease that ends before this ended on the READ's notifi
 @pytest.fixture(scope="module")
 def nixl_pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd-nixl")
-    producer = start(tiny_llama, "kv_producer", logs / "p.log", connector="NixlConnector", lease_s=LEASE_S)
-    try:
-        consumer = start(tiny_llama, "kv_consumer", logs / "d.log", connector="NixlConnector",
-                         pull_timeout_s=5.0)
-    except Exception:
-        producer.close()
-        raise
-    yield producer, consumer
-    consumer.close()
-    producer.close()
+    with producer_and_consumer(tiny_llama, logs, "NixlConnector", lease_s=LEASE_S) as pair:
+        yield pair
 
 
 def pending(producer) -> float:
