@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -28,23 +29,17 @@ class _SpawnThread:
     """The one thread that forks our children; a daemon, so it ends only with the process."""
 
     def __init__(self) -> None:
-        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self._ready = threading.Condition()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="lbd-spawn", daemon=True).start()
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
-        with self._ready:
-            self._jobs.append((job, fut))
-            self._ready.notify()
+        self._jobs.put((job, fut))
         return fut
 
     def _run(self) -> None:
         while True:
-            with self._ready:
-                while not self._jobs:
-                    self._ready.wait()
-                job, fut = self._jobs.pop(0)
+            job, fut = self._jobs.get()
             try:
                 fut.set_result(job())
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 
-from support.kv_events import wait_for_stored_run
+from support.kv_events import subscribed, wait_for_stored_run
 from support.pd import (
     BLOCK,
     assert_killed_producer_means_recompute,
@@ -149,21 +148,12 @@ def test_moved_blocks_are_published_as_kv_events(pair) -> None:
     """Pulled blocks enter the decode rank's prefix cache as one BlockStored run of the prompt's tokens."""
     producer, consumer = pair
     endpoint = re.search(r'"endpoint": "([^"]+)"', " ".join(consumer.proc.args)).group(1)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 200)
-        sub.connect(endpoint)
-        time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+    with subscribed(endpoint) as sub:
         base = prompt_ids(70, 31337)  # 4 full blocks to move
         params = prefill(producer, body(base))
         text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params))
         runs = wait_for_stored_run(sub, base[:4 * BLOCK])
         assert base[:4 * BLOCK] in runs
-    finally:
-        sub.close(linger=0)
-        ctx.term()
 
 
 def test_a_decode_of_another_prompt_gets_no_blocks(pair) -> None:

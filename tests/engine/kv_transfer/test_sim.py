@@ -8,17 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 
 from lbd.engine.kv_transfer.sim import SimBlockIO
 from lbd.engine.sim_profiles import PROFILES, get_profile
 from support import metric_value
-from support.kv_events import wait_for_stored_run
+from support.kv_events import subscribed, wait_for_stored_run
 from support.procs import EngineServer
 
 BLOCK = 16
@@ -146,17 +144,8 @@ def test_sim_pair_moves_only_missing_blocks_in_modelled_time(pair) -> None:
 
 def test_sim_pulled_blocks_are_published_as_kv_events(pair) -> None:
     producer, consumer, endpoint = pair
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 200)
-        sub.connect(endpoint)
-        time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+    with subscribed(endpoint) as sub:
         base = [random.Random(99).randrange(10, 300) for _ in range(70)]  # 4 full blocks
         two_stage(producer, consumer, base)
         runs = wait_for_stored_run(sub, base[: 4 * BLOCK])
         assert base[: 4 * BLOCK] in runs
-    finally:
-        sub.close(linger=0)
-        ctx.term()
