@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+
+from lbd.engine.procutil import set_pdeathsig
 
 # Triton's interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,10 +32,41 @@ def _interrupted(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+def _worker_interrupted(*_: object) -> None:
+    kill_leftovers()  # at once: the run that started this worker gives it seconds, not a graceful teardown
+    raise KeyboardInterrupt
+
+
+def _run_interrupted(*_: object) -> None:
+    for worker in psutil.Process().children():  # a parallel run's direct children are its workers
+        with contextlib.suppress(psutil.Error):
+            worker.terminate()
+    raise KeyboardInterrupt
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM (a CI timeout, a `kill`) ends the run as Ctrl-C does: the fixtures tear down, so no server a
-    module-scoped fixture started outlives the suite."""
-    signal.signal(signal.SIGTERM, _interrupted)
+    module-scoped fixture started outlives the suite. In a parallel run (pytest-xdist) the run passes it to
+    its workers, each of which kills what its tests started, and a worker gets it too when the run that
+    started it dies, however it dies."""
+    if hasattr(config, "workerinput"):
+        signal.signal(signal.SIGTERM, _worker_interrupted)
+        set_pdeathsig(signal.SIGTERM)
+    elif config.getoption("numprocesses", None):
+        signal.signal(signal.SIGTERM, _run_interrupted)
+    else:
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a ``long`` test first, then files with ``slow`` tests, then the rest, each group in
+    collection order. scripts/test.sh runs files on two workers in this order, so the longest start at once
+    and the run ends on short files, with neither worker left alone with a long one at the end."""
+    level: dict[Path, int] = {}
+    for item in items:
+        mine = 0 if item.get_closest_marker("long") else 1 if item.get_closest_marker("slow") else 2
+        level[item.path] = min(level.get(item.path, 2), mine)
+    items.sort(key=lambda item: level[item.path])
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

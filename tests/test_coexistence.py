@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from support.procs import free_port, spawn, stop, wait_http
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[1]
 

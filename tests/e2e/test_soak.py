@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_soak_60s_with_chaos_loses_nothing(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--duration-s", "60",

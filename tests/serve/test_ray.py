@@ -6,6 +6,7 @@ ranks' stays there; it is torn down by process group, and the test checks that n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -58,8 +59,13 @@ def test_four_ranks_on_ray_behind_one_port(ray_cluster: tuple[Namespaces, str], 
         assert node.call(burst, 8) == [200] * 8
         tree = [p.pid for p in psutil.Process(node.proc.pid).children(recursive=True)]
 
-        def rank_hosts() -> list[int]:
-            return [p.pid for p in psutil.process_iter() if "RankHost" in " ".join(cmdline(p))]
+        def rank_hosts() -> list[int]:  # in this cluster's namespace: another test may run a Ray cluster
+            found = []
+            for pid in nets.pids(ns):
+                with contextlib.suppress(psutil.Error):
+                    if "RankHost" in " ".join(cmdline(psutil.Process(pid))):
+                        found.append(pid)
+            return found
 
         # ray.kill only asks the raylet to end rank 1's old actor: on a loaded host it can outlive the restart
         # by a few seconds, but it must go (a leaked actor keeps this count at 5 and fails here)
