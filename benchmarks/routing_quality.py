@@ -76,7 +76,9 @@ from routing_report import (  # noqa: E402
     BASELINE,
     OURS,
     Row,
+    cold_requests,
     cold_stacks,
+    cold_table,
     plot,
     runs_table,
     saturated_step,
@@ -418,7 +420,8 @@ def run_one(
         served = [int(delta("request_success_total", k)) for k in range(args.ranks)]
         s = summarize(result.records, result.duration_s, {})
         n_startup, steady_p99, slowest_startup = startup_split(result.records, scale)
-        n_cold, n_stacked = cold_stacks(result.records)
+        records = result.records
+        n_cold, n_stacked = cold_stacks(records)
         shorts = [r.ttft for r in result.records if r.ok and r.kind == "short"]
         rows.append(
             Row(
@@ -453,6 +456,7 @@ def run_one(
                 cold_stacked=n_stacked,
                 load_avg=os.getloadavg()[0],
                 router_overhead_ms=overhead,
+                cold_ttfts=[(r.group, r.prompt_tokens, r.ttft * 1e3 / scale) for r in cold_requests(records)],
             )
         )
     return rows
@@ -504,6 +508,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(default: the default model's converted folder)",
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cold-detail", action="store_true",
+                   help="with --repeat: every run's cold requests (groups' first), side by side by target")
     p.add_argument("--only", default=None, help="comma-separated targets (see --list)")
     p.add_argument("--list", action="store_true", help="print the targets available here and exit")
     p.add_argument("--workloads", default="multi-turn,many-tenant,skew")
@@ -585,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
             print(table(mine))
         if args.repeat > 1:
             print(f"\nEvery run (cold stacked: see routing_report.cold_stacks)\n\n{runs_table(mine)}")
+            if args.cold_detail:
+                print(cold_table(mine))
     checks = verdicts(rows)
     if checks:
         print("\n### Targets (issue 13)\n")

@@ -54,6 +54,7 @@ class Row:
     cold_stacked: int = 0  # of those, the ones that waited behind another cold prefill
     load_avg: float = math.nan  # the host's 1-minute load average when the run ended
     router_overhead_ms: float = math.nan  # lbd: p95 real ms from a request's arrival to its dispatch
+    cold_ttfts: list[tuple[int, int, float]] = field(default_factory=list)  # (group, prompt tokens, TTFT ms)
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -83,6 +84,15 @@ def startup_split(records: list[Any], scale: float) -> tuple[int, float, str]:
     return len(ok) - len(steady), p99, f"{k}/{n}"
 
 
+def cold_requests(records: list[Any]) -> list[Any]:
+    """Each prefix group's first answered request (the one that found no rank holding its prompt), in
+    arrival order."""
+    first: dict[int, Any] = {}
+    for r in sorted((r for r in records if r.ok and r.ttft is not None), key=lambda r: r.start):
+        first.setdefault(r.group, r)
+    return sorted(first.values(), key=lambda r: r.start)
+
+
 def cold_stacks(records: list[Any], factor: float = 1.5) -> tuple[int, int]:
     """(cold requests, cold requests stacked behind another cold prefill), from the client's records alone.
 
@@ -90,11 +100,7 @@ def cold_stacks(records: list[Any], factor: float = 1.5) -> tuple[int, int]:
     is past ``factor`` x the run's fastest cold TTFT while another cold request was between its own start and
     first token when it arrived: a rank computing one cold prompt after another (a free rank would have
     taken it at the fastest cold time). A client-side proxy: which rank served a request is not known here."""
-    ok = sorted((r for r in records if r.ok and r.ttft is not None), key=lambda r: r.start)
-    first: dict[int, Any] = {}
-    for r in ok:
-        first.setdefault(r.group, r)
-    cold = sorted(first.values(), key=lambda r: r.start)
+    cold = cold_requests(records)
     if not cold:
         return 0, 0
     floor = min(r.ttft for r in cold)
@@ -160,6 +166,26 @@ def runs_table(rows: list[Row]) -> str:
             f"| {r.cold_stacked}/{r.cold_requests} | {100 * r.hit_vs_oracle:.0f}% "
             f"| {over} | {r.load_avg:.1f} |"
         )
+    return "\n".join(out)
+
+
+def cold_table(rows: list[Row]) -> str:
+    """Every run's cold requests side by side, longest prompt first: each group's first request under each
+    target (the same prompt: the workload is seeded), so a tail set by the prefills themselves shows as
+    equal rows, and a placement that stacked or delayed one shows as the row that differs."""
+    out = []
+    for run in sorted({r.run for r in rows}):
+        mine = [r for r in rows if r.run == run and r.cold_ttfts]
+        if not mine:
+            continue
+        by_target = [{g: ms for g, _, ms in r.cold_ttfts} for r in mine]
+        tokens = {g: n for r in mine for g, n, _ in r.cold_ttfts}
+        out += [f"\nrun {run}: cold requests (simulated ms), longest prompt first\n",
+                "| group | prompt tokens | " + " | ".join(r.target for r in mine) + " |",
+                "|---:|---:|" + "---:|" * len(mine)]
+        for g in sorted(tokens, key=lambda g: -tokens[g]):
+            cells = " | ".join(f"{t[g]:.2f}" if g in t else "-" for t in by_target)
+            out.append(f"| {g} | {tokens[g]:,} | {cells} |")
     return "\n".join(out)
 
 
