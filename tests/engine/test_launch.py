@@ -183,18 +183,25 @@ def test_admission_503_and_sigterm_drains_in_flight_streams(slower_llama: Path, 
         srv.close()
 
 
+def _until_running(url: str, n: int, stream: Stream) -> None:
+    """Until the engine runs ``n`` requests; the stream must still be going (else the test cannot hold)."""
+    while metric_value(httpx.get(url + "/metrics").text, "vllm:num_requests_running") < n:
+        assert stream.is_alive(), "the stream ended before the second request started running"
+        time.sleep(0.01)
+
+
 def test_dead_core_fails_in_flight_requests_and_health(slower_llama: Path, tmp_path: Path) -> None:
-    srv = start(slower_llama, tmp_path)  # 400 tokens take ~2 s: both requests are in flight at the kill
+    srv = start(slower_llama, tmp_path)  # 900 tokens take ~2 s: both requests are in flight at the kill
     try:
-        stream = Stream(srv.base_url, max_tokens=400)
+        stream = Stream(srv.base_url, max_tokens=900)
         stream.start()
         assert stream.first.wait(30) and stream.status == 200
         result: dict[str, httpx.Response] = {}
         plain = threading.Thread(target=lambda: result.update(r=httpx.post(
-            srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "ignore_eos": True},
+            srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True},
             timeout=60)))
         plain.start()
-        time.sleep(0.3)
+        _until_running(srv.base_url, 2, stream)  # not a fixed sleep: on a busy host the stream may end first
         os.kill(core_pid(srv.proc.pid), signal.SIGKILL)
         stream.join(15)
         plain.join(15)
