@@ -48,8 +48,7 @@ def start_fleet(model: str, log: Path) -> tuple[object, list[str]]:
 def router_argv(target: str, port: int, ranks: list[str]) -> tuple[list[str], str]:
     if target == "sglang-router":
         return peer_argv("sglang-router", port, ranks, "cache_aware")
-    extra = ("--kv-events", "off") if target.endswith("--kv-events off") else ()
-    return lbd_route_argv(port, ",".join(ranks), *extra)
+    return lbd_route_argv(port, ",".join(ranks), *target.split()[2:])  # "lbd route [flags]"
 
 
 def ttft(client: httpx.Client, url: str, model: str, text: str) -> float:
@@ -63,8 +62,18 @@ def ttft(client: httpx.Client, url: str, model: str, text: str) -> float:
         raise RuntimeError(f"{url}: {r.status_code}, no stream")
 
 
-def measure(target: str, ranks: list[str], texts: list[str], tmp: Path) -> tuple[float, float]:
-    """(median TTFT straight to rank 0, median TTFT through the router), ms."""
+def overhead(client: httpx.Client, router: str) -> tuple[float, float]:
+    """(sum of seconds, count) of lbd's arrival-to-dispatch histogram; zeros for a peer (no such metric)."""
+    text = client.get(router + "/metrics").text if router else ""
+    got = {name: float(value) for line in text.splitlines() if line.startswith("lbd_router_overhead_seconds_")
+           for name, value in [line.rsplit(" ", 1)]}
+    return (sum(v for k, v in got.items() if k.startswith("lbd_router_overhead_seconds_sum")),
+            sum(v for k, v in got.items() if k.startswith("lbd_router_overhead_seconds_count")))
+
+
+def measure(target: str, ranks: list[str], texts: list[str], tmp: Path) -> tuple[float, float, float | None]:
+    """(median TTFT straight to rank 0, median TTFT through the router, lbd's mean arrival-to-dispatch or
+    None for a peer), ms."""
     port = free_port()
     argv, ready = router_argv(target, port, ranks)
     router = spawn(argv, log=tmp / f"{target.replace(' ', '_')}.log")
@@ -74,12 +83,19 @@ def measure(target: str, ranks: list[str], texts: list[str], tmp: Path) -> tuple
         with httpx.Client() as client:
             model = client.get(ranks[0] + "/v1/models").json()["data"][0]["id"]
             direct, through = [], []
-            for text in texts:
-                through.append(ttft(client, f"http://127.0.0.1:{port}", model, text))
+            url = f"http://127.0.0.1:{port}"
+            ours = target.startswith("lbd")
+            for i, text in enumerate(texts):
+                if i == WARMUP:
+                    before = overhead(client, url if ours else "")
+                through.append(ttft(client, url, model, text))
                 direct.append(ttft(client, ranks[0], model, "Direct. " + text))
+            after = overhead(client, url if ours else "")
     finally:
         stop(router)
-    return 1e3 * statistics.median(direct[WARMUP:]), 1e3 * statistics.median(through[WARMUP:])
+    n = after[1] - before[1]
+    dispatch = 1e3 * (after[0] - before[0]) / n if ours and n > 0 else None
+    return 1e3 * statistics.median(direct[WARMUP:]), 1e3 * statistics.median(through[WARMUP:]), dispatch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,26 +103,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=60, help="per target and round (the first 5 warm up)")
     p.add_argument("--prompt-len", type=int, default=1500, help="system prompt tokens")
+    p.add_argument("--lbd-flags", action="append", default=[], metavar="FLAGS",
+                   help="another lbd target: `lbd route` with these flags (repeatable), "
+                   "e.g. '--migration-limit 0'")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.requests <= WARMUP:
         p.error(f"--rounds must be >= 1 and --requests > {WARMUP}")
     exit_on_sigterm()
     model = str(converted_path(default_gguf()))
-    targets = ["lbd route", "lbd route --kv-events off"]
+    targets = ["lbd route", "lbd route --kv-events off", *(f"lbd route {f}" for f in args.lbd_flags)]
     targets += ["sglang-router"] if peer_installed("sglang-router") else []
     src, rng = TextSource(load_tokenizer(model)), random.Random(0)
     tmp = Path(tempfile.mkdtemp(prefix="lbd-cold-route-"))
     fleet, ranks = start_fleet(model, tmp / "supervise.log")
-    print("| round | target | direct TTFT p50 ms | through TTFT p50 ms | added ms |")
-    print("|---:|---|---:|---:|---:|")
+    print("| round | target | direct TTFT p50 ms | through TTFT p50 ms | added ms "
+          "| arrival-to-dispatch mean ms |")
+    print("|---:|---|---:|---:|---:|---:|")
     try:
         for rnd in range(args.rounds):
             for target in targets:
                 texts = [f"Prompt {rnd}-{target}-{i}. " + src.text(rng, args.prompt_len)
                          for i in range(args.requests)]
-                direct, through = measure(target, ranks, texts, tmp)
-                print(f"| {rnd} | {target} | {direct:.2f} | {through:.2f} | {through - direct:+.2f} |",
-                      flush=True)
+                direct, through, dispatch = measure(target, ranks, texts, tmp)
+                shown = "-" if dispatch is None else f"{dispatch:.2f}"
+                print(f"| {rnd} | {target} | {direct:.2f} | {through:.2f} | {through - direct:+.2f} "
+                      f"| {shown} |", flush=True)
     finally:
         stop(fleet, timeout=30)
     print(f"\nlogs in {tmp}")

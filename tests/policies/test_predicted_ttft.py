@@ -230,3 +230,31 @@ def test_a_busy_holder_spills_to_room_first() -> None:
     e[2] = replace(e[2], running=80)  # ...unless room is busier than what evicting costs
     d = p.choose(facts, e)
     assert d.endpoint.key == "http://e1" and "evicts ~" in d.explain()
+
+
+def test_a_prompt_routed_on_its_head_is_charged_and_counted_once_its_chain_is_known() -> None:
+    """A new prompt routed on the head of its chain (two blocks: not as far as the block naming its prefix,
+    lbd.router.kv.cold) is still charged for what it would evict, and its prefix counts as served there
+    once the router has its whole chain (on_chain_known): twice sent, it is hot there."""
+    e = eps(2, num_blocks=640)
+    e[1] = replace(e[1], running=4)
+    names = ("http://e0", "http://e1")
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    for t, key in ((1, "http://e0"), (2, "http://e0"), (3, "http://e1")):
+        serve(p, t, key)
+    whole = tenant(4, 3000, dict.fromkeys(names, 0))
+    assert whole.block_keys is not None
+    head = replace(whole, block_keys={16: whole.block_keys[16][:2]}, chain_partial=True)
+    assert root_of(head) is None
+    assert p.choose(head, e).endpoint.key == "http://e1"  # the charge, without the prefix's name
+    before = p.footprint.hot_tokens("http://e1")
+    for _ in range(2):
+        sent = replace(head)
+        p.on_dispatch(sent, "http://e1")  # no name yet: not counted at dispatch
+        sent.block_keys, sent.chain_partial = whole.block_keys, False
+        p.on_chain_known(sent, "http://e1", 2)
+    assert p.footprint.hot_tokens("http://e1") == before + 3000
+    # a head that reached the name was counted at dispatch: not again
+    p.on_dispatch(whole, "http://e0")
+    p.on_chain_known(whole, "http://e0", 8)
+    assert p.footprint.hot_tokens("http://e0", exclude=root_of(whole)) == p.footprint.hot_tokens("http://e0")

@@ -52,3 +52,22 @@ def test_a_chat_continuation_reads_as_the_original_stream() -> None:
     assert chunk["choices"][0]["delta"] == {"content": "!"} and "token_ids" not in chunk["choices"][0]
     assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
     assert m.out_ids == [9, 8, 7]
+
+
+def test_the_prompt_ids_of_a_compact_first_event_are_cut_out_and_read_only_for_a_move() -> None:
+    """The engines write compact JSON; the first event's prompt ids (most of its bytes) are cut out as bytes
+    and parsed only when the stream moves."""
+    m = Move("chat", {"messages": [], "max_tokens": 10, "stream": True}, False, None)
+    head = {"id": "chat1", "created": 5, "model": "m", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}
+    first = (b"data: " + json.dumps({**head, "prompt_token_ids": list(range(1, 300))},
+                                    separators=(",", ":")).encode() + b"\n\n")
+    token = ev({**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "token_ids": [9]}]})
+    out = m.feed(first + token)
+    assert b"prompt_token_ids" not in out and b"token_ids" not in out
+    role = json.loads(out.split(b"\n\n")[0][6:])["choices"][0]["delta"]
+    assert role == {"role": "assistant", "content": ""}
+    assert m._prompt_raw is not None and m._prompt_ids is None  # not parsed yet
+    m.broken = "reset"
+    m.resume_on()
+    assert json.loads(m.body)["prompt"] == [*range(1, 300), 9]

@@ -30,6 +30,7 @@ class RequestFacts:
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
     block_keys: dict[int, list[int]] | None = None  # the prompt's KV block chain per block size (exact view)
+    chain_partial: bool = False  # block_keys is only the head of the chain (routed on its head: kv.cold)
 
 
 @dataclass(slots=True)
@@ -134,6 +135,10 @@ class Policy:
 
     def on_dispatch(self, facts: RequestFacts, key: str) -> None:
         """The request was sent to ``key`` (whoever chose it: this policy, a pin or a retry)."""
+
+    def on_chain_known(self, facts: RequestFacts, key: str, head_blocks: int) -> None:
+        """A request dispatched to ``key`` on the head of its chain (``facts.chain_partial`` then, its first
+        ``head_blocks`` blocks) has its whole chain in ``facts`` now."""
 
     def on_first_byte(self, decision: Decision, ttft_s: float) -> None:
         """The response's first body byte arrived ``ttft_s`` after dispatch (learning hook)."""

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts, queue_score, register
-from lbd.policies.footprint import Footprint, root_of
+from lbd.policies.footprint import ROOT_BLOCKS, Footprint, root_of
 from lbd.policies.pick import gap_bound
 from lbd.policies.prefix import CHUNK_CHARS, PrefixIndex
 
@@ -114,7 +114,9 @@ class PredictedTtft(Policy):
         )
         return total, uncached, matched
 
-    def evicted_tokens(self, facts: RequestFacts, ep: EndpointSnapshot, uncached: float, root: int) -> float:
+    def evicted_tokens(
+        self, facts: RequestFacts, ep: EndpointSnapshot, uncached: float, root: int | None
+    ) -> float:
         """Hot prefix tokens of other prompts that computing ``uncached`` tokens on ``ep`` would evict."""
         if uncached <= 0.0 or ep.num_blocks <= 0:
             return 0.0
@@ -126,7 +128,10 @@ class PredictedTtft(Policy):
         stale_s = self.stale_s
         costs = [self.cost(facts, e) for e in endpoints]
         we = self.evict_weight
-        if we > 0.0 and (root := root_of(facts)) is not None:
+        root = root_of(facts)
+        # a prompt routed on its head may not show its prefix's name yet: none of it is cached, so none of it
+        # is hot anywhere to leave out of the charge
+        if we > 0.0 and (root is not None or facts.chain_partial):
             evict = [we * self.evicted_tokens(facts, e, c[1], root)
                      for e, c in zip(endpoints, costs, strict=True)]
         else:
@@ -172,6 +177,11 @@ class PredictedTtft(Policy):
                 self.footprint.touch(key, root, facts.prompt_tokens)
         if facts.prefix_hashes:
             self.index.insert(key, facts.prefix_hashes)
+
+    def on_chain_known(self, facts: RequestFacts, key: str, head_blocks: int) -> None:
+        # the prefix is counted once per dispatch: here when the head did not reach its name
+        if self.evict_weight > 0.0 and head_blocks < ROOT_BLOCKS and (root := root_of(facts)) is not None:
+            self.footprint.touch(key, root, facts.prompt_tokens)
 
     def on_first_byte(self, decision: Decision, ttft_s: float) -> None:
         # Tiny estimates are all overhead (HTTP, scheduling), not prefill: they would inflate the rate.

@@ -371,7 +371,7 @@ class Proxy:
         state.policy.on_dispatch(facts, ep.url)
         body = rr.body
         if state.exact is not None and facts.block_keys is not None:
-            a.pending = state.exact.dispatched(ep.url, rr)
+            a.pending = state.exact.dispatched(ep.url, rr, state.policy.on_chain_known)
             body = state.exact.body_for(ep.url, rr.request.path, rr.prompt_ids, body)  # ids, if ep takes them
         state.metrics.dispatched(self.cfg.policy, d.reason, now - rr.t0)
         ep.waiting[a] = now

@@ -30,6 +30,9 @@ RETRYABLE_CODES = frozenset({502, 503, 504})  # an error event with one of these
 # a choice's ids as lbd's engine and vLLM write them (compact JSON); a quote in a string is escaped, so this
 # cannot match text
 _IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]')
+# the prompt's ids, with the first event: cut out as bytes and parsed only for a move (a 2,000-token prompt's
+# ids are most of that event: parsing and writing it again cost more than the rest of the stream's first byte)
+_PROMPT_IDS = b',"prompt_token_ids":['
 DONE = b"data: [DONE]\n\n"
 
 
@@ -43,7 +46,8 @@ class Move:
         # the usual event (one choice's ids, nothing else to rewrite) has its ids cut out of the bytes, not
         # parsed and written again; ``chars`` is then not counted (only completions logprobs' offsets need it)
         self.fast = not client_ids and not data.get("logprobs")
-        self.prompt_ids: list[int] | None = None
+        self._prompt_ids: list[int] | None = None
+        self._prompt_raw: bytes | None = None  # the prompt's ids as the rank wrote them, not parsed yet
         self.out_ids: list[int] = []
         self.ids_ok = True  # every event with text had its token ids
         self.chars = 0  # text characters the client has
@@ -61,6 +65,14 @@ class Move:
         self.done = False
         self.now = 0.0  # loop time of the chunk being read
         self._rest = b""
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids as the rank gave them with its first event (None: it gave none)."""
+        if self._prompt_ids is None and self._prompt_raw is not None:
+            raw, self._prompt_raw = self._prompt_raw, None
+            self._prompt_ids = [int(t) for t in raw.split(b",")] if raw else []
+        return self._prompt_ids
 
     def takes(self, upstream: UpstreamResponse) -> bool:
         """Whether this answer goes through the tracking pump (a continuation always does)."""
@@ -157,6 +169,12 @@ class Move:
         return b"".join(parts)
 
     def _event(self, ev: bytes) -> bytes | None:
+        if self.fast and not self.resuming and self.ident is None and self.prompt_ids is None:
+            at = ev.find(_PROMPT_IDS)
+            end = ev.find(b"]", at) if at >= 0 else -1
+            if end > 0:
+                self._prompt_raw = ev[at + len(_PROMPT_IDS) : end]
+                ev = ev[:at] + ev[end + 1 :]
         if self.fast and not self.resuming and self.ident is not None:
             m = _IDS.search(ev)
             if m is not None and b"prompt_token_ids" not in ev:
@@ -219,7 +237,7 @@ class Move:
             if self.resuming and self.gap is None and (ids or text):
                 self.gap = self.now - self.broke_at
         if prompt is not None and self.prompt_ids is None and not self.resuming:
-            self.prompt_ids = list(prompt)
+            self._prompt_ids = list(prompt)
         usage = obj.get("usage")
         if self.resuming and isinstance(usage, dict) and self.prompt_ids is not None:
             fix_usage(usage, len(self.prompt_ids), self.before)

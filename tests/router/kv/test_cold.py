@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, trainers
 
 from lbd.engine.config.model_files import converted_path, default_gguf
 from lbd.engine.loader import resolve_model
-from lbd.router.kv.cold import HEAD_CHARS, ColdStart, estimate_tokens
+from lbd.router.kv.cold import HEAD_CHARS, ColdStart, head_sizes
 from lbd.router.kv.tokenize import RouterTokenizer, load_local
 
 
@@ -58,15 +58,43 @@ def test_the_head_and_the_length_estimate_of_a_new_system_prompt() -> None:
     data = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]}
     plan = tok.plan_request(data)  # as the router first sees it: the system prompt's text is new
     assert plan is not None and plan.missing_chars > HEAD_CHARS
-    got = ColdStart().head_ids(tok, plan)
-    assert got is not None
-    ids, _, head_chars = got
+    cold = ColdStart()
     first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
     before = sum(len(p) for p in plan.pieces[:first_new])
+    sizes = head_sizes(before, [16])
+    short, long = (cold.head_ids(tok, plan, chars) for chars in sizes)
+    assert short is not None and long is not None
     known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
-    guess = estimate_tokens(plan, len(ids) - before, head_chars, known)
+    guess = cold.estimate_tokens(plan, len(long[0]) - before, long[2], known)
     tok.fill(plan, tok.encode_missing(plan, off_loop=True))
     whole = tok.assemble(plan)
-    assert head_chars <= HEAD_CHARS and len(ids) > before + 8 * 16  # 8 blocks: footprint.ROOT_BLOCKS
-    assert whole[: len(ids)] == ids
+    # the short head completes the block that reaches into the new text; the long one the prefix's name
+    assert short[2] <= sizes[0] < 160 and len(short[0]) >= 16 > before
+    assert long[2] <= HEAD_CHARS and len(long[0]) > before + 8 * 16  # 8 blocks: footprint.ROOT_BLOCKS
+    assert whole[: len(short[0])] == short[0] and whole[: len(long[0])] == long[0]
     assert abs(guess - len(whole)) < 0.1 * len(whole), (guess, len(whole))
+
+
+def test_the_length_estimate_learns_the_characters_per_token_of_tokenized_texts() -> None:
+    """A short head is a poor sample of a text's characters per token; the texts tokenized lately are not."""
+    tok = default_tokenizer()
+    # each opens with codes (a few characters a token), then prose (several)
+    texts = [" ".join(f"{t}.{i}:" for i in range(40)) + " " +
+             " ".join(f"Tenant {t} rule {i}: reply in kind, briefly." for i in range(150)) for t in range(3)]
+    plans = [tok.plan_request({"messages": [{"role": "system", "content": x}]}) for x in texts]
+    cold = ColdStart()
+    for plan in plans[:2]:
+        assert plan is not None
+        cold._learn_ratio(plan.missing, tok.encode_missing(plan, off_loop=True))
+    plan = plans[2]
+    assert plan is not None
+    got = cold.head_ids(tok, plan, 160)
+    assert got is not None
+    known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
+    first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
+    before = sum(len(p) for p in plan.pieces[:first_new])
+    guess = cold.estimate_tokens(plan, len(got[0]) - before, got[2], known)
+    naive = ColdStart().estimate_tokens(plan, len(got[0]) - before, got[2], known)  # from the head alone
+    tok.fill(plan, tok.encode_missing(plan, off_loop=True))
+    whole = len(tok.assemble(plan))
+    assert abs(guess - whole) < 0.05 * whole < abs(naive - whole), (guess, naive, whole)

@@ -261,6 +261,34 @@ async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: Supervis
     assert early[home] == 1 and sum(early.values()) == 1, early  # only the first was new everywhere
 
 
+async def test_a_new_prompt_that_opens_like_a_cached_one_is_routed_on_its_long_head(
+    node: SupervisorNode, start_router
+) -> None:
+    """Two long system prompts open with the same ~600 characters: the second one's short head is held where
+    the first was computed, so the router reads its long head, sees the rest held nowhere, and routes it at
+    once all the same, with the shared opening counted as cached there."""
+    r = await router_for(node, start_router)
+    await until(r, exact_everywhere, "exact views")
+    opening = " ".join(f"Rule {i}: be brief about rivers." for i in range(20))
+
+    def msgs(k: int) -> list[dict]:
+        system = opening + " " + " ".join(f"Tenant {k} note {i}. You answer about lakes." for i in range(90))
+        assert len(system) > 4096  # lookup.OFFLOAD_CHARS
+        return [{"role": "system", "content": system}, {"role": "user", "content": "How deep?"}]
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        home, why, _ = await chat(c, r.url, msgs(1))
+        await asyncio.sleep(0.3)  # the rank's events for its blocks
+        other, why2, _ = await chat(c, r.url, msgs(2))
+    st = await r.status()
+    early = sum(e["kv_events"]["routed_on_head"] for e in st["endpoints"])
+    assert early == 2, st  # the second one too, although its short head was held
+    assert "0 blocks cached" in why, why
+    if other == home:  # the opening, not more: the rest of the second prompt is new everywhere
+        uncached, held = why2.split(" tok/s, ")[1].split(" blocks")[0].split(" uncached, ")
+        assert 4 * 16 <= int(held) * 16 < int(uncached) / 4, why2
+
+
 async def test_a_flood_of_new_prompts_is_routed_on_heads_and_tokenized_on_second_sight(
     node: SupervisorNode, start_router
 ) -> None:

@@ -4,10 +4,12 @@ Exact routing needs a prompt's block chain, and tokenizing a long new system pro
 that request's time to first token, on the path of every cold prompt (benchmarks/RESULTS.md, "Cold prompts").
 But a chain is only cached as a prefix: if no endpoint holds, or is computing, the first block that reaches
 into the new text, none holds any later block either, and every endpoint's cached length is already known
-exactly. So the router tokenizes only the text's head (``HEAD_CHARS``, inline: a tenth of a millisecond),
-walks the chain that far, and when every endpoint's match stops inside it, routes right away; the whole text
-is tokenized in a thread meanwhile. Otherwise (some endpoint holds all the head: the text may be cached) it
-waits for the whole chain. At most ``MAX_BACKGROUND`` such tokenizations run at a time: a flood of new prompts
+exactly. So the router tokenizes only the text's head, inline, walks the chain that far, and when every
+endpoint's match stops inside it, routes right away; the whole text is tokenized in a thread meanwhile. The
+head is short first (``head_sizes``: the block reaching into the new text needs at most a block's tokens of
+it), and longer (``HEAD_CHARS``) when some endpoint holds all of the short one (prompts that open alike);
+when some endpoint holds all of the long one too, the text may be cached: the request waits for the whole
+chain. At most ``MAX_BACKGROUND`` such tokenizations run at a time: a flood of new prompts
 must not pile up CPU work behind the routes (unbounded, they grow the router's memory and its tail latency:
 "Cold prompts"). A cold prompt arriving past that bound is routed on its head all the same and its text is
 left untokenized (``HEAD_ONLY``): nothing is lost for exactness, since its endpoint's events will announce the
@@ -15,6 +17,12 @@ blocks it computes, and the next request carrying that text finds its head held 
 tokenizes the text itself before it is routed (the second sight pays what the first skipped). Waiting for the
 tokenization instead would cap a flood of unique long prompts at the tokenizer's rate per router worker
 ("Cold prompts").
+
+Until the whole chain is known the prompt's length is an estimate (the new text at the characters per token
+of the texts tokenized lately), and a short head may not reach the block that names the prompt's prefix for
+the eviction charge (``lbd.policies.footprint``): the policy charges the placement without leaving the
+prompt's own prefix out (a prefix cached nowhere is hot nowhere) and counts the prefix once the chain is
+known (``Policy.on_chain_known``; never for a ``HEAD_ONLY`` prompt, whose next request counts it).
 
 The thread starts ``BACKGROUND_DELAY_S`` after the route: on a node shared with engine ranks (``lbd serve
 --data-parallel-size N``, a router beside its supervisor) it would otherwise take CPU from the rank's front
@@ -33,14 +41,23 @@ is pending there; a request whose new text is still being tokenized waits for th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lbd.router.kv.tokenize import Plan, RouterTokenizer
 
-HEAD_CHARS = 1024  # of the first new piece, tokenized inline to read the blocks that reach into it
+HEAD_CHARS = 1024  # the long head (see above); new texts longer than it are tokenized in a thread
+SHORT_HEAD_CHARS = 160  # the short head at most
+CHARS_A_TOKEN = 6  # the short head's characters per token it must reach (most text takes fewer)
 BACKGROUND_DELAY_S = 0.02  # after the route, before the whole text is tokenized (see above)
 MAX_BACKGROUND = 2  # tokenizations left running after their routes; past it, a prompt waits for its own
+
+
+def head_sizes(before: int, block_sizes: Iterable[int]) -> tuple[int, int]:
+    """Characters of the two heads of a new text after ``before`` tokens: the short one reaches the end
+    of the block the text starts in (on every block size), the long one is ``HEAD_CHARS``."""
+    needed = max(bs - before % bs for bs in block_sizes)
+    return min(SHORT_HEAD_CHARS, 16 + CHARS_A_TOKEN * needed), HEAD_CHARS
 
 
 @dataclass(slots=True)
@@ -61,6 +78,7 @@ class ColdStart:
     def __init__(self) -> None:
         self.encoding: dict[str, asyncio.Future[list[Sequence[int]]]] = {}
         self.running = 0  # tokenizations started by early routes, not finished yet
+        self.chars_per_token = 0.0  # of the new texts tokenized lately (0: none yet), for length estimates
 
     def has_room(self) -> bool:
         return self.running < MAX_BACKGROUND
@@ -70,15 +88,15 @@ class ColdStart:
         enc = self.encoding
         return [f for t in plan.missing if (f := enc.get(t)) is not None]
 
-    def head_ids(self, tok: RouterTokenizer, plan: Plan) -> tuple[list[int], int, int] | None:
-        """(ids of the prompt up to the head of its first new piece, the head's own tokens and
-        characters)."""
+    def head_ids(self, tok: RouterTokenizer, plan: Plan, chars: int) -> tuple[list[int], int, int] | None:
+        """(ids of the prompt up to the head, at most ``chars`` long, of its first new piece; the head's own
+        tokens and characters)."""
         if not tok.by_heads:
             return None
         ids: list[int] = []
         for piece in plan.pieces:
             if isinstance(piece, str):
-                head = tok.head(piece, HEAD_CHARS)
+                head = tok.head(piece, chars)
                 if head is None:
                     return None
                 head_ids = tok.rust.encode(head, add_special_tokens=False).ids
@@ -112,12 +130,27 @@ class ColdStart:
                     del self.encoding[t]
             if f.cancelled() or f.exception() is not None:
                 return
+            self._learn_ratio(plan.missing, f.result())
             tok.fill(plan, f.result())
             for fn in deferred.on_done:
                 fn()
 
         future.add_done_callback(filled)
         return deferred
+
+    def _learn_ratio(self, texts: Sequence[str], encoded: Sequence[Sequence[int]]) -> None:
+        tokens = sum(len(ids) for ids in encoded)
+        if tokens:
+            ratio = sum(len(t) for t in texts) / tokens
+            old = self.chars_per_token
+            self.chars_per_token = ratio if old <= 0.0 else old + 0.2 * (ratio - old)
+
+    def estimate_tokens(self, plan: Plan, head_ids: int, head_chars: int, known: int) -> int:
+        """The prompt's length before the rest is tokenized: known ids plus the new text at the characters
+        per token of the texts tokenized lately (before any, the head's)."""
+        per_token = self.chars_per_token or (head_chars / head_ids if head_ids > 0 else 4.0)
+        rest = plan.missing_chars - head_chars
+        return known + head_ids + int(rest / max(per_token, 1.0))
 
 
 def _chain(job: asyncio.Future[list[Sequence[int]]], future: asyncio.Future[list[Sequence[int]]]) -> None:
@@ -129,12 +162,3 @@ def _chain(job: asyncio.Future[list[Sequence[int]]], future: asyncio.Future[list
         future.set_exception(e)
     else:
         future.set_result(job.result())
-
-
-def estimate_tokens(plan: Plan, head_ids: int, head_chars: int, known: int) -> int:
-    """The prompt's length before the rest is tokenized: known ids plus the new text at the head's
-    characters per token."""
-    per_token = head_chars / head_ids if head_ids > 0 else 4.0
-    rest = plan.missing_chars - head_chars
-    return known + head_ids + int(rest / max(per_token, 1.0))
-

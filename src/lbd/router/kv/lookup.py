@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lbd.policies import RequestFacts
-from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, estimate_tokens
+from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, head_sizes
 from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.forward import ExactPrompt, forwardable
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
@@ -38,6 +38,9 @@ class Pending:
     start: int  # chain position of keys[0]
     marks: list[int]
     settled: bool = False
+
+
+OnChain = Callable[[RequestFacts, str, int], None]  # (facts with the whole chain, endpoint, head blocks)
 
 
 class Routed(Protocol):
@@ -120,30 +123,53 @@ class Lookup:
             self._lookup(req, plan.pieces, views, fp)
 
     def _route_early(self, req: Routed, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]) -> bool:
-        """Route on the first new piece's head when no endpoint's match reaches its end (see ``cold``)."""
-        got = self.cold.head_ids(tok, plan)
-        if got is None:
-            return False
+        """Route on the first new piece's head when no endpoint's match reaches its end (see ``cold``): the
+        short head first, the long one when some endpoint holds all of the short one."""
+        before = 0
+        for piece in plan.pieces:
+            if isinstance(piece, str):
+                break
+            before += len(piece)
+        tried = 0
+        for chars in head_sizes(before, {v.block_size for v in views}):
+            got = self.cold.head_ids(tok, plan, chars)
+            if got is None or got[2] <= tried:  # no head, or no longer than the one tried
+                return False
+            tried = got[2]
+            proof = self._cold_proof(got[0], views)
+            if proof is not None:
+                break
+        else:
+            return False  # some endpoint holds all of the longest head: the rest may be there too
         ids, head_tokens, head_chars = got
+        cached, keys_by_size = proof
+        known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
+        facts = req.facts
+        facts.prompt_tokens = self.cold.estimate_tokens(plan, head_tokens, head_chars, known)
+        facts.cached_tokens = cached
+        facts.block_keys = keys_by_size
+        facts.chain_partial = True
+        req.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
+        return True
+
+    def _cold_proof(
+        self, ids: list[int], views: list[EndpointView]
+    ) -> tuple[dict[str, int], dict[int, list[int]]] | None:
+        """(each endpoint's cached tokens, the head's chain per block size) when no endpoint holds or
+        computes all of the head's chain; else None."""
         cached: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():
             keys = chain_keys(ids, bs)
             if not keys:
-                return False
+                return None
             depth = self._depths(keys, group)
             if any(d >= len(keys) for d in depth.values()):
-                return False  # some endpoint holds (or computes) all of the head: the rest may be there too
+                return None
             for v in group:
                 cached[v.url] = depth.get(v.blocks.bit, 0) * bs
             keys_by_size[bs] = keys
-        known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
-        facts = req.facts
-        facts.prompt_tokens = estimate_tokens(plan, head_tokens, head_chars, known)
-        facts.cached_tokens = cached
-        facts.block_keys = keys_by_size
-        req.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
-        return True
+        return cached, keys_by_size
 
     def _lookup(self, req: Routed, pieces: list[Any], views: list[EndpointView], fp: str | None) -> None:
         n = sum(len(p) for p in pieces)
@@ -190,8 +216,10 @@ class Lookup:
                     depth[v.blocks.bit] = pos + 1
 
     # ---- pending blocks ---------------------------------------------------------------------------------
-    def dispatched(self, url: str, req: Routed) -> Pending | None:
-        """``req`` went to ``url``: the blocks it will compute there are pending until ``settle``."""
+    def dispatched(self, url: str, req: Routed, on_chain: OnChain | None = None) -> Pending | None:
+        """``req`` went to ``url``: the blocks it will compute there are pending until ``settle``. A request
+        routed on its head gets its whole chain in ``req.facts`` when its tokenization ends, and then
+        ``on_chain(facts, url, head_blocks)`` (``Policy.on_chain_known``)."""
         facts = req.facts
         view = self.views.get(url)
         if view is None or not facts.block_keys or facts.cached_tokens is None:
@@ -211,9 +239,9 @@ class Lookup:
             view.head_only += 1
         elif isinstance(deferred, Deferred):
             if deferred.future.done():
-                self._extend(token, deferred, chain)
+                self._extend(token, deferred, chain, facts, on_chain)
             else:
-                deferred.on_done.append(lambda: self._extend(token, deferred, chain))
+                deferred.on_done.append(lambda: self._extend(token, deferred, chain, facts, on_chain))
         return token
 
     def _mark(self, token: Pending, chain: list[int], start: int) -> None:
@@ -224,18 +252,30 @@ class Lookup:
         self.shared.add(new, token.view.slot)
         token.marks += new
 
-    def _extend(self, token: Pending, deferred: Deferred, head: list[int]) -> None:
-        """The prompt routed on ``head`` is tokenized: the rest of its chain is pending there too."""
+    def _extend(
+        self, token: Pending, deferred: Deferred, head: list[int], facts: RequestFacts,
+        on_chain: OnChain | None,
+    ) -> None:
+        """The prompt routed on ``head`` is tokenized: the rest of its chain is pending there too (unless its
+        first byte came first), its facts get the whole chain, and the policy hears of it."""
         view = token.view
-        if token.settled or self.views.get(view.url) is not view:
+        if self.views.get(view.url) is not view:
             return
         pieces = deferred.plan.pieces
-        chain = self._chain(view.block_size, pieces, sum(len(p) for p in pieces))
+        n = sum(len(p) for p in pieces)
+        chain = self._chain(view.block_size, pieces, n)
         if chain[: len(head)] != head:  # the head check at load time is a sample, not a proof
             self.head_mismatches += 1
             if self.head_mismatches == 1:
                 log.warning("a prompt's head tokenized unlike its whole text: it was routed on a wrong "
                             "chain (a cache miss at worst); its blocks are not marked pending")
+            return
+        if facts.chain_partial:  # (the first of a retried request's tries to get here)
+            facts.prompt_tokens, facts.chain_partial = n, False
+            facts.block_keys = {**(facts.block_keys or {}), view.block_size: chain}
+        if on_chain is not None:
+            on_chain(facts, view.url, len(head))
+        if token.settled:
             return
         rest = chain[len(head):]
         self.index.add_pending(rest, view.blocks.bit)
