@@ -169,7 +169,7 @@ class Move:
         return b"".join(parts)
 
     def _event(self, ev: bytes) -> bytes | None:
-        if self.fast and not self.resuming and self.ident is None and self.prompt_ids is None:
+        if self.fast and not self.resuming and self.ident is None and self._prompt_raw is None:
             at = ev.find(_PROMPT_IDS)
             end = ev.find(b"]", at) if at >= 0 else -1
             if end > 0:
