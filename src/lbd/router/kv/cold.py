@@ -41,7 +41,7 @@ is pending there; a request whose new text is still being tokenized waits for th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from lbd.router.kv.tokenize import Plan, RouterTokenizer
@@ -88,21 +88,33 @@ class ColdStart:
         enc = self.encoding
         return [f for t in plan.missing if (f := enc.get(t)) is not None]
 
+    def heads(
+        self, tok: RouterTokenizer, plan: Plan, block_sizes: Iterable[int]
+    ) -> Iterator[tuple[list[int], int, int]]:
+        """(ids of the prompt up to a head of its first new piece; the head's own tokens and characters), for
+        the short head and then the long one (``head_sizes``), while each is longer than the one before."""
+        first = _first_new(plan) if tok.by_heads else None
+        if first is None:
+            return
+        ids, piece = first
+        tried = 0
+        for chars in head_sizes(len(ids), block_sizes):
+            head = tok.head(piece, chars)
+            if head is None or len(head) <= tried:
+                return
+            tried = len(head)
+            head_ids = tok.rust.encode(head, add_special_tokens=False).ids
+            yield ids + head_ids, len(head_ids), len(head)
+
     def head_ids(self, tok: RouterTokenizer, plan: Plan, chars: int) -> tuple[list[int], int, int] | None:
         """(ids of the prompt up to the head, at most ``chars`` long, of its first new piece; the head's own
         tokens and characters)."""
-        if not tok.by_heads:
+        first = _first_new(plan) if tok.by_heads else None
+        head = tok.head(first[1], chars) if first is not None else None
+        if first is None or head is None:
             return None
-        ids: list[int] = []
-        for piece in plan.pieces:
-            if isinstance(piece, str):
-                head = tok.head(piece, chars)
-                if head is None:
-                    return None
-                head_ids = tok.rust.encode(head, add_special_tokens=False).ids
-                return ids + head_ids, len(head_ids), len(head)
-            ids += piece
-        return None
+        head_ids = tok.rust.encode(head, add_special_tokens=False).ids
+        return first[0] + head_ids, len(head_ids), len(head)
 
     def start(self, tok: RouterTokenizer, plan: Plan) -> Deferred:
         """Tokenize the plan's new pieces in a thread; the plan is filled (and the piece cache with it) on
@@ -151,6 +163,16 @@ class ColdStart:
         per_token = self.chars_per_token or (head_chars / head_ids if head_ids > 0 else 4.0)
         rest = plan.missing_chars - head_chars
         return known + head_ids + int(rest / max(per_token, 1.0))
+
+
+def _first_new(plan: Plan) -> tuple[list[int], str] | None:
+    """(the ids before the plan's first new piece, that piece), or None when nothing is new."""
+    ids: list[int] = []
+    for piece in plan.pieces:
+        if isinstance(piece, str):
+            return ids, piece
+        ids += piece
+    return None
 
 
 def _chain(job: asyncio.Future[list[Sequence[int]]], future: asyncio.Future[list[Sequence[int]]]) -> None:

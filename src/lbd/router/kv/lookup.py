@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lbd.policies import RequestFacts
-from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred, head_sizes
+from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred
 from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.forward import ExactPrompt, forwardable
 from lbd.router.kv.index import BlockIndex, ChainMemo, chain_keys
@@ -125,23 +125,13 @@ class Lookup:
     def _route_early(self, req: Routed, tok: RouterTokenizer, plan: Plan, views: list[EndpointView]) -> bool:
         """Route on the first new piece's head when no endpoint's match reaches its end (see ``cold``): the
         short head first, the long one when some endpoint holds all of the short one."""
-        before = 0
-        for piece in plan.pieces:
-            if isinstance(piece, str):
-                break
-            before += len(piece)
-        tried = 0
-        for chars in head_sizes(before, {v.block_size for v in views}):
-            got = self.cold.head_ids(tok, plan, chars)
-            if got is None or got[2] <= tried:  # no head, or no longer than the one tried
-                return False
-            tried = got[2]
-            proof = self._cold_proof(got[0], views)
+        for head in self.cold.heads(tok, plan, {v.block_size for v in views}):
+            proof = self._cold_proof(head[0], views)
             if proof is not None:
                 break
         else:
-            return False  # some endpoint holds all of the longest head: the rest may be there too
-        ids, head_tokens, head_chars = got
+            return False  # no head, or some endpoint holds all of the longest: the rest may be there too
+        _, head_tokens, head_chars = head
         cached, keys_by_size = proof
         known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
         facts = req.facts
