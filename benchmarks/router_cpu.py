@@ -99,13 +99,14 @@ async def cpu_per_request(policy: str, body: bytes, headers: bytes, requests: in
     for pool in state.pools.values():
         pool._connect = lambda pool=pool: connect(pool)
     server = front.HttpServer(proxy.handle, getattr(state.cfg, "limits", 1 << 26))  # older trees: a body cap
+    connection_class = getattr(front, "_Connection", None) or front.Connection  # older trees: in server.py
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:1\r\n" + headers
                + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
     done = 0
     finished = loop.create_future()
 
     def client() -> None:
-        conn = front._Connection(server)
+        conn = connection_class(server)
         buf = bytearray()
 
         def on_write(data: bytes) -> None:
