@@ -319,26 +319,30 @@ def decision_counts(port: int) -> dict[str, int]:
     return out
 
 
-def overhead_ms(port: int, q: float = 0.95) -> float:
-    """lbd's time from a request's arrival to its dispatch (parse, tokenize, decide), real ms, quantile ``q``
-    interpolated in the histogram's buckets (summed over workers). The 95th covers a run's cold requests (each
-    group's first, tokenized by the router), a few percent of a multi-turn run."""
+def overhead_ms(port: int, q: float = 0.95) -> tuple[float, float]:
+    """lbd's time from a request's arrival to its dispatch (parse, tokenize, decide), real ms: (the mean,
+    quantile ``q`` interpolated in the histogram's buckets), summed over workers. The 95th covers a run's cold
+    requests (each group's first, tokenized by the router), a few percent of a multi-turn run."""
     buckets: dict[float, float] = {}
+    total = 0.0
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
         if line.startswith("lbd_router_overhead_seconds_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             bound = math.inf if le == "+Inf" else float(le)
             buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("lbd_router_overhead_seconds_sum{"):
+            total += float(line.rsplit(" ", 1)[1])
     cum = sorted(buckets.items())
     if not cum or cum[-1][1] <= 0:
-        return math.nan
+        return math.nan, math.nan
+    mean = 1e3 * total / cum[-1][1]
     want, lo, c_lo = q * cum[-1][1], 0.0, 0.0
     for hi, c_hi in cum:
         if c_hi >= want:
             hi = lo if math.isinf(hi) else hi
-            return 1e3 * (lo + (hi - lo) * (want - c_lo) / max(1e-9, c_hi - c_lo))
+            return mean, 1e3 * (lo + (hi - lo) * (want - c_lo) / max(1e-9, c_hi - c_lo))
         lo, c_lo = hi, c_hi
-    return math.nan
+    return mean, math.nan
 
 
 def wait_exact(port: int, workers: int, timeout: float = 60.0) -> None:
@@ -400,7 +404,7 @@ def run_one(
             if target == BASELINE and saturated_step(p50s) is not None:
                 break  # the baseline saturated: higher steps would only queue longer (see the doc)
         reasons = decision_counts(port) if target.startswith("lbd:") else {}
-        overhead = overhead_ms(port) if target.startswith("lbd:") else math.nan
+        over_mean, overhead = overhead_ms(port) if target.startswith("lbd:") else (math.nan, math.nan)
         host_cpu = psutil.cpu_percent(None)  # the whole machine over the run (other users included)
         own_cores = (tree_usage(*trees)[0] - cpu0) / (time.monotonic() - t0)  # ranks + router + this client
     finally:
@@ -456,6 +460,7 @@ def run_one(
                 cold_stacked=n_stacked,
                 load_avg=os.getloadavg()[0],
                 router_overhead_ms=overhead,
+                router_overhead_mean_ms=over_mean,
                 cold_ttfts=[(r.group, r.prompt_tokens, r.ttft * 1e3 / scale) for r in cold_requests(records)],
             )
         )

@@ -35,6 +35,16 @@ from support.tiny import (  # noqa: F401
 )
 
 
+def default_router_tokenizer():
+    """The router's tokenizer for the default model (its converted folder when there is one)."""
+    from lbd.engine.config.model_files import converted_path, default_gguf
+    from lbd.engine.loader import resolve_model
+    from lbd.router.kv.tokenize import load_local
+
+    folder = converted_path(default_gguf())
+    return load_local(str(folder if (folder / "tokenizer.json").exists() else resolve_model(None)))
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` in Prometheus text whose labels include ``labels``."""
     total = 0.0

@@ -50,6 +50,7 @@ from lbd.router.upstream import UpstreamError
 if TYPE_CHECKING:
     from lbd.router.disagg import Disagg
     from lbd.router.migration import Migrator
+    from lbd.router.resumable import Move
     from lbd.router.tracing import RouterTracer, RouteTrace
 
 log = logging.getLogger("lbd.router")
@@ -148,9 +149,19 @@ class Proxy:
             if failure is None or not self._retry(rr, failure, decision, n):
                 break
         if failure is not None:
-            self._failure_response(out, failure, rr.rid_header)
-        elif rr.move is not None and rr.move.broken is not None:  # failed mid-stream: resume elsewhere
+            return self._failure_response(out, failure, rr.rid_header)
+        move = rr.move
+        if move is not None and move.broken is not None:  # failed mid-stream: resume elsewhere
             await self.migrator.resume(self, rr, out)
+        if move is not None and move.done and self.state.exact is not None:
+            self._answered(rr, move)
+
+    def _answered(self, rr: RoutedRequest, move: Move) -> None:
+        """A whole streamed chat answer with its token ids: the exact view tokenizes it ahead of the
+        conversation's next turn (lbd.router.kv.answers)."""
+        if move.kind == "chat" and move.impossible is None and move.ids_ok and rr.data is not None:
+            assert self.state.exact is not None
+            self.state.exact.answered(rr.facts, rr.data, move.out_ids)
 
     # ---- admit --------------------------------------------------------------------------------------
     def admit(self, request: Request, key: ApiKey | None = None,

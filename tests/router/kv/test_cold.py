@@ -9,15 +9,9 @@ import random
 
 from tokenizers import Tokenizer, models, trainers
 
-from lbd.engine.config.model_files import converted_path, default_gguf
-from lbd.engine.loader import resolve_model
 from lbd.router.kv.cold import HEAD_CHARS, ColdStart, head_sizes
-from lbd.router.kv.tokenize import RouterTokenizer, load_local
-
-
-def default_tokenizer() -> RouterTokenizer:
-    folder = converted_path(default_gguf())
-    return load_local(str(folder if (folder / "tokenizer.json").exists() else resolve_model(None)))
+from lbd.router.kv.tokenize import RouterTokenizer
+from support import default_router_tokenizer as default_tokenizer
 
 
 def test_head_cuts_at_a_single_space_between_words() -> None:

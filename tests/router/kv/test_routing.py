@@ -8,6 +8,7 @@ tokenizer and chat template).
 - multi-turn chat stays on the rank that holds its history, and the decisions say how many blocks it holds,
   with two router workers that each follow the events themselves (and read the ranks' JSON /telemetry);
 - each request goes to its rank with the router's token ids (the rank skips its template and tokenizer);
+- a conversation's streamed answer is tokenized before the next turn sends it back (kv.answers);
 - after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
   the view at once) and with the approximate fallback (--kv-events off; the new pid clears it).
 One node for the module (~5 s to start), a router per test; ~40 s in all.
@@ -232,6 +233,49 @@ async def test_the_router_sends_the_ranks_its_token_ids(node: SupervisorNode, st
     assert outcome("used") - used == 4
     st = await off.status()
     assert sum(e["kv_events"]["forwarded_ids"] for e in st["endpoints"]) == 0, st
+
+
+async def streamed_chat(
+    c: httpx.AsyncClient, url: str, messages: list[dict], session: str
+) -> tuple[str, int]:
+    """(the streamed answer's text, the prompt's tokens from its usage)."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, prompt_tokens = "", 0
+    headers = {"X-Session-ID": session} if session else {}
+    async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "token_ids" not in line, line  # the router asked for them; the client did not
+                text += "".join(ch["delta"].get("content") or "" for ch in chunk["choices"])
+                prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+    return text, prompt_tokens
+
+
+async def test_a_streamed_answer_is_tokenized_before_the_next_turn(
+    node: SupervisorNode, start_router
+) -> None:
+    """A conversation's answer, once streamed, is tokenized by the router before the next turn sends it back
+    (lbd.router.kv.answers); that turn's prompt is the one the rank itself would make of it."""
+    r = await router_for(node, start_router)
+    await until(r, exact_everywhere, "exact views")
+    msgs = [{"role": "system", "content": f"Fjord. {SYSTEM}"}, {"role": "user", "content": "How deep?"}]
+    async with httpx.AsyncClient(timeout=60) as c:
+        await streamed_chat(c, r.url, msgs, "")  # no session key
+        st = await r.status()
+        assert st["kv_index"]["answers_tokenized_ahead"] == 0, st  # a one-shot answer is never sent back
+        for turn in range(3):
+            answer, _ = await streamed_chat(c, r.url, msgs, "fjord-1")
+            assert answer, "the sim rank always answers"
+            await until(r, lambda st, n=turn + 1: st["kv_index"]["answers_tokenized_ahead"] == n,
+                        "the answer tokenized ahead")
+            msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {turn}?"}]
+        _, via_router = await streamed_chat(c, r.url, msgs, "fjord-1")
+        direct = (await c.post(node.rank_url(0) + "/v1/chat/completions",
+                               json={"model": MODEL, "messages": msgs, "max_tokens": 1})).json()
+    assert via_router == direct["usage"]["prompt_tokens"], (via_router, direct)
 
 
 async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: SupervisorNode, start_router) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lbd.policies import RequestFacts
+from lbd.router.kv.answers import AnswersAhead, conversational
 from lbd.router.kv.cold import HEAD_ONLY, ColdStart, Deferred
 from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.forward import ExactPrompt, forwardable
@@ -61,6 +62,7 @@ class Lookup:
         self.shared = shared
         self.stale_s = stale_s
         self.cold = ColdStart()
+        self.answers = AnswersAhead()
         self.head_mismatches = 0  # prompts whose head tokenized unlike their whole text (warned once)
         self._chains: dict[int, ChainMemo] = {}  # block size -> memo of prompts' block keys
 
@@ -74,8 +76,7 @@ class Lookup:
         """Set ``req.facts.prompt_tokens`` and ``cached_tokens`` for exact endpoints (exact, or an estimate of
         the length for a prompt routed on its head); returns an awaitable when a long new prompt text must be
         tokenized off the event loop first."""
-        facts = req.facts
-        views = [v for v in self.views.values() if v.exact(self.stale_s) and _serves(v, facts.model)]
+        views = self._tokenizing(req.facts.model)
         if not views:
             return None
         tok = views[0].tokenizer
@@ -86,7 +87,6 @@ class Lookup:
             return None
         if plan is None:
             return None
-        views = [v for v in views if v.tokenizer is tok]
         fp = tok.fingerprint if tok.fingerprint and forwardable(data) else None
         if plan.missing_chars > OFFLOAD_CHARS:
             running = self.cold.waiting_on(plan)
@@ -99,6 +99,18 @@ class Lookup:
             tok.fill(plan, tok.encode_missing(plan))
         self._lookup(req, plan.pieces, views, fp)
         return None
+
+    def _tokenizing(self, model: str | None) -> list[EndpointView]:
+        """The exact views serving ``model`` that share the first one's tokenizer (the one requests use)."""
+        views = [v for v in self.views.values() if v.exact(self.stale_s) and _serves(v, model)]
+        return [v for v in views if v.tokenizer is views[0].tokenizer] if views else views
+
+    def answered(self, facts: RequestFacts, data: dict[str, Any], ids: Sequence[int]) -> bool:
+        """A streamed chat answer ended with these output ids: tokenize it ahead of the conversation's next
+        turn (``kv.answers``); False when it is not."""
+        views = self._tokenizing(facts.model) if conversational(data, facts.session_key) else []
+        tok = views[0].tokenizer if views else None
+        return tok is not None and self.answers.warm(tok, data, ids)
 
     async def _annotate_later(
         self, req: Routed, tok: RouterTokenizer, plan: Plan, views: list[EndpointView], fp: str | None

@@ -99,6 +99,7 @@ class ExactView:
         self.lookup = Lookup(self.views, self.index, shared, stale_s)
         self.complete, self.annotate = self.lookup.complete, self.lookup.annotate
         self.dispatched, self.settle = self.lookup.dispatched, self.lookup.settle
+        self.answered = self.lookup.answered
         self._tokenizers: dict[str, asyncio.Future[RouterTokenizer]] = {}  # tokenizer.json sha256 -> it
 
     # ---- endpoints ------------------------------------------------------------------------------------
@@ -331,6 +332,7 @@ class ExactView:
             "max_blocks": index.max_blocks,
             "max_blocks_per_endpoint": index.max_blocks_per_endpoint,
             "evicted": index.evicted,
+            "answers_tokenized_ahead": self.lookup.answers.started,  # (kv.answers)
         }
 
     def metric_rows(self) -> list[tuple[str, float, float, int]]:
