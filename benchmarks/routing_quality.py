@@ -10,9 +10,10 @@ per target: every router starts from cold caches and zeroed counters. Every flee
 Targets: `lbd:<policy>` for every policy (KV events on where advertised, the default), with suffixes
 `/w2`, `/w4` (router workers), `/approx` (`--kv-events off`: the text-prefix index), `/noevict`
 (`--evict-weight 0`: no charge for the hot prefixes a placement evicts), `/noids`
-(`--no-forward-prompt-ids`: the ranks render and tokenize every prompt themselves) and `/nopush`
+(`--no-forward-prompt-ids`: the ranks render and tokenize every prompt themselves), `/nopush`
 (`--telemetry-push off`: the router scrapes every rank's /metrics instead of following its pushed load
-state), and vllm-router
+state) and `/nomig` (`--migration-limit 0`: no mid-stream migration, so no token ids asked of the ranks),
+combined as wanted (`lbd:predicted_ttft/approx/nopush`), and vllm-router
 (cache_aware, power_of_two) and sglang-router (cache_aware) when installed (`bash scripts/setup-peers.sh`).
 
 Workloads: shared-prefix multi-turn chat (8 system prompts, 4-turn sessions, X-Session-ID; 2,000 requests by
@@ -233,6 +234,15 @@ def start_fleet(args: argparse.Namespace, wl: Workload, log: Path) -> Fleet:
     return fleet
 
 
+LBD_SUFFIXES = ("w2", "w4", "approx", "noevict", "noids", "nopush", "nomig")
+
+
+def known_target(name: str, targets: list[str]) -> bool:
+    """A listed target, or an lbd policy with any of ``LBD_SUFFIXES`` (``lbd:round_robin/approx/nopush``)."""
+    base, *mods = (name if name.startswith("lbd:") else f"lbd:{name}").split("/")
+    return name in targets or (base in targets and all(m in LBD_SUFFIXES for m in mods))
+
+
 def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
     """argv and readiness path of ``name``: ``lbd:<policy>[/wN][/approx]``, ``vllm-router:<policy>``..."""
     kind, _, rest = name.partition(":")
@@ -250,6 +260,8 @@ def router_argv(name: str, port: int, fleet: Fleet) -> tuple[list[str], str]:
                 extra += ["--no-forward-prompt-ids"]
             elif mod == "nopush":
                 extra += ["--telemetry-push", "off"]
+            elif mod == "nomig":
+                extra += ["--migration-limit", "0"]
             else:
                 raise ValueError(f"target {name}: unknown suffix /{mod}")
         return lbd_route_argv(port, f"supervisor://127.0.0.1:{fleet.sup_port}", *extra)
@@ -262,7 +274,7 @@ def available_targets() -> list[str]:
     from lbd import policies
 
     names = [f"lbd:{p}" for p in sorted(policies.available())]
-    names += [f"{OURS}/{m}" for m in ("w2", "w4", "approx", "noevict", "noids", "nopush")]
+    names += [f"{OURS}/{m}" for m in LBD_SUFFIXES]
     if peer_installed("vllm-router"):
         names += ["vllm-router:cache_aware", "vllm-router:power_of_two"]
     if peer_installed("sglang-router"):
@@ -541,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only:
         wanted = [t.strip() for t in args.only.split(",")]
-        unknown = [t for t in wanted if t not in targets and f"lbd:{t}" not in targets]
+        unknown = [t for t in wanted if not known_target(t, targets)]
         if unknown:
             args.parser.error(f"--only: unknown targets {unknown}; available: {', '.join(targets)}")
-        targets = [t if t in targets else f"lbd:{t}" for t in wanted]
+        targets = [t if t in targets or ":" in t else f"lbd:{t}" for t in wanted]
     if args.model is None:
         from lbd.engine.config.model_files import converted_path, default_gguf
         from lbd.engine.loader import resolve_model

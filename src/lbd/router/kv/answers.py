@@ -13,7 +13,8 @@ never sent back, and its tokenization would be spent for nothing. At most ``MAX_
 answers over ``MAX_CHARS`` are left to the next turn: this is work ahead of need, never a queue. A guess
 that misses (the client sends back other text: a stop string cut, an edited answer, a template that renders
 the last answer unlike an earlier one) costs that tokenization and nothing else: the next turn tokenizes
-its own text as before, and the cache drops the unused piece in its LRU order.
+its own text as before, and the cache drops the unused piece in its LRU order. So does a next turn that
+reaches another router worker (``--workers``: the kernel spreads connections), whose cache is its own.
 """
 
 from __future__ import annotations
