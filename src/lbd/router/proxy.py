@@ -153,15 +153,15 @@ class Proxy:
         move = rr.move
         if move is not None and move.broken is not None:  # failed mid-stream: resume elsewhere
             await self.migrator.resume(self, rr, out)
-        if move is not None and move.done and self.state.exact is not None:
+        if move is not None and move.done:
             self._answered(rr, move)
 
     def _answered(self, rr: RoutedRequest, move: Move) -> None:
         """A whole streamed chat answer with its token ids: the exact view tokenizes it ahead of the
         conversation's next turn (lbd.router.kv.answers)."""
-        if move.kind == "chat" and move.impossible is None and move.ids_ok and rr.data is not None:
-            assert self.state.exact is not None
-            self.state.exact.answered(rr.facts, rr.data, move.out_ids)
+        exact = self.state.exact
+        if exact is not None and move.kind == "chat" and move.impossible is None and move.ids_ok and rr.data:
+            exact.answered(rr.facts, rr.data, move.out_ids)
 
     # ---- admit --------------------------------------------------------------------------------------
     def admit(self, request: Request, key: ApiKey | None = None,
