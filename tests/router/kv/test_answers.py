@@ -74,6 +74,7 @@ def test_what_is_not_warmed() -> None:
     long = tok.rust.encode("word " * (answers.MAX_CHARS // 4), add_special_tokens=False).ids
     assert not asyncio.run(warm_and_wait(ahead, tok, one_shot, long))
     assert not asyncio.run(warm_and_wait(ahead, tok, one_shot, []))
+    assert not asyncio.run(warm_and_wait(ahead, tok, one_shot, [0] * (answers.MAX_CHARS + 1)))
 
     async def flood() -> list[bool]:
         got = [ahead.warm(tok, one_shot, tok.rust.encode(f" Answer {i}.", add_special_tokens=False).ids)

@@ -66,7 +66,7 @@ class AnswersAhead:
 
     def warm(self, tok: RouterTokenizer, data: dict[str, Any], ids: Sequence[int]) -> bool:
         """Tokenize the answer ``ids`` decode to, for the next turn, in a thread; False when it is not."""
-        if self.running >= MAX_RUNNING or not ids:
+        if self.running >= MAX_RUNNING or not 0 < len(ids) <= MAX_CHARS:  # (not decoded: it is on the loop)
             return False
         answer = tok.rust.decode(list(ids), skip_special_tokens=True)
         if len(answer) > MAX_CHARS:
