@@ -56,8 +56,7 @@ def test_the_head_and_the_length_estimate_of_a_new_system_prompt() -> None:
     first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
     before = sum(len(p) for p in plan.pieces[:first_new])
     sizes = head_sizes(before, [16])
-    short, long = (cold.head_ids(tok, plan, chars) for chars in sizes)
-    assert short is not None and long is not None
+    short, long = cold.heads(tok, plan, [16])  # the short head, then the long one
     known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
     guess = cold.estimate_tokens(plan, len(long[0]) - before, long[2], known)
     tok.fill(plan, tok.encode_missing(plan, off_loop=True))
@@ -82,8 +81,7 @@ def test_the_length_estimate_learns_the_characters_per_token_of_tokenized_texts(
         cold._learn_ratio(plan.missing, tok.encode_missing(plan, off_loop=True))
     plan = plans[2]
     assert plan is not None
-    got = cold.head_ids(tok, plan, 160)
-    assert got is not None
+    got = next(cold.heads(tok, plan, [16]))  # the short head
     known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
     first_new = next(i for i, p in enumerate(plan.pieces) if isinstance(p, str))
     before = sum(len(p) for p in plan.pieces[:first_new])

@@ -106,16 +106,6 @@ class ColdStart:
             head_ids = tok.rust.encode(head, add_special_tokens=False).ids
             yield ids + head_ids, len(head_ids), len(head)
 
-    def head_ids(self, tok: RouterTokenizer, plan: Plan, chars: int) -> tuple[list[int], int, int] | None:
-        """(ids of the prompt up to the head, at most ``chars`` long, of its first new piece; the head's own
-        tokens and characters)."""
-        first = _first_new(plan) if tok.by_heads else None
-        head = tok.head(first[1], chars) if first is not None else None
-        if first is None or head is None:
-            return None
-        head_ids = tok.rust.encode(head, add_special_tokens=False).ids
-        return first[0] + head_ids, len(head_ids), len(head)
-
     def start(self, tok: RouterTokenizer, plan: Plan) -> Deferred:
         """Tokenize the plan's new pieces in a thread; the plan is filled (and the piece cache with it) on
         the loop as soon as they are done, whatever became of the request."""
