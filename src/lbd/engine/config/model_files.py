@@ -41,7 +41,31 @@ def cache_root(cache_dir: Path | None = None) -> Path:
 
 
 def converted_path(gguf: Path, cache_dir: Path | None = None) -> Path:
-    """Cache folder for ``gguf``: name, size and a hash of (absolute path, mtime) so edits invalidate it."""
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / f"{gguf.stem}-{st.st_size}-{key}"
+    """Cache folder for ``gguf``, named by its content: the same file installed again (a new venv, a new path,
+    a new mtime) finds the folder converted before, and an edit makes a new one."""
+    root = cache_root(cache_dir)
+    return root / f"{gguf.stem}-{gguf.stat().st_size}-{content_digest(gguf, root)[:12]}"
+
+
+def content_digest(path: Path, root: Path) -> str:
+    """SHA-256 of ``path``'s bytes, remembered under ``root/.digests`` by (path, size, mtime), so only the
+    first look at an installed file reads it whole (~0.1 s for the default model)."""
+    st = path.stat()
+    where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = root / ".digests" / hashlib.sha1(where.encode()).hexdigest()
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError:  # a read-only cache: the digest is recomputed next time, nothing breaks
+        pass
+    return digest
