@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
@@ -32,14 +30,11 @@ import orjson
 
 from lbd.common.auth import ApiKey
 from lbd.common.limits import PeerReadTooLarge, read_upstream
-from lbd.policies import Decision, Refusal, RequestFacts, route
-from lbd.router import admission
-from lbd.router.auth import Gate, requested_tokens, retry_after
+from lbd.policies import Decision, Refusal, route
+from lbd.router.admission import Admission
+from lbd.router.auth import Gate
 from lbd.router.endpoints import Endpoint
-from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
-from lbd.router.kv.forward import FIELD as FORWARDED_IDS
-from lbd.router.kv.forward import strip_client_copy
 from lbd.router.messages import Request, Response
 from lbd.router.relay import Relay
 from lbd.router.routed import Attempt, ClientGone, Failure, Refused, RoutedRequest
@@ -74,7 +69,6 @@ class Proxy:
                  tracer: RouterTracer | None = None) -> None:
         self.state = state
         self.tracer = tracer
-        self._hash_prefix = state.policy.uses_prefix_hashes
         self._headers = HeaderRewriter()
         self.relay = Relay(state, self._headers)
         self.cfg = state.cfg
@@ -88,11 +82,7 @@ class Proxy:
         drop_auth = frozenset({b"authorization"}) if key or not cfg.forward_authorization else frozenset()
         self._drop = REQUEST_DROP | drop_auth
         self._drop_unpinned = REQUEST_DROP_UNPINNED | drop_auth
-        # Request ids: 32 hex digits like uuid4().hex, a random per-process half and a counter (a uuid4 per
-        # request costs more than the rest of the id handling together).
-        self._rid_prefix = os.urandom(8).hex().encode()
-        self._rid_count = itertools.count()
-        self._admission = (self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens) != (None, None)
+        self._admission = Admission(state, gate, self.loop)
         self.disagg: Disagg | None = None
         if cfg.pd_disaggregation:  # only a P/D router loads the two stages (cold start)
             from lbd.router.disagg import Disagg
@@ -166,57 +156,8 @@ class Proxy:
     # ---- admit --------------------------------------------------------------------------------------
     def admit(self, request: Request, key: ApiKey | None = None,
               trace: RouteTrace | None = None) -> RoutedRequest | Refused:
-        """Refuse early what cannot be routed: a body over --max-request-body-bytes (413), one that does not
-        parse (400), ``key`` over its rate limit (429), full deployment queues (503). Else the request with
-        its id, arrival time and parsed facts."""
-        t0 = self.loop.time()
-        rid = request.headers.get("X-Request-Id")
-        if rid:
-            rid_header = b"X-Request-Id: %s\r\n" % rid.encode("latin-1")  # headers decode as latin-1
-        else:
-            rid_header = b"X-Request-Id: %s%016x\r\n" % (self._rid_prefix, next(self._rid_count))
-        if request.too_large:
-            limit = self.cfg.max_request_body_bytes
-            size = f"of {request.content_length} bytes " if request.content_length is not None else ""
-            message = f"request body {size}is over the {limit}-byte limit (--max-request-body-bytes)"
-            return Refused(413, message, "RequestTooLargeError", None, rid_header)
-        body = request.body
-        try:
-            if request.method == "POST":
-                exact = self.state.exact
-                # text prefix hashes: only for a policy that reads them and lacks exact views of all
-                text = self._hash_prefix and (
-                    exact is None or not (self.state.policy.exact_aware and exact.complete()))
-                facts, data = parse_request(body, request.headers, self.cfg.session_header, text)
-            else:
-                facts, data = path_facts(request.path, request.headers), None
-        except BadRequest as e:
-            return Refused(400, e.message, "BadRequestError", e.param, rid_header)
-        if data is not None and FORWARDED_IDS in data:  # only the router's own (signed) ids reach a rank
-            body = strip_client_copy(data)
-        if key is not None and self.gate is not None and self.gate.limits_on:
-            refused = self._rate_limit(request, key, facts, t0, rid_header)
-            if refused is not None:
-                return refused
-        if self._admission and request.method == "POST" and admission.admits(request.path):
-            queues_full = admission.refusal(self.state)
-            if queues_full is not None:
-                self.state.metrics.decision(self.cfg.policy, queues_full[0])
-                return Refused(503, queues_full[1], "ServiceUnavailableError", None, rid_header)
-        return RoutedRequest(request, body, rid_header, t0, facts, data, trace)
-
-    def _rate_limit(self, request: Request, key: ApiKey, facts: RequestFacts, t0: float,
-                    rid_header: bytes) -> Refused | None:
-        """The key's request and token rate limits (lbd.router.auth)."""
-        assert self.gate is not None
-        tokens = facts.prompt_tokens + (requested_tokens(request.body) if self.gate.counts_tokens else 0)
-        wait = self.gate.admit(key, tokens, t0)
-        if wait <= 0.0:
-            return None
-        self.state.metrics.rate_limited.labels(key.name).inc()
-        after = retry_after(wait)
-        message = f"rate limit of API key {key.name} exceeded: retry in {after} s"
-        return Refused(429, message, "RateLimitError", None, rid_header + b"Retry-After: %d\r\n" % after)
+        """The request with its id and parsed facts, or its refusal (lbd.router.admission)."""
+        return self._admission.admit(request, key, trace)
 
     # ---- facts --------------------------------------------------------------------------------------
     def facts(self, rr: RoutedRequest) -> Awaitable[None] | None:
