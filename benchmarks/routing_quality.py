@@ -33,8 +33,9 @@ request has its first token) and how many of the slowest 1% are start-up request
 (routing_report.startup_split), ITL p99, output tok/s (latencies divided by the time scale: simulated H100
 time), prefix-cache hit rate from the engines' counters, that rate as a share of an oracle's (one cache that
 holds every block any rank computed, looked up in arrival order: the best any router could do), and the
-most/fewest requests served by one rank, and how many cold requests (each group's first) waited behind
-another cold prefill (routing_report.cold_stacks, a client-side proxy). Stepped workloads report every step.
+most/fewest requests served by one rank, and how many cold requests (each group's first) waited for other
+work on their rank (routing_report.cold_waits: slower than 1.2x the fastest cold request). Stepped
+workloads report every step.
 `--repeat N` runs every target N times, interleaved (all targets, then all again), and tabulates every run.
 
     .venv/bin/python benchmarks/routing_quality.py [--quick] [--only lbd:predicted_ttft,lbd:round_robin]
@@ -78,8 +79,8 @@ from routing_report import (  # noqa: E402
     OURS,
     Row,
     cold_requests,
-    cold_stacks,
     cold_table,
+    cold_waits,
     plot,
     runs_table,
     saturated_step,
@@ -437,7 +438,7 @@ def run_one(
         s = summarize(result.records, result.duration_s, {})
         n_startup, steady_p99, slowest_startup = startup_split(result.records, scale)
         records = result.records
-        n_cold, n_stacked = cold_stacks(records)
+        n_cold, n_waited = cold_waits(records)
         shorts = [r.ttft for r in result.records if r.ok and r.kind == "short"]
         rows.append(
             Row(
@@ -469,7 +470,7 @@ def run_one(
                 slowest_startup=slowest_startup,
                 run=run,
                 cold_requests=n_cold,
-                cold_stacked=n_stacked,
+                cold_waited=n_waited,
                 load_avg=os.getloadavg()[0],
                 router_overhead_ms=overhead,
                 router_overhead_mean_ms=over_mean,
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(table(mine))
         if args.repeat > 1:
-            print(f"\nEvery run (cold stacked: see routing_report.cold_stacks)\n\n{runs_table(mine)}")
+            print(f"\nEvery run (cold waited: see routing_report.cold_waits)\n\n{runs_table(mine)}")
             if args.cold_detail:
                 print(cold_table(mine))
     checks = verdicts(rows)

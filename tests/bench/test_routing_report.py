@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.routing_report import Row, cold_stacks, saturated_step, startup_split, verdicts
+from benchmarks.routing_report import Row, cold_waits, saturated_step, startup_split, verdicts
 
 from lbd.bench.client import RequestRecord
 
@@ -54,16 +54,16 @@ def test_startup_ends_when_every_group_has_its_first_token() -> None:
     assert n == 0 and math.isnan(p99) and slowest == ""
 
 
-def test_a_cold_request_behind_another_cold_prefill_counts_as_stacked() -> None:
-    """Three groups: group 1's cold request arrives while group 0's computes and takes twice its time (it
-    waited behind it); group 2's arrives during group 0's too but takes the fastest cold time (a free rank);
-    a slow warm turn is not a cold request."""
+def test_a_cold_request_slower_than_a_bare_prefill_counts_as_waited() -> None:
+    """Four groups: the fastest cold request sets the floor; one at 2x and one at 1.3x waited for other work
+    on their ranks; one at 1.1x is a bare prefill beside decodes; a slow warm turn is not a cold request."""
     recs = [
         RequestRecord("a", 0, start=0.0, ttft=1.0, group=0),
         RequestRecord("b", 0, start=0.5, ttft=2.0, group=1),
-        RequestRecord("c", 0, start=0.6, ttft=1.0, group=2),
+        RequestRecord("c", 0, start=0.6, ttft=1.3, group=2),
+        RequestRecord("d", 0, start=0.7, ttft=1.1, group=3),
         RequestRecord("a", 1, start=1.2, ttft=3.0, group=0),
     ]
-    assert cold_stacks(recs) == (3, 1)
-    assert cold_stacks([RequestRecord("a", 0, start=0.0, ttft=2.5, group=0)]) == (1, 0)
-    assert cold_stacks([]) == (0, 0)
+    assert cold_waits(recs) == (4, 2)
+    assert cold_waits([RequestRecord("a", 0, start=0.0, ttft=2.5, group=0)]) == (1, 0)
+    assert cold_waits([]) == (0, 0)
