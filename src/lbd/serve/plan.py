@@ -1,9 +1,9 @@
 """`lbd serve` flags -> what this node runs (a `Plan`), or None for the single-rank engine.
 
 Every check runs before anything starts: a bad combination exits 2 with one line naming the flag and the fix.
-The children's command lines are rebuilt from the parsed flags (only those changed from their defaults), with
-the flags this layer consumes (the router's port and workers, the group's address, the deployment-wide
-queue limits) taken out and the node's own values put in.
+The children's command lines (``lbd.serve.child_argv``) are rebuilt from the parsed flags (only those changed
+from their defaults), with the flags this layer consumes (the router's port and workers, the group's address,
+the deployment-wide queue limits) taken out and the node's own values put in.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 from lbd.common.auth import engine_secrets
 from lbd.common.cluster import LOOPBACK, is_loopback
 from lbd.common.internal_key import INTERNAL_KEY_ENV, derive_key
-from lbd.common.limits import DEFAULTS as LIMIT_DEFAULTS
 from lbd.common.limits import Limits, limits_from
 from lbd.common.ports import port_in_use
 from lbd.engine.config.args import engine_args_from_namespace, validate
+from lbd.serve.child_argv import group_argv, route_argv, supervise_argv
 from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import parse_args
 from lbd.supervisor.flags import (
     OneLineParser,
     SupervisorArgError,
     add_supervisor_arguments,
-    engine_flags,
     make_parser,
 )
 from lbd.supervisor.moe import model_moe
@@ -35,10 +34,6 @@ from lbd.wire.roles import NodeRole
 
 PROG = "lbd serve"
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
-# consumed here, never passed to the ranks' supervisor as such
-_OWN = frozenset({"host", "port", "api_server_count", "data_parallel_address", "data_parallel_rpc_port",
-                  "ready_policy", "supervisor_host", "data_parallel_supervisor_port", "max_num_queued_reqs",
-                  "max_num_queued_tokens", "cluster_token_file", "insecure_cluster"})
 
 
 @dataclass(slots=True)
@@ -302,10 +297,10 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         probe_failure_threshold=ns.dp_supervisor_probe_failure_threshold,
         shutdown_timeout_s=ns.shutdown_timeout, models=list(engine_args_from_namespace(ns).model_names),
         cluster_token=token, insecure_cluster=ns.insecure_cluster,
-        supervise_argv=_supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
-        + (_group_argv(ns, address, rpc_port) if moe_group else [])
+        supervise_argv=supervise_argv(parser, ns, passed, n, local, start, rank_port, rank_host)
+        + (group_argv(ns, address, rpc_port) if moe_group else [])
         + (["--insecure-cluster"] if moe_group and ns.insecure_cluster else []),
-        route_argv=_route_argv(ns, role, needed) if runs_router else None,
+        route_argv=route_argv(ns, role, needed) if runs_router else None,
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
         api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env, token),
         limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
@@ -349,72 +344,6 @@ def _check_ports(ns: argparse.Namespace, role: NodeRole, local: int, rank_port: 
             if problem:
                 raise SupervisorArgError(f"--rank-port {rank_port}: local rank {i}'s {problem}: pick a free "
                                          "--rank-port")
-
-
-def _supervise_argv(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], n: int, local: int,
-                    start: int, rank_port: int, rank_host: str | None) -> list[str]:
-    """`lbd supervise` flags for this node's ranks (the internal health port is added at start)."""
-    argv = engine_flags(parser, ns, passed - _OWN)
-    argv += ["--data-parallel-multi-port-external-lb", "--data-parallel-size", str(n),
-             "--port", str(rank_port)]
-    if ns.data_parallel_backend == "ray":
-        if ns.data_parallel_size_local is not None:
-            argv += ["--data-parallel-size-local", str(ns.data_parallel_size_local)]
-    else:
-        argv += ["--data-parallel-size-local", str(local), "--data-parallel-start-rank", str(start)]
-    if rank_host is not None:
-        argv += ["--host", rank_host]
-    return [a for a in argv if not a.startswith("--node-rank")]  # the start rank is explicit
-
-
-def _group_argv(ns: argparse.Namespace, address: str | None, rpc_port: int) -> list[str]:
-    """Where an MoE group meets (lbd.serve.group.rendezvous: the store on P+1, the coordinator on P+2 and
-    its HTTP on P+3, beside the head's registration on P); on one node without the flags the supervisor picks
-    loopback and free ports."""
-    if address is not None:
-        return ["--data-parallel-address", address, "--data-parallel-rpc-port", str(rpc_port)]
-    if ns.data_parallel_rpc_port is not None:
-        return ["--data-parallel-rpc-port", str(rpc_port)]
-    return []
-
-
-def _route_argv(ns: argparse.Namespace, role: NodeRole, needed: int) -> list[str]:
-    """`lbd route` flags: the node's API port, workers, probes like the supervisor's, the queue limits."""
-    interval = ns.dp_supervisor_probe_interval_s
-    argv = ["--host", ns.host or "0.0.0.0", "--port", str(ns.port), "--workers", str(ns.api_server_count),
-            "--min-ready-endpoints", str(needed), "--health-check-interval-s", str(interval),
-            "--health-check-timeout-s", str(ns.dp_supervisor_probe_timeout_s),
-            "--health-failure-threshold", str(ns.dp_supervisor_probe_failure_threshold),
-            "--supervisor-poll-interval-s", str(min(0.5, interval)),
-            *_limit_flags(ns), "--shutdown-timeout", str(ns.shutdown_timeout), "--log-level", ns.log_level,
-            "--serving-health"]  # the API port stands in for a vLLM server: /health means a request is served
-    for flag, value in (("--ssl-certfile", ns.ssl_certfile), ("--ssl-keyfile", ns.ssl_keyfile),
-                        ("--ssl-ca-certs", ns.ssl_ca_certs)):
-        if value is not None:
-            argv.append(f"{flag}={value}")
-    if ns.route_policy:
-        argv += ["--policy", ns.route_policy]
-    if ns.max_num_queued_reqs is not None:
-        argv += ["--max-num-queued-reqs", str(ns.max_num_queued_reqs)]
-    if ns.max_num_queued_tokens is not None:
-        argv += ["--max-num-queued-tokens", str(ns.max_num_queued_tokens)]
-    if getattr(ns, "otlp_traces_endpoint", None):  # the router's span is the engine span's parent
-        argv += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
-    if getattr(ns, "prefill_ranks", None) or getattr(ns, "decode_ranks", None):  # a P/D node: two stages
-        argv.append("--vllm-pd-disaggregation")
-    return argv
-
-
-def _limit_flags(ns: argparse.Namespace) -> list[str]:
-    """The connection limits the user changed (the API port is the router's: they apply there too, and the
-    body limit always, as the ranks get the same)."""
-    limits = limits_from(ns)
-    out = []
-    for name in type(limits).__dataclass_fields__:
-        value = getattr(limits, name)
-        if name == "max_request_body_bytes" or value != getattr(LIMIT_DEFAULTS, name):
-            out.append(f"--{name.replace('_', '-')}={value}")
-    return out
 
 
 def _validate_children(parser: OneLineParser, ns: argparse.Namespace, plan: Plan,
