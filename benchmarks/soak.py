@@ -33,47 +33,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from soak_chaos import Chaos, Sampler, flatness, wait_for  # noqa: E402
+from soak_mix import STORY, Kind, judge, kinds, read_stream, read_whole, reference  # noqa: E402
 from support import RouterServer, metric_value  # noqa: E402
 from support.node import SupervisorNode  # noqa: E402
 from support.procs import exit_on_sigterm  # noqa: E402
 from support.tiny import make_tiny_llama  # noqa: E402
 
 TOKEN = "soak-admin-token"
-PROMPT = "Once upon a time"
+PROMPT = STORY
 
 
 class Load:
-    """Open-loop load: a request every 1/rate s whatever the answers; each outcome is classified."""
+    """Open-loop load: a request every 1/rate s whatever the answers, cycling through the mix
+    (benchmarks/soak_mix.py); each outcome is classified, and every answer is held to the unbroken one."""
 
-    def __init__(self, url: str, model: str, rate: float, stream_share: float, max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, rate: float, stream_share: float, mix: list[Kind]) -> None:
         self.url, self.model, self.rate = url, model, rate
-        self.stream_share, self.max_tokens = stream_share, max_tokens
-        self.outcomes: list[dict] = []  # t, kind, reason, latency
+        self.stream_share, self.mix = stream_share, mix
+        self.outcomes: list[dict] = []  # t, kind, stream, outcome, reason, latency
         self.sent = 0
         self._rng = random.Random(7)
 
     async def run(self, duration_s: float, t0: float) -> None:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=self.url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
             tasks = []
             loop = asyncio.get_running_loop()
             start = loop.time()
             while loop.time() - start < duration_s:
                 stream = self._rng.random() < self.stream_share
-                tasks.append(asyncio.create_task(self.one(client, stream, t0)))
+                kind = self.mix[self.sent % len(self.mix)]
+                tasks.append(asyncio.create_task(self.one(client, kind, stream, t0)))
                 self.sent += 1
                 await asyncio.sleep(max(0.0, start + self.sent / self.rate - loop.time()))
             await asyncio.gather(*tasks)
 
-    async def one(self, client: httpx.AsyncClient, stream: bool, t0: float) -> None:
-        body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": stream}
+    async def one(self, client: httpx.AsyncClient, kind: Kind, stream: bool, t0: float) -> None:
+        body = kind.request(self.model, stream)
         began = time.monotonic()
         got_bytes = False
         outcome, reason = "ok", ""
         try:
             if stream:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
+                async with client.stream("POST", kind.path, json=body) as r:
                     if r.status_code != 200:
                         await r.aread()
                         outcome, reason = "lost", f"status {r.status_code}: {_message(r.content)}"
@@ -82,19 +84,25 @@ class Load:
                         async for chunk in r.aiter_text():
                             got_bytes = True
                             text += chunk
-                        if '"error"' in text or not text.endswith("data: [DONE]\n\n"):
+                        answer = read_stream(kind, text)
+                        if answer.errors or answer.dones != 1:
                             outcome, reason = "broken_stream", _stream_error(text)
+                        elif (why := judge(kind, answer, True)) is not None:
+                            outcome, reason = "wrong", why
             else:
-                r = await client.post("/v1/completions", json=body)
+                r = await client.post(kind.path, json=body)
                 if r.status_code != 200:
                     outcome, reason = "lost", f"status {r.status_code}: {_message(r.content)}"
-                elif r.json()["usage"]["completion_tokens"] != self.max_tokens:
-                    outcome, reason = "wrong", "short answer"
+                elif (why := judge(kind, read_whole(kind, r.json()), False)) is not None:
+                    outcome, reason = "wrong", why
         except httpx.HTTPError as e:
             outcome = "broken_stream" if got_bytes else "lost"
             reason = type(e).__name__
-        self.outcomes.append({"t": round(began - t0, 2), "stream": stream, "outcome": outcome,
-                              "reason": reason, "latency_s": round(time.monotonic() - began, 3)})
+        if outcome != "ok":
+            reason = f"{kind.name}: {reason}"
+        self.outcomes.append({"t": round(began - t0, 2), "kind": kind.name, "stream": stream,
+                              "outcome": outcome, "reason": reason,
+                              "latency_s": round(time.monotonic() - began, 3)})
 
 
 def _message(body: bytes) -> str:
@@ -222,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chaos-every-s", type=float, default=20.0)
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (open loop)")
     p.add_argument("--stream-share", type=float, default=0.5)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="the mix's base answer length (soak_mix.kinds)")
+    p.add_argument("--max-model-len", type=int, default=256,
+                   help="the ranks' context: where a chat without max_tokens ends")
+    p.add_argument("--pd", action=argparse.BooleanOptionalAction, default=True,
+                   help="three ranks, rank 0 prefilling for ranks 1 and 2 (long prompts go P/D), instead of "
+                        "two mixed ranks")
     p.add_argument("--model", type=Path, default=None, help="default: a tiny random Llama made here")
     p.add_argument("--out", type=Path, default=None, help="folder for soak.json, soak.png and the logs")
     args = p.parse_args(argv)
@@ -231,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or make_tiny_llama(out / "model", layers=4, hidden=256, heads=4, kv_heads=2,
                                           intermediate=512, max_pos=1024)
-    node = SupervisorNode(model, 2, "--admin-token", TOKEN, "--shutdown-timeout", "10",
+    ranks = 3 if args.pd else 2
+    roles = ["--prefill-ranks", "0", "--decode-ranks", "1,2"] if args.pd else []
+    node = SupervisorNode(model, ranks, *roles, "--max-model-len", str(args.max_model_len),
+                          "--admin-token", TOKEN, "--shutdown-timeout", "10",
                           "--health-stall-timeout-s", "3", "--dp-supervisor-probe-generate", "5",
                           "--restart-backoff-initial-s", "0.5", "--restart-backoff-max-s", "5",
                           interval=0.5, timeout=2.0, threshold=2, log=out / "node.log")
@@ -239,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node.wait_ready(300)
         router = RouterServer("--upstreams", f"supervisor://127.0.0.1:{node.sport}", "--outlier-first-byte-"
-                              "timeout-s", "5", log=out / "router.log").wait_ready()
-        load = Load(router.url, str(model), args.rate, args.stream_share, args.max_tokens)
-        chaos = Chaos(node, router, TOKEN, 2)
-        sampler = Sampler(node, router, 2)
+                              "timeout-s", "5", "--pd-min-prompt-tokens", "64",
+                              log=out / "router.log").wait_ready()
+        mix = kinds(args.max_tokens)
+        reference(router.url, str(model), mix)
+        load = Load(router.url, str(model), args.rate, args.stream_share, mix)
+        chaos = Chaos(node, router, TOKEN, ranks)
+        sampler = Sampler(node, router, ranks)
         t0 = time.monotonic()
         stop = threading.Event()
 
@@ -268,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
         summary = summarize(load, chaos, sampler, metrics, duration, warmup_s=min(30.0, duration / 5))
         summary["migrations"] = httpx.get(router.url + "/router/status", timeout=10).json()["migrations"]
+        summary["mix"] = {k.name: {"sent": sum(o["kind"] == k.name for o in load.outcomes),
+                                   "ok": sum(o["kind"] == k.name and o["outcome"] == "ok"
+                                             for o in load.outcomes),
+                                   "unbroken_tokens": k.tokens, "finish": k.finish} for k in mix}
+        summary["decisions"] = {line.split("{", 1)[1].split("}", 1)[0]:
+                                float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                if line.startswith("lbd_router_decisions_total{")}
         wait_for(chaos.ready, 120)  # the last chaos action may have left a rank restarting
         summary["one_prefill_s"] = round(prefill_s(node, str(model), PROMPT), 4)
         (out / "soak.json").write_text(json.dumps({"summary": summary, "samples": sampler.rows,
@@ -280,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "chaos"}, indent=1))
     print(f"figures: {out / 'soak.json'}, plot: {out / 'soak.png'}")
     problems = grew(summary)
-    if summary["lost_before_any_byte"] or problems:
-        print(f"FAIL: {summary['lost_before_any_byte']} lost before any byte; {problems}")
+    if summary["lost_before_any_byte"] or summary["wrong"] or problems:
+        print(f"FAIL: {summary['lost_before_any_byte']} lost before any byte, {summary['wrong']} wrong; "
+              f"{problems}")
         return 1
     return 0
 
