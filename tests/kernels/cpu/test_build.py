@@ -16,17 +16,40 @@ from lbd.kernels.cpu import build
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler to build lbd.kernels.cpu")
 AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "fma"})
+AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+BF16_NEEDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo's names
 
 
-def test_levels_follow_the_cpu_flags() -> None:
-    assert build.levels(frozenset()) == ("scalar",)
-    assert build.levels(AVX2_ONLY) == ("scalar", "avx2")
-    assert build.levels(AVX2_ONLY | {"avx512f"}) == ("scalar", "avx2", "avx512")
-    assert build.missing("avx512bf16", AVX2_ONLY | {"avx512f"}) == ("avx512bw", "avx512vl", "avx512_bf16")
-    with pytest.raises(ValueError, match="lacks avx512f; use one of scalar, avx2"):
-        build.check("avx512", AVX2_ONLY)
-    with pytest.raises(ValueError, match="unknown CPU kernel level 'sse9'"):
-        build.check("sse9")
+def _refused_above_avx2(flags: frozenset[str]) -> str:
+    """What a process capped at LBD_CPU_ISA=avx2 answers when asked for avx512bf16 on a CPU with ``flags``:
+    the instruction sets the CPU lacks where it lacks any (an AVX2-only machine), else the cap."""
+    lacks = [f for f in BF16_NEEDS if f not in flags]
+    if not lacks:
+        return ("CPU kernel level avx512bf16 is above LBD_CPU_ISA=avx2: unset LBD_CPU_ISA or raise it to run "
+                "it")
+    runs = ["scalar"]
+    if {"avx2", "fma"} <= flags:
+        runs += ["avx2", "avx512"] if "avx512f" in flags else ["avx2"]
+    return (f"CPU kernel level avx512bf16: this CPU lacks {', '.join(lacks)}; use one of {', '.join(runs)} "
+            "(LBD_CPU_ISA), or leave LBD_CPU_ISA unset for the best it runs")
+
+
+def test_both_refusals_are_what_the_code_says_for_each_cpu() -> None:
+    """The two answers to "avx512bf16, capped at avx2", each shown for the CPU that gets it (``refusal`` is
+    the code ``allowed`` raises from, with the feature list set): an AVX-512 BF16 machine is refused by the
+    cap, an AVX2-only one by what it lacks, an AVX-512 one without BF16 by its missing BF16 parts."""
+    cap_msg = "CPU kernel level avx512bf16 is above LBD_CPU_ISA=avx2: unset LBD_CPU_ISA or raise it to run it"
+    lacks_msg = ("CPU kernel level avx512bf16: this CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16; use "
+                 "one of scalar, avx2 (LBD_CPU_ISA), or leave LBD_CPU_ISA unset for the best it runs")
+    assert build.refusal("avx512bf16", "avx2", AVX512_BF16) == _refused_above_avx2(AVX512_BF16) == cap_msg
+    assert build.refusal("avx512bf16", "avx2", AVX2_ONLY) == _refused_above_avx2(AVX2_ONLY) == lacks_msg
+    partial = AVX2_ONLY | {"avx512f"}
+    assert build.refusal("avx512bf16", "avx2", partial) == _refused_above_avx2(partial)
+    assert "lacks avx512bw, avx512vl, avx512_bf16; use one of scalar, avx2, avx512 " in build.refusal(
+        "avx512bf16", "avx2", partial)
+    assert build.refusal("avx2", "avx2", AVX2_ONLY) is None
+    assert build.refusal("avx2", "scalar", AVX2_ONLY) == (
+        "CPU kernel level avx2 is above LBD_CPU_ISA=scalar: unset LBD_CPU_ISA or raise it to run it")
 
 
 @pytest.mark.usefixtures("isa")
@@ -71,12 +94,12 @@ def _child(cap: str, model: Path) -> list[str]:
 @pytest.mark.skipif("avx2" not in build.available(), reason="this CPU lacks avx2 or fma, or LBD_CPU_ISA caps")
 def test_the_engine_runs_the_capped_level(tiny_llama: Path) -> None:
     """Capped at AVX2 the engine still packs its fp32 weights, fuses the stack and runs the C kernels, at that
-    level (bf16 stays on torch's GEMM: no VDPBF16PS); a level above the cap is refused. (At scalar nothing
-    packs: test_cpu_packed's pass test at that level.)"""
+    level (bf16 stays on torch's GEMM: no VDPBF16PS); a level above the cap is refused, with the reason this
+    CPU gets. (At scalar nothing packs: test_cpu_packed's pass test at that level.)"""
     kernels, above = _child("avx2", tiny_llama)
     assert kernels == "avx2 True True True False"
-    assert above == ("CPU kernel level avx512bf16 is above LBD_CPU_ISA=avx2: unset LBD_CPU_ISA or raise it "
-                     "to run it")
+    # the cap's answer on an AVX-512 BF16 machine, the missing instruction sets' on a smaller one
+    assert above == _refused_above_avx2(build.cpu_flags())
 
 
 def test_the_default_is_the_best_level_the_cpu_runs_or_the_cap() -> None:

@@ -118,14 +118,26 @@ def levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     return tuple(lv for lv in LEVELS if not missing(lv, flags))
 
 
+def refusal(level: str, cap_level: str | None = None, flags: frozenset[str] | None = None) -> str | None:
+    """Why a process capped at ``cap_level`` (none: no cap) on this CPU (or one with ``flags``) may not run
+    ``level``, in the words ``check`` and ``allowed`` raise; None when it may. A pure function of its
+    arguments once ``flags`` is given, so each message can be shown for any CPU."""
+    lacks = missing(level, flags)
+    if lacks:
+        return (f"CPU kernel level {level}: this CPU lacks {', '.join(lacks)}; use one of "
+                f"{', '.join(levels(flags))} (LBD_CPU_ISA), or leave LBD_CPU_ISA unset for the best it runs")
+    if cap_level is not None and LEVELS.index(level) > LEVELS.index(cap_level):
+        return (f"CPU kernel level {level} is above LBD_CPU_ISA={cap_level}: unset LBD_CPU_ISA or raise it "
+                "to run it")
+    return None
+
+
 def check(level: str, flags: frozenset[str] | None = None) -> str:
     """``level`` when the CPU (or one with ``flags``) can execute it, else a ValueError naming what it lacks
     and the fix."""
-    lacks = missing(level, flags)
-    if lacks:
-        raise ValueError(f"CPU kernel level {level}: this CPU lacks {', '.join(lacks)}; use one of "
-                         f"{', '.join(levels(flags))} (LBD_CPU_ISA), or leave LBD_CPU_ISA unset for the best "
-                         "it runs")
+    why = refusal(level, None, flags)
+    if why:
+        raise ValueError(why)
     return level
 
 
@@ -155,10 +167,9 @@ def available() -> tuple[str, ...]:
 def allowed(level: str) -> str:
     """``level`` when this process may run it, else a ValueError naming the missing instruction set or the
     LBD_CPU_ISA cap."""
-    check(level)
-    if LEVELS.index(level) > LEVELS.index(cap()):
-        raise ValueError(f"CPU kernel level {level} is above LBD_CPU_ISA={cap()}: unset LBD_CPU_ISA or raise "
-                         "it to run it")
+    why = refusal(level) or refusal(level, cap())  # what the CPU lacks first, as before the cap
+    if why:
+        raise ValueError(why)
     return level
 
 
