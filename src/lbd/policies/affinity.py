@@ -1,7 +1,9 @@
-"""Affinity policies: prefix_affinity (approximate prefix index), session (consistent hashing, bounded load).
+"""Affinity plugins: the endpoints holding the longest prefix (approximate index), and sessions on a
+consistent-hash ring with bounded loads.
 
-Both keep affinity bounded: an endpoint that holds the prefix or owns the session is chosen only while its
-load stays within a gap of the least loaded one, so a hot prefix or a hot session cannot pile onto one rank.
+Both keep affinity bounded: the prefix holders are kept only while the least loaded of them is within a gap
+of the least loaded endpoint, and a session's owner only while its load stays under (1 + epsilon) times the
+average, so a hot prefix or a hot session cannot pile onto one rank.
 """
 
 from __future__ import annotations
@@ -10,62 +12,60 @@ import bisect
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
-from lbd.policies.base import (
-    Decision,
-    EndpointSnapshot,
-    Policy,
-    RequestFacts,
-    queue_score,
-    queue_scores,
-    register,
-)
 from lbd.policies.pick import within_gap
-from lbd.policies.prefix import PrefixIndex
+from lbd.policies.plugin import Context, Detail, Env, Filter, Scorer
+from lbd.policies.prefix import PrefixMemory
+from lbd.policies.registry import plugin
 
 
-@register
-class PrefixAffinity(Policy):
-    name = "prefix_affinity"
+@plugin
+class LongestPrefix(Filter):
+    """Keep the endpoints holding the longest prefix of the request that any endpoint holds (the text-prefix
+    index of what was sent where), unless the least loaded of them is past the load gap; none holds any
+    ("cold") or all past the gap ("overloaded"): keep every endpoint."""
+
+    name = "longest_prefix"
+    help = "endpoints holding the request's longest cached prefix (approximate), bounded by a load gap"
     uses_prefix_hashes = True
-    help = "endpoint holding the longest prefix of the request (bounded by a load gap); cold requests spread"
 
-    def __init__(
-        self, gap_abs: float = 4.0, gap_rel: float = 0.5, index_capacity: int = 65536, **options: Any
-    ) -> None:
-        super().__init__(**options)
+    def __init__(self, env: Env, gap_abs: float = 4.0, gap_rel: float = 0.5,
+                 index_capacity: int = 65536) -> None:
+        super().__init__(env)
         self.gap_abs, self.gap_rel = gap_abs, gap_rel
-        self.index = PrefixIndex(index_capacity)
+        self.memory = env.state(PrefixMemory, capacity=index_capacity)
 
-    def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        scores = queue_scores(endpoints, self.stale_s)
+    def filter(self, ctx: Context, kept: list[int]) -> list[int]:
+        hashes, pool, index = ctx.facts.prefix_hashes, ctx.pool, self.memory.index
+        scores = ctx.queue()
+        matches = [index.match(e.key, hashes) for e in pool] if hashes else None
+        best = max(matches) if matches else 0
+        if best == 0 or matches is None:
+            ctx.memo[self] = None
+            return kept
+        holders = [i for i in kept if matches[i] == best]
         least = min(scores)
-        hashes = facts.prefix_hashes
-        matches = [self.index.match(e.key, hashes) for e in endpoints] if hashes else [0] * len(endpoints)
-        best = max(matches)
-        picker = self.picker
-        if best == 0:
-            pick = picker.lowest(scores)
-            score = scores[pick]
-            return Decision(endpoints[pick], "cold", lambda: f"no cached prefix; score {score:.0f}")
-        holders = [i for i, m in enumerate(matches) if m == best]
-        holder = picker.lowest_among(holders, scores)
-        holder_score = scores[holder]
+        holder = min(scores[i] for i in holders) if holders else math.inf
+        hit = within_gap(holder, least, self.gap_abs, self.gap_rel)
+        ctx.memo[self] = (hit, best, len(hashes), holder, least)
+        if hit:
+            return holders
+        ctx.turns_before += 1  # (the one-block policy tried the holder first: a turn spent)
+        return kept
 
-        def detail() -> str:
-            return f"{best}/{len(hashes)} chunks, score {holder_score:.0f} vs least {least:.0f}"
+    def reason(self, ctx: Context, pick: int) -> str:
+        seen = ctx.memo[self]
+        if seen is None:
+            return "cold"
+        return "prefix_hit" if seen[0] else "prefix_overloaded"
 
-        if within_gap(scores[holder], least, self.gap_abs, self.gap_rel):
-            return Decision(endpoints[holder], "prefix_hit", detail)
-        return Decision(endpoints[picker.lowest(scores)], "prefix_overloaded", detail)
-
-    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
-        if facts.prefix_hashes:
-            self.index.insert(key, facts.prefix_hashes)
-
-    def forget(self, key: str) -> None:
-        self.index.forget(key)
+    def detail(self, ctx: Context, pick: int) -> Detail:
+        seen = ctx.memo[self]
+        if seen is None:
+            score = ctx.queue()[pick]
+            return lambda: f"no cached prefix; score {score:.0f}"
+        _, best, n, holder, least = seen
+        return lambda: f"{best}/{n} chunks, score {holder:.0f} vs least {least:.0f}"
 
 
 def _h64(text: str) -> int:
@@ -103,31 +103,79 @@ class HashRing:
         return order
 
 
-@register
-class Session(Policy):
-    """Consistent hashing with bounded loads (Mirrokni et al.): the session's owner on the ring unless its
-    load would pass ``(1 + epsilon)`` times the average, then the next endpoint clockwise that has room."""
+def _cap(ctx: Context, epsilon: float) -> int:
+    """Bounded loads (Mirrokni et al.): an endpoint takes a session's request while its load + 1 stays
+    under (1 + epsilon) times the average load with this request."""
+    loads = ctx.queue()
+    return math.ceil((1.0 + epsilon) * (sum(loads) + 1.0) / len(loads))
+
+
+@plugin
+class SessionCap(Filter):
+    """A request with a session key: keep the endpoints whose load + 1 fits the bounded-load cap (all past
+    it: the least loaded ones). Without a key it keeps everyone."""
+
+    name = "session_cap"
+    help = "with a session key: endpoints under (1 + epsilon) x the average load"
+
+    def __init__(self, env: Env, epsilon: float = 0.25) -> None:
+        super().__init__(env)
+        self.epsilon = epsilon
+
+    def filter(self, ctx: Context, kept: list[int]) -> list[int]:
+        if not ctx.facts.session_key:
+            return kept
+        loads = ctx.queue()
+        cap = ctx.memo["session_cap"] = _cap(ctx, self.epsilon)
+        out = [i for i in kept if loads[i] + 1.0 <= cap]
+        ctx.memo[self] = not out
+        if out:
+            return out
+        least = min(loads[i] for i in kept)
+        return [i for i in kept if loads[i] == least]
+
+    def reason(self, ctx: Context, pick: int) -> str | None:
+        return "session_overflow" if ctx.memo.get(self) else None
+
+    def detail(self, ctx: Context, pick: int) -> Detail:
+        return f"all at cap {ctx.memo['session_cap']}"
+
+
+@plugin
+class Session(Scorer):
+    """The hops from the session's point on a consistent-hash ring to each endpoint (the owner: 0), so
+    sessions stay put and an endpoint leaving moves only its own. No session key: the queue score."""
 
     name = "session"
-    help = "consistent hashing on the session header with bounded load; no session key: least load"
+    help = "consistent hashing on the session header (hops from the owner); no session key: load"
+    uses_load = False
 
-    def __init__(self, epsilon: float = 0.25, vnodes: int = 64, **options: Any) -> None:
-        super().__init__(**options)
-        self.epsilon = epsilon
+    def __init__(self, env: Env, vnodes: int = 64) -> None:
+        super().__init__(env)
         self.ring = HashRing(vnodes)
 
-    def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        if not facts.session_key:
-            pick, scores = self.least_loaded(endpoints)
-            return Decision(endpoints[pick], "no_session_key", f"score {scores[pick]:.0f}")
-        by_key = {e.key: e for e in endpoints}
-        self.ring.update(list(by_key))
-        loads = {k: queue_score(e, self.stale_s) for k, e in by_key.items()}
-        cap = math.ceil((1.0 + self.epsilon) * (sum(loads.values()) + 1.0) / len(loads))
-        order = self.ring.walk(facts.session_key)
-        for hop, key in enumerate(order):
-            if loads[key] + 1.0 <= cap:
-                reason = "session_owner" if hop == 0 else "session_overflow"
-                return Decision(by_key[key], reason, f"hop {hop}, load {loads[key]:.0f}, cap {cap}")
-        key = min(order, key=lambda k: loads[k])
-        return Decision(by_key[key], "session_overflow", f"all at cap {cap}")
+    def score(self, ctx: Context) -> list[float]:
+        session = ctx.facts.session_key
+        if not session:
+            return ctx.queue()
+        pool = ctx.pool
+        self.ring.update([e.key for e in pool])
+        hops = {key: float(hop) for hop, key in enumerate(self.ring.walk(session))}
+        ctx.rotates = False  # the ring orders every endpoint: no ties to take turns on
+        ctx.memo[self] = hops
+        return [hops[e.key] for e in pool]
+
+    def reason(self, ctx: Context, pick: int) -> str:
+        if not ctx.facts.session_key:
+            return "no_session_key"
+        return "session_owner" if self._hop(ctx, pick) == 0 else "session_overflow"
+
+    def _hop(self, ctx: Context, pick: int) -> int:
+        return int(ctx.memo[self][ctx.pool[pick].key])
+
+    def detail(self, ctx: Context, pick: int) -> Detail:
+        load = ctx.queue()[pick]
+        if not ctx.facts.session_key:
+            return f"score {load:.0f}"
+        hop, cap = self._hop(ctx, pick), ctx.memo.get("session_cap")
+        return f"hop {hop}, load {load:.0f}" + (f", cap {cap}" if cap is not None else "")

@@ -1,7 +1,7 @@
-"""What a policy sees and returns, the policy base class, and the registry by name.
+"""What a routing decision sees (request facts, endpoint snapshots) and returns (a Decision).
 
-Policies are pure: no I/O and no clock reads. Everything time-dependent (the age of a scrape) arrives
-already computed in the snapshot; randomness comes from a seeded generator the policy owns.
+Decisions are pure: no I/O and no clock reads. Everything time-dependent (the age of a scrape) arrives
+already computed in the snapshot; randomness comes from a seeded generator a plugin owns.
 """
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-from lbd.policies.pick import Picker
 
 
 @dataclass(slots=True)
@@ -69,7 +66,8 @@ class EndpointSnapshot:
 
 @dataclass(slots=True)
 class Decision:
-    """The chosen endpoint, a low-cardinality ``reason`` (a metric label) and a human ``detail`` line.
+    """The chosen endpoint, a low-cardinality ``reason`` (a metric label), the ``plugin`` that decided and a
+    human ``detail`` line.
 
     ``detail`` may be a function that builds the line: most decisions are never explained to anyone (only
     ``--debug-headers`` and logs read it), and formatting the numbers on every request costs more than the
@@ -80,6 +78,7 @@ class Decision:
     detail: str | Callable[[], str] = ""
     cost_tokens: float = 0.0  # predicted_ttft: prefill tokens it expected ahead of and in this request
     predicted_s: float = 0.0
+    plugin: str = ""  # the registered name of the filter, scorer or picker that decided
 
     def explain(self) -> str:
         """The detail line (built now if it was deferred)."""
@@ -88,8 +87,10 @@ class Decision:
         return self.detail
 
     def line(self) -> str:
+        """``reason (plugin): detail``: the x-lbd-route-reason header."""
         detail = self.explain()
-        return f"{self.reason}: {detail}" if detail else self.reason
+        head = f"{self.reason} ({self.plugin})" if self.plugin else self.reason
+        return f"{head}: {detail}" if detail else head
 
 
 def queue_score(ep: EndpointSnapshot, stale_s: float) -> float:
@@ -107,68 +108,12 @@ def queue_scores(endpoints: Sequence[EndpointSnapshot], stale_s: float) -> list[
     return [queue_score(e, stale_s) for e in endpoints]
 
 
-class Policy:
-    """Base class. ``choose`` gets a non-empty list of eligible endpoints (healthy, serving the model)."""
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    """No endpoint can take the request: the HTTP status and message the client gets, and a metric label."""
 
-    name: ClassVar[str] = ""
-    help: ClassVar[str] = ""
-    # Whether ``choose`` reads ``RequestFacts.prefix_hashes``: the router hashes request text only for those.
-    uses_prefix_hashes: ClassVar[bool] = False
-    # Whether ``choose`` reads the snapshots' live load (in flight, unstarted, delta, telemetry age): the
-    # router skips reading its shared counters per endpoint for a policy that does not.
-    uses_load: ClassVar[bool] = True
-    # True when the policy reads RequestFacts.cached_tokens: with exact views of every endpoint the router
-    # then skips the text-prefix hashes (only the approximate index needs them)
-    exact_aware: ClassVar[bool] = False
-
-    def __init__(self, stale_s: float = 1.0, seed: int = 0, **_: Any) -> None:
-        self.stale_s = stale_s
-        self.seed = seed
-        self.picker = Picker()  # the lowest score; equal ones take turns so cold requests spread
-
-    def choose(self, facts: RequestFacts, endpoints: Sequence[EndpointSnapshot]) -> Decision:
-        raise NotImplementedError
-
-    def charge_tokens(self, facts: RequestFacts, ep: EndpointSnapshot) -> float:
-        """Prefill tokens this request adds to ``ep``'s queue until its first byte (ttft: uncached part)."""
-        return float(facts.prompt_tokens)
-
-    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
-        """The request was sent to ``key`` (whoever chose it: this policy, a pin or a retry)."""
-
-    def on_chain_known(self, facts: RequestFacts, key: str, head_blocks: int) -> None:
-        """A request dispatched to ``key`` on the head of its chain (``facts.chain_partial`` then, its first
-        ``head_blocks`` blocks) has its whole chain in ``facts`` now."""
-
-    def on_first_byte(self, decision: Decision, ttft_s: float) -> None:
-        """The response's first body byte arrived ``ttft_s`` after dispatch (learning hook)."""
-
-    def forget(self, key: str) -> None:
-        """The endpoint ``key`` is gone for good."""
-
-    def least_loaded(self, endpoints: Sequence[EndpointSnapshot]) -> tuple[int, list[float]]:
-        """(the index of the least loaded endpoint, every endpoint's queue score)."""
-        scores = queue_scores(endpoints, self.stale_s)
-        return self.picker.lowest(scores), scores
-
-
-_REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"policy name {cls.name!r} is empty or taken")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available() -> dict[str, str]:
-    """Registered policy names with their one-line help."""
-    return {name: cls.help for name, cls in sorted(_REGISTRY.items())}
-
-
-def make_policy(name: str, **options: Any) -> Policy:
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return cls(**options)
+    status: int
+    message: str
+    reason: str  # metric label
+    type: str = "ServiceUnavailableError"
+    param: str | None = None

@@ -17,6 +17,7 @@ there within the last ``window`` dispatches over all endpoints.
 from __future__ import annotations
 
 from lbd.policies.base import RequestFacts
+from lbd.policies.plugin import Learned
 
 ROOT_BLOCKS = 8  # the 8th block (tokens 112-127 with 16-token blocks) names a prompt's prefix
 ROOT_CHUNKS = 2  # without token blocks (approximate path): the 2nd text chunk
@@ -31,9 +32,9 @@ def root_of(facts: RequestFacts) -> int | None:
     return hashes[ROOT_CHUNKS - 1] if len(hashes) >= ROOT_CHUNKS else None
 
 
-class Footprint:
+class Footprint(Learned):
     """Per endpoint: prefix -> [tokens, last dispatch tick, dispatches], oldest first, and the token sum of
-    those sent more than once."""
+    those sent more than once. A profile's learned state (the eviction scorer's): dispatches touch it."""
 
     __slots__ = ("window", "tick", "_roots", "_sums")
 
@@ -42,6 +43,20 @@ class Footprint:
         self.tick = 0
         self._roots: dict[str, dict[int, list[int]]] = {}
         self._sums: dict[str, int] = {}
+
+    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
+        if facts.prompt_tokens and (root := root_of(facts)) is not None:
+            self.touch(key, root, facts.prompt_tokens)
+
+    def on_chain_known(self, facts: RequestFacts, key: str, head_blocks: int) -> None:
+        # the prefix is counted once per dispatch: here when the head did not reach its name
+        if head_blocks < ROOT_BLOCKS and (root := root_of(facts)) is not None:
+            self.touch(key, root, facts.prompt_tokens)
+
+    def reset(self) -> None:
+        self.tick = 0
+        self._roots.clear()
+        self._sums.clear()
 
     def touch(self, key: str, root: int, tokens: int) -> None:
         self.tick += 1

@@ -3,7 +3,8 @@
 The router does not tokenize; it hashes the request text in fixed-size character chunks, each hash chained
 on the ones before it, so a chunk hash stands for the whole prefix that ends there. An endpoint's index holds
 the chunk hashes of the requests sent to it (bounded, least recently used out first), which approximates the
-blocks its prefix cache holds.
+blocks its prefix cache holds. ``PrefixMemory`` is that index as a profile's learned state: the chunk
+hashes of every request dispatched, per endpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from lbd.policies.base import RequestFacts
+from lbd.policies.plugin import Learned
 
 CHUNK_CHARS = 128  # ~32 tokens: small enough to catch shared system prompts, big enough to be cheap
 
@@ -98,3 +102,23 @@ class PrefixIndex:
     def forget(self, key: str) -> None:
         for h in self._by_key.pop(key, ()):
             self._drop(h, key)
+
+
+class PrefixMemory(Learned):
+    """The approximate prefix index a profile learns from its dispatches (shared by its plugins)."""
+
+    __slots__ = ("capacity", "index")
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self.index = PrefixIndex(capacity)
+
+    def on_dispatch(self, facts: RequestFacts, key: str) -> None:
+        if facts.prefix_hashes:
+            self.index.insert(key, facts.prefix_hashes)
+
+    def forget(self, key: str) -> None:
+        self.index.forget(key)
+
+    def reset(self) -> None:
+        self.index = PrefixIndex(self.capacity)

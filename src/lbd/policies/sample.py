@@ -3,7 +3,7 @@
 Up to ``SAMPLE_ABOVE`` eligible endpoints the policy sees every one (8 or 64 ranks decide exactly as before).
 Beyond, it sees a sample: ``SAMPLE_K`` endpoints drawn at random (power-of-k choices: the least loaded of k
 random picks is close to the least loaded of all, and keeps a burst from piling onto one endpoint that every
-router worker thinks is idlest) plus the endpoints that hold the request's prefix (``Policy.holders``: the
+router worker thinks is idlest) plus the endpoints that hold the request's prefix (``holder_keys``: the
 exact view's cached prefixes, the text-prefix index's holders), at most ``HOLDERS_MAX`` of them. The cost of a
 decision then grows with k, not with the fleet. Whoever builds the snapshots falls back to every endpoint when
 the sample cannot serve the request (no endpoint of the sample serves the model, or all are out).
@@ -14,15 +14,19 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from lbd.policies.base import Policy, RequestFacts
+from lbd.policies.base import RequestFacts
+
+if TYPE_CHECKING:
+    from lbd.policies.profile import Profile
 
 SAMPLE_ABOVE = 64
 SAMPLE_K = 16
 HOLDERS_MAX = 16
 
 
-def holder_keys(policy: Policy, facts: RequestFacts, limit: int = HOLDERS_MAX,
+def holder_keys(policy: Profile, facts: RequestFacts, limit: int = HOLDERS_MAX,
                 rng: random.Random | None = None) -> list[str]:
     """Keys of the endpoints holding the request's prefix: the exact view's longest cached prefixes first,
     then the text-prefix index's holders (a random ``limit`` of them when more hold it)."""
@@ -30,7 +34,7 @@ def holder_keys(policy: Policy, facts: RequestFacts, limit: int = HOLDERS_MAX,
     cached = facts.cached_tokens
     if cached:
         out = heapq.nlargest(limit, (k for k, v in cached.items() if v > 0), key=cached.__getitem__)
-    index = getattr(policy, "index", None)
+    index = policy.index  # the profile's learned text-prefix index, if any
     hashes = facts.prefix_hashes
     if index is not None and hashes and len(out) < limit:
         held = index.holders(hashes)

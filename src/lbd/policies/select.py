@@ -1,58 +1,20 @@
-"""The one entry the router calls: filter endpoints (model, health, drain, retry exclusions), apply a pin,
-else ask the policy. Refusals carry the HTTP status and the message the client gets."""
+"""The one entry the router calls: the gate (model, pin, health, retry exclusions: ``filters.GATE``), then
+the profile's own filters, scorers and picker. Refusals carry the HTTP status and the client's message."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
-from lbd.policies.base import Decision, EndpointSnapshot, Policy, RequestFacts
+from lbd.policies.base import Decision, EndpointSnapshot, Refusal, RequestFacts
+from lbd.policies.filters import GATE
+from lbd.policies.plugin import Context
+from lbd.policies.profile import Profile
 
-
-@dataclass(slots=True, frozen=True)
-class Refusal:
-    status: int
-    message: str
-    reason: str  # metric label
-    type: str = "ServiceUnavailableError"
-    param: str | None = None
-
-
-def _pinned(
-    facts: RequestFacts,
-    serving: list[EndpointSnapshot],
-    everyone: Sequence[EndpointSnapshot],
-    exclude: Collection[str],
-    pin_fallback: bool,
-) -> Decision | Refusal | None:
-    rank = facts.pinned_rank
-    targets = [e for e in serving if e.rank == rank]
-    if not targets:
-        known = sorted({e.rank for e in everyone if e.rank is not None})
-        return Refusal(
-            400,
-            f"X-data-parallel-rank {rank} is not a known rank; known ranks: {known}",
-            "pin_unknown_rank",
-            "BadRequestError",
-            "X-data-parallel-rank",
-        )
-    ready = [e for e in targets if e.healthy and not e.draining and e.key not in exclude]
-    if ready:
-        return Decision(min(ready, key=lambda e: e.inflight), "pinned", f"rank {rank}")
-    if pin_fallback:
-        return None  # the caller routes as if unpinned
-    state = "draining" if any(e.draining for e in targets) else "unhealthy"
-    if all(e.key in exclude for e in targets):
-        state = "failing"
-    return Refusal(
-        503,
-        f"pinned rank {rank} is {state}; not rerouting (start the router with --pin-fallback to allow it)",
-        f"pin_{state}",
-    )
+__all__ = ["Refusal", "route"]
 
 
 def route(
-    policy: Policy,
+    policy: Profile,
     facts: RequestFacts,
     endpoints: Sequence[EndpointSnapshot],
     exclude: Collection[str] = (),
@@ -61,29 +23,15 @@ def route(
     """Choose an endpoint for ``facts`` or say why none can take it."""
     if not endpoints:
         return Refusal(503, "no upstream endpoints are configured or discovered yet", "no_endpoints")
-    serving = [e for e in endpoints if e.serves(facts.model)]
-    if not serving:
-        return Refusal(
-            404, f"The model `{facts.model}` does not exist.", "unknown_model", "NotFoundError", "model"
-        )
-    if facts.pinned_rank is not None:
-        pinned = _pinned(facts, serving, endpoints, exclude, pin_fallback)
-        if pinned is not None:
-            return pinned
-    ready = [e for e in serving if e.healthy and not e.draining]
-    candidates = [e for e in ready if e.key not in exclude]
-    if not candidates:
-        if ready:
-            return Refusal(503, "every other endpoint already failed this request", "retries_exhausted")
-        ejected = sum(not e.healthy for e in serving)
-        draining = sum(e.draining for e in serving)
-        return Refusal(
-            503,
-            f"no endpoint is ready for model {facts.model!r} ({ejected} ejected, {draining} "
-            f"draining of {len(serving)})",
-            "all_unavailable",
-        )
+    ctx = Context(facts, endpoints, policy.stale_s, exclude, pin_fallback)
+    kept = list(range(len(endpoints)))
+    for gate in GATE:
+        out = gate.filter(ctx, kept)
+        if not isinstance(out, list):
+            return out  # a pin settled it, or a refusal
+        kept = out
+    candidates = endpoints if len(kept) == len(endpoints) else [endpoints[i] for i in kept]
     decision = policy.choose(facts, candidates)
-    if facts.pinned_rank is not None:
-        decision.reason = "pin_fallback"
+    if facts.pinned_rank is not None:  # the pinned rank is out and --pin-fallback let it go elsewhere
+        decision.reason, decision.plugin = "pin_fallback", "pinned_rank"
     return decision
