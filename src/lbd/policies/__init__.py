@@ -7,15 +7,15 @@ clock reads. Importing the package registers every plugin and built-in profile; 
 
 from __future__ import annotations
 
-from lbd.policies import affinity, filters, pick, profiles, scorers, ttft  # noqa: F401  (registration)
 from lbd.policies.base import Decision, EndpointSnapshot, Refusal, RequestFacts, queue_score
 from lbd.policies.plugin import Context, Env, Filter, Learned, Picker, Scorer
 from lbd.policies.prefix import CHUNK_CHARS, PrefixIndex, chunk_hashes
 from lbd.policies.profile import Profile
-from lbd.policies.registry import available, make_policy, plugin, plugins, register_profile
+from lbd.policies.registry import available, load, make_policy, plugin, plugins, register_profile
 from lbd.policies.select import route
 from lbd.policies.ttft import CHARS_PER_TOKEN
 
+load()  # the built-in plugins and profiles (registry.MODULES)
 DEFAULT_POLICY = "predicted_ttft"
 Policy = Profile  # (the router's name for what it routes by)
 

@@ -3,10 +3,13 @@
 A plugin module registers its classes with ``@plugin``; a profile module registers a builder with
 ``@profile(name, help)`` (a function of the policy's options that returns a ``Profile``). ``make_policy``
 builds a profile by name; ``register_profile`` adds one composed at run time (``--routing-config``).
+``MODULES`` lists the modules that register built-in plugins and profiles: a new plugin is a new module
+and its line here.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -16,6 +19,14 @@ from lbd.policies.plugin import Plugin
 if TYPE_CHECKING:
     from lbd.policies.profile import Profile
 
+MODULES = (
+    "lbd.policies.filters",
+    "lbd.policies.pick",
+    "lbd.policies.scorers",
+    "lbd.policies.affinity",
+    "lbd.policies.ttft",
+    "lbd.policies.profiles",
+)
 P = TypeVar("P", bound=type[Plugin])
 KINDS = ("filter", "scorer", "picker")
 _PLUGINS: dict[str, dict[str, type[Plugin]]] = {k: {} for k in KINDS}
@@ -81,6 +92,11 @@ def unregister_profile(name: str) -> None:
         _PROFILES.pop(name, None)
 
 
+def builtin_names() -> set[str]:
+    """The built-in policies' names (a composed profile may not take one)."""
+    return set(_BUILTIN)
+
+
 def available() -> dict[str, str]:
     """Registered policy (profile) names with their one-line help."""
     return {name: help for name, (_, help) in sorted(_PROFILES.items())}
@@ -93,3 +109,9 @@ def make_policy(name: str, **options: Any) -> Profile:
     if entry is None:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(_PROFILES))}")
     return entry[0](**options)
+
+
+def load() -> None:
+    """Import every module of ``MODULES`` (each registers its plugins or profiles as it is imported)."""
+    for name in MODULES:
+        importlib.import_module(name)
