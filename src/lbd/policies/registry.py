@@ -25,6 +25,7 @@ MODULES = (
     "lbd.policies.scorers",
     "lbd.policies.affinity",
     "lbd.policies.ttft",
+    "lbd.policies.overlap",
     "lbd.policies.profiles",
 )
 P = TypeVar("P", bound=type[Plugin])
