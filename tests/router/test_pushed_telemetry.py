@@ -5,6 +5,8 @@
   router's view equals the scraped view (each rank's /telemetry); a rank that stops publishing is marked
   stale within two heartbeats and scraped (its numbers still reach the router), and is pushed again when it
   publishes again.
+- A message counts for the endpoint whose stream it came on: a publisher that names another rank's
+  instance, stream or DP rank changes nothing there (counted in lbd_router_telemetry_push_refused_total).
 - Over a real `--device sim` engine: its stream is followed, the view matches /telemetry after a request,
   and a restart of the engine on the same port is followed to the new stream.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import RouterServer
+from support import RouterServer, metric_value
 from support.procs import engine_server, free_port, free_port_run, spawn, stop, wait_http
 
 HEARTBEAT_S = 0.4
@@ -105,6 +107,30 @@ def test_router_view_equals_scraped_view_through_a_script(fleet: tuple[Fleet, Ro
     assert all(p["state"] == "pushed" for p in pushes), pushes
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
     assert "lbd_router_telemetry_push_age_seconds" in metrics
+
+
+def _refused(router: RouterServer, reason: str) -> float:
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    return metric_value(text, "lbd_router_telemetry_push_refused_total", reason=reason) or 0.0
+
+
+def test_a_publisher_sets_its_own_load_only(fleet: tuple[Fleet, RouterServer]) -> None:
+    """Messages count for the endpoint whose stream they came on: rank 1's publisher naming rank 0's
+    instance, rank 0's stream (a fake restart) or DP rank 0 changes nothing of rank 0 and is counted."""
+    f, router = fleet
+    f.act(0, "set", {"running": 1, "waiting": 0, "kv_usage": 0.125})
+    _until(lambda: _views_match(router, f.urls), 3 * HEARTBEAT_S + 2)
+    restarts = _push(router, f.urls[0])["restarts"]
+    for claim, reason in (({"as": 0}, "instance"), ({"as": 0, "instance": "f0f0f0f0"}, "stream"),
+                          ({"as": 1, "rank": 0}, "rank")):
+        before = _refused(router, reason)
+        f.act(1, "forge", claim)
+        _until(lambda reason=reason, before=before: _refused(router, reason) > before, 5)
+    time.sleep(HEARTBEAT_S)
+    ep0, ep1 = _endpoint(router, f.urls[0]), _endpoint(router, f.urls[1])
+    assert ep0["running"] == 1 and ep1["running"] != 999 and ep1["rank"] == 1, (ep0, ep1)
+    assert _push(router, f.urls[0])["restarts"] == restarts  # nothing it had cached was forgotten
+    assert _views_match(router, f.urls)
 
 
 def test_silent_rank_is_stale_within_two_heartbeats_and_scraped(fleet: tuple[Fleet, RouterServer]) -> None:

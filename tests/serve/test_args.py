@@ -9,7 +9,8 @@ from support import free_port_run
 
 GROUP = ["--data-parallel-size", "4", "--data-parallel-size-local", "2"]
 ADDR = ["--data-parallel-address", "10.0.0.1"]
-TOKEN = {"LBD_CLUSTER_TOKEN": "t"}  # a group beyond loopback needs one (tests/serve/test_cluster_auth.py)
+STRONG = "ODG03F0Jyu3LF8aTASnhv4rlnFw1Q9SfN4h0qOziHr8"  # a cluster token of 256 bits or more
+TOKEN = {"LBD_CLUSTER_TOKEN": STRONG}  # a group beyond loopback needs one (tests/serve/test_cluster_auth.py)
 
 
 def _ports() -> list[str]:
@@ -221,10 +222,10 @@ def test_keys_and_limits_reach_both_children() -> None:
     assert key_env(open_plan, "router") == {"LBD_INTERNAL_KEY": open_plan.internal_key}
     assert open_plan.internal_key != plan.internal_key  # none given: each node makes its own
     given = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_INTERNAL_KEY": "mine"})
-    token = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": "t"})
-    again = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": "t"})
+    token = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": STRONG})
+    again = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": STRONG})
     assert given is not None and given.internal_key == "mine"
-    assert token is not None and again is not None and token.internal_key == again.internal_key != "t"
+    assert token is not None and again is not None and token.internal_key == again.internal_key != STRONG
 
 
 def test_multi_node_plans() -> None:
@@ -234,10 +235,10 @@ def test_multi_node_plans() -> None:
     assert not any("10.0.0.1" in a for a in head.supervise_argv)  # the group's address is not a rank flag
     worker = parse(
         [*_ports(), *GROUP, *ADDR, "--headless", "--data-parallel-start-rank", "2"],
-        {"LBD_CLUSTER_TOKEN": "s3cret"},
+        {"LBD_CLUSTER_TOKEN": STRONG + "-worker"},
     )
     assert worker is not None and worker.member and worker.route_argv is None and worker.view_size == 2
-    assert worker.cluster_token == "s3cret" and worker.rpc_port == 29550
+    assert worker.cluster_token == STRONG + "-worker" and worker.rpc_port == 29550
     sup = worker.supervise_argv
     assert sup[sup.index("--data-parallel-start-rank") + 1] == "2"
     assert sup[sup.index("--port") + 1] == _port_of(worker)  # a headless node's ranks start at --port

@@ -1,11 +1,14 @@
 """Authenticated cluster wires: a head (or node, or MoE group) beyond loopback refuses to start without the
-cluster token; a registered node's ranks cannot be taken over (401 without the token, 409 for another node id
-while its lease lives); the DP coordinator checks the token on HTTP and ZMQ (CURVE); bodies are capped."""
+cluster token, and any `lbd serve` refuses a weak one; a registered node's ranks cannot be taken over (401
+without the token, 409 for another node id while its lease lives); the DP coordinator checks the token on
+HTTP and ZMQ (CURVE); bodies are capped."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -19,7 +22,14 @@ import psutil
 import pytest
 import zmq
 
-from lbd.common.cluster import CLUSTER_TOKEN_ENV, derive, read_cluster_token, secure_zmq_client
+from lbd.common.cluster import (
+    CLUSTER_TOKEN_ENV,
+    MIN_TOKEN_BITS,
+    derive,
+    read_cluster_token,
+    secure_zmq_client,
+    token_bits,
+)
 from lbd.engine.dp.coordinator import ZMQ_PURPOSE
 from lbd.serve.group import Group
 from lbd.serve.plan import parse
@@ -28,7 +38,7 @@ from lbd.supervisor.config import parse_args
 from lbd.wire.dp_messages import CoordinatorMessage, Form, Join, decode_from_coordinator, encode
 from support import free_port_run, spawn, stop, wait_http
 
-TOKEN = "s3cret-cluster-token"
+TOKEN = "cluster-token-ODG03F0Jyu3LF8aTASnhv4rlnFw1Q9SfN4h0qOziHr8"  # strong enough: 256 bits or more
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GROUP = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--device", "sim"]
 ADDR = ["--data-parallel-address", "10.0.0.1"]
@@ -70,6 +80,43 @@ def test_token_file_insecure_flag_and_loopback(tmp_path: Path, capsys: pytest.Ca
         parse([*_ports(), *GROUP, *ADDR, "--cluster-token-file", str(empty)], {})
     assert e.value.code == 2 and "--cluster-token-file" in capsys.readouterr().err
     assert read_cluster_token(None, {CLUSTER_TOKEN_ENV: "x"}) == "x" and read_cluster_token(None, {}) is None
+
+
+def test_a_weak_cluster_token_is_refused_at_start_up(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Keys derive from the token (the internal key, CURVE pairs): below 256 bits, a real `lbd serve` exits 2
+    before anything starts, naming where the token came from and how to make one."""
+    for weak in ("s3cret-cluster-token", "a" * 64, "abc" * 40, "0123456789abcdef0123456789abcdef"):
+        assert token_bits(weak) < MIN_TOKEN_BITS, weak
+    for _ in range(50):  # what the usual generators make passes
+        for strong in (secrets.token_urlsafe(32), secrets.token_hex(32),
+                       base64.b64encode(secrets.token_bytes(32)).decode()):
+            assert token_bits(strong) >= MIN_TOKEN_BITS, strong
+    proc = subprocess.run([sys.executable, "-m", "lbd", "serve", *_ports(), *GROUP, *ADDR],
+                          env={**_env(), CLUSTER_TOKEN_ENV: "s3cret-cluster-token"}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert CLUSTER_TOKEN_ENV in proc.stderr and "secrets.token_urlsafe(32)" in proc.stderr
+    assert "s3cret-cluster-token" not in proc.stderr
+    weak_file = tmp_path / "weak"
+    weak_file.write_text("short\n")
+    with pytest.raises(SystemExit) as e:
+        parse([*_ports(), *GROUP, *ADDR, "--cluster-token-file", str(weak_file)], {})
+    assert e.value.code == 2 and f"--cluster-token-file {weak_file}" in capsys.readouterr().err
+
+
+def test_the_router_gets_the_token_by_environment_only() -> None:
+    """The router follows the ranks' CURVE-secured load streams with the token (else it scrapes every remote
+    rank): it gets it as the supervisor does, in its environment, never on its command line."""
+    from lbd.serve.node import key_env
+
+    plan = parse([*_ports(), *GROUP, *ADDR], {CLUSTER_TOKEN_ENV: TOKEN})
+    assert plan is not None and plan.route_argv is not None
+    router, supervisor = key_env(plan, "router"), key_env(plan, "supervisor")
+    assert router[CLUSTER_TOKEN_ENV] == supervisor[CLUSTER_TOKEN_ENV] == TOKEN
+    assert not any(TOKEN in a for a in plan.route_argv + plan.supervise_argv)
+    keyed = parse([*_ports(), *GROUP, *ADDR, "--api-key", "k"], {CLUSTER_TOKEN_ENV: TOKEN})
+    assert keyed is not None and key_env(keyed, "router")[CLUSTER_TOKEN_ENV] == TOKEN
 
 
 def test_an_moe_group_across_nodes_needs_the_token(tiny_mixtral: Path,
@@ -241,7 +288,7 @@ def test_nodes_with_and_without_the_token(tiny_llama: Path, tmp_path: Path) -> N
     try:
         head.wait_ready(60)
         good.wait_ready(30)
-        bad = worker(1, {CLUSTER_TOKEN_ENV: "another-token"})
+        bad = worker(1, {CLUSTER_TOKEN_ENV: "FZW1zopkpp8h2T8H10iLUhOjb3b9tRgzvmmAWOjfgU8"})
         assert bad.proc.wait(60) == 2
         assert "missing or wrong cluster token" in bad.log_text()
         seen = [head.get(head.health + "/status").text, good.get(good.health + "/status").text,

@@ -126,7 +126,7 @@ def test_moe_group_on_one_machine(tiny_mixtral: Path, tmp_path: Path) -> None:
     """An MoE DP group: the coordinator's store, ZMQ and HTTP ports and gloo's pair sockets on loopback.
     With a cluster token (optional on one machine) the members join over CURVE and HTTP asks for it."""
     base = free_port_run(4)
-    token = "listeners-test-token"
+    token = "listeners-FZW1zopkpp8h2T8H10iLUhOjb3b9tRgzvmmAWOjfgU8"
     node = ServeNode(["--model", str(tiny_mixtral), *CPU_FLAGS, "--data-parallel-size", "2",
                       "--enable-expert-parallel", "--port", str(base), "--data-parallel-supervisor-port",
                       str(base + 3)], tmp_path / "moe.log", port=base, health_port=base + 3,

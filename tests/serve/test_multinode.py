@@ -32,7 +32,8 @@ from support.netns import Namespaces, unavailable
 
 HEAD, WORKER = "10.77.0.1", "10.77.0.2"
 RPC = "29550"
-CLUSTER = {"LBD_CLUSTER_TOKEN": "multinode-test-token"}  # a group beyond loopback needs one
+# a group beyond loopback needs one (of 256 bits or more)
+CLUSTER = {"LBD_CLUSTER_TOKEN": "multinode-DRoFUGsUQM4FrTLI1DCI__IekjFmmeVehqRRr_dcLTA"}
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=f"no network namespaces: {unavailable()}")
 

@@ -18,8 +18,9 @@ routing.
 
 The control port scripts the test sequences: ``POST /standin/{rank}/{action}`` with ``set`` (JSON running,
 waiting, kv_usage: overrides the model's numbers), ``pause`` / ``resume`` (publishing), ``skip`` (drop the
-next message: subscribers see a gap), ``restart`` (a new instance: seq from 0, counters and cache cleared);
-``GET /standin/stats`` totals every rank's counters.
+next message: subscribers see a gap), ``restart`` (a new instance: seq from 0, counters and cache cleared),
+``forge`` (JSON ``as``: on this rank's socket, a message naming that rank's instance, stream and DP rank,
+``running`` 999 unless given); ``GET /standin/stats`` totals every rank's counters.
 """
 
 from __future__ import annotations
@@ -307,6 +308,15 @@ def control_app(fleet: Fleet) -> web.Application:
         elif action == "restart":
             rank.reset()
             rank.send()
+        elif action == "forge":  # on this rank's socket, a message that claims another rank's identity
+            body = await request.json()
+            other = fleet.ranks[int(body["as"])]
+            claim = other.state()
+            claim.instance = str(body.get("instance", claim.instance))
+            claim.seq, claim.rank = other.seq + 1000, int(body.get("rank", claim.rank))
+            claim.running = int(body.get("running", 999))
+            assert rank.pub is not None
+            rank.pub.send_multipart((TOPIC, encode_state(claim)))
         else:
             raise web.HTTPNotFound()
         return web.json_response(rank.telemetry())

@@ -10,6 +10,13 @@ never a command-line value) authenticates every wire that leaves the machine: re
 key pairs derived from the token, so only token holders complete the handshake and the channel is
 encrypted). A process that listens beyond loopback without a token refuses to start unless
 ``--insecure-cluster`` says so in so many words.
+
+A token must carry at least ``MIN_TOKEN_BITS`` (256) bits by ``token_bits``'s estimate (its length times the
+bits per character of the smallest usual alphabet it fits: hex, base64/url-safe, printable ASCII; a token
+of few distinct characters counts those only): keys derived from it (CURVE pairs, ``lbd serve``'s internal
+key) are only as strong as the token, and an HMAC under it seen on any wire lets a guess be checked offline.
+``secrets.token_urlsafe(32)``, ``openssl rand -hex 32`` and ``openssl rand -base64 32`` pass;
+``lbd serve`` refuses a weaker one with exit 2 (``check_token_strength``).
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import socket
+import string
+import zlib
 from typing import Any
 
 CLUSTER_TOKEN_ENV = "LBD_CLUSTER_TOKEN"
@@ -29,8 +39,35 @@ NO_TOKEN_FIX = (f"set {CLUSTER_TOKEN_ENV} (the same secret on every node) or pas
                 "or say --insecure-cluster to run these wires unauthenticated")
 
 
+MIN_TOKEN_BITS = 256
+TOKEN_FIX = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+_ALPHABETS = (set(string.hexdigits), set(string.ascii_letters + string.digits + "-_+/="),
+              set(string.printable.strip()))
+
+
 class ClusterTokenError(ValueError):
-    """The token file cannot be read or holds no token (one line naming the flag)."""
+    """The token file cannot be read, holds no token, or the token is too weak (one line naming the fix)."""
+
+
+def token_bits(token: str) -> float:
+    """An estimate of the token's entropy: its length x log2 of the smallest usual alphabet holding it (16,
+    66, 94 characters, else 8 bits a byte), and no more than its raw-deflate size in bits (a repeated
+    pattern compresses; 32 random bytes written out never fall below about 340 bits)."""
+    raw = token.encode("utf-8", "surrogateescape")
+    chars = set(token)
+    size = next((len(a) for a in _ALPHABETS if chars <= a), 0)
+    by_alphabet = len(token) * math.log2(size) if size else 8.0 * len(raw)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return min(by_alphabet, 8.0 * len(deflate.compress(raw) + deflate.flush()))
+
+
+def check_token_strength(token: str, source: str = CLUSTER_TOKEN_ENV) -> None:
+    """ClusterTokenError unless ``token`` carries ``MIN_TOKEN_BITS`` (``source``: where it came from)."""
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise ClusterTokenError(
+            f"the cluster token ({source}) is too weak: about {bits:.0f} bits, and at least {MIN_TOKEN_BITS} "
+            f"(32 random bytes) are needed, since keys are derived from it: make one with {TOKEN_FIX}")
 
 
 def read_cluster_token(path: str | None, env: dict[str, str] | None = None) -> str | None:

@@ -2,7 +2,12 @@
 in constant time (``lbd.common.auth``), and per-key token buckets for requests/s and tokens/s.
 
 Tokens are charged on admission: the prompt's estimate (characters / 4, as the policies use) plus the
-request's ``max_tokens`` (``max_completion_tokens``) when it names one. A bucket holds ``rate x
+request's output cap, ``max_tokens`` (``max_completion_tokens``, ``max_output_tokens``) times ``n``. A request
+that names no cap is charged what it may produce by default: 16 tokens for /v1/completions (the engines'
+default), ``UNCAPPED_OUTPUT_TOKENS`` for a chat or a response (which run to the end of the context): omitting
+the cap must not make output free. (Charging what was actually produced would need every answer read for its
+usage; a client that wants to pay less names its cap.) Paths that generate nothing (/tokenize...) are
+charged their prompt only. A bucket holds ``rate x
 --rate-limit-burst-s`` (at least one request's worth). A request is admitted when its bucket holds its cost (a
 full bucket for one larger than the bucket) and then pays in full, leaving a larger one's bucket in debt: a
 caller over its rate gets 429 with ``Retry-After`` (whole seconds until its bucket has room), and a big
@@ -26,6 +31,10 @@ from lbd.common.auth import ApiKey, KeyRing, make_key, read_key_file
 log = logging.getLogger("lbd.router")
 UPSTREAM_KEY_ENV = "LBD_UPSTREAM_API_KEY"
 ROUTER_KEYS_ENV = "LBD_ROUTER_API_KEYS"  # client keys, one per line (how lbd serve hands its --api-key over)
+UNCAPPED_OUTPUT_TOKENS = 2048  # what a chat or response without max_tokens is charged for its output
+COMPLETIONS_DEFAULT_TOKENS = 16  # /v1/completions' max_tokens when the request names none (vLLM's, ours)
+GENERATING = {"/v1/chat/completions": UNCAPPED_OUTPUT_TOKENS, "/v1/completions": COMPLETIONS_DEFAULT_TOKENS,
+              "/v1/responses": UNCAPPED_OUTPUT_TOKENS, "/v1/messages": UNCAPPED_OUTPUT_TOKENS}
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +72,8 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-limit-tps",
         type=float,
         default=0.0,
-        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission (0: no limit)",
+        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission; a request without "
+        f"max_tokens is charged {UNCAPPED_OUTPUT_TOKENS} (16 on /v1/completions) (0: no limit)",
     )
     g.add_argument(
         "--rate-limit-burst-s",
@@ -173,16 +183,25 @@ def retry_after(wait_s: float) -> int:
     return max(1, math.ceil(wait_s))
 
 
-def requested_tokens(body: bytes) -> int:
-    """``max_tokens`` (or ``max_completion_tokens``) times ``n`` of a JSON body; 0 when it names none."""
+def requested_tokens(body: bytes, path: str | None = None) -> int:
+    """The output a request may produce: its cap (``max_tokens``, ``max_completion_tokens`` or
+    ``max_output_tokens``) times ``n``; without a cap, the path's default (``GENERATING``; a ``path`` of None
+    is taken for a chat); 0 on a path that generates nothing or a body that is not a JSON object."""
+    uncapped = UNCAPPED_OUTPUT_TOKENS if path is None else GENERATING.get(path.partition("?")[0], 0)
+    if not uncapped:
+        return 0
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
         return 0
     if not isinstance(data, dict):
         return 0
-    value = data.get("max_completion_tokens", data.get("max_tokens"))
+    value = next((data[k] for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                  if data.get(k) is not None), None)
     n = data.get("n", 1)
+    times = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1
+    if value is None:
+        return uncapped * times
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return 0
-    return value * (n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1)
+        return 0  # the engine refuses it: nothing is produced
+    return value * times

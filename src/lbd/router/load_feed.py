@@ -1,9 +1,9 @@
 """Pushed telemetry: one SUB socket per router worker follows every rank's load stream
 (``lbd.wire.load_state``), and a rank's scrape loop sleeps while its stream is fresh.
 
-- A rank advertises its stream in its JSON telemetry; the first scrape that reads it ``adopt``s the rank: the
-  subscriber connects (one socket over all ranks, two when some streams are CURVE-secured) and maps the
-  publisher's ``instance`` to the endpoint.
+- A rank advertises its stream in its JSON telemetry; the first scrape that reads it ``adopt``s the rank: a
+  subscriber socket of its own connects to that address (CURVE-secured when the stream is), and the
+  publisher's ``instance`` is mapped to the endpoint.
 - Each message is a full state: it becomes the endpoint's sample, as a scrape's would (``take_sample``). A
   ``seq`` that skips is a gap (counted; the message itself resyncs). A new ``instance`` from a known stream
   address is a restarted rank: the router forgets what it had cached there and follows the new epoch.
@@ -12,8 +12,13 @@
   sweep every quarter heartbeat finds them, so a silent rank is scraped within two heartbeats.
 - While a stream is fresh its last state still holds (a change would have been sent), so the sweep keeps the
   endpoint's sample age (what the policies weigh against ``--stale-after-ms``) under a quarter heartbeat.
-- Messages are attributed by their ``instance`` (one socket cannot tell its peers apart): the publishers a
-  router follows are trusted as its KV-event publishers are (loopback, or CURVE with the cluster token).
+- Messages are attributed by the connection they came on, never by what they say: one SUB socket per
+  stream address (a SUB socket cannot tell its peers apart, so each followed publisher gets its own), and a
+  message counts only for the endpoints that advertised that address. A payload that names an ``instance``
+  or ``stream`` of another connection, or a DP ``rank`` other than its endpoint's, is dropped and counted
+  (``lbd_router_telemetry_push_refused_total{reason}``): a followed publisher can set its own load only, not
+  another rank's, nor claim another's DP rank or make the router forget what it routed elsewhere. (A socket
+  per rank costs a descriptor and a little memory each; messages are as many as before.)
 - Staleness is exported: ``lbd_router_telemetry_push_age_seconds`` and the ``telemetry_push`` entry of each
   endpoint in /router/status.
 """
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import zmq
+from prometheus_client.core import CounterMetricFamily
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_client
 from lbd.router.kv.view import subscribe_address
@@ -87,12 +93,18 @@ class LoadFeed:
         self.by_instance: dict[str, Pushed] = {}
         self.by_stream: dict[str, Pushed] = {}
         self._ctx = zmq.Context.instance()
-        self._subs: dict[bool, zmq.Socket] = {}  # curve -> the socket
+        self._subs: dict[str, zmq.Socket] = {}  # connect address -> its own socket (attribution)
+        self._curve: dict[str, bool] = {}  # connect address -> whether its socket is CURVE-secured
         self._token = os.environ.get(CLUSTER_TOKEN_ENV) or None
         self._tasks: list[asyncio.Task[None]] = []
         self.unknown = 0  # messages from no adopted instance (a restart not yet seen, a removed rank)
         self.bad = 0
         self.messages = 0
+        # payloads whose claims disagree with their connection, by reason: instance, stream, rank
+        self.refused: dict[str, int] = {"instance": 0, "stream": 0, "rank": 0}
+        metrics = getattr(state, "metrics", None)
+        if metrics is not None:
+            metrics.register(_Refused(self.refused))
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._sweep())]
@@ -101,11 +113,8 @@ class LoadFeed:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sock in self._subs.values():
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(sock.getsockopt(zmq.FD))
-            sock.close(linger=0)
-        self._subs.clear()
+        for connect in list(self._subs):
+            self._close(connect)
 
     # ---- endpoints ------------------------------------------------------------------------------------
     def adopt(self, ep: Endpoint, advertised: object) -> None:
@@ -129,7 +138,7 @@ class LoadFeed:
                 self.state.restarted(ep, "it advertises a new load stream")
         rec = Pushed(ep, adv.endpoint, connect, adv.instance, max(0.05, adv.heartbeat_s), adv.curve)
         self.by_url[ep.url] = self.by_instance[adv.instance] = self.by_stream[adv.endpoint] = rec
-        self._socket(adv.curve).connect(connect)
+        self._socket(connect, adv.curve)
         log.info("telemetry of %s: following its load stream %s", ep.url, connect)
 
     def remove(self, url: str) -> None:
@@ -144,8 +153,7 @@ class LoadFeed:
         if self.by_stream.get(rec.stream) is rec:
             del self.by_stream[rec.stream]
         if not any(r.connect == rec.connect for r in self.by_url.values()):
-            with contextlib.suppress(zmq.ZMQError):
-                self._subs[rec.curve].disconnect(rec.connect)
+            self._close(rec.connect)
         rec.wake.set()
 
     def fresh(self, url: str) -> bool:
@@ -161,52 +169,83 @@ class LoadFeed:
         await rec.wake.wait()
 
     # ---- the socket -----------------------------------------------------------------------------------
-    def _socket(self, curve: bool) -> zmq.Socket:
-        """The SUB socket (plain or CURVE), read straight from the event loop: its descriptor wakes the loop,
-        and a read takes every message queued (up to ``_DRAIN_MAX``, then the loop runs other work first)."""
-        sock = self._subs.get(curve)
+    def _socket(self, connect: str, curve: bool) -> zmq.Socket:
+        """The SUB socket of one stream address (plain or CURVE), read straight from the event loop: its
+        descriptor wakes the loop, and a read takes every message queued (up to ``_DRAIN_MAX``, then the loop
+        runs other work first). Whatever arrives on it is that address's publisher's."""
+        sock = self._subs.get(connect)
+        if sock is not None and self._curve.get(connect) != curve:
+            self._close(connect)  # the stream moved to (or off) CURVE at the same address
+            sock = None
         if sock is None:
-            sock = self._subs[curve] = self._ctx.socket(zmq.SUB)
+            sock = self._subs[connect] = self._ctx.socket(zmq.SUB)
+            self._curve[connect] = curve
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger one drops that publisher
-            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.RCVHWM, 10_000)
             sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
             if curve:
                 secure_zmq_client(sock, self._token, PURPOSE)
-            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            sock.connect(connect)
+            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock, connect)
         return sock
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _close(self, connect: str) -> None:
+        sock = self._subs.pop(connect, None)
+        self._curve.pop(connect, None)
+        if sock is None:
+            return
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(sock.getsockopt(zmq.FD))
+        sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket, connect: str) -> None:
+        if sock.closed:
+            return
         try:
             for _ in range(_DRAIN_MAX):
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     return  # the descriptor is edge-triggered: reading EVENTS re-arms it
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) == 2:
-                    self.on_message(frames[1])
+                    self.on_message(frames[1], connect)
         except zmq.ZMQError as e:
             if e.errno != zmq.EAGAIN:  # the socket is closing (or broken): wait for the descriptor again
-                log.warning("load stream: read failed: %s", e)
+                log.warning("load stream %s: read failed: %s", connect, e)
             return
         except Exception:  # one bad message must not end the stream for every rank
-            log.exception("load stream: a message failed")
-        self.loop.call_soon(self._drain, sock)  # more queued: after the loop's other work
+            log.exception("load stream %s: a message failed", connect)
+        self.loop.call_soon(self._drain, sock, connect)  # more queued: after the loop's other work
 
     # ---- messages -------------------------------------------------------------------------------------
-    def on_message(self, payload: bytes) -> None:
+    def on_message(self, payload: bytes, connect: str) -> None:
+        """One message that came on ``connect``'s socket: it counts for an endpoint that advertised that
+        address, whatever its payload claims."""
         try:
             msg = decode_state(payload)
         except BadLoadState:
             self.bad += 1
             return
         rec = self.by_instance.get(msg.instance)
+        if rec is not None and rec.connect != connect:
+            self.refused["instance"] += 1  # another rank's epoch, named from this connection
+            return
         if rec is None:
             rec = self.by_stream.get(msg.stream)
             if rec is None:
                 self.unknown += 1
                 return
+            if rec.connect != connect:
+                self.refused["stream"] += 1  # a restart of another rank, claimed from this connection
+                return
+            if rec.ep.rank is not None and msg.rank != rec.ep.rank:
+                self.refused["rank"] += 1
+                return
             self._new_epoch(rec, msg.instance)
+        if rec.ep.rank is not None and msg.rank != rec.ep.rank:
+            self.refused["rank"] += 1  # its endpoint is another DP rank (the supervisor's, or a pin's)
+            return
         if msg.seq <= rec.last_seq:
             return  # a duplicate or one overtaken: the newer state is already applied
         if rec.last_seq >= 0 and msg.seq != rec.last_seq + 1:
@@ -280,3 +319,20 @@ class LoadFeed:
         now = self.loop.time()
         for url, rec in self.by_url.items():
             yield url, (now - rec.last_at) if rec.last_at else -1.0, rec.stale
+
+
+class _Refused:
+    """``lbd_router_telemetry_push_refused_total{reason}``: load messages dropped because their payload's
+    claims disagree with the connection they came on (this worker)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "lbd_router_telemetry_push_refused",
+            "Pushed load messages dropped: their instance, stream or DP rank is not their connection's "
+            "(this worker).", labels=["reason"])
+        for reason, n in self.counts.items():
+            family.add_metric([reason], n)
+        yield family

@@ -1,4 +1,7 @@
-"""The router's endpoint table: add/remove endpoints, health transitions, snapshots for the policies."""
+"""The router's endpoint table: add/remove endpoints, health transitions, snapshots for the policies.
+
+An endpoint holds a shared-counter slot (lbd.router.shared) from ``add`` to ``remove``; removing it releases
+the slot, so endpoints that come and go (pod IPs, Ray ports) never fill the table."""
 
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ class RouterState:
         log.info("endpoint removed: %s (rank %s)", url, ep.rank)
         for cb in self.on_removed:
             cb(ep)
+        self.shared.release(ep.slot)  # freed once no worker holds it and its requests have ended
 
     def reorder(self) -> None:
         self.order = sorted(

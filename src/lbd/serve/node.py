@@ -52,14 +52,16 @@ def key_env(plan: Plan, child: str) -> dict[str, str]:
     """The API keys for a child's environment. The supervisor hands them to its ranks; the router asks its
     clients for the same keys and sends the first to the ranks (it does not forward the client's own)."""
     internal = {INTERNAL_KEY_ENV: plan.internal_key} if plan.internal_key else {}
-    # the cluster token goes to the supervisor only (an MoE group's coordinator and members check it)
-    token = {CLUSTER_TOKEN_ENV: plan.cluster_token} if plan.cluster_token and child == "supervisor" else {}
+    # the cluster token goes to the supervisor (an MoE group's coordinator and members check it; its ranks
+    # key their CURVE load streams with it) and to the router (it follows those streams, rather than scraping
+    # every remote rank): by environment, never on a command line
+    token = {CLUSTER_TOKEN_ENV: plan.cluster_token} if plan.cluster_token else {}
     if not plan.api_keys:
         return {**internal, **token}
     keys = "\n".join(plan.api_keys)
     if child == "supervisor":
         return {API_KEYS_ENV: keys, **internal, **token}
-    return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0], **internal}
+    return {ROUTER_KEYS_ENV: keys, UPSTREAM_KEY_ENV: plan.api_keys[0], **internal, **token}
 
 
 class Child:
@@ -71,7 +73,7 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        # the token reaches only the children given it (key_env): never the router's environment
+        # the token reaches only the children given it (key_env), not whatever else this process starts
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV} | self.env
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env=env,

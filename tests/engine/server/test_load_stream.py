@@ -80,6 +80,10 @@ def test_bad_heartbeat_exits_2_naming_the_flag(tiny_llama: Path) -> None:
 
 def test_stream_stays_on_loopback_without_a_token() -> None:
     assert stream_host(None, None) == ("127.0.0.1", False)
-    assert stream_host("0.0.0.0", "secret") == ("127.0.0.1", False)
+    assert stream_host("0.0.0.0", None) == ("127.0.0.1", False)
+    assert stream_host("127.0.0.1", "secret") == ("127.0.0.1", False)
+    # serving every interface with the token (lbd serve's ranks across machines): CURVE on every interface
+    assert stream_host(None, "secret") == ("0.0.0.0", True) == stream_host("0.0.0.0", "secret")
+    assert stream_host("::", "secret") == ("::", True)
     assert stream_host("10.1.2.3", None) == ("127.0.0.1", False)
     assert stream_host("10.1.2.3", "secret") == ("10.1.2.3", True)

@@ -15,7 +15,7 @@ import msgspec
 import orjson
 import pytest
 
-from lbd.common.internal_key import IdsSigner
+from lbd.common.internal_key import IdsSigner, body_digest
 from lbd.engine.config.kv_events import KVEventsConfig
 from lbd.engine.kv_events.publisher import ZmqEventPublisher
 from lbd.router.kv.feed import EventFeed, Source
@@ -25,6 +25,7 @@ from lbd.router.kv.forward import (
     _JsonMemo,
     advertised,
     forwardable,
+    info_path,
     strip_client_copy,
     with_ids,
 )
@@ -246,18 +247,20 @@ def test_shared_pending_checkpoints_cross_workers() -> None:
 def test_prompt_ids_are_spliced_in_signed_for_endpoints_of_their_tokenizer_and_key_only() -> None:
     prompt = ExactPrompt([[1, 2], array("i", [3, 4])], "ab12")
     signer, other = IdsSigner("internal"), IdsSigner("another")
-    sig = signer.sign(b"[1,2,3,4]", "ab12")
-    assert signer.verify(b"[1,2,3,4]", "ab12", sig) and not other.verify(b"[1,2,3,4]", "ab12", sig)
-    assert not signer.verify(b"[1,2,3,5]", "ab12", sig) and not signer.verify(b"[1,2,3,4]", "cd34", sig)
-    assert signer.key_id != other.key_id and "internal" not in signer.key_id
     bodies = (b'{"model": "m", "messages": []}', b'{"messages": [], "n": 7}  \n', b"{}")
     for body in bodies:
         out = with_ids(body, prompt, signer)
         assert out is not None
         data = orjson.loads(out)  # still one JSON object
-        assert data[FIELD] == {"ids": [1, 2, 3, 4], "tokenizer": "ab12", "sig": sig}
-        assert {k: v for k, v in data.items() if k != FIELD} == orjson.loads(body)
-    assert with_ids(b"[1, 2]", prompt, signer) is None
+        sent = data.pop(FIELD)
+        assert data == orjson.loads(body) and sent["ids"] == [1, 2, 3, 4] and sent["tokenizer"] == "ab12"
+        # signed for this body (as the rank parses it, without the field), once
+        assert signer.verify(b"[1,2,3,4]", "ab12", body_digest(data), sent["sig"]) is None
+        assert signer.verify(b"[1,2,3,4]", "ab12", body_digest(data), sent["sig"]) == "replayed"
+        assert other.verify(b"[1,2,3,4]", "ab12", body_digest(data), sent["sig"]) == "signature"
+        assert signer.verify(b"[1,2,3,4]", "ab12", body_digest({**data, "x": 1}), sent["sig"]) == "signature"
+    for bad in (b"[1, 2]", b'{"a": 1', b'"}', b'{"lbd_prompt_token_ids": 1}'):
+        assert with_ids(bad, prompt, signer) is None
     client = {"messages": [], FIELD: {"ids": [9], "tokenizer": "ab12"}}
     assert orjson.loads(strip_client_copy(client)) == {"messages": []}
     # long pieces keep their JSON text (by piece object, LRU by bytes): the same ids however often it is used
@@ -270,9 +273,11 @@ def test_prompt_ids_are_spliced_in_signed_for_endpoints_of_their_tokenizer_and_k
     for _ in range(2):
         assert orjson.loads(with_ids(b"{}", long_prompt, signer))[FIELD]["ids"] == [1, *long_a, *long_b]
 
-    info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12", "key_id": signer.key_id}}
-    assert advertised(info) == "ab12" and advertised(info, signer.key_id) == "ab12"
-    assert advertised(info, other.key_id) is None  # a rank of another key: no ids (it would refuse them)
+    info = {"prompt_token_ids": {"field": FIELD, "fingerprint": "ab12", "key": "match"}}
+    assert advertised(info) == "ab12" and advertised(info, keyed=True) == "ab12"
+    for key in ("mismatch", "unproven", None):  # another key, or none: no ids (it would refuse them)
+        assert advertised({"prompt_token_ids": {**info["prompt_token_ids"], "key": key}}, keyed=True) is None
+    assert info_path(None) == "/tokenizer_info" and signer.check_proof(info_path(signer).split("=", 1)[1])
     for bad in ({}, {"prompt_token_ids": {"field": "other", "fingerprint": "ab12"}},
                 {"prompt_token_ids": {"field": FIELD, "fingerprint": 'x"}'}}, []):
         assert advertised(bad) is None

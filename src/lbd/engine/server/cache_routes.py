@@ -8,7 +8,9 @@ GET  /tokenizer_info     vLLM's shape (the tokenizer's config, ``tokenizer_class
                          template are not secrets, and `lbd route` learns them here to tokenize as this rank
                          does).
                          ``prompt_token_ids`` says the rank takes a router's token ids with a request
-                         (lbd.engine.server.forwarded) and the fingerprint they must carry.
+                         (lbd.engine.server.forwarded) and the fingerprint they must carry; with
+                         ``?key_proof=`` (a router's proof of the internal key) its ``key`` says whether
+                         that proof verified (``match``), and nothing else of the key.
 GET  /tokenizer.json     the tokenizer itself (the `tokenizers` library's JSON), for routers that tokenize.
 POST /reset_prefix_cache vLLM's development endpoint (only with ``VLLM_SERVER_DEV_MODE=1``): forget every
                          cached block (the rank publishes AllBlocksCleared); 409 while requests hold blocks.
@@ -76,8 +78,9 @@ def tokenizer_info_body(tok: Tokenizer) -> dict[str, Any]:
 async def tokenizer_info(request: web.Request) -> web.Response:
     state = state_of(request)
     body = tokenizer_info_body(state.tokenizer)
-    body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint,
-                                "key_id": state.forwarded.key_id}  # ids must be signed with that key
+    # whether the caller's proof of the internal key verified: nothing to check a guess against offline
+    key = state.forwarded.key_answer(request.query.get("key_proof"))
+    body["prompt_token_ids"] = {"field": FIELD, "fingerprint": state.forwarded.fingerprint, "key": key}
     return json_response(body)
 
 

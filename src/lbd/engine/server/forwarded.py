@@ -19,15 +19,20 @@ runs on the rank's own ids.
 
 Only the router may send the field: a client's ids, wrong on purpose, would turn forwarding off for every
 tenant. The router signs the ids with the rank's internal key (lbd.common.internal_key: ``"sig"``, an
-HMAC over the ids and the fingerprint) and strips any copy a client put in its own body; the rank refuses
-the field with a 400 when the signature is missing or wrong, and when it holds no internal key at all
-(``$LBD_INTERNAL_KEY`` unset: no router's ids can be told from a client's). ``/tokenizer_info`` advertises
-the key's id (None without a key), so a router holding another key sends no ids rather than refused ones.
+HMAC over the ids, the fingerprint and the digest of the rest of the body, with the router's clock and a
+nonce) and strips any copy a client put in its own body; the rank refuses the field with a 400 when the
+signature is missing, wrong, made for another body, older than a minute or already used here, and when it
+holds no internal key at all (``$LBD_INTERNAL_KEY`` unset: no router's ids can be told from a client's). A
+refused field changes nothing else: no counter of the verification, forwarding stays on (refusals are
+counted by reason in ``ForwardedPrompts.refused``). ``/tokenizer_info`` publishes nothing of the key: a
+router that proves it holds the key (``?key_proof=``) learns whether the rank's key is the same
+(``"key": "match"``), so a router holding another key sends no ids rather than refused ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -36,11 +41,12 @@ from typing import Any
 import orjson
 from prometheus_client import Counter
 
-from lbd.common.internal_key import INTERNAL_KEY_ENV, IdsSigner
+from lbd.common.internal_key import INTERNAL_KEY_ENV, IdsSigner, body_digest
 from lbd.engine.server.errors import bad_request
 from lbd.engine.server.fields import is_int_list
 
 FIELD = "lbd_prompt_token_ids"
+Counts = collections.Counter[str]
 VERIFY_FIRST = 4
 VERIFY_EVERY = 128
 
@@ -59,11 +65,11 @@ class ForwardedPrompts:
                  signer: IdsSigner | None = None) -> None:
         self.fingerprint = tokenizer_fingerprint
         self.signer = signer  # the internal key: ids without its signature are refused
-        self.key_id = signer.key_id if signer is not None else None
         self.vocab_size = vocab_size
         self.enabled = True
         self.accepted = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self.refused: Counts = collections.Counter()  # 400s by reason: signature, expired, replayed, no_key
         self._count = counters  # FrontendMetrics.forwarded_prompts, by outcome
 
     def take(self, body: Any) -> list[int] | None:
@@ -76,7 +82,7 @@ class ForwardedPrompts:
         if not isinstance(sent, dict) or not isinstance(sent.get("ids"), list):
             raise bad_request(f"'{FIELD}' must be an object with 'ids' (a list of token ids) and 'tokenizer' "
                               "(the fingerprint from GET /tokenizer_info)", FIELD)
-        self._check_signature(sent)
+        self._check_signature(sent, body)
         if sent.get("tokenizer") != self.fingerprint:
             self._count["other_tokenizer"].inc()
             return None
@@ -90,19 +96,36 @@ class ForwardedPrompts:
                               f"size ({vocab})", FIELD)
         return ids
 
-    def _check_signature(self, sent: dict[str, Any]) -> None:
-        """A 400 unless the field is signed with this rank's internal key (only its router holds it)."""
+    def key_answer(self, proof: str | None) -> str | None:
+        """What /tokenizer_info says of the key to a caller that sent ``proof``: None (this rank has none),
+        ``"unproven"`` (no proof sent), ``"match"`` or ``"mismatch"``. Nothing to check a guess against
+        offline."""
         if self.signer is None:
+            return None
+        if not proof:
+            return "unproven"
+        return "match" if self.signer.check_proof(proof) else "mismatch"
+
+    def _check_signature(self, sent: dict[str, Any], body: dict[str, Any]) -> None:
+        """A 400 unless the field is signed with this rank's internal key (only its router holds it) for this
+        body, recently, and not seen before."""
+        if self.signer is None:
+            self.refused["no_key"] += 1
             raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, and "
                               f"this rank has none (${INTERNAL_KEY_ENV}): drop the field", FIELD)
         ids, fp = sent["ids"], sent.get("tokenizer")
         try:
             text = orjson.dumps(ids) if is_int_list(ids) else None
-        except orjson.JSONEncodeError:  # an integer beyond 64 bits
+            digest = body_digest(body)
+        except (orjson.JSONEncodeError, TypeError):  # an integer beyond 64 bits
             text = None
-        if text is None or not isinstance(fp, str) or not self.signer.verify(text, fp, sent.get("sig")):
-            raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key "
-                              "(its signature is missing or wrong): drop the field", FIELD)
+        why = "signature"
+        if text is not None and isinstance(fp, str):
+            why = self.signer.verify(text, fp, digest, sent.get("sig")) or ""
+        if why:
+            self.refused[why] += 1
+            raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, "
+                              f"signed for this request, once, within a minute ({why}): drop it", FIELD)
 
     async def resolve(self, ids: list[int], own: Callable[[], Awaitable[list[int]]]) -> list[int]:
         """The ids to run: ``ids``, checked against ``own()`` (the rank's tokenization) first for the first

@@ -5,9 +5,11 @@ A message goes out when running, waiting, KV use or the block count change (at m
 ``MIN_INTERVAL_S``: a busy core reports every step) and at least every ``--load-heartbeat-s``. Sends never
 block the event loop (PUB drops for a subscriber past its high-water mark; it sees a gap in ``seq``).
 
-The socket binds loopback unless the rank serves on a named non-loopback address and the cluster token is
-set: then it binds that address as a CURVE server keyed by the token. A named address without a token keeps
-the stream on loopback (routers elsewhere scrape this rank) and says so once.
+The socket binds loopback unless the rank serves beyond loopback (a named non-loopback address, or every
+interface as `lbd serve` ranks of a group across machines do) and the cluster token is set: then it binds
+what HTTP binds as a CURVE server keyed by the token, so only token holders (the routers `lbd serve` hands
+the token to) can follow it, and a router on another machine follows it rather than scraping. Without a
+token the stream stays on loopback (routers elsewhere scrape this rank; a named address says so once).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ MIN_INTERVAL_S = 0.02  # a change is sent at most this often (the heartbeat send
 
 def stream_host(host: str | None, token: str | None) -> tuple[str, bool]:
     """(the address to bind, whether it is CURVE-secured) for a rank serving HTTP on ``host``."""
-    if is_wildcard(host) or host is None or is_loopback(host):
+    if is_wildcard(host):  # every interface: CURVE there with the token, else loopback only
+        return (("::" if host in ("::", "[::]") else "0.0.0.0"), True) if token else (LOOPBACK, False)
+    if is_loopback(host):
         return LOOPBACK, False
     if not token:
         logger.warning("load stream: --host %s is not loopback and no cluster token is set (%s): the stream "

@@ -8,15 +8,19 @@ template they must come from. The router learns its tokenizer from that same ans
 a rank only when the rank's fingerprint is the one its tokenizer was built from (any other rank, or a vLLM
 one, gets the body unchanged), and the rank checks the fingerprint again (and verifies the first few prompts
 and a sample after them against its own tokenization). The ids go signed with the internal key
-(lbd.common.internal_key), and only to ranks that advertise that key's id: a rank takes no unsigned ids, and
-the router strips a client's own copy of the field from every body (``strip_client_copy``), so no client can
-make a rank run, or distrust, ids of its choosing.
+(lbd.common.internal_key) for this request's body, with the router's clock and a nonce (a blob seen on the
+wire is good for nothing else, once, for a minute), and only to ranks that said the key is theirs: the
+router proves it holds the key when it reads ``/tokenizer_info`` (``key_proof``, see ``info_path``) and
+the rank answers ``"key": "match"`` or not, publishing nothing of the key. A rank takes no unsigned ids, and
+the router strips a client's own copy of the field from every body (``strip_client_copy``), so no client
+can make a rank run, or distrust, ids of its choosing.
 
 Only generation requests (``PATHS``: /tokenize and the rest tokenize for themselves), and only prompts the
 router renders exactly as Hugging Face's ``apply_chat_template`` does go: chat requests
 without tools, template kwargs or ``continue_final_message`` (the router renders those too, for routing, where
 a small difference costs a cache hit, not a different prompt), and completions with one text prompt. The body
-is not parsed again: the field is spliced in before its closing brace.
+is spliced into before its closing brace; it is parsed once here for the digest the signature binds (the
+rank parses it anyway, and skips a tokenization for it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from lbd.common.internal_key import IdsSigner
+from lbd.common.internal_key import IdsSigner, body_digest
 
 FIELD = "lbd_prompt_token_ids"  # the engine's name for it (lbd.engine.server.forwarded.FIELD)
 _FIELD = FIELD.encode()
@@ -45,13 +49,18 @@ class ExactPrompt:
     fingerprint: str
 
 
-def advertised(info: Any, key_id: str | None = None) -> str | None:
-    """The fingerprint a rank's /tokenizer_info says forwarded ids must carry (None: it takes none); with
-    ``key_id``, only when the rank's internal key is the one of that id."""
+def info_path(signer: IdsSigner | None) -> str:
+    """The path to read a rank's /tokenizer_info with: with a proof of the key when the router holds one."""
+    return "/tokenizer_info" if signer is None else f"/tokenizer_info?key_proof={signer.prove()}"
+
+
+def advertised(info: Any, keyed: bool = False) -> str | None:
+    """The fingerprint a rank's /tokenizer_info says forwarded ids must carry (None: it takes none); when
+    ``keyed`` (the router signs), only when the rank said the router's proof of the key verified."""
     entry = info.get("prompt_token_ids") if isinstance(info, dict) else None
     if not isinstance(entry, dict) or entry.get("field") != FIELD:
         return None
-    if key_id is not None and entry.get("key_id") != key_id:
+    if keyed and entry.get("key") != "match":
         return None
     fp = entry.get("fingerprint")
     return fp if isinstance(fp, str) and fp.isascii() and fp.isalnum() else None
@@ -96,15 +105,21 @@ _memo = _JsonMemo(MEMO_BYTES)
 
 
 def with_ids(body: bytes, prompt: ExactPrompt, signer: IdsSigner) -> bytes | None:
-    """``body`` with the field added (signed), or None when it does not end as a JSON object."""
+    """``body`` with the field added (signed for this body), or None when it is not one JSON object."""
     end = body.rstrip()
     if not end.endswith(b"}"):
+        return None
+    try:
+        data = orjson.loads(end)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or FIELD in data:
         return None
     inner = end[:-1].rstrip()
     ids = b"[%s]" % b",".join(t for t in map(_memo.text, prompt.pieces) if t)
     fp = prompt.fingerprint
-    field = b'"%s":{"ids":%s,"tokenizer":"%s","sig":"%s"}}' % (_FIELD, ids, fp.encode(),
-                                                               signer.sign(ids, fp).encode())
+    sig = signer.sign(ids, fp, body_digest(data))
+    field = b'"%s":{"ids":%s,"tokenizer":"%s","sig":"%s"}}' % (_FIELD, ids, fp.encode(), sig.encode())
     return inner + (b"" if inner.endswith(b"{") else b",") + field
 
 

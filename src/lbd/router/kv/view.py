@@ -25,7 +25,7 @@ import orjson
 from lbd.common.internal_key import IdsSigner
 from lbd.router.kv.endpoint import EndpointView
 from lbd.router.kv.feed import EventFeed, Source
-from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, with_ids
+from lbd.router.kv.forward import PATHS, ExactPrompt, advertised, info_path, with_ids
 from lbd.router.kv.index import BlockIndex
 from lbd.router.kv.lookup import Lookup
 from lbd.router.kv.memory import IndexMemory, estimate
@@ -230,8 +230,8 @@ class ExactView:
         return Source(address, replay_address, str(cfg.get("topic") or ""))
 
     async def _tokenizer(self, view: EndpointView) -> RouterTokenizer | None:
-        info = await self._json(view.url + "/tokenizer_info")
-        view.takes_ids = advertised(info, self.signer.key_id if self.signer is not None else None)
+        info = await self._json(view.url + info_path(self.signer))  # proves the key: ids only if it matches
+        view.takes_ids = advertised(info, self.signer is not None)
         sha = info.get("tokenizer_json_sha256") if isinstance(info, dict) else None
         if not sha:
             return self.local_tokenizer
