@@ -124,7 +124,8 @@ class Admission:
                     rid_header: bytes) -> Refused | None:
         """The key's request and token rate limits (lbd.router.auth)."""
         assert self.gate is not None
-        tokens = facts.prompt_tokens + (requested_tokens(request.body) if self.gate.counts_tokens else 0)
+        output = requested_tokens(request.body, request.path) if self.gate.counts_tokens else 0
+        tokens = facts.prompt_tokens + output
         wait = self.gate.admit(key, tokens, t0)
         if wait <= 0.0:
             return None
