@@ -65,9 +65,12 @@ class Lowest(_Turns):
             self.turn = turn + 1
         if totals is None:
             return kept[turn % len(kept)]
-        vals = [totals[i] for i in kept]
-        bound = min(vals) + self.eps
-        low = [i for i, v in zip(kept, vals, strict=True) if v <= bound]
+        if len(kept) == len(totals):  # (every endpoint: the usual case, no index lists)
+            bound = min(totals) + self.eps
+            low = [i for i, v in enumerate(totals) if v <= bound]
+        else:
+            bound = min([totals[i] for i in kept]) + self.eps
+            low = [i for i in kept if totals[i] <= bound]
         return low[turn % len(low)]
 
 

@@ -35,6 +35,8 @@ class Profile:
         self._parts = parts
         self._claimers = [i for i, (s, _) in enumerate(self.scorers) if s.claims]
         self._chargers = [s for s, _ in self.scorers if type(s).charge_tokens is not Scorer.charge_tokens]
+        self._annotators = [s for s, _ in self.scorers if type(s).annotate is not Scorer.annotate]
+        self._claiming = (*self.filters, picker)  # asked before the scorers
         self.decided: dict[tuple[str, str], int] = {}  # (plugin, reason) -> decisions (/router/status)
 
     # ---- the decision ------------------------------------------------------------------------------
@@ -43,6 +45,7 @@ class Profile:
         return self.decide(Context(facts, endpoints, self.stale_s))
 
     def decide(self, ctx: Context) -> Decision:
+        """The decision for ``ctx`` (its pool: the gate's survivors). Runs on every request."""
         kept = list(range(len(ctx.pool)))
         for f in self.filters:
             out = f.filter(ctx, kept)
@@ -67,7 +70,7 @@ class Profile:
         if detail is None:  # the decider has no numbers of its own: the first scorer's describe the pick
             detail = next((d for s, _ in self.scorers if (d := s.detail(ctx, pick)) is not None), "")
         decision = Decision(ctx.pool[pick], reason, detail, plugin=who.name)
-        for scorer, _ in self.scorers:
+        for scorer in self._annotators:
             scorer.annotate(ctx, pick, decision)
         key = (who.name, reason)
         self.decided[key] = self.decided.get(key, 0) + 1
@@ -77,7 +80,7 @@ class Profile:
                  raw: list[list[float]]) -> tuple[Plugin, str]:
         """The first plugin that claims the decision: filters, the picker, then the scorers, the one whose
         weighted score put the pick furthest ahead of the runner-up first."""
-        for p in (*self.filters, self.picker):
+        for p in self._claiming:
             reason = p.reason(ctx, pick)
             if reason:
                 return p, reason

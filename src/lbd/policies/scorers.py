@@ -29,8 +29,8 @@ class Queue(Scorer):
         return self.label if ctx.pool[pick].fresh(self.stale_s) else "stale_telemetry"
 
     def detail(self, ctx: Context, pick: int) -> Detail:
-        scores, ep = ctx.queue(), ctx.pool[pick]
-        return f"score {scores[pick]:.0f}, max {max(scores):.0f}{stale_note(ep, self.stale_s)}"
+        scores, ep, stale_s = ctx.queue(), ctx.pool[pick], self.stale_s
+        return lambda: f"score {scores[pick]:.0f}, max {max(scores):.0f}{stale_note(ep, stale_s)}"
 
 
 @plugin

@@ -24,14 +24,25 @@ def route(
     if not endpoints:
         return Refusal(503, "no upstream endpoints are configured or discovered yet", "no_endpoints")
     ctx = Context(facts, endpoints, policy.stale_s, exclude, pin_fallback)
-    kept = list(range(len(endpoints)))
-    for gate in GATE:
-        out = gate.filter(ctx, kept)
-        if not isinstance(out, list):
-            return out  # a pin settled it, or a refusal
-        kept = out
-    candidates = endpoints if len(kept) == len(endpoints) else [endpoints[i] for i in kept]
-    decision = policy.choose(facts, candidates)
+    if facts.pinned_rank is not None or exclude or not _all_pass(endpoints, facts.model):
+        kept = list(range(len(endpoints)))
+        for gate in GATE:
+            out = gate.filter(ctx, kept)
+            if out.__class__ is not list:
+                return out  # type: ignore[return-value]  (a pin settled it, or a refusal)
+            kept = out  # type: ignore[assignment]
+        if len(kept) < len(endpoints):
+            ctx.pool = [endpoints[i] for i in kept]
+    decision = policy.decide(ctx)
     if facts.pinned_rank is not None:  # the pinned rank is out and --pin-fallback let it go elsewhere
         decision.reason, decision.plugin = "pin_fallback", "pinned_rank"
     return decision
+
+
+def _all_pass(endpoints: Sequence[EndpointSnapshot], model: str | None) -> bool:
+    """Whether every endpoint serves ``model`` and is ready: then (no pin, no exclusions: the usual request)
+    the gate would keep them all, and is skipped."""
+    for e in endpoints:
+        if not e.healthy or e.draining or (model is not None and e.models and model not in e.models):
+            return False
+    return True

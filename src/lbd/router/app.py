@@ -172,6 +172,7 @@ class RouterApp:
     async def status(self, request: Request, out: Response) -> None:
         body = {
             "policy": self.cfg.policy,
+            "profile": self.state.policy.describe(),  # its plugins, and decisions by the plugin that decided
             "kv_events": self.cfg.kv_events,
             "worker": self.shared.worker,
             "ready": self.state.ready(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, check_limits, limits_from
 from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import check_tls
+from lbd.policies import compose, register_profile
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.router.flags import OneLineParser, make_parser
 from lbd.router.kv.index import DEFAULT_MAX_BLOCKS
@@ -82,7 +84,7 @@ class RouterConfig:
     upstreams_file: Path | None
     host: str
     port: int
-    policy: str
+    policy: str  # a built-in policy's name, or the --routing-config profile's
     workers: int
     scrape_interval_s: float
     scrape_timeout_s: float
@@ -145,6 +147,7 @@ class RouterConfig:
     decode: tuple[str, ...] = ()
     pd_min_prompt_tokens: int = 256
     pd_prefill_timeout_s: float = 60.0
+    routing_config: Path | None = None  # the file the policy's profile was composed from
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -155,7 +158,28 @@ def parse_args(argv: list[str]) -> RouterConfig:
     _check_numbers(p, ns)
     limits = _check_files_and_limits(p, ns)
     _check_keys(p, ns)
+    _routing_config(p, ns)
     return _config(ns, upstreams, limits)
+
+
+def _routing_config(p: OneLineParser, ns: argparse.Namespace) -> None:
+    """--routing-config: the profile it composes, registered under its name, becomes the policy (the forked
+    workers inherit the registration)."""
+    path = ns.routing_config
+    if path is None:
+        return
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        p.error(f"--routing-config {path}: {e.strerror or e}")
+    except ValueError as e:
+        p.error(f"--routing-config {path}: not JSON ({e}); write the profile as a JSON object")
+    try:
+        name, help, build = compose.parse(data)
+    except compose.ConfigError as e:
+        p.error(f"--routing-config {path}: {e}")
+    register_profile(name, build, help)
+    ns.policy = name
 
 
 def _upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:
@@ -280,8 +304,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         outlier_ejection_s=ns.outlier_ejection_s,
         outlier_max_ejection_percent=ns.outlier_max_ejection_percent,
         outlier_consecutive_5xx=ns.outlier_consecutive_5xx,
-        ssl_keyfile=ns.ssl_keyfile,
-        ssl_certfile=ns.ssl_certfile,
+        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
         ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs,
         dns_refresh_interval_s=ns.dns_refresh_interval_s,
@@ -289,7 +312,8 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout, **_pd_settings(ns), **_kv_index_settings(ns),
+        shutdown_timeout_s=ns.shutdown_timeout, routing_config=ns.routing_config,
+        **_pd_settings(ns), **_kv_index_settings(ns),
     )
 
 

@@ -112,6 +112,14 @@ def make_parser() -> OneLineParser:
         choices=sorted(policies.available()),
         help="; ".join(f"{k}: {v}" for k, v in policies.available().items()),
     )
+    g.add_argument(
+        "--routing-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a JSON profile composed of registered plugins (filters, weighted scorers, a picker); replaces "
+        "--policy (see lbd.policies.compose)",
+    )
     g.add_argument("--session-header", default="X-Session-ID", help="header the session policy hashes on")
     g.add_argument(
         "--prefill-tokens-per-s",

@@ -196,7 +196,7 @@ class Proxy:
             trial = state.outliers.trial_for(rr.facts)
         if trial is not None:
             decision: Decision | Refusal = Decision(trial.snapshot(state.shared, self.loop.time()),
-                                                    "half_open_trial")
+                                                    "half_open_trial", plugin="outlier")
         else:
             decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
             if isinstance(decision, Refusal) and len(rr.snaps) < len(state.order):
