@@ -1,7 +1,8 @@
 """`lbd supervise --rank-engine vllm` and `--rank-command` with the real vLLM (its CPU build, in .venv-vllm
 from `bash scripts/setup-peers.sh vllm`), serving the default model (SmolLM2-135M-Instruct, the converted fp32
 folder): two ranks start as independent vLLM instances, `lbd route` sends requests to both (counted by vLLM's
-own `vllm:request_success_total`), and a SIGKILLed rank is restarted while the other serves. Skipped, with the
+own `vllm:request_success_total`), and a SIGKILLed rank is restarted while the other serves; then a SIGKILL
+of the supervisor leaves no process of either rank (vLLM's EngineCore and workers included). Skipped, with the
 command that installs it, where that venv does not exist. Slow: each vLLM CPU rank takes a minute or more to
 start on two shared cores; the timings are printed (pytest -s shows them)."""
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.node import SupervisorNode
+from support.node import SupervisorNode, gone_within
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -103,8 +104,29 @@ async def test_two_real_vllm_ranks_serve_and_restart(model_dir: Path, tmp_path: 
         assert all(r.status_code == 200 for r in after), [r.text for r in after]
         print(f"\nvLLM ranks ready after {ready_s:.0f} s; requests per rank (vllm:request_success_total) "
               f"{served}; rank 1 back {restart_s:.0f} s after SIGKILL", file=sys.stderr)
+
+        # The supervisor SIGKILLed: nothing of its ranks is left, vLLM's own engine processes included. They
+        # are found by the tree and by the node's mark (setproctitle overwrites a process's environ area, so
+        # vLLM's renamed processes no longer show the mark).
+        procs = list({p.pid: p for p in [*node.descendants(), *node.marked_processes()]}.values())
+        names = [_describe(p) for p in procs]
+        assert sum("EngineCore" in n for n in names) >= 2, names  # what used to outlive the supervisor
+        node.proc.send_signal(signal.SIGKILL)
+        t_sup = time.monotonic()
+        left = gone_within(procs, 15.0)
+        assert not left and not node.marked_processes(), [_describe(p) for p in left]
+        print(f"{len(procs)} processes of the node ({'; '.join(sorted(names))}) gone "
+              f"{time.monotonic() - t_sup:.1f} s after the supervisor's SIGKILL", file=sys.stderr)
     finally:
         node.close()
+
+
+def _describe(p) -> str:
+    """A process's name and the start of its command line (vLLM names its processes VLLM::EngineCore...)."""
+    try:
+        return f"{p.name()} {' '.join(p.cmdline()[:3])}"
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return f"pid {p.pid}"
 
 
 def test_rank_command_runs_vllms_module_server(model_dir: Path, tmp_path: Path) -> None:

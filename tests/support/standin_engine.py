@@ -12,6 +12,11 @@ serves the OpenAI API (completions and chat, streamed or not; answers take ``$LB
 and /metrics in that engine's metric names (vLLM: ``vllm:num_requests_running{engine=R}``...; SGLang:
 ``sglang:num_running_reqs{dp_rank=R}``... from --extra-metric-labels); an answer's text names the port that
 served it. SIGTERM finishes in-flight answers, after ``$LBD_STANDIN_STOP_DELAY_S``.
+
+With ``$LBD_STANDIN_DAEMON`` set it first starts a daemon, as engines that start their own helpers may
+(vLLM's EngineCore and workers have no death signal towards its API server): a grandchild detached by double
+fork and ``setsid``, in a session and process group of its own, ignoring SIGTERM, SIGHUP and SIGINT, that
+outlives the server unless someone kills it; its pid goes to ``$LBD_STANDIN_DIR/daemon-<port>-<pid>.pid``.
 """
 
 from __future__ import annotations
@@ -166,6 +171,25 @@ async def serve(s: Standin, host: str, port: int) -> None:
     await runner.cleanup()
 
 
+def daemonize(folder: str | None, port: int) -> None:
+    """Start a detached grandchild that ignores the polite signals and sleeps until killed."""
+    server = os.getpid()
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)  # the middle process exits at once: the daemon is re-parented
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if folder:
+        with open(os.path.join(folder, f"daemon-{port}-{server}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    while True:
+        time.sleep(3600)
+
+
 def main() -> int:
     engine, argv = sys.argv[1], sys.argv[2:]
     if engine == "vllm":
@@ -189,6 +213,8 @@ def main() -> int:
     if folder:
         with open(os.path.join(folder, f"{engine}-{port}-{os.getpid()}.json"), "w") as f:
             json.dump(record, f)
+    if os.environ.get("LBD_STANDIN_DAEMON"):
+        daemonize(folder, port)
     standin = Standin(engine, args)
     standin.port = port
     asyncio.run(serve(standin, host, port))

@@ -1,9 +1,13 @@
-"""One rank's OS process: spawn it in its own process group tied to our life, relay its log, end its tree.
+"""One rank's OS processes: spawn its launcher under a reaper tied to our life, relay its log, end its tree.
 
-The child calls prctl(PR_SET_PDEATHSIG, SIGKILL) before exec, so a SIGKILL of the supervisor (which runs no
-cleanup) still takes the rank's launcher down; the engine's own children do the same towards the launcher.
-The signal follows the parent *thread*: ranks are forked by ``lbd.supervisor.spawn``'s one long-lived thread,
-off the event loop.
+Each rank runs as ``reaper -> launcher -> the engine's processes``. The reaper (``lbd.supervisor.reaper``) is
+a child subreaper with a catchable death signal (SIGTERM) towards us, and the far end of a socket of ours:
+when the supervisor dies, however (SIGKILL included), or the launcher exits, it SIGKILLs everything under it,
+daemonized grandchildren included (they are re-parented to it, never to init), and exits as the launcher did.
+The launcher keeps a death signal (SIGKILL) towards the reaper, and its own session and process group, so
+``pid`` (the launcher's, what /status shows) takes signals as before: a graceful SIGTERM goes to it directly.
+A death signal follows the parent *thread*: reapers are forked by ``lbd.supervisor.spawn``'s one long-lived
+thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import psutil
 
 from lbd.common.redact import redact_text
+from lbd.supervisor import reaper
 from lbd.supervisor.config import RankSpec
 from lbd.supervisor.spawn import Child, spawn
 
@@ -51,17 +57,19 @@ _PROCESS_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ")  # vLLM's prefix on its proce
 # level ERROR/CRITICAL or an exception's line, but not a traceback's frames (vLLM logs each one at ERROR)
 _ERROR_MARK = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^[\w.]*(Error|Exception)\b(: |$)")
 _FRAME = re.compile(r"(^|\] )(\s|Traceback |\^)")
+REAPER_START_S = 60.0  # longest wait for a reaper to report its launcher's pid (a loaded machine)
 _LIBC: ctypes.CDLL | None = None
 with contextlib.suppress(OSError):
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not dlopen between fork and exec
 
 
-def child_setup(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn of a child that must die with this process (also lbd serve's router and supervisor)."""
+def child_setup(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """preexec_fn of a child that must die with this process (also lbd serve's router and supervisor): it gets
+    ``sig`` when we die (a reaper gets SIGTERM, which it catches to clean up)."""
 
     def setup() -> None:
         if _LIBC is not None:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent_pid:  # we died before prctl took effect: the signal will never come
             os._exit(1)
 
@@ -69,12 +77,15 @@ def child_setup(parent_pid: int) -> Callable[[], None]:
 
 
 class RankProcess:
-    """A started rank: its launcher pid (also its process group id) and the relay of its output."""
+    """A started rank: its reaper (``proc``, whose exit status is the launcher's), its launcher's pid (also
+    its process group id) and the relay of its output."""
 
-    def __init__(self, spec: RankSpec, proc: Child) -> None:
+    def __init__(self, spec: RankSpec, proc: Child, control: socket.socket | None = None) -> None:
         self.spec = spec
         self.proc = proc
-        self.pid: int = proc.pid
+        self.reaper_pid: int = proc.pid
+        self.pid: int = proc.pid  # the launcher's, once the reaper has told it (start())
+        self._control = control  # closing it tells the reaper to end the rank
         # redacted, for /status: its last stderr lines, and its last error lines from either stream
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.error_lines: deque[str] = deque(maxlen=TAIL_LINES)
@@ -111,8 +122,48 @@ class RankProcess:
     async def start(cls, spec: RankSpec) -> RankProcess:
         env = {**os.environ, **spec.env}
         env.pop("LBD_ADMIN_TOKEN", None)  # ranks have no use for the supervisor's secret
-        proc = await spawn(spec.argv, env=env, preexec_fn=child_setup(os.getpid()), limit=_LINE_LIMIT)
-        return cls(spec, proc)
+        ours, theirs = socket.socketpair()
+        try:
+            proc = await spawn(reaper.argv(theirs.fileno(), spec.argv), env=env, limit=_LINE_LIMIT,
+                               preexec_fn=child_setup(os.getpid(), signal.SIGTERM),
+                               pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        rank = cls(spec, proc, ours)
+        try:
+            rank.pid = await rank._launcher_pid()
+        except BaseException:
+            await rank.kill_tree()
+            raise
+        return rank
+
+    async def _launcher_pid(self) -> int:
+        """The pid the reaper reports once it started the launcher; OSError where it could not."""
+        assert self._control is not None
+        self._control.setblocking(False)
+        loop = asyncio.get_running_loop()
+        data = b""
+        try:
+            async with asyncio.timeout(REAPER_START_S):
+                while not data.endswith(b"\n") and not data.startswith(reaper.ERROR_PREFIX):
+                    chunk = await loop.sock_recv(self._control, 4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data.startswith(reaper.ERROR_PREFIX):  # the whole message, up to the reaper's exit
+                    while chunk := await loop.sock_recv(self._control, 4096):
+                        data += chunk
+        except TimeoutError:
+            raise OSError(f"the rank's reaper reported no launcher within {REAPER_START_S:g} s") from None
+        if data.startswith(reaper.ERROR_PREFIX):
+            raise OSError(data[len(reaper.ERROR_PREFIX):].decode(errors="replace"))
+        if not data.endswith(b"\n"):
+            code = await self.wait()
+            raise OSError(f"the rank's reaper exited ({code}) before starting it: {self.error_line()}")
+        return int(data)
 
     @property
     def returncode(self) -> int | None:
@@ -127,10 +178,10 @@ class RankProcess:
     def terminate(self) -> None:
         """SIGTERM the launcher only (it drains its front ends, then stops its core); SIGCONT the whole
         tree in case it was stopped, so the signal can be acted on."""
-        if self.proc.returncode is None:
+        if self.proc.returncode is None and self.pid != self.reaper_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
-            for p in _descendants(self.pid):
+            for p in _descendants(self.reaper_pid)[1:]:
                 with contextlib.suppress(psutil.Error):
                     p.resume()
 
@@ -143,17 +194,32 @@ class RankProcess:
         return self.proc.returncode
 
     async def kill_tree(self) -> None:
-        """SIGKILL the launcher, every descendant and the process group; wait until they are gone."""
-        procs = _descendants(self.pid) if self.proc.returncode is None else []
-        for p in procs:
+        """End the rank now: the reaper SIGKILLs everything under it (told by closing its socket), and so do
+        we, with the launcher's process group; wait until they are gone, the reaper too."""
+        procs = _descendants(self.reaper_pid) if self.proc.returncode is None else []
+        self._close_control()
+        for p in procs[1:]:  # not the reaper: it still has orphans to collect
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)  # the group outlives a dead launcher while members live
+        if self.pid != self.reaper_pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)  # the group outlives a dead launcher while members live
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.proc.wait()), 5.0)
+        if self.proc.returncode is None:  # a reaper that cannot finish: its children are SIGKILLed already
+            log.warning("rank %d: reaper %d still running 5 s after the rank was killed", self.spec.rank,
+                        self.reaper_pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.reaper_pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), 5.0)
         await _wait_gone(procs, 5.0)
         await self.close_relays()
+
+    def _close_control(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
 
     def workers(self) -> list[WorkerProcess]:
         """The rank's TP/PP worker processes, found in its tree by their command line
@@ -161,7 +227,7 @@ class RankProcess:
         from lbd.wire.status import WorkerProcess  # lazily, for cold start (lbd.wire.states)
 
         found = []
-        for p in _descendants(self.pid)[1:]:
+        for p in _descendants(self.reaper_pid)[1:]:
             with contextlib.suppress(psutil.Error):
                 cmd = p.cmdline()
                 if WORKER_MODULE in cmd:
@@ -176,6 +242,7 @@ class RankProcess:
         _, pending = await asyncio.wait(self._relays, timeout=1.0)
         for task in pending:
             task.cancel()
+        self._close_control()
         self.proc.close()
 
 

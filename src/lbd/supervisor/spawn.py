@@ -136,13 +136,14 @@ def _kill_started(job: Future[subprocess.Popen[bytes]]) -> None:
 
 
 async def spawn(argv: Sequence[str], *, env: Mapping[str, str], preexec_fn: Callable[[], None],
-                pipe_output: bool = True, limit: int = 1 << 16) -> Child:
-    """Start ``argv`` in a session of its own, stdin from /dev/null, output piped (or inherited)."""
+                pipe_output: bool = True, limit: int = 1 << 16, pass_fds: Sequence[int] = ()) -> Child:
+    """Start ``argv`` in a session of its own, stdin from /dev/null, output piped (or inherited); of our
+    descriptors it inherits only ``pass_fds``."""
     out = subprocess.PIPE if pipe_output else None
 
     def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True, preexec_fn=preexec_fn)
+                                start_new_session=True, preexec_fn=preexec_fn, pass_fds=tuple(pass_fds))
 
     job = _spawn_thread().submit(start)
     try:
