@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from lbd.policies.base import Decision, EndpointSnapshot, RequestFacts, queue_scores
+from lbd.policies.base import Decision, EndpointSnapshot, Refusal, RequestFacts, queue_scores
 
 Detail = str | Callable[[], str]
 L = TypeVar("L", bound="Learned")
@@ -124,7 +124,7 @@ class Plugin:
 class Filter(Plugin):
     kind = "filter"
 
-    def filter(self, ctx: Context, kept: list[int]) -> list[int] | Decision | Any:
+    def filter(self, ctx: Context, kept: list[int]) -> list[int] | Decision | Refusal:
         """The indices of ``ctx.pool`` it keeps, of ``kept``. A profile's filter that would keep none is
         skipped (a preference, not a rule); the router's gate filters return a Decision or a Refusal."""
         raise NotImplementedError

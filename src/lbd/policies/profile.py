@@ -150,7 +150,8 @@ class Profile:
         }
 
     def __getattr__(self, name: str) -> Any:
-        """A setting or learned number of one of its plugins (``p.rate``, ``p.gap_abs``, ``p.footprint``)."""
+        """A setting or learned number of one of its plugins or its learned state, read through the profile
+        (``p.rate``, ``p.gap_abs``, ``p.footprint``: what the one-block policies held as attributes)."""
         if name.startswith("_"):
             raise AttributeError(name)
         for holder in (*self.__dict__.get("_parts", ()), *self.__dict__.get("learned", ())):
