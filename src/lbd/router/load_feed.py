@@ -61,6 +61,7 @@ STALE_BEATS = 1.5  # silent this many heartbeats: stale (the sweep runs every SW
 SWEEP_BEATS = 0.25
 _DRAIN_MAX = 512  # messages read between two returns to the event loop
 MAX_MESSAGE_BYTES = 64 * 1024  # a load state is about 100 bytes
+MAX_STREAMS = 65_536  # sockets in the feed's ZMQ context (one per followed stream address)
 
 
 @dataclass(slots=True)
@@ -92,7 +93,9 @@ class LoadFeed:
         self.by_url: dict[str, Pushed] = {}
         self.by_instance: dict[str, Pushed] = {}
         self.by_stream: dict[str, Pushed] = {}
-        self._ctx = zmq.Context.instance()
+        # a context of its own: one socket per followed rank, past libzmq's default cap of 1,023 sockets
+        self._ctx = zmq.Context(io_threads=1)
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_STREAMS)
         self._subs: dict[str, zmq.Socket] = {}  # connect address -> its own socket (attribution)
         self._curve: dict[str, bool] = {}  # connect address -> whether its socket is CURVE-secured
         self._token = os.environ.get(CLUSTER_TOKEN_ENV) or None
@@ -115,6 +118,7 @@ class LoadFeed:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for connect in list(self._subs):
             self._close(connect)
+        self._ctx.destroy(linger=0)
 
     # ---- endpoints ------------------------------------------------------------------------------------
     def adopt(self, ep: Endpoint, advertised: object) -> None:
