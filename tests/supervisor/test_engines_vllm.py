@@ -1,8 +1,8 @@
 """`lbd supervise --rank-engine vllm` and `--rank-command` with the real vLLM (its CPU build, in .venv-vllm
 from `bash scripts/setup-peers.sh vllm`), serving the default model (SmolLM2-135M-Instruct, the converted fp32
 folder): two ranks start as independent vLLM instances, `lbd route` sends requests to both (counted by vLLM's
-own `vllm:request_success_total`), and a SIGKILLed rank is restarted while the other serves; then a SIGKILL
-of the supervisor leaves no process of either rank (vLLM's EngineCore and workers included). Skipped, with the
+own `vllm:request_success_total`), and a SIGKILLed rank is restarted while the other serves, its EngineCore
+and worker gone with it; then a SIGKILL of the supervisor leaves no process of either rank. Skipped, with the
 command that installs it, where that venv does not exist. Slow: each vLLM CPU rank takes a minute or more to
 start on two shared cores; the timings are printed (pytest -s shows them)."""
 
@@ -92,8 +92,11 @@ async def test_two_real_vllm_ranks_serve_and_restart(model_dir: Path, tmp_path: 
         served = [_served(node, k) for k in (0, 1)]
         assert sum(served) >= 12 and min(served) >= 1, served  # both ranks served, by vLLM's own counter
 
+        old_tree = node.rank_tree(1)  # the API server, its EngineCore and Worker
+        assert sum("EngineCore" in _describe(p) for p in old_tree) == 1, [_describe(p) for p in old_tree]
         t_kill = time.monotonic()
         node.signal_rank(1, signal.SIGKILL)
+        assert not gone_within(old_tree, 15.0), "rank 1's engine processes outlived its API server"
         node.wait_for(lambda: node.rank(1)["state"] != "ready", 60, "rank 1 seen down")
         during = await _send(router.url, model, 4)  # the other rank serves meanwhile
         assert all(r.status_code == 200 for r in during), [r.text for r in during]
