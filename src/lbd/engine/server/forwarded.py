@@ -41,7 +41,7 @@ from typing import Any
 import orjson
 from prometheus_client import Counter
 
-from lbd.common.internal_key import INTERNAL_KEY_ENV, IdsSigner, body_digest
+from lbd.common.internal_key import INTERNAL_KEY_ENV, SKEW_S, IdsSigner, body_digest
 from lbd.engine.server.errors import bad_request
 from lbd.engine.server.fields import is_int_list
 
@@ -124,6 +124,9 @@ class ForwardedPrompts:
             why = self.signer.verify(text, fp, digest, sent.get("sig")) or ""
         if why:
             self.refused[why] += 1
+            if why == "expired" and self.refused[why] == 1:  # a router's clock far from ours refuses them all
+                log.warning("forwarded prompt ids refused: signed more than a minute ago or in the future "
+                            "(router and rank clocks more than %.0f s apart?)", SKEW_S)
             raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, "
                               f"signed for this request, once, within a minute ({why}): drop it", FIELD)
 
