@@ -6,11 +6,16 @@ from __future__ import annotations
 import orjson
 
 from lbd.router.continuation import (
+    RESUMED_FIELD,
+    RankFacts,
     as_chat_choice,
     continuation,
     fix_usage,
     impossible,
     kind_of,
+    left,
+    penalised,
+    rank_facts,
     shift_offsets,
     with_token_ids,
 )
@@ -42,7 +47,7 @@ def test_token_ids_are_asked_for_last() -> None:
 def test_a_completion_continues_with_the_sent_tokens_and_what_is_left() -> None:
     data = {"model": "m", "prompt": "hi", "max_tokens": 10, "min_tokens": 5, "temperature": 0.7, "seed": 3,
             "stop": ["x"], "echo": True, "stream": True}
-    body = continuation("cmpl", data, [1, 2], [7, 8, 9])
+    body = continuation("cmpl", data, [1, 2], [7, 8, 9], 7)
     assert body["prompt"] == [1, 2, 7, 8, 9]
     assert (body["max_tokens"], body["min_tokens"], body["echo"]) == (7, 2, False)
     assert (body["temperature"], body["seed"], body["stop"], body["stream"]) == (0.7, 3, ["x"], True)
@@ -54,7 +59,7 @@ def test_a_chat_continues_as_a_token_completion() -> None:
     data = {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 4,
             "logprobs": True, "top_logprobs": 2, "top_k": 1, "stream": True,
             "stream_options": {"include_usage": True}}
-    body = continuation("chat", data, [5], [6])
+    body = continuation("chat", data, [5], [6], 3)
     assert "messages" not in body and "max_completion_tokens" not in body and "top_logprobs" not in body
     assert (body["prompt"], body["max_tokens"], body["logprobs"], body["top_k"]) == ([5, 6], 3, 2, 1)
     assert body["stream_options"] == {"include_usage": True}
@@ -68,7 +73,53 @@ def test_chunks_of_the_continuation_read_as_the_original() -> None:
     shift_offsets(lp, 12)
     assert lp["text_offset"] == [12]
     choice = as_chat_choice({"index": 0, "text": "a", "logprobs": lp, "finish_reason": "length",
-                             "stop_reason": None})
+                             "stop_reason": None}, 1)
     assert choice["delta"] == {"content": "a"} and choice["finish_reason"] == "length"
     assert choice["logprobs"]["content"][0]["token"] == "a"
     assert choice["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] == -0.5
+
+
+def test_what_is_left_is_what_the_unbroken_run_had_left() -> None:
+    # a chat with no limit runs to the context: its first rank's context less prompt and output
+    assert left("chat", {"messages": []}, 30, 40, 512) == 442
+    assert left("chat", {"messages": []}, 30, 40, None) is None  # unknown context: not resumable
+    assert left("chat", {"messages": [], "max_tokens": 100, "max_completion_tokens": 50}, 30, 40, 512) == 10
+    assert left("chat", {"messages": [], "max_tokens": 100, "max_completion_tokens": None}, 3, 40, 512) == 60
+    # a completion with no limit gets the engines' default, 16, in all (not 16 more)
+    assert left("cmpl", {"prompt": "p"}, 3, 10, 512) == 6
+    assert left("cmpl", {"prompt": "p", "max_tokens": 10}, 3, 10, 512) == 0  # done: its finish was cut off
+    body = continuation("chat", {"messages": [], "stream": True}, [1, 2], [3], 508)
+    assert body["max_tokens"] == 508
+
+
+def test_penalties_tell_lbd_ranks_which_prompt_tokens_are_output() -> None:
+    data = {"prompt": "p", "max_tokens": 10, "frequency_penalty": 1.0, "truncate_prompt_tokens": 5,
+            "prompt_logprobs": 1, "lbd_resumed_output_tokens": 99}
+    body = continuation("cmpl", data, [1, 2], [7, 8, 9], 7)
+    assert body[RESUMED_FIELD] == 3  # the prompt's last 3 tokens are output
+    assert "truncate_prompt_tokens" not in body and "prompt_logprobs" not in body
+    assert RESUMED_FIELD not in continuation("cmpl", {"prompt": "p"}, [1], [2], 5)
+    assert penalised({"presence_penalty": -0.5}) and not penalised({"repetition_penalty": 1.3})
+
+
+def test_structured_outputs_are_not_resumed() -> None:
+    assert "guided_json" in impossible("cmpl", {"prompt": "p", "guided_json": {"type": "object"}})
+    assert "guided_choice" in impossible("chat", {"messages": [], "guided_choice": ["a", "b"]})
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    assert "json_schema" in impossible("chat", {"messages": [], "response_format": fmt})
+    assert impossible("chat", {"messages": [], "response_format": {"type": "text"}}) is None
+
+
+def test_ids_move_only_to_a_rank_with_the_same_tokenizer() -> None:
+    cards = [{"id": "m", "owned_by": "lbd", "root": "/m", "max_model_len": 512, "lbd_tokenizer": "abc"}]
+    lbd = rank_facts(cards, "m")
+    assert lbd == RankFacts("lbd", "/m", 512, "abc") and rank_facts(cards, None) == lbd
+    assert rank_facts(cards, "other") == RankFacts()
+    upgraded = RankFacts("lbd", "/m2", 512, "def")
+    vllm = rank_facts([{"id": "m", "owned_by": "vllm", "root": "/m", "max_model_len": 512}], "m")
+    assert lbd.takes_ids_of(lbd, penalties=True) and not upgraded.takes_ids_of(lbd, penalties=False)
+    assert not vllm.takes_ids_of(lbd, penalties=False) and not RankFacts().takes_ids_of(lbd, penalties=False)
+    # no fingerprint on the first rank: only ranks with none either, of the same engine and model
+    assert vllm.takes_ids_of(vllm, penalties=False) and not lbd.takes_ids_of(vllm, penalties=False)
+    assert not RankFacts("vllm", "/other", 512).takes_ids_of(vllm, penalties=False)
+    assert not vllm.takes_ids_of(vllm, penalties=True)  # penalties continue exactly on lbd's engine only

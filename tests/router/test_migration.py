@@ -238,9 +238,9 @@ def test_a_stream_broken_mid_answer_is_finished_elsewhere(router: str, ranks: li
     assert got["finish"] == "length"
 
 
-def resumed(router: str) -> int:
+def resumed(router: str, outcome: str = "resumed") -> int:
     moves = httpx.get(router + "/router/status", timeout=5).json()["migrations"]["moves"]
-    return sum(by.get("resumed", 0) for by in moves.values())
+    return sum(by.get(outcome, 0) for by in moves.values())
 
 
 def retried(router: str) -> float:
@@ -288,7 +288,9 @@ def test_a_whole_answer_broken_mid_answer_is_answered_whole(router: str, ranks: 
 
 def test_a_chat_with_tools_ends_with_an_error_naming_why(router: str, ranks: list[Rank]) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    before, moved = resumed(router, "impossible"), resumed(router)
     got = streamed(router, "chat", fault_of("reset", ranks), tools=tools)
+    assert (resumed(router, "impossible"), resumed(router)) == (before + 1, moved)
     assert got["done"] == 1
     assert len(got["errors"]) == 1
     assert "tools" in got["errors"][0]["message"]
@@ -324,7 +326,9 @@ def test_a_stop_string_after_the_move_ends_the_answer_as_unbroken(router: str, r
 def test_a_pinned_stream_moves_only_with_migrate_pinned(router: str, ranks: list[Rank], unbroken: dict,
                                                         tmp_path: Path) -> None:
     pin = {"X-data-parallel-rank": "1"}
+    before = resumed(router)
     got = streamed(router, "cmpl", fault_of("reset", ranks), headers=pin)
+    assert resumed(router) == before  # not moved (no move is tried: nothing counted)
     assert got["done"] == 1 and [e["message"] for e in got["errors"]] == [
         "upstream failed mid-stream (UpstreamError); the response is incomplete"]
     proc, url = start_router(ranks, tmp_path / "router-pinned.log", "--migrate-pinned")
@@ -339,7 +343,9 @@ def test_a_pinned_stream_moves_only_with_migrate_pinned(router: str, ranks: list
 def test_logprobs_continue_across_a_move(router: str, ranks: list[Rank], kind: str) -> None:
     extra = {"logprobs": 1} if kind == "cmpl" else {"logprobs": True, "top_logprobs": 1}
     want = streamed(router, kind, **extra)
+    before = resumed(router)
     got = streamed(router, kind, fault_of("reset", ranks), **extra)
+    assert resumed(router) == before + 1
     assert got["text"] == want["text"] and not got["errors"]
     assert len(got["logprobs"]) == TOKENS
     assert [e[:-1] for e in got["logprobs"]] == [e[:-1] for e in want["logprobs"]]  # tokens (and offsets)
@@ -396,11 +402,20 @@ def test_a_move_is_a_span_of_the_request(ranks: list[Rank], unbroken: dict, tmp_
     assert moves[0]["parent"]  # inside the request's span
 
 
-def test_moves_are_counted(router: str) -> None:
-    status = httpx.get(router + "/router/status", timeout=5).json()["migrations"]
-    assert status["limit"] == 3
-    moves = status["moves"]
-    assert sum(by.get("resumed", 0) for by in moves.values()) == 9, moves
-    assert sum(by.get("impossible", 0) for by in moves.values()) == 1, moves
+def test_moves_are_counted(router: str, ranks: list[Rank]) -> None:
+    """A move counts once, by its reason and outcome, in /router/status and in the metric alike."""
+    def tally() -> dict[tuple[str, str], int]:
+        moves = httpx.get(router + "/router/status", timeout=5).json()["migrations"]["moves"]
+        return {(reason, outcome): n for reason, by in moves.items() for outcome, n in by.items()}
+
+    assert httpx.get(router + "/router/status", timeout=5).json()["migrations"]["limit"] == 3
+    before = tally()
+    got = streamed(router, "cmpl", fault_of("reset", ranks))
+    after = tally()
+    assert not got["errors"] and got["done"] == 1
+    changed = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    assert changed == {("reset", "resumed"): 1}
     text = httpx.get(router + "/metrics", timeout=5).text
-    assert "lbd_router_migrations_total{" in text and "lbd_router_migration_gap_seconds_count" in text
+    assert metric_value(text, "lbd_router_migrations_total", reason="reset", outcome="resumed") == \
+        after[("reset", "resumed")]
+    assert "lbd_router_migration_gap_seconds_count" in text

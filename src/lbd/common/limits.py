@@ -150,12 +150,13 @@ async def read_aiohttp(resp: Any, max_bytes: int = PEER_READ_MAX_BYTES, timeout_
 
 async def read_upstream(resp: Any, max_bytes: int = PEER_READ_MAX_BYTES, timeout_s: float | None = None,
                         what: str = "answer") -> bytes:
-    """The router's own client (lbd.router.upstream ``Response``): its body within ``max_bytes``, each wait
-    for more bytes within ``timeout_s``; the caller closes ``resp`` (a body not read to its end closes the
-    connection)."""
+    """The router's own client (lbd.router.upstream ``Response``): its body within ``max_bytes`` and within
+    ``timeout_s`` in all (not per wait: a peer trickling a byte at a time cannot hold the read longer); the
+    caller closes ``resp`` (a body not read to its end closes the connection)."""
     whole = resp.take_whole() if resp.content_length is None or resp.content_length <= max_bytes else None
     if whole is not None:  # all of it has arrived (the usual small answer): no coroutine
         if len(whole) > max_bytes:
             raise PeerReadTooLarge(f"{what} is over the {max_bytes}-byte cap")
         return whole
-    return await read_capped(lambda: resp.read_chunk(timeout_s), max_bytes, resp.content_length, what)
+    async with asyncio.timeout(timeout_s):
+        return await read_capped(resp.read_chunk, max_bytes, resp.content_length, what)

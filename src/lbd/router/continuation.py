@@ -2,22 +2,43 @@
 resumed, the continuation request, and the continuation's chunks rewritten as the original stream's.
 
 The continuation is always a completions request with a token prompt: the prompt's ids followed by the output
-ids the client already has, ``max_tokens`` (or chat's ``max_completion_tokens``) and ``min_tokens`` reduced by
-them, every other field of the original kept as it was (temperature, seed, stop strings, stop_token_ids,
-penalties, the engines' extras). A chat is resumed the same way, its prompt as the rank rendered it (the
-``prompt_token_ids`` it returned): the completions chunks are turned back into chat chunks (``delta.content``)
-and completions logprobs into chat logprobs. What a token continuation cannot reproduce is refused with its
-reason: tool calls (the rank parses them from the chat's output, which a completion does not do), images or
-audio (the ids hold their placeholders, not the media), ``n`` > 1.
+ids the client already has, ``min_tokens`` reduced by them, every other field of the original kept as it was
+(temperature, seed, stop strings, stop_token_ids, the engines' extras). Its ``max_tokens`` is what the
+unbroken run had left (``left``): the original's limit less the tokens sent; with no limit, what the engines
+default to (lbd's engine and vLLM alike): 16 for a completion, and for a chat the context length of the rank
+that served it less prompt and output (both engines refuse a request whose prompt + ``max_tokens`` passes the
+context, so "up to the context" must be sent as a number). A chat is resumed the same way, its prompt as the
+rank rendered it (the ``prompt_token_ids`` it returned): the completions chunks are turned back into chat
+chunks (``delta.content``) and completions logprobs into chat logprobs (the original's ``top_logprobs``
+alternatives, none for 0).
+
+Frequency and presence penalties count output tokens only: after a move the sent tokens are prompt tokens, so
+the continuation tells lbd's engine that its prompt's last n tokens are output (``RESUMED_FIELD``); an engine
+that does not read that field (vLLM) would penalise differently, so such a request moves only to ranks of
+lbd's engine (``penalised``; the repetition penalty counts prompt and output alike and needs nothing).
+
+What a token continuation cannot reproduce is refused with its reason: tool calls (the rank parses them from
+the chat's output, which a completion does not do), structured outputs (``response_format`` json and vLLM's
+guided fields: the grammar would start again mid-answer), images or audio (the ids hold their placeholders,
+not the media), ``n`` > 1.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 FIELD = b'"return_token_ids":true'
+RESUMED_FIELD = "lbd_resumed_output_tokens"  # lbd's engine: the prompt's last n tokens count as output
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # a completion without max_tokens (lbd's engine and vLLM)
+# vLLM's structured-output fields: a continuation would start the grammar again at the cut
+STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+              "structural_tag")
+# fields a continuation must not carry: its prompt is ids already cut and rendered, and the original sent
+# the prompt's logprobs and echo
+_DROPPED = ("suffix", "truncate_prompt_tokens", "prompt_logprobs", "add_special_tokens", RESUMED_FIELD)
 # chat fields that a completions request does not take (the rest, sampling included, goes over as it is)
 _CHAT_ONLY = frozenset(
     {
@@ -44,6 +65,39 @@ _CHAT_ONLY = frozenset(
 )
 
 
+@dataclass(frozen=True, slots=True)
+class RankFacts:
+    """What a rank's /v1/models card says about the model a request names: the engine (``owned_by``), the
+    model it loaded (``root``), its context length, and lbd's tokenizer fingerprint (``lbd_tokenizer``, the
+    one /tokenizer_info publishes: tokenizer and chat template)."""
+
+    engine: str | None = None
+    root: str | None = None
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+
+    def takes_ids_of(self, origin: RankFacts, penalties: bool) -> bool:
+        """Whether ids made by ``origin``'s tokenizer mean the same here: the same fingerprint; where the
+        origin published none (a vLLM rank), a rank that publishes none either and loaded the same model.
+        With penalties (``penalised``) only lbd's engine continues them exactly."""
+        if penalties and self.engine != "lbd":
+            return False
+        if origin.tokenizer is not None:
+            return self.tokenizer == origin.tokenizer
+        return self.tokenizer is None and self.root == origin.root and self.engine == origin.engine
+
+
+def rank_facts(cards: list[dict[str, Any]], model: Any) -> RankFacts:
+    """The facts of the card for ``model`` (the first card when the request names none)."""
+    card = next((c for c in cards if c.get("id") == model), cards[0] if cards and model is None else None)
+    if card is None:
+        return RankFacts()
+    ctx, fp = card.get("max_model_len"), card.get("lbd_tokenizer")
+    root, engine = card.get("root"), card.get("owned_by")
+    return RankFacts(engine if isinstance(engine, str) else None, root if isinstance(root, str) else None,
+                     ctx if isinstance(ctx, int) and ctx > 0 else None, fp if isinstance(fp, str) else None)
+
+
 def kind_of(path: str) -> str | None:
     """ "chat" or "cmpl" for the two paths a stream can be resumed on, else None."""
     path = path.split("?", 1)[0].rstrip("/")
@@ -54,6 +108,13 @@ def impossible(kind: str, data: dict[str, Any]) -> str | None:
     """Why this request cannot be resumed from a token prompt (None: it can)."""
     if (data.get("n") or 1) != 1:
         return "n > 1 (several choices)"
+    for name in STRUCTURED:
+        if data.get(name) is not None:
+            return f"structured output ({name}: its grammar would start again mid-answer)"
+    fmt = data.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        what = f"response_format {fmt.get('type')}"
+        return f"structured output ({what}: its grammar would start again mid-answer)"
     if kind == "cmpl":
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -81,25 +142,45 @@ def with_token_ids(body: bytes) -> bytes:
     return inner + (FIELD if inner.endswith(b"{") else b"," + FIELD) + b"}"
 
 
-def continuation(kind: str, data: dict[str, Any], prompt_ids: list[int], sent: list[int]) -> dict[str, Any]:
-    """The completions request that continues ``data`` after the output tokens ``sent``."""
+def penalised(data: dict[str, Any]) -> bool:
+    """Whether a penalty counts the output tokens apart from the prompt's (frequency, presence)."""
+    return any(isinstance(data.get(k), int | float) and data[k] != 0
+               for k in ("frequency_penalty", "presence_penalty"))
+
+
+def left(kind: str, data: dict[str, Any], prompt_len: int, n: int, context: int | None) -> int | None:
+    """Output tokens the unbroken run had left after ``n`` (<= 0: it was done; None: not known, a chat with no
+    limit on a rank whose context length is unknown)."""
+    limit = data.get("max_tokens")
+    if kind == "chat" and data.get("max_completion_tokens") is not None:
+        limit = data["max_completion_tokens"]
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit - n
+    if kind == "cmpl":
+        return COMPLETIONS_DEFAULT_MAX_TOKENS - n
+    return None if context is None else context - prompt_len - n
+
+
+def continuation(kind: str, data: dict[str, Any], prompt_ids: list[int], sent: list[int],
+                 max_tokens: int) -> dict[str, Any]:
+    """The completions request that continues ``data`` after the output tokens ``sent`` (``max_tokens``:
+    what is ``left``)."""
     body = {k: v for k, v in data.items() if k not in _CHAT_ONLY} if kind == "chat" else dict(data)
+    for k in _DROPPED:
+        body.pop(k, None)
     body["prompt"] = list(prompt_ids) + sent
     body["echo"] = False
     body["return_token_ids"] = True
     n = len(sent)
-    limit = (
-        data.get("max_completion_tokens", data.get("max_tokens"))
-        if kind == "chat"
-        else data.get("max_tokens")
-    )
-    if isinstance(limit, int):
-        body["max_tokens"] = max(limit - n, 1)
+    body["max_tokens"] = max_tokens
+    if kind == "chat":
+        body.pop("max_completion_tokens", None)
     if isinstance(data.get("min_tokens"), int):
         body["min_tokens"] = max(data["min_tokens"] - n, 0)
     if kind == "chat" and data.get("logprobs"):
         body["logprobs"] = int(data.get("top_logprobs") or 0)
-    body.pop("suffix", None)
+    if penalised(data) and n:
+        body[RESUMED_FIELD] = n
     return body
 
 
@@ -118,8 +199,10 @@ def shift_offsets(logprobs: dict[str, Any] | None, chars: int) -> None:
         logprobs["text_offset"] = [o + chars for o in logprobs["text_offset"]]
 
 
-def chat_logprobs(lp: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Completions logprobs (tokens, token_logprobs, top_logprobs) as chat logprobs (content entries)."""
+def chat_logprobs(lp: dict[str, Any] | None, top_n: int) -> dict[str, Any] | None:
+    """Completions logprobs (tokens, token_logprobs, top_logprobs) as chat logprobs (content entries) with
+    ``top_n`` alternatives each: a completion's top dict lists the best first and adds the chosen token when
+    it is not among them, which a chat's ``top_logprobs`` does not (0: none)."""
     if not lp:
         return None
     tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens") or ())
@@ -132,20 +215,21 @@ def chat_logprobs(lp: dict[str, Any] | None) -> dict[str, Any] | None:
             "logprob": logprob,
             "bytes": list(token.encode()),
             "top_logprobs": [
-                {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in (top or {}).items()
+                {"token": t, "logprob": v, "bytes": list(t.encode())}
+                for t, v in list((top or {}).items())[:top_n]
             ],
         }
         content.append(entry)
     return {"content": content}
 
 
-def as_chat_choice(c: dict[str, Any]) -> dict[str, Any]:
-    """A completions chunk's choice as a chat chunk's."""
+def as_chat_choice(c: dict[str, Any], top_n: int = 0) -> dict[str, Any]:
+    """A completions chunk's choice as a chat chunk's (``top_n``: the chat's top_logprobs)."""
     text = c.get("text") or ""
     choice: dict[str, Any] = {
         "index": c.get("index", 0),
         "delta": {"content": text} if text else {},
-        "logprobs": chat_logprobs(c.get("logprobs")),
+        "logprobs": chat_logprobs(c.get("logprobs"), top_n),
         "finish_reason": c.get("finish_reason"),
     }
     if c.get("finish_reason") is not None:

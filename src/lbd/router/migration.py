@@ -23,6 +23,17 @@ offsets), and the client sees one ``[DONE]``. Greedy decoding continues token fo
 continues with the same seed on the new rank, so the sample can differ from an unbroken run: the move's log
 line says so.
 
+Where a continuation may go: ids mean text only under the tokenizer that made them, so the first rank's
+``/v1/models`` card for the model (``continuation.RankFacts``, learned when the rank joined) is kept with the
+stream, and the continuation goes only to ranks whose card has the same ``lbd_tokenizer`` fingerprint (lbd's
+engine publishes it, the one of ``/tokenizer_info``); a first rank with no fingerprint (vLLM) passes its
+stream only to ranks with none either, of the same engine and model ``root``. A rank whose context is shorter
+than the answer needs is left out too; none left within --retry-budget-s ends the stream with the reason. A
+chat with no ``max_tokens`` continues with the first rank's context length less prompt and output (what it
+would have had), unknown context: not resumed. Frequency and presence penalties move only between lbd ranks
+(``lbd_resumed_output_tokens`` makes the sent tokens count as output there). A stream cut after its finish
+reason is not resumed: it gets its usage chunk if it asked for one and missed it, and its ``[DONE]``.
+
 Non-streamed requests need no token ids: a rank sends a non-streamed answer whole when it is done, so a
 failure while it generates is a failure before the first byte, which the proxy already retries on another
 rank (from the start: nothing reached the client). Only a body over the relay's whole-read size can break
@@ -41,7 +52,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from lbd.policies import Decision, Refusal, route
-from lbd.router.continuation import impossible, kind_of, with_token_ids
+from lbd.router.continuation import (
+    RankFacts,
+    impossible,
+    kind_of,
+    left,
+    penalised,
+    rank_facts,
+    with_token_ids,
+)
 from lbd.router.messages import Response
 from lbd.router.resumable import DONE, Move
 from lbd.router.routed import Failure, RoutedRequest
@@ -59,6 +78,7 @@ _CAUSES = {
     "eof": ("failed", "EOF before [DONE]"),
     "stall": ("stalled", "TimeoutError"),
     "error_event": ("failed", "a retryable error event"),
+    "oversized": ("failed", "an event over the router's size cap"),
 }
 _POLL_S = 0.05
 
@@ -106,15 +126,30 @@ class Migrator:
         move: Move = rr.move
         while move.broken is not None:
             reason = move.broken
+            if move.finished:  # cut after its finish reason: whole already
+                self.count(reason, "finished")
+                return await self._finish(out, move, move.tail())
             why, outcome = self._why_not(move)
             if why is not None:
                 self.count(reason, outcome)
                 return await self._end(out, move, why)
-            d = await self._decide(rr, move)
+            assert move.prompt_ids is not None and move.origin is not None
+            ctx = move.origin.max_model_len
+            todo = left(move.kind, move.data, len(move.prompt_ids), len(move.out_ids), ctx)
+            if todo is None:
+                self.count(reason, "impossible")
+                why = "it cannot be resumed on another rank: a chat with no max_tokens on a rank whose " \
+                      "/v1/models gives no max_model_len (its limit is unknown)"
+                return await self._end(out, move, why)
+            if todo <= 0:  # every token was sent, its finish reason was cut off
+                self.count(reason, "finished")
+                return await self._finish(out, move, move.ending() + move.tail())
+            d = await self._decide(rr, move, len(move.prompt_ids) + len(move.out_ids) + todo)
             if d is None:
                 self.count(reason, "no_endpoint")
-                return await self._end(out, move, "no other rank could take it within --retry-budget-s")
-            move.resume_on()
+                return await self._end(out, move, "no other rank could take it within --retry-budget-s "
+                                                  "(it needs one with the same tokenizer and context)")
+            move.resume_on(todo)
             self._note(rr, move, reason, d)
             span = None
             if self.tracer is not None and rr.trace is not None:
@@ -150,10 +185,16 @@ class Migrator:
     def _why_not(self, move: Move) -> tuple[str | None, str]:
         if move.impossible is not None:
             return f"it cannot be resumed on another rank: {move.impossible}", "impossible"
-        if move.prompt_ids is None or not move.ids_ok:
+        if move.broken == "oversized":
+            return "it cannot be resumed on another rank: an event over the size cap", "impossible"
+        if move.prompt_ids is None or not move.ids_ok or move.origin is None:
             return (
                 "it cannot be resumed on another rank: the rank returned no token ids (return_token_ids)"
             ), "impossible"
+        if penalised(move.data) and move.origin.engine != "lbd":
+            why = ("it cannot be resumed on another rank: frequency or presence penalties count output "
+                   "tokens, which only lbd's engine takes from a continuation (the rank is not lbd's)")
+            return why, "impossible"
         limit = self.cfg.migration_limit
         if move.moves >= limit:
             return f"it was moved {move.moves} times already (--migration-limit {limit})", "limit"
@@ -176,9 +217,10 @@ class Migrator:
             else "",
         )
 
-    async def _decide(self, rr: RoutedRequest, move: Move) -> Decision | None:
-        """The policy's choice for the continuation, the failed ranks excluded; waits (within
-        --retry-budget-s from the failure) while none can take it, e.g. an MoE group re-forming."""
+    async def _decide(self, rr: RoutedRequest, move: Move, need: int) -> Decision | None:
+        """The policy's choice for the continuation, the failed ranks excluded, and the ranks whose ids or
+        context differ (``unfit``); waits (within --retry-budget-s from the failure) while none can take it,
+        e.g. an MoE group re-forming."""
         state, cfg = self.state, self.cfg
         if move.failed_key and move.failed_key not in rr.exclude:
             rr.exclude.append(move.failed_key)
@@ -189,7 +231,7 @@ class Migrator:
         deadline = move.broke_at + cfg.retry_budget_s
         while True:
             snaps = state.snapshots()
-            d = route(state.policy, facts, snaps, rr.exclude, cfg.pin_fallback)
+            d = route(state.policy, facts, snaps, rr.exclude + self._unfit(move, need), cfg.pin_fallback)
             if not isinstance(d, Refusal):
                 break
             if self.loop.time() >= deadline:
@@ -202,6 +244,26 @@ class Migrator:
         if rr.trace is not None:
             rr.trace.decided(cfg.policy, d)
         return Decision(d.endpoint, "pin_fallback", d.detail) if pinned else d
+
+    def _unfit(self, move: Move, need: int) -> list[str]:
+        """Endpoints the continuation may not go to: another tokenizer than the first rank's (its ids would
+        mean other text), an engine that cannot carry its penalties, or a context shorter than ``need``."""
+        origin = move.origin or RankFacts()
+        model, pen = move.data.get("model"), penalised(move.data)
+        out = []
+        for key, ep in self.state.endpoints.items():
+            there = rank_facts(ep.model_cards, model)
+            if not there.takes_ids_of(origin, pen) or (there.max_model_len or need) < need:
+                out.append(key)
+        return out
+
+    async def _finish(self, out: Response, move: Move, tail: bytes) -> None:
+        """A stream cut after its answer was whole: what it still lacks, and its one ``[DONE]``."""
+        try:
+            await out.write(tail + DONE)
+            out.end()
+        except ConnectionResetError:
+            out.abort()
 
     async def _end(self, out: Response, move: Move, why: str) -> None:
         """The stream ends with an error event: what failed (as without a move) and why it was not resumed."""

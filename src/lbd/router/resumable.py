@@ -2,6 +2,12 @@
 while it counts the output token ids whose text reached the client, strips the ids the client did not ask for,
 and, on a continuation, rewrites the chunks as the original stream's. A failure mid-stream sets ``broken``;
 ``lbd.router.migration`` then picks the next rank and starts the continuation (``resume_on``).
+
+A stream whose choice already carried its ``finish_reason`` is done: cut after that (during the usage chunk or
+before ``[DONE]``) it is not resumed (that would continue past its end and send a second finish reason);
+``tail`` is what it still lacks (the usage chunk it asked for), the migrator adds ``[DONE]``. A partial event
+waits for its rest in pieces (no copy per read) up to ``MAX_EVENT_BYTES``: more without an event's end is a
+broken upstream (``oversized``), never resumed.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import orjson
 
 from lbd.router.continuation import (
     COMPLETIONS,
+    RankFacts,
     as_chat_choice,
     choice_text,
     continuation,
     fix_usage,
+    rank_facts,
     shift_offsets,
 )
 from lbd.router.messages import Response
@@ -33,7 +41,9 @@ _IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]')
 # the prompt's ids, with the first event: cut out as bytes and parsed only for a move (a 2,000-token prompt's
 # ids are most of that event: parsing and writing it again cost more than the rest of the stream's first byte)
 _PROMPT_IDS = b',"prompt_token_ids":['
+_FINISH = b'"finish_reason":'
 DONE = b"data: [DONE]\n\n"
+MAX_EVENT_BYTES = 16 << 20  # one SSE event (a 1M-token prompt's ids are about 7 MB)
 
 
 class Move:
@@ -64,7 +74,13 @@ class Move:
         self.gap: float | None = None  # failure to the continuation's first token
         self.done = False
         self.now = 0.0  # loop time of the chunk being read
-        self._rest = b""
+        self.finished = False  # a choice carried its finish_reason: the answer is whole
+        self.usage_sent = False  # the usage chunk went out
+        self.echo = kind == "cmpl" and data.get("echo") is True  # the first text is the prompt, without ids
+        self.top_n = int(data.get("top_logprobs") or 0) if kind == "chat" else 0
+        self.origin: RankFacts | None = None  # the rank that served the stream first (its model card)
+        self._rest: list[bytes] = []  # a partial event's pieces
+        self._rest_size = 0
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -82,11 +98,13 @@ class Move:
             and "text/event-stream" in upstream.content_type
         )
 
-    def resume_on(self) -> None:
-        """Start a continuation from what the client has."""
+    def resume_on(self, max_tokens: int) -> None:
+        """Start a continuation from what the client has (``max_tokens``: what the unbroken run had left)."""
         assert self.prompt_ids is not None
-        self.body = orjson.dumps(continuation(self.kind, self.data, self.prompt_ids, self.out_ids))
-        self.resuming, self.broken, self.gap, self._rest = True, None, None, b""
+        body = continuation(self.kind, self.data, self.prompt_ids, self.out_ids, max_tokens)
+        self.body = orjson.dumps(body)
+        self.resuming, self.broken, self.gap = True, None, None
+        self._rest, self._rest_size = [], 0
         self.before, self.base_chars = len(self.out_ids), self.chars
         self.moves += 1
 
@@ -103,6 +121,8 @@ class Move:
         except (UpstreamError, TimeoutError) as e:
             return relay.no_first_byte(a, e, idle)
         relay.began(a, upstream, stream=True)
+        if self.origin is None:  # the rank whose tokenizer made the ids (what a continuation must match)
+            self.origin = rank_facts(a.ep.model_cards, self.data.get("model"))
         if not self.resuming:
             try:
                 out.start(upstream.status, relay.response_headers(upstream, a.decision, rid_header), None)
@@ -156,9 +176,22 @@ class Move:
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events in what arrived, as the client gets them (a partial event waits for its rest)."""
-        buf = self._rest + chunk if self._rest else chunk
+        if self._rest:
+            ends = b"\n\n" in chunk or (chunk[:1] == b"\n" and self._rest[-1][-1:] == b"\n")
+            if not ends:
+                self._rest.append(chunk)
+                self._rest_size += len(chunk)
+                if self._rest_size > MAX_EVENT_BYTES:
+                    self._rest, self._rest_size, self.broken = [], 0, "oversized"
+                return b""
+            buf = b"".join(self._rest) + chunk
+        else:
+            buf = chunk
         events = buf.split(b"\n\n")
-        self._rest = events.pop()
+        last = events.pop()
+        self._rest, self._rest_size = ([last], len(last)) if last else ([], 0)
+        if self._rest_size > MAX_EVENT_BYTES:
+            self._rest, self._rest_size, self.broken = [], 0, "oversized"
         parts = []
         for ev in events:
             if self.done or self.broken is not None:
@@ -167,6 +200,37 @@ class Move:
             if piece is not None:
                 parts.append(piece)
         return b"".join(parts)
+
+    def tail(self) -> bytes:
+        """What a finished stream cut before ``[DONE]`` still owes the client: the usage chunk it asked for
+        (``stream_options.include_usage``), counted from the ids it had."""
+        opts = self.data.get("stream_options")
+        if self.usage_sent or not (isinstance(opts, dict) and opts.get("include_usage")):
+            return b""
+        if self.prompt_ids is None or not self.ids_ok:
+            return b""
+        prompt, done = len(self.prompt_ids), len(self.out_ids)
+        return self._chunk_bytes([], {"prompt_tokens": prompt, "completion_tokens": done,
+                                      "total_tokens": prompt + done})
+
+    def ending(self) -> bytes:
+        """The last chunk of an answer that reached its token limit with its finish reason cut off."""
+        self.finished = True
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        if self.kind == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        choice["stop_reason"] = None
+        return self._chunk_bytes([choice], None)
+
+    def _chunk_bytes(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
+        ident, created, model = self.ident or (None, None, None)
+        obj: dict[str, Any] = {"id": ident, "object": "chat.completion.chunk" if self.kind == "chat"
+                               else "text_completion", "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     def _event(self, ev: bytes) -> bytes | None:
         if self.fast and not self.resuming and self.ident is None and self._prompt_raw is None:
@@ -181,6 +245,8 @@ class Move:
                 ids = m.group(1)
                 if ids:
                     self.out_ids.extend(map(int, ids.split(b",")))
+                if _finishes(ev):
+                    self.finished = True
                 return ev[: m.start()] + ev[m.end() :] + b"\n\n"
         if not ev.startswith(b"data:"):
             return ev + b"\n\n" if ev.strip() else None
@@ -188,7 +254,8 @@ class Move:
         if payload == b"[DONE]":
             self.done = True
             return None
-        if self.impossible is not None and b'"error"' not in payload:  # nothing to track: it cannot move
+        if self.impossible is not None and b'"error"' not in payload:  # it cannot move: only whether it ended
+            self.finished = self.finished or _finishes(payload)
             return ev + b"\n\n"
         try:
             obj = orjson.loads(payload)
@@ -225,20 +292,37 @@ class Move:
             changed = changed or (p is not None and not keep) or (ids is not None and not self.client_ids)
             if self.resuming:
                 if self.kind == "chat":
-                    choices[i] = c = as_chat_choice(c)
+                    choices[i] = c = as_chat_choice(c, self.top_n)
                 else:
                     shift_offsets(c.get("logprobs"), self.base_chars)
             text = choice_text(self.kind, c)
             if ids is not None:
                 self.out_ids.extend(ids)
+            elif text and self.echo and not self.out_ids and self.chars == 0 and not self.resuming:
+                pass  # the echoed prompt (lbd's engine sends it first, on its own, without ids)
             elif text:
                 self.ids_ok = False
+            if c.get("finish_reason") is not None:
+                self.finished = True
             self.chars += len(text)
             if self.resuming and self.gap is None and (ids or text):
                 self.gap = self.now - self.broke_at
         if prompt is not None and self.prompt_ids is None and not self.resuming:
             self._prompt_ids = list(prompt)
         usage = obj.get("usage")
+        if isinstance(usage, dict) and not choices:
+            self.usage_sent = True
         if self.resuming and isinstance(usage, dict) and self.prompt_ids is not None:
             fix_usage(usage, len(self.prompt_ids), self.before)
         return changed
+
+
+def _finishes(ev: bytes) -> bool:
+    """Whether an event's compact JSON gives a choice a finish reason (a quote in a string is escaped, so
+    text cannot hold the key)."""
+    at = ev.find(_FINISH)
+    while at >= 0:
+        if not ev[at + len(_FINISH) :].lstrip().startswith(b"null"):
+            return True
+        at = ev.find(_FINISH, at + len(_FINISH))
+    return False

@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct):
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = only the chosen token's
     prompt_logprobs: int | None = None
+    # the prompt's last n tokens are output of this answer (a stream resumed on another rank: lbd.router);
+    # frequency and presence penalties count them as output
+    prior_output_tokens: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,8 @@ temperature, drop tokens under min_p, keep top_k / top_p, and sample by inverse 
 row and step (the CPU draws the V exponentials of the exponential race far slower: benchmarks/RESULTS.md,
 "Sampling draws"). A request with a seed draws its number from its own generator, so its output does not
 depend on the rest of the batch. Logprobs are of the raw model distribution (log-softmax of the logits before
-any processing), like vLLM's default.
+any processing), like vLLM's default. Frequency and presence penalties count the output, and the prompt's last
+``prior_output_tokens`` with it: the output a stream had before it moved here from another rank (lbd.router).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class SampleRow:
 
 def _needs_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _output_counts(row: SampleRow) -> Counter[int]:
+    """The answer's tokens so far: its output, and the prompt's last ``prior_output_tokens`` (the output a
+    resumed stream had before it moved here), so the penalties count what an unbroken run counts."""
+    counts = Counter(row.output_ids)
+    prior = min(row.params.prior_output_tokens, len(row.prompt_ids))
+    if prior > 0:
+        counts.update(row.prompt_ids[len(row.prompt_ids) - prior :])
+    return counts
 
 
 def _top_k(p: SamplingParams) -> int:
@@ -114,7 +125,7 @@ class Sampler:
             out[row_idx, tok_idx] = torch.where(vals > 0, vals / pen, vals * pen)
         fp = [i for i, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
         if fp:
-            counts = [Counter(rows[i].output_ids) for i in fp]
+            counts = [_output_counts(rows[i]) for i in fp]
             amounts = [[rows[i].params.frequency_penalty * c + rows[i].params.presence_penalty
                         for c in cnt.values()] for i, cnt in zip(fp, counts, strict=True)]
             row_idx, tok_idx = self._index(fp, [list(c) for c in counts], pad_with_first=False)

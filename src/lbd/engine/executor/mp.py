@@ -40,6 +40,7 @@ from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.executor.plan import WorkerPlan, layout_of, plan_workers
 from lbd.engine.models.config import load_hf_config
 from lbd.wire import executor_messages as X
+from lbd.wire.core_messages import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +204,7 @@ class MultiprocExecutor:
         known.difference_update(out.finished_ids)
         sampling = [s.request for s in out.seqs if s.sample]
         new = [X.NewRequest(r.request_id, r.sampling,
-                            r.prompt_token_ids if r.sampling.repetition_penalty != 1.0 else None,
-                            r.output_token_ids)
+                            r.prompt_token_ids if _needs_prompt(r.sampling) else None, r.output_token_ids)
                for r in sampling if r.request_id not in known]
         known.update(r.request_id for r in sampling)
         host = HostBatch.from_seqs(out.seqs, self.block_size)
@@ -310,3 +310,8 @@ class Watchdog(threading.Thread):
             with contextlib.suppress(OSError):
                 os.write(self._stop_w, b"x")
             self.join(2.0)
+
+
+def _needs_prompt(p: SamplingParams) -> bool:
+    """The workers' sampler reads the prompt's ids: a repetition penalty, or output carried in the prompt."""
+    return p.repetition_penalty != 1.0 or p.prior_output_tokens > 0

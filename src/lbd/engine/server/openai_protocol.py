@@ -78,6 +78,8 @@ def sampling_from(f: Fields) -> SamplingParams:
         presence_penalty=f.float("presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=f.float("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=f.float("repetition_penalty", 1.0, lo=1e-6),
+        # lbd's router resuming a stream: the prompt's last n tokens are this answer's output (penalties)
+        prior_output_tokens=f.int("lbd_resumed_output_tokens", 0, lo=0, hi=(1 << 31) - 1),
     )
 
 

@@ -32,6 +32,9 @@ async def models(request: web.Request) -> web.Response:
     state.check_available()  # as /health: listed only when a request for them would be served
     data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "lbd",
              "root": state.info.model_path, "parent": None, "max_model_len": state.info.max_model_len,
+             # the tokenizer's fingerprint (/tokenizer_info's): a router resumes a stream only on a rank with
+             # the same one (lbd.router.continuation.RankFacts)
+             "lbd_tokenizer": state.forwarded.fingerprint,
              "permission": []} for name in state.config.model.model_names]
     return json_response({"object": "list", "data": data})
 

@@ -1,0 +1,302 @@
+"""A stream resumed on another rank is exactly the unbroken one (lbd.router.migration), for what the other
+migration tests leave out by setting ``max_tokens`` and ``ignore_eos``: a chat with no ``max_tokens`` (it runs
+to the context, --max-model-len 512), a completion with none (16 tokens in all), a chat that ends on a stop
+token, a greedy stream with a frequency penalty, logprobs with ``top_logprobs`` 0, a stream cut after its last
+token, and a vLLM guided field (not resumed, the error event says why).
+
+Two real engine ranks of an 8-layer tiny Llama behind one `lbd route`, each behind an ``SseCut`` link. The
+serving rank is SIGKILLed when the client has ``BREAK_AT`` chunks with text (it is started again in the
+background), or its link is cut at an exact event. Each answer is compared with the unbroken run's: its
+text, one finish reason, one ``[DONE]``, no error event, its usage; each test counts its own moves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from support.procs import free_port, spawn, stop, wait_http
+from support.sse_cut import Cut, SseCut
+from support.tiny import make_tiny_llama
+
+MODEL = "tiny"
+CONTEXT = 512
+BREAK_AT = 40
+PROMPT = "def add(a, b): return a + b # numbers 0123456789 and symbols"
+MESSAGES = [{"role": "user", "content": "Count the numbers 0123456789 and add them."}]
+FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--health-failure-threshold",
+        "1", "--scrape-interval-ms", "200", "--kv-events", "off", "--debug-headers")
+
+
+class Rank:
+    """One `python -m lbd.engine` on a fixed port (it starts again on the same one), behind an SseCut."""
+
+    def __init__(self, model: Path, log: Path, number: int) -> None:
+        self.model, self.log, self.number = model, log, number
+        self.port = free_port()
+        self.link = SseCut(self.port)
+        self.proc: subprocess.Popen | None = None
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        self.ready.clear()
+        argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port),
+                "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB",
+                "--max-model-len", str(CONTEXT), "--data-parallel-rank", str(self.number),
+                "--data-parallel-size", "2"]
+        self.proc = spawn(argv, log=self.log)
+        wait_http(f"http://127.0.0.1:{self.port}/health", timeout=180, proc=self.proc)
+        self.ready.set()
+
+    def kill_and_restart(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        stop(self.proc, timeout=5)
+        threading.Thread(target=self.start, daemon=True).start()
+
+    def close(self) -> None:
+        self.link.close()
+        if self.proc is not None:
+            stop(self.proc)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
+    # 8 layers, 512 wide: slow enough that a kill after 40 tokens meets a rank still generating
+    model = make_tiny_llama(tmp_path_factory.mktemp("model"), layers=8, hidden=512, heads=8, kv_heads=2,
+                            intermediate=2048, max_pos=1024)
+    logs = tmp_path_factory.mktemp("ranks")
+    rs = [Rank(model, logs / f"rank{i}.log", i) for i in range(2)]
+    threads = [threading.Thread(target=r.start) for r in rs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert all(r.ready.is_set() for r in rs), "a rank did not start"
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+@pytest.fixture(scope="module")
+def router(ranks: list[Rank], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(port),
+                  "--upstreams", ",".join(r.link.url for r in ranks), *FAST],
+                 log=tmp_path_factory.mktemp("router") / "router.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", timeout=60, proc=proc)
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def all_ranks_serving(ranks: list[Rank], router: str) -> Iterator[None]:
+    """Both ranks up (a killed one was started again), known to the router, links disarmed after."""
+    for r in ranks:
+        assert r.ready.wait(180), f"rank {r.port} did not come back"
+    deadline = time.monotonic() + 30
+    while True:
+        eps = httpx.get(router + "/router/status", timeout=5).json()["endpoints"]
+        if len(eps) == 2 and all(e["state"] == "ready" for e in eps):
+            break
+        assert time.monotonic() < deadline, f"endpoints not all serving: {eps}"
+        time.sleep(0.1)
+    yield
+    for r in ranks:
+        r.link.disarm()
+
+
+def moves(router: str) -> dict[str, int]:
+    """Moves by outcome, over every reason."""
+    got: dict[str, int] = {}
+    for by in httpx.get(router + "/router/status", timeout=5).json()["migrations"]["moves"].values():
+        for outcome, n in by.items():
+            got[outcome] = got.get(outcome, 0) + n
+    return got
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+
+
+def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, **extra: Any) -> dict[str, Any]:
+    """One streamed request (greedy, usage asked); ``kill``: SIGKILL its rank at BREAK_AT chunks with text."""
+    req: dict[str, Any] = {"model": MODEL, "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}, **extra}
+    if kind == "chat":
+        req["messages"] = MESSAGES
+    else:
+        req["prompt"] = PROMPT
+    got: dict[str, Any] = {"text": "", "done": 0, "errors": [], "usage": None, "finishes": [], "ids": set(),
+                           "chunks": 0, "logprobs": [], "token_ids": [], "after_done": 0}
+    url = router + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
+    with httpx.stream("POST", url, json=req, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        endpoint = r.headers["x-lbd-endpoint"]
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if got["done"]:
+                got["after_done"] += 1
+            if line == "data: [DONE]":
+                got["done"] += 1
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                got["errors"].append(ev["error"]["message"])
+                continue
+            got["ids"].add(ev["id"])
+            if ev.get("usage"):
+                got["usage"] = ev["usage"]
+            for c in ev["choices"]:
+                text = c["text"] if kind == "cmpl" else c["delta"].get("content") or ""
+                got["text"] += text
+                got["token_ids"] += c.get("token_ids") or []
+                if c.get("finish_reason") is not None:
+                    got["finishes"].append(c["finish_reason"])
+                lp = c.get("logprobs")
+                if lp and kind == "chat":
+                    got["logprobs"] += [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]])
+                                        for e in lp["content"]]
+                if text:
+                    got["chunks"] += 1
+                    if kill and got["chunks"] == BREAK_AT:
+                        next(x for x in ranks if endpoint.endswith(f":{x.link.port}")).kill_and_restart()
+    return got
+
+
+def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert not got["errors"], got["errors"]
+    assert got["text"] == want["text"]
+    assert got["finishes"] == want["finishes"] and len(got["finishes"]) == 1
+    assert got["done"] == 1 and got["after_done"] == 0 and len(got["ids"]) == 1
+    assert got["usage"] == want["usage"]
+
+
+@pytest.mark.parametrize("end", ["eos", "context"])
+def test_a_chat_with_no_max_tokens_ends_where_the_unbroken_one_does(router: str, ranks: list[Rank],
+                                                                    end: str) -> None:
+    """No max_tokens: the greedy answer to MESSAGES ends on EOS (351 tokens in); with ignore_eos it runs to
+    the context (--max-model-len) and ends by length."""
+    extra = {"ignore_eos": True} if end == "context" else {}
+    want = streamed(router, "chat", ranks, **extra)
+    if end == "context":
+        assert want["finishes"] == ["length"] and want["usage"]["total_tokens"] == CONTEXT
+    else:
+        assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] > BREAK_AT + 16
+    before = moves(router)
+    got = streamed(router, "chat", ranks, kill=True, **extra)
+    assert delta(before, moves(router)) == {"resumed": 1}
+    print(f"chat, no max_tokens, ends by {end}: {got['usage']['completion_tokens']} tokens after a move, "
+          f"{want['usage']['completion_tokens']} unbroken")
+    assert_exact(got, want)
+
+
+def test_a_chat_that_ends_on_its_stop_token_after_a_move_ends_there(router: str, ranks: list[Rank]) -> None:
+    """A chat with no max_tokens that ends on a token (as on EOS): the token is one the unbroken answer has
+    first well after the break."""
+    ids = streamed(router, "chat", ranks, max_tokens=200, return_token_ids=True)["token_ids"]
+    stop_id = next(t for i, t in enumerate(ids) if i >= BREAK_AT + 60 and t not in ids[:i])
+    want = streamed(router, "chat", ranks, stop_token_ids=[stop_id])
+    assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] == ids.index(stop_id) + 1
+    before = moves(router)
+    got = streamed(router, "chat", ranks, kill=True, stop_token_ids=[stop_id])
+    assert delta(before, moves(router)) == {"resumed": 1}
+    assert_exact(got, want)
+
+
+def test_a_greedy_stream_with_a_frequency_penalty_is_exact_after_a_move(router: str,
+                                                                         ranks: list[Rank]) -> None:
+    extra = {"max_tokens": 300, "frequency_penalty": 1.0}
+    want = streamed(router, "cmpl", ranks, **extra)
+    before = moves(router)
+    got = streamed(router, "cmpl", ranks, kill=True, **extra)
+    assert delta(before, moves(router)) == {"resumed": 1}
+    print(f"frequency_penalty 1.0: {len(got['text'])} characters resumed, {len(want['text'])} unbroken, "
+          f"{want['usage']['completion_tokens']} tokens, {want['finishes']}")
+    assert_exact(got, want)
+
+
+def test_a_completion_with_no_max_tokens_gets_16_in_all(router: str, ranks: list[Rank]) -> None:
+    want = streamed(router, "cmpl", ranks)
+    assert want["usage"]["completion_tokens"] == 16 or want["finishes"] == ["stop"]
+    cut = Cut(after=6)
+    for r in ranks:
+        r.link.arm(cut)  # 6 tokens in
+    before = moves(router)
+    got = streamed(router, "cmpl", ranks)
+    assert delta(before, moves(router)) == {"resumed": 1}
+    assert_exact(got, want)
+
+
+def test_chat_logprobs_with_top_logprobs_0_continue_with_no_alternatives(router: str,
+                                                                          ranks: list[Rank]) -> None:
+    extra = {"max_tokens": 40, "logprobs": True, "top_logprobs": 0}
+    want = streamed(router, "chat", ranks, **extra)
+    assert all(e[2] == [] for e in want["logprobs"]) and len(want["logprobs"]) == 40
+    cut = Cut(after=15)
+    for r in ranks:
+        r.link.arm(cut)
+    before = moves(router)
+    got = streamed(router, "chat", ranks, **extra)
+    assert delta(before, moves(router)) == {"resumed": 1}
+    assert_exact(got, want)
+    assert [(t, alt) for t, _, alt in got["logprobs"]] == [(t, alt) for t, _, alt in want["logprobs"]]
+    lps = [lp for _, lp, _ in want["logprobs"]]
+    assert [lp for _, lp, _ in got["logprobs"]] == pytest.approx(lps, abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["cmpl", "chat"])
+def test_a_stream_cut_after_its_finish_reason_is_finished_not_resumed(router: str, ranks: list[Rank],
+                                                                      kind: str) -> None:
+    extra = {"max_tokens": 20}
+    want = streamed(router, kind, ranks, **extra)
+    cut = Cut(finish=True)
+    for r in ranks:
+        r.link.arm(cut)  # the finish chunk arrives; the usage chunk and [DONE] never do
+    before = moves(router)
+    got = streamed(router, kind, ranks, **extra)
+    assert sum(r.link.cuts for r in ranks) >= 1
+    assert delta(before, moves(router)) == {"finished": 1}
+    assert_exact(got, want)
+
+
+def test_an_echoed_completion_is_resumed_with_its_prompt_once(router: str, ranks: list[Rank]) -> None:
+    extra = {"max_tokens": 30, "echo": True}
+    want = streamed(router, "cmpl", ranks, **extra)
+    assert want["text"].startswith(PROMPT) and want["usage"]["completion_tokens"] == 30
+    cut = Cut(after=10)
+    for r in ranks:
+        r.link.arm(cut)
+    before = moves(router)
+    got = streamed(router, "cmpl", ranks, **extra)
+    assert delta(before, moves(router)) == {"resumed": 1}
+    assert_exact(got, want)
+
+
+def test_a_vllm_guided_field_is_not_resumed_and_the_error_says_why(router: str, ranks: list[Rank]) -> None:
+    cut = Cut(after=10)
+    for r in ranks:
+        r.link.arm(cut)
+    before = moves(router)
+    got = streamed(router, "cmpl", ranks, max_tokens=40, guided_regex="[a-z ]+")
+    assert delta(before, moves(router)) == {"impossible": 1}
+    assert got["done"] == 1 and len(got["errors"]) == 1
+    assert "guided_regex" in got["errors"][0] and "structured output" in got["errors"][0]
