@@ -17,8 +17,10 @@
   message counts only for the endpoints that advertised that address. A payload that names an ``instance``
   or ``stream`` of another connection, or a DP ``rank`` other than its endpoint's, is dropped and counted
   (``lbd_router_telemetry_push_refused_total{reason}``): a followed publisher can set its own load only, not
-  another rank's, nor claim another's DP rank or make the router forget what it routed elsewhere. (A socket
-  per rank costs a descriptor and a little memory each; messages are as many as before.)
+  another rank's, nor claim another's DP rank or make the router forget what it routed elsewhere. Nor can
+  an endpoint advertise a stream (address, or instance) another endpoint is followed on (``advertised``:
+  it is scraped instead). (A socket per rank costs a descriptor and a little memory each; at 1,000 pushed
+  ranks the idle router's CPU and RSS were the same as with one shared socket, benchmarks/fleet_scale.py.)
 - Staleness is exported: ``lbd_router_telemetry_push_age_seconds`` and the ``telemetry_push`` entry of each
   endpoint in /router/status.
 """
@@ -103,8 +105,9 @@ class LoadFeed:
         self.unknown = 0  # messages from no adopted instance (a restart not yet seen, a removed rank)
         self.bad = 0
         self.messages = 0
-        # payloads whose claims disagree with their connection, by reason: instance, stream, rank
-        self.refused: dict[str, int] = {"instance": 0, "stream": 0, "rank": 0}
+        # payloads whose claims disagree with their connection, by reason: instance, stream, rank; and
+        # advertisements of another endpoint's stream (advertised)
+        self.refused: dict[str, int] = {"instance": 0, "stream": 0, "rank": 0, "advertised": 0}
         metrics = getattr(state, "metrics", None)
         if metrics is not None:
             metrics.register(_Refused(self.refused))
@@ -131,6 +134,8 @@ class LoadFeed:
             return
         if adv.curve and not self._token:
             return  # a secured stream and no token here: scrape this rank
+        if self._taken(ep.url, connect, adv.endpoint, adv.instance):
+            return  # another endpoint's stream: following it here would give that rank's load to this one
         rec = self.by_url.get(ep.url)
         if rec is not None and rec.instance == adv.instance and rec.connect == connect:
             return
@@ -144,6 +149,22 @@ class LoadFeed:
         self.by_url[ep.url] = self.by_instance[adv.instance] = self.by_stream[adv.endpoint] = rec
         self._socket(connect, adv.curve)
         log.info("telemetry of %s: following its load stream %s", ep.url, connect)
+
+    def _taken(self, url: str, connect: str, stream: str, instance: str) -> bool:
+        """Another endpoint follows this address, stream or instance already: counted, and ``url`` is
+        scraped (a rank that reuses a gone one's address is followed once that endpoint is removed)."""
+        for other in (self.by_stream.get(stream), self.by_instance.get(instance)):
+            if other is not None and other.ep.url != url:
+                break
+        else:
+            other = next((r for r in self.by_url.values() if r.connect == connect and r.ep.url != url), None)
+            if other is None:
+                return False
+        self.refused["advertised"] += 1
+        if self.refused["advertised"] == 1:
+            log.warning("telemetry of %s advertises the load stream of %s (%s): scraping it instead", url,
+                        other.ep.url, connect)
+        return True
 
     def remove(self, url: str) -> None:
         rec = self.by_url.get(url)
@@ -335,8 +356,8 @@ class _Refused:
     def collect(self) -> Iterable[CounterMetricFamily]:
         family = CounterMetricFamily(
             "lbd_router_telemetry_push_refused",
-            "Pushed load messages dropped: their instance, stream or DP rank is not their connection's "
-            "(this worker).", labels=["reason"])
+            "Pushed load messages dropped: their instance, stream or DP rank is not their connection's; "
+            "advertised: an endpoint advertised another's stream (this worker).", labels=["reason"])
         for reason, n in self.counts.items():
             family.add_metric([reason], n)
         yield family
