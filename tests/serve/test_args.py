@@ -221,10 +221,10 @@ def test_keys_and_limits_reach_both_children() -> None:
     assert open_plan is not None
     assert key_env(open_plan, "router") == {"LBD_INTERNAL_KEY": open_plan.internal_key}
     assert open_plan.internal_key != plan.internal_key  # none given: each node makes its own
-    given = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_INTERNAL_KEY": "mine"})
+    given = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_INTERNAL_KEY": STRONG + "-mine"})
     token = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": STRONG})
     again = parse([*_ports(), "--data-parallel-size", "2"], {"LBD_CLUSTER_TOKEN": STRONG})
-    assert given is not None and given.internal_key == "mine"
+    assert given is not None and given.internal_key == STRONG + "-mine"
     assert token is not None and again is not None and token.internal_key == again.internal_key != STRONG
 
 

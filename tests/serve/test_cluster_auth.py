@@ -103,6 +103,9 @@ def test_a_weak_cluster_token_is_refused_at_start_up(tmp_path: Path,
     with pytest.raises(SystemExit) as e:
         parse([*_ports(), *GROUP, *ADDR, "--cluster-token-file", str(weak_file)], {})
     assert e.value.code == 2 and f"--cluster-token-file {weak_file}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a given internal key too: its HMACs travel with every request
+        parse([*_ports(), "--data-parallel-size", "2"], {"LBD_INTERNAL_KEY": "my-internal-key"})
+    assert e.value.code == 2 and "LBD_INTERNAL_KEY" in capsys.readouterr().err
 
 
 def test_the_router_gets_the_token_by_environment_only() -> None:

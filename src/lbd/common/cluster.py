@@ -61,13 +61,14 @@ def token_bits(token: str) -> float:
     return min(by_alphabet, 8.0 * len(deflate.compress(raw) + deflate.flush()))
 
 
-def check_token_strength(token: str, source: str = CLUSTER_TOKEN_ENV) -> None:
+def check_token_strength(token: str, source: str = CLUSTER_TOKEN_ENV,
+                         what: str = "the cluster token") -> None:
     """ClusterTokenError unless ``token`` carries ``MIN_TOKEN_BITS`` (``source``: where it came from)."""
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
         raise ClusterTokenError(
-            f"the cluster token ({source}) is too weak: about {bits:.0f} bits, and at least {MIN_TOKEN_BITS} "
-            f"(32 random bytes) are needed, since keys are derived from it: make one with {TOKEN_FIX}")
+            f"{what} ({source}) is too weak: about {bits:.0f} bits, and at least {MIN_TOKEN_BITS} (32 random "
+            f"bytes) are needed, since an HMAC under it can be seen on a wire: make one with {TOKEN_FIX}")
 
 
 def read_cluster_token(path: str | None, env: dict[str, str] | None = None) -> str | None:
