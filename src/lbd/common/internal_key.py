@@ -22,9 +22,9 @@ used to advertise an HMAC of a fixed label (a ``key_id``), which let anyone test
 their own speed. Now a router proves it holds the key when it asks (``GET /tokenizer_info?key_proof=...``,
 ``prove``/``check_proof``: an HMAC over its clock and a nonce) and the rank answers only whether that proof
 verified (``"key": "match"``). Anyone can ask, one guess per request: an online oracle, and the keys ``lbd
-serve`` uses have 256 bits (random, or derived from a cluster token it refuses below that strength,
-lbd.common.cluster.check_token_strength). Only a holder of the key can make a proof or a signature, and
-only the router-to-rank hop carries them.
+serve`` uses have 256 bits (random, derived from a cluster token, or given: it refuses either below that
+strength, lbd.common.cluster.check_token_strength). Only a holder of the key can make a proof or a
+signature, and only the router-to-rank hop carries them.
 
 The key comes from ``$LBD_INTERNAL_KEY`` (never a flag: command lines show in ``ps``). ``lbd serve`` makes
 one per deployment (derived from ``$LBD_CLUSTER_TOKEN`` when nodes share one, else random per node) and
