@@ -13,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from lbd.router.disagg import with_params
 from support import RouterServer, metric_value
 from support.procs import EngineServer
 
@@ -133,3 +135,38 @@ def test_concurrent_long_prompts_spread_over_prefill_ranks(tiny_llama: Path, tmp
             router.close()
         for r in ranks:
             r.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_decode": True},
+    {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0, 1],
+     "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "r"},
+    {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0],
+     "remote_host": "lbd.invalid", "remote_port": 9, "remote_request_id": "r"},
+])
+def test_a_clients_kv_transfer_params_are_refused(pd, params: dict) -> None:
+    """kv_transfer_params are the router's own: a client's get a 400 naming the field, and reach no rank
+    (no lease held on the producer, no pull or name lookup on the consumer)."""
+    producer, consumer, router, _ = pd
+    prefilled0 = metric_value(httpx.get(producer.base_url + "/metrics", timeout=10).text,
+                              "vllm:request_success_total")
+    decoded0 = metric_value(httpx.get(consumer.base_url + "/metrics", timeout=10).text,
+                            "vllm:request_success_total")
+    data = {"model": "tiny", "prompt": "numbers 0123456789 " * 10, "max_tokens": 1,
+            "kv_transfer_params": params}
+    r = httpx.post(router.url + "/v1/completions", json=data, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "kv_transfer_params"
+    assert metric_value(httpx.get(producer.base_url + "/metrics", timeout=10).text,
+                        "vllm:request_success_total") == prefilled0
+    assert metric_value(httpx.get(consumer.base_url + "/metrics", timeout=10).text,
+                        "vllm:request_success_total") == decoded0
+
+
+def test_the_decode_body_keeps_what_earlier_steps_added() -> None:
+    """The P/D stage splices its params into the body bytes: the migrator's return_token_ids stays."""
+    body = b'{"prompt": "x", "stream": true, "return_token_ids":true}\n'
+    out = orjson.loads(with_params(body, {"do_remote_prefill": True}))
+    assert out == {"prompt": "x", "stream": True, "return_token_ids": True,
+                   "kv_transfer_params": {"do_remote_prefill": True}}
+    assert orjson.loads(with_params(b"{ }", {"a": 1})) == {"kv_transfer_params": {"a": 1}}

@@ -40,6 +40,10 @@ QUEUE_FULL = ("The engine is currently busy and cannot accept new requests. "
 TOKENS_FULL = ("The engine has reached its prefill token backlog limit. "
                "Please try again later or on a different instance.")
 
+# a client's kv_transfer_params would steer a rank's KV leases and pulls (ARCHITECTURE.md, "P/D trust model")
+CLIENT_KV_PARAMS = ("kv_transfer_params are set by the router's prefill/decode stages, never by a client: "
+                    "drop the field (a trusted proxy that runs vLLM's two stages itself talks to the ranks)")
+
 
 def admits(path: str) -> bool:
     """Requests that become engine requests (not /tokenize, /detokenize or the router's own paths)."""
@@ -107,6 +111,8 @@ class Admission:
                 facts, data = path_facts(request.path, request.headers), None
         except BadRequest as e:
             return Refused(400, e.message, "BadRequestError", e.param, rid_header)
+        if data is not None and data.get("kv_transfer_params") is not None:  # P/D's own (lbd.router.disagg)
+            return Refused(400, CLIENT_KV_PARAMS, "BadRequestError", "kv_transfer_params", rid_header)
         if data is not None and FORWARDED_IDS in data:  # only the router's own (signed) ids reach a rank
             body = strip_client_copy(data)
         if key is not None and self.gate is not None and self.gate.limits_on:

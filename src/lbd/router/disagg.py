@@ -16,6 +16,11 @@ shorter than ``--pd-min-prompt-tokens`` (moving its KV costs more than it saves:
 rank, as conditional disaggregation does, so the prefill ranks stay free for long prompts), or when the
 prefill stage fails. The answer's ``x-lbd-disagg`` header says which it was: ``pd <prefill rank>`` or
 ``colocated (<reason>)``.
+
+Trust: ``kv_transfer_params`` are the router's own. A client's are refused at admission (400,
+``lbd.router.admission``), so no client steers a rank's leases or pulls through the router; the params a
+prefill rank answers are signed by it, and the decode rank pulls only for params its key verifies
+(``lbd.engine.kv_transfer.trust``; ARCHITECTURE.md, "P/D trust model").
 """
 
 from __future__ import annotations
@@ -38,6 +43,18 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_PREFILL_ANSWER_BYTES = 1 << 20
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def with_params(body: bytes, params: dict[str, Any]) -> bytes:
+    """The JSON object ``body`` with ``kv_transfer_params`` added last, its other bytes as they were: what
+    earlier steps added stays (the migrator's ``return_token_ids``, without which a broken decode stream could
+    not move; the router's forwarded prompt ids)."""
+    head = body.rstrip()
+    if not head.endswith(b"}"):
+        raise ValueError("the request body is not a JSON object")
+    inner = head[:-1].rstrip()
+    field = b'"kv_transfer_params":' + orjson.dumps(params)
+    return inner + (field if inner.endswith(b"{") else b"," + field) + b"}"
 
 
 class Disagg:
@@ -72,8 +89,10 @@ class Disagg:
         request, data = rr.request, rr.data
         if request.method != "POST" or request.path not in PATHS or not isinstance(data, dict):
             return
-        if "kv_transfer_params" in data or (data.get("n") or 1) != 1:
-            return self._colocated(rr, "client_params" if "kv_transfer_params" in data else "n")
+        if data.get("kv_transfer_params") is not None:  # refused at admission: never forwarded
+            return self._colocated(rr, "client_params")
+        if (data.get("n") or 1) != 1:
+            return self._colocated(rr, "n")
         snaps = self.state.snapshots()
         prefill, decode = self.roles(snaps)
         model = rr.facts.model
@@ -100,7 +119,7 @@ class Disagg:
             prefill.remove(target)
         if params is None:
             return self._colocated(rr, "prefill_failed")
-        rr.body = orjson.dumps({**data, "kv_transfer_params": params})
+        rr.body = with_params(rr.body, params)
         keep = {s.key for s in decode}
         rr.pd_exclude = [s.key for s in snaps if s.key not in keep]
         rr.rid_header += b"x-lbd-disagg: pd %s\r\n" % target.key.encode("latin-1")

@@ -13,12 +13,16 @@ blocks' bytes in the order asked, each block ``block_bytes`` long, and the layou
 sides must agree on it, else the consumer recomputes). A pull of no blocks tells the producer to free them.
 A NIXL consumer asks for ``transport="nixl"``: a producer with NIXL then answers where to READ the blocks
 (``NixlRemote``, with its agent's metadata unless the consumer has it) instead of their bytes, and releases
-them when the READ's notification arrives; one without NIXL sends the bytes as usual.
+them when the READ's notification arrives (carrying the lend's ``notif``); one without NIXL sends the bytes.
+Trust (``lbd.engine.kv_transfer.trust``): a pull carries a fresh challenge and the header the producer's
+proof that it holds the transfer key; a response's params carry the producer's signature (``lbd_sig``); a
+request's ``remote_host`` is an address, never a name.
 Standard library and msgspec only.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import msgspec
@@ -36,6 +40,7 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int = 1
+    lbd_sig: str | None = None  # the producer's HMAC over the fields above (lbd.engine.kv_transfer.trust)
 
     def block_ids(self) -> list[int]:
         """The producer's block ids (vLLM sends one list, or one list per KV-cache group: the first)."""
@@ -59,6 +64,7 @@ class KVPull(msgspec.Struct):
     token_ids: list[int] = msgspec.field(default_factory=list)
     transport: str = "bytes"  # "nixl": answer with a NixlRemote, the consumer READs the blocks itself
     nixl_known: bool = False  # the consumer holds the producer's NIXL agent metadata already
+    challenge: bytes = b""  # fresh per pull: the producer answers with a proof that it holds the key
 
 
 class KVBlocksHeader(msgspec.Struct):
@@ -72,6 +78,7 @@ class KVBlocksHeader(msgspec.Struct):
     block_bytes: int = 0
     num_blocks: int = 0
     transport: str = "bytes"  # what the second frame holds: the blocks' bytes, or a NixlRemote
+    proof: str = ""  # the HMAC of the pull's challenge with the transfer key (lbd.engine.kv_transfer.trust)
 
 
 class NixlRemote(msgspec.Struct):
@@ -84,6 +91,7 @@ class NixlRemote(msgspec.Struct):
     regions: list[tuple[int, int]]
     mem_type: str  # NIXL's: DRAM (a CPU cache) or VRAM
     dev_id: int = 0
+    notif: str = ""  # fresh per lend: the READ's notification must carry it to end the lease
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -119,9 +127,23 @@ def params_from_obj(obj: Any) -> KVTransferParams:
     except msgspec.ValidationError as e:
         raise ValueError(f"kv_transfer_params: {e}") from None
     params.block_ids()
+    host = params.remote_host
+    if host is not None and host != "localhost" and not _ip_literal(host):
+        raise ValueError("kv_transfer_params.remote_host must be an IP address (a rank never resolves a name "
+                         "a request gives it)")
     return params
 
 
+def _ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def params_to_obj(params: KVTransferParams) -> dict[str, Any]:
-    """The JSON object of a response's ``kv_transfer_params``, every field written (as vLLM does)."""
-    return {name: getattr(params, name) for name in params.__struct_fields__}
+    """The JSON object of a response's ``kv_transfer_params``, every vLLM field written (as vLLM does), and
+    the producer's signature when there is one."""
+    return {name: getattr(params, name) for name in params.__struct_fields__
+            if name != "lbd_sig" or params.lbd_sig is not None}

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lbd.engine.kv_transfer.trust import sign, transfer_key
+from lbd.wire.kv_transfer import KVTransferParams, params_to_obj
 from support.kv_events import subscribed, wait_for_stored_run
 from support.pd import (
     BLOCK,
@@ -131,16 +133,19 @@ def test_unpulled_leases_are_counted_then_freed(pair) -> None:
 
 
 def test_pulls_beyond_loopback_need_the_cluster_token(pair) -> None:
-    """The producer's address comes from the client: without LBD_CLUSTER_TOKEN a consumer pulls only over
+    """Even params a producer signed (here: signed with this user's local key, as a rank of this machine
+    would) name a producer beyond loopback: without LBD_CLUSTER_TOKEN (CURVE) a consumer pulls only over
     loopback, and recomputes otherwise."""
     producer, consumer = pair
     base = prompt_ids(50, 4242)
     colocated = text_of(producer, "/v1/completions", body(base))
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
-              "remote_block_ids": [1, 2, 3], "remote_host": "192.0.2.1", "remote_port": 9,
-              "remote_request_id": "r", "tp_size": 1}
+    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="e", remote_block_ids=[1, 2, 3],
+                              remote_host="192.0.2.1", remote_port=9, remote_request_id="r")
+    key = transfer_key()
+    assert key is not None
     failed0 = metric(consumer, "lbd:kv_transfer_failed_pulls_total")
-    assert text_of(consumer, "/v1/completions", body(base, kv_transfer_params=params)) == colocated
+    data = body(base, kv_transfer_params=params_to_obj(sign(key, params)))
+    assert text_of(consumer, "/v1/completions", data) == colocated
     assert metric(consumer, "lbd:kv_transfer_failed_pulls_total") == failed0 + 1
 
 

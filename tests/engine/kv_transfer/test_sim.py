@@ -1,7 +1,14 @@
 """Prefill/decode disaggregation on ``--device sim`` ranks: a real producer and consumer (`lbd serve`, sim
-device) driven with vLLM's two-stage requests. The decode completes with the colocated answer, only the
-blocks its prefix cache lacks are charged, pulled blocks are published as KV events, and the modelled pull
-time grows with the blocks moved (order only: never absolute times)."""
+device) driven with vLLM's two-stage requests.
+
+What this proves: the protocol and its accounting on sim ranks: leases, pulls, the producer's token check,
+registration in the consumer's prefix cache, KV events, and that only the blocks the consumer lacks are
+charged, in modelled time that grows with them (order only: never absolute times). What it cannot prove:
+that the transfer is right. A sim rank's tokens are a hash of the prompt ids and its block IO moves no bytes,
+so its P/D text equals the colocated text whatever crosses the wire; the text check here only says the
+decode finished. The bytes are proven on real ranks of the tiny Llama (test_trust.py,
+``test_the_decode_runs_on_the_moved_bytes``: the decode's first blocks arrive only by the pull, count as
+cache hits, only the tail is computed, and the greedy text is the colocated one; test_connector.py)."""
 
 from __future__ import annotations
 

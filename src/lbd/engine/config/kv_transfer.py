@@ -9,7 +9,10 @@ start when unset), ``kv_ip`` (where the block server binds: loopback by default;
 cluster token, which then CURVE-secures the channel), ``kv_port`` (0 or unset: the OS picks; else offset by
 the DP rank, as vLLM does) and ``kv_connector_extra_config``: ``pull_timeout_s`` (5: a consumer that has not
 got its blocks by then recomputes the prefill itself), ``lease_s`` (60: a producer frees blocks nobody pulled
-after this), ``max_pull_bytes`` (1 GiB: the largest answer a consumer reads).
+after this), ``max_pull_bytes`` (1 GiB: the largest answer a consumer reads), ``max_leases`` (256) and
+``max_lease_bytes`` (unset: half this rank's KV cache): a producer holds at most so many leases and bytes
+for pulls; a prefill beyond either still answers, with no blocks to pull (its decode recomputes), and the
+refusal is counted (``lbd:kv_transfer_lease_refusals_total``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ FLAG = "--kv-transfer-config"
 EXAMPLE = '\'{"kv_connector": "LbdConnector", "kv_role": "kv_both"}\''
 _KEYS = {"kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port", "kv_connector_extra_config",
          "kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_buffer_size"}  # the last four: vLLM's, unused
-_EXTRA = {"pull_timeout_s": 5.0, "lease_s": 60.0, "max_pull_bytes": float(1 << 30)}
+_EXTRA = {"pull_timeout_s": 5.0, "lease_s": 60.0, "max_pull_bytes": float(1 << 30), "max_leases": 256.0,
+          "max_lease_bytes": 0.0}  # 0: half the rank's KV cache
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +41,8 @@ class KVTransferConfig:
     pull_timeout_s: float = 5.0
     lease_s: float = 60.0
     max_pull_bytes: int = 1 << 30
+    max_leases: int = 256  # leases a producer holds at once
+    max_lease_bytes: int = 0  # bytes of blocks a producer holds for pulls (0: half its KV cache)
 
     @property
     def produces(self) -> bool:
@@ -101,4 +107,5 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     extra = _extra(raw.get("kv_connector_extra_config"))
     return KVTransferConfig(kv_connector=connector, kv_role=role, engine_id=engine_id, kv_ip=ip, kv_port=port,
                             pull_timeout_s=extra["pull_timeout_s"], lease_s=extra["lease_s"],
-                            max_pull_bytes=int(extra["max_pull_bytes"]))
+                            max_pull_bytes=int(extra["max_pull_bytes"]), max_leases=int(extra["max_leases"]),
+                            max_lease_bytes=int(extra["max_lease_bytes"]))

@@ -7,6 +7,11 @@ request waits parked in the scheduler (admitted, not schedulable). When the bloc
 fresh blocks and registered in the prefix cache (KV events published), and the request is unparked: its
 first step finds them there and computes only the tail. A failed or late pull unparks it all the same, and
 the prefill is recomputed: slower, never wrong, never lost. Leases nobody pulled are freed after ``lease_s``.
+
+Trust (``lbd.engine.kv_transfer.trust``, ARCHITECTURE.md "P/D trust model"): a producer signs the params it
+hands out and holds at most ``max_leases`` leases and ``max_lease_bytes`` of blocks (a prefill beyond either
+gets params with no blocks, counted as a refusal); a consumer pulls only for params signed with its transfer
+key, from a producer that proves it holds the key, and resolves no name on the core thread.
 A ``--device sim`` rank runs all of this with modelled blocks (``lbd.engine.kv_transfer.sim``).
 """
 
@@ -22,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from lbd.common.cluster import is_loopback, is_wildcard, read_cluster_token
+from lbd.common.cluster import is_loopback, is_wildcard, read_cluster_token, resolve_bind
 from lbd.engine.config.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.core.request import Request
 from lbd.engine.core.scheduler import Scheduler
-from lbd.engine.kv_transfer.agent import BlockPuller, BlockServer, Leases, PullJob, PullResult
+from lbd.engine.kv_transfer.agent import UNPROVEN, BlockPuller, BlockServer, Leases, PullJob, PullResult
 from lbd.engine.kv_transfer.metrics import KVTransferMetrics
+from lbd.engine.kv_transfer.trust import numeric_loopback, sign, signed, transfer_key
 from lbd.wire.core_messages import EngineCoreOutput
 from lbd.wire.kv_transfer import KVTransferParams
 
@@ -43,10 +49,11 @@ IDLE_WAIT_S = 0.005  # how long a step with only parked requests waits for a pul
 
 
 def _advertised_host(kv_ip: str) -> str:
-    """Where decode ranks reach the block server: ``kv_ip``, or for a wildcard this host's address."""
-    if not is_wildcard(kv_ip):
-        return kv_ip
+    """Where decode ranks reach the block server, as an address (consumers resolve no names): ``kv_ip``, or
+    for a wildcard this host's address. Resolved once, at start."""
     try:
+        if not is_wildcard(kv_ip):
+            return resolve_bind(kv_ip)[1]
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
@@ -93,11 +100,13 @@ class KVTransfer:
         self.engine_id = cfg.engine_id or uuid.uuid4().hex
         self.io = io
         self.metrics = KVTransferMetrics(labels, self.io.block_bytes, self.block_size)
-        self.leases = Leases()
+        lease_bytes = cfg.max_lease_bytes or self.kv.num_blocks * self.io.block_bytes // 2
+        self.leases = Leases(cfg.max_leases, lease_bytes // max(1, self.io.block_bytes))
         self.params_out: dict[str, KVTransferParams] = {}
         self.parked: dict[str, int] = {}  # consumer request id -> first block index being pulled
         token = read_cluster_token(None)
         self.secured = token is not None
+        self.key = transfer_key()  # signs the params this rank hands out, checks the ones it pulls for
         self.ctx = zmq.Context(io_threads=1)
         self.server: BlockServer | None = None
         self.puller: BlockPuller | None = None
@@ -106,12 +115,12 @@ class KVTransfer:
         if cfg.produces:
             self.server = BlockServer(self.ctx, cfg.kv_ip, cfg.port_for(rank), token, self.engine_id,
                                       self.leases, self.io.read, self.io.layout, self.io.wire_block_bytes,
-                                      self.metrics.served, source, cfg.lease_s)
+                                      self.metrics.served, source, cfg.lease_s, self.key)
             self.server.start()
         if cfg.consumes:
             self.puller = BlockPuller(self.ctx, token, self.io.layout, self.io.wire_block_bytes,
                                       cfg.pull_timeout_s, cfg.max_pull_bytes,
-                                      getattr(self.io, "transfer_seconds", None), sink)
+                                      getattr(self.io, "transfer_seconds", None), sink, self.key)
             self.puller.start()
         scheduler.on_finish = self.on_finish
         logger.info("KV transfer: %s, engine id %s, %s, %d bytes per token", cfg.kv_role, self.engine_id,
@@ -144,15 +153,23 @@ class KVTransfer:
         if (self.server is None or params is None or not params.do_remote_decode
                 or req.finish_reason not in ("length", "stop")):
             return
-        blocks = req.block_ids[:min(req.num_prompt_tokens, req.num_computed_tokens) // self.block_size]
+        blocks = list(req.block_ids[:min(req.num_prompt_tokens, req.num_computed_tokens) // self.block_size])
         if blocks:
-            self.kv.hold(blocks)
-            self.leases.add(req.request_id, list(blocks), time.monotonic() + self.cfg.lease_s,
-                            req.prompt_token_ids[:len(blocks) * self.block_size])
+            refused = self.leases.add(req.request_id, blocks, time.monotonic() + self.cfg.lease_s,
+                                      req.prompt_token_ids[:len(blocks) * self.block_size])
+            if refused is None:
+                self.kv.hold(blocks)
+            else:  # a cap reached: the decode recomputes this prefill; the cache stays free for others
+                if refused != "taken":
+                    (self.metrics.refused_bytes if refused == "bytes" else self.metrics.refused_count).inc()
+                logger.debug("no lease for %s (%s): its decode recomputes", req.request_id, refused)
+                blocks = []
             self.metrics.pending.set(len(self.leases))
-        self.params_out[req.request_id] = KVTransferParams(
-            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_block_ids=list(blocks),
+            self.metrics.held.set(self.leases.blocks)
+        params = KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_block_ids=blocks,
             remote_host=self.host, remote_port=self.server.port, remote_request_id=req.request_id, tp_size=1)
+        self.params_out[req.request_id] = sign(self.key, params) if self.key is not None else params
 
     def attach(self, outputs: list[EngineCoreOutput]) -> None:
         """Put each finished prefill's params on its last output."""
@@ -172,16 +189,26 @@ class KVTransfer:
         if self.puller is None or params is None or not params.do_remote_prefill:
             return False
         remote = params.block_ids()
-        if not self.secured and not is_loopback(params.remote_host):
-            # the address came from a client: without the cluster token (CURVE) only loopback is pulled from
+        if not signed(self.key, params):
+            # no producer this rank shares the key with named that address: never contact it
+            logger.warning("not pulling KV for %s: its kv_transfer_params are not signed by a producer this "
+                           "rank trusts (%s): recomputing its prefill", req.request_id,
+                           "no transfer key here" if self.key is None else "signature missing or wrong")
+            self.metrics.untrusted.inc()
+            return False
+        host = "127.0.0.1" if params.remote_host == "localhost" else params.remote_host or ""
+        if not self.secured and not numeric_loopback(host):
+            # without the cluster token (CURVE) only loopback is pulled from; nothing is resolved here
             logger.warning("not pulling KV for %s from %s (beyond loopback and no LBD_CLUSTER_TOKEN): "
-                           "recomputing its prefill", req.request_id, params.remote_host)
+                           "recomputing its prefill", req.request_id, host)
             self.metrics.failed.inc()
             return False
         want = min((req.num_tokens - 1) // self.block_size, len(remote))
         have = len(self.kv.get_computed_prefix(req)[0])
-        job = PullJob(req.request_id, params.remote_host or "", params.remote_port or 0,
-                      params.remote_engine_id or "", params.remote_request_id or "", [], have, [])
+        job = PullJob(req.request_id, host, params.remote_port or 0, params.remote_engine_id or "",
+                      params.remote_request_id or "", [], have, [])
+        if not remote:
+            return False  # the producer held nothing (a lease cap): nothing to pull, nothing to free
         if have >= want:
             job.request_id = ""  # nothing to move: only tell the producer to free its lease
             self.puller.jobs.put(job)
@@ -203,6 +230,8 @@ class KVTransfer:
         if req is not None:
             if result.data is None:
                 self.metrics.failed.inc()
+                if result.error.startswith(UNPROVEN):
+                    self.metrics.untrusted.inc()
                 logger.warning("KV pull for %s failed (%s): recomputing its prefill", job.request_id,
                                result.error)
             elif not self._import(req, job, result.data):
@@ -248,6 +277,7 @@ class KVTransfer:
         if expired:
             self.metrics.expired.inc(len(expired))
         self.metrics.pending.set(len(leases))
+        self.metrics.held.set(leases.blocks)
         if self.puller is None:
             return
         results = self.puller.results

@@ -1,6 +1,7 @@
 """KV-transfer metrics (``lbd:kv_transfer_*``), recorded by the core process (Prometheus multiprocess mode,
 as the rest of ``lbd.engine.metrics``): blocks and bytes moved, bytes per token of the KV layout, pulls that
-failed (the prefill was recomputed), leases pending and expired, pull time. Families are made once per
+failed (the prefill was recomputed), leases pending, expired and refused (the caps), blocks held, params and
+producers a consumer did not trust, pull time. Families are made once per
 process (a second core in one process, as in tests, reuses them)."""
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _families() -> dict[str, Any]:
         expired=Counter("lbd:kv_transfer_expired_leases",
                         "Producer block leases nobody pulled before the deadline (freed).", LABELS),
         pending=gauge("lbd:kv_transfer_pending_leases", "Producer block leases waiting for a pull."),
+        held=gauge("lbd:kv_transfer_lease_blocks", "KV blocks a producer holds under leases for pulls."),
+        refused=Counter("lbd:kv_transfer_lease_refusals", "Prefills whose blocks a producer did not hold for "
+                        "a pull (its lease cap by count or bytes was reached): their decode recomputes.",
+                        (*LABELS, "reason")),
+        untrusted=Counter("lbd:kv_transfer_untrusted", "Pulls a consumer did not make, or whose answer it "
+                          "dropped: params no producer it shares the key with signed, or a producer that "
+                          "gave no proof of the key (the prefill was recomputed).", LABELS),
         waiting=gauge("lbd:kv_transfer_pulls_in_flight", "Decode requests waiting for their blocks."),
         per_token=gauge("lbd:kv_transfer_bytes_per_token",
                         "KV bytes per token of this rank's cache layout (what a transfer moves per token)."),
@@ -55,6 +63,10 @@ class KVTransferMetrics:
         self.failed = f["failed"].labels(**lv)
         self.expired = f["expired"].labels(**lv)
         self.pending = f["pending"].labels(**lv)
+        self.held = f["held"].labels(**lv)
+        self.refused_count = f["refused"].labels(**lv, reason="count")
+        self.refused_bytes = f["refused"].labels(**lv, reason="bytes")
+        self.untrusted = f["untrusted"].labels(**lv)
         self.pulls_waiting = f["waiting"].labels(**lv)
         self.pull_seconds = f["seconds"].labels(**lv)
         self.nixl_reads = f["nixl"].labels(**lv)

@@ -4,7 +4,9 @@ its registered KV cache, one-sided, through NIXL's UCX backend.
 The ZMQ side channel (``lbd.engine.kv_transfer.agent``) stays: it checks the lease and the prompt's tokens
 exactly as for ``LbdConnector``, and hands the consumer a ``NixlRemote`` (the producer agent's metadata, once
 per producer, and where each cache tensor lives). The READ itself runs without the producer's CPU and carries
-the transfer id as its notification, on which the producer releases the lease. The consumer READs into a
+the transfer id and the lend's secret (``NixlRemote.notif``, fresh per lend, sent only over the side channel)
+as its notification, on which the producer releases the lease: a NIXL peer that names a transfer id without
+that secret ends nothing. The consumer READs into a
 registered staging buffer laid out as ``KVBlockIO.read`` lays out bytes, so importing the blocks is the same
 step for both connectors.
 
@@ -31,6 +33,16 @@ from lbd.wire.kv_transfer import NixlRemote
 _ABANDONED_KEPT = 4
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")  # the meta package, then its CUDA builds
 INSTALL_HINT = "pip install 'lbd[nixl]' (nixl-cu13, as the locked torch), or nixl-cu12 on CUDA 12"
+
+
+def notification(transfer_id: str, notif: str) -> bytes:
+    """A READ's notification: the transfer id and the secret of its lend (``NixlRemote.notif``)."""
+    return f"{transfer_id}\n{notif}".encode()
+
+
+def parse_notification(msg: bytes) -> tuple[str, str]:
+    tid, _, notif = msg.decode(errors="replace").partition("\n")
+    return tid, notif
 
 
 class NixlError(Exception):
@@ -77,10 +89,11 @@ class NixlSource:
         regions = [(t.data_ptr(), size) for t, size in zip(self.io.tensors, self.io.per_tensor, strict=True)]
         return NixlRemote(self.name, b"" if known else self._metadata, regions, self.mem_type, self.dev_id)
 
-    def released(self) -> list[str]:
-        """Transfer ids whose READ completed since the last call (the consumers' notifications)."""
+    def released(self) -> list[tuple[str, str]]:
+        """(transfer id, the lend's secret) of READs that completed since the last call, as the consumers'
+        notifications say (``notification``'s format; the block server checks the secret)."""
         notifs = self.agent.get_new_notifs()
-        return [msg.decode(errors="replace") for msgs in notifs.values() for msg in msgs]
+        return [parse_notification(msg) for msgs in notifs.values() for msg in msgs]
 
     def close(self) -> None:
         self.agent.deregister_memory(self._descs)
@@ -118,7 +131,7 @@ class NixlSink:
             off += n * size
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, "DRAM"), self.agent.get_xfer_descs(far, remote.mem_type),
-            peer, transfer_id.encode())
+            peer, notification(transfer_id, remote.notif))
         try:
             self._wait(handle, timeout_s)
         except NixlError:
