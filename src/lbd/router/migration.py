@@ -187,11 +187,15 @@ class Migrator:
             return f"it cannot be resumed on another rank: {move.impossible}", "impossible"
         if move.broken == "oversized":
             return "it cannot be resumed on another rank: an event over the size cap", "impossible"
-        if move.prompt_ids is None or not move.ids_ok or move.origin is None:
+        if move.prompt_ids is None or not move.ids_ok:
             return (
                 "it cannot be resumed on another rank: the rank returned no token ids (return_token_ids)"
             ), "impossible"
-        if penalised(move.data) and move.origin.engine != "lbd":
+        origin = move.origin_facts()
+        if origin is None:
+            return ("it cannot be resumed on another rank: the router has not learned the rank's model "
+                    "(its /v1/models card), so not which ranks share its tokenizer"), "impossible"
+        if penalised(move.data) and origin.engine != "lbd":
             why = ("it cannot be resumed on another rank: frequency or presence penalties count output "
                    "tokens, which only lbd's engine takes from a continuation (the rank is not lbd's)")
             return why, "impossible"

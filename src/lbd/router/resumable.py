@@ -79,6 +79,7 @@ class Move:
         self.echo = kind == "cmpl" and data.get("echo") is True  # the first text is the prompt, without ids
         self.top_n = int(data.get("top_logprobs") or 0) if kind == "chat" else 0
         self.origin: RankFacts | None = None  # the rank that served the stream first (its model card)
+        self._origin_ep: Any = None
         self._rest: list[bytes] = []  # a partial event's pieces
         self._rest_size = 0
 
@@ -89,6 +90,14 @@ class Move:
             raw, self._prompt_raw = self._prompt_raw, None
             self._prompt_ids = [int(t) for t in raw.split(b",")] if raw else []
         return self._prompt_ids
+
+    def origin_facts(self) -> RankFacts | None:
+        """The first rank's facts, read from its model card when the stream began there (or, if the router had
+        not learned its card yet, at the move); None: not known."""
+        ep = self._origin_ep
+        if self.origin is None and ep is not None and ep.model_cards:
+            self.origin = rank_facts(ep.model_cards, self.data.get("model"))
+        return self.origin
 
     def takes(self, upstream: UpstreamResponse) -> bool:
         """Whether this answer goes through the tracking pump (a continuation always does)."""
@@ -121,8 +130,9 @@ class Move:
         except (UpstreamError, TimeoutError) as e:
             return relay.no_first_byte(a, e, idle)
         relay.began(a, upstream, stream=True)
-        if self.origin is None:  # the rank whose tokenizer made the ids (what a continuation must match)
-            self.origin = rank_facts(a.ep.model_cards, self.data.get("model"))
+        if self._origin_ep is None:  # the rank whose tokenizer made the ids (what a continuation must match)
+            self._origin_ep = a.ep
+            self.origin_facts()
         if not self.resuming:
             try:
                 out.start(upstream.status, relay.response_headers(upstream, a.decision, rid_header), None)
