@@ -43,7 +43,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
-FORWARD_OUTCOMES = ("used", "other_tokenizer", "disabled", "mismatch")  # lbd.engine.server.forwarded
+# lbd.engine.server.forwarded: what a rank did with a router's ids, and why it refused a field (400)
+FORWARD_REFUSALS = ("signature", "expired", "replayed", "no_key")
+FORWARD_OUTCOMES = ("used", "other_tokenizer", "disabled", "mismatch",
+                    *(f"refused_{r}" for r in FORWARD_REFUSALS))
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:

@@ -4,7 +4,8 @@ the tiny Llama.
 - /tokenizer_info advertises the field and the fingerprint: the sha256 of the rest of that answer;
 - the field is taken only signed with the rank's internal key (lbd.common.internal_key) for that very body,
   fresh and once: unsigned, forged, at a rank without a key, copied beside another body, expired or replayed,
-  it is a 400 that changes nothing (no counter, forwarding stays on);
+  it is a 400 that changes nothing (forwarding stays on) but its own count on /metrics
+  (``lbd:forwarded_prompts_total{outcome="refused_<why>"}``);
 - /tokenizer_info publishes nothing of the key: it says only whether a caller's proof of the key verified;
 - ids with the right fingerprint are run as sent (the answer is the one the rank's own tokenization gives);
   ids with another fingerprint are ignored; a malformed field or ids outside the vocabulary are a 400;
@@ -62,6 +63,16 @@ def http(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def outcomes(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
     return {o: metric_value(text, "lbd:forwarded_prompts_total", outcome=o) for o in FORWARD_OUTCOMES}
+
+
+def kept(counts: dict[str, float]) -> dict[str, float]:
+    """The outcomes of fields the rank took (refusals left out)."""
+    return {o: v for o, v in counts.items() if not o.startswith("refused_")}
+
+
+def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The outcomes that changed, by how much."""
+    return {o: after[o] - before[o] for o in after if after[o] != before[o]}
 
 
 def chat_body(messages: list | None = None) -> dict:
@@ -126,7 +137,8 @@ def test_forwarded_ids_are_run_checked_and_verified(http: httpx.Client) -> None:
         r = chat(http, {FIELD: bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == FIELD, (bad, r.text)
         assert "internal key" in r.json()["error"]["message"]
-    assert outcomes(http) == before
+    assert grew(before, outcomes(http)) == {"refused_signature": 4}  # counted on /metrics, nothing else
+    before = outcomes(http)
     assert ids_chat(http, ids, fp).status_code == 200 and outcomes(http)["used"] == 3
 
     # a blob seen on the router-to-rank hop: sent again as it is, beside another prompt or sampling setting,
@@ -137,7 +149,10 @@ def test_forwarded_ids_are_run_checked_and_verified(http: httpx.Client) -> None:
                    {**body, FIELD: signed(ids, fp, body=body, now=time.time() - 120)}):
         r = http.post("/v1/chat/completions", json=replay)
         assert r.status_code == 400 and r.json()["error"]["param"] == FIELD, r.text
-    assert outcomes(http) == {**before, "used": 3}
+    assert kept(outcomes(http)) == {**kept(before), "used": 3}
+    # each refusal is exported by why: the blob again, beside another body (twice), signed too long ago
+    assert grew(before, outcomes(http)) == {"used": 1, "refused_replayed": 1, "refused_signature": 2,
+                                            "refused_expired": 1}
 
     # /tokenizer_info publishes nothing of the key: a proof made with it says "match", any other "mismatch"
     def key(proof: str | None) -> object:
@@ -167,6 +182,7 @@ def test_a_rank_without_an_internal_key_refuses_the_field() -> None:
             fwd.take({FIELD: sent})
         assert e.value.status == 400 and e.value.param == FIELD and INTERNAL_KEY_ENV in e.value.message
     assert fwd.enabled and fwd.take({"messages": []}) is None
+    assert registry.get_sample_value("fwd_total", {"outcome": "refused_no_key"}) == 2
 
 
 def test_later_prompts_are_sampled_and_a_mismatch_turns_forwarding_off() -> None:

@@ -24,9 +24,11 @@ nonce) and strips any copy a client put in its own body; the rank refuses the fi
 signature is missing, wrong, made for another body, older than a minute or already used here, and when it
 holds no internal key at all (``$LBD_INTERNAL_KEY`` unset: no router's ids can be told from a client's). A
 refused field changes nothing else: no counter of the verification, forwarding stays on (refusals are
-counted by reason in ``ForwardedPrompts.refused``). ``/tokenizer_info`` publishes nothing of the key: a
-router that proves it holds the key (``?key_proof=``) learns whether the rank's key is the same
-(``"key": "match"``), so a router holding another key sends no ids rather than refused ones.
+counted by reason, in ``ForwardedPrompts.refused`` and as ``lbd:forwarded_prompts_total`` outcomes
+``refused_signature``, ``refused_expired``, ``refused_replayed``, ``refused_no_key``). ``/tokenizer_info``
+publishes nothing of the key: a router that proves it holds the key (``?key_proof=``) learns whether the
+rank's key is the same (``"key": "match"``), so a router holding another key sends no ids rather than refused
+ones.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class ForwardedPrompts:
         """A 400 unless the field is signed with this rank's internal key (only its router holds it) for this
         body, recently, and not seen before."""
         if self.signer is None:
-            self.refused["no_key"] += 1
+            self._refuse("no_key")
             raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, and "
                               f"this rank has none (${INTERNAL_KEY_ENV}): drop the field", FIELD)
         ids, fp = sent["ids"], sent.get("tokenizer")
@@ -123,12 +125,19 @@ class ForwardedPrompts:
         if text is not None and isinstance(fp, str):
             why = self.signer.verify(text, fp, digest, sent.get("sig")) or ""
         if why:
-            self.refused[why] += 1
+            self._refuse(why)
             if why == "expired" and self.refused[why] == 1:  # a router's clock far from ours refuses them all
                 log.warning("forwarded prompt ids refused: signed more than a minute ago or in the future "
                             "(router and rank clocks more than %.0f s apart?)", SKEW_S)
             raise bad_request(f"'{FIELD}' is taken only from a router holding this rank's internal key, "
                               f"signed for this request, once, within a minute ({why}): drop it", FIELD)
+
+    def _refuse(self, why: str) -> None:
+        """Count a refused field, in memory and as an outcome ``refused_<why>`` of the metric."""
+        self.refused[why] += 1
+        counter = self._count.get(f"refused_{why}")
+        if counter is not None:
+            counter.inc()
 
     async def resolve(self, ids: list[int], own: Callable[[], Awaitable[list[int]]]) -> list[int]:
         """The ids to run: ``ids``, checked against ``own()`` (the rank's tokenization) first for the first
