@@ -209,14 +209,14 @@ def test_a_fleet_beyond_the_sample_threshold_keeps_prefixes_together(tmp_path: P
 def test_a_curve_stream_is_followed_only_with_the_cluster_token(tmp_path: Path) -> None:
     """Streams secured with the cluster token: a router holding it follows them; one without it (or with
     another token) cannot complete the handshake and scrapes those ranks instead."""
-    token = {"LBD_CLUSTER_TOKEN": "fleet-test-token"}
+    token = {"LBD_CLUSTER_TOKEN": "fleet-test-9cW4n1xQ0rTz7LkV2bS8mYpH3uJ6eA5dFgR0iOq1wXc"}  # 256+ bits
     f = Fleet(tmp_path, 2, "--curve", env=token)
     routers = {
         "right": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r1.log", env=token),
         "none": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r2.log",
                              env={"LBD_CLUSTER_TOKEN": ""}),
         "wrong": RouterServer("--upstreams", ",".join(f.urls), log=tmp_path / "r3.log",
-                              env={"LBD_CLUSTER_TOKEN": "another"}),
+                              env={"LBD_CLUSTER_TOKEN": "other-Hs2Jq8Wv5Lx1Nc7Rb0Tz4Yk9Pm3Gd6Fa2Ue8Io5Qw1"}),
     }
     try:
         for r in routers.values():

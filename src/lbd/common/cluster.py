@@ -16,7 +16,8 @@ bits per character of the smallest usual alphabet it fits: hex, base64/url-safe,
 of few distinct characters counts those only): keys derived from it (CURVE pairs, ``lbd serve``'s internal
 key) are only as strong as the token, and an HMAC under it seen on any wire lets a guess be checked offline.
 ``secrets.token_urlsafe(32)``, ``openssl rand -hex 32`` and ``openssl rand -base64 32`` pass;
-``lbd serve`` refuses a weaker one with exit 2 (``check_token_strength``).
+``lbd serve``, ``lbd supervise`` and ``lbd route`` refuse a weaker one at start-up with exit 2
+(``read_strong_token``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ def read_cluster_token(path: str | None, env: dict[str, str] | None = None) -> s
     token = raw.decode("utf-8", "replace").strip().splitlines()[0].strip() if raw.strip() else ""
     if not token:
         raise ClusterTokenError(f"--cluster-token-file {path} is empty: write the cluster token in it")
+    return token
+
+
+def read_strong_token(path: str | None, env: dict[str, str] | None = None) -> str | None:
+    """``read_cluster_token``, refused (ClusterTokenError naming ``$LBD_CLUSTER_TOKEN`` or the file and the
+    fix) below ``MIN_TOKEN_BITS``: what every command that takes the token checks at start-up."""
+    token = read_cluster_token(path, env)
+    if token is not None:
+        check_token_strength(token, CLUSTER_TOKEN_ENV if path is None else f"--cluster-token-file {path}")
     return token
 
 

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from lbd.common.cluster import (
-    CLUSTER_TOKEN_ENV,
-    NO_TOKEN_FIX,
-    ClusterTokenError,
-    check_token_strength,
-    is_loopback,
-    read_cluster_token,
-)
+from lbd.common.cluster import NO_TOKEN_FIX, ClusterTokenError, is_loopback, read_strong_token
 from lbd.supervisor.flags import SupervisorArgError
 
 
@@ -46,13 +39,9 @@ def check_tls(ns: argparse.Namespace, role: str, remote: bool, moe_group: bool) 
 
 def cluster_token(ns: argparse.Namespace, env: dict[str, str]) -> str | None:
     """The cluster token: ``--cluster-token-file``, else $LBD_CLUSTER_TOKEN; refused (exit 2) below 256 bits
-    (lbd.common.cluster.check_token_strength): the deployment's internal key and CURVE keys derive from it."""
+    (lbd.common.cluster.read_strong_token): the deployment's internal key and CURVE keys derive from it."""
     try:
-        token = read_cluster_token(ns.cluster_token_file, env)
-        if token is not None:
-            path = ns.cluster_token_file
-            check_token_strength(token, CLUSTER_TOKEN_ENV if path is None else f"--cluster-token-file {path}")
-        return token
+        return read_strong_token(ns.cluster_token_file, env)
     except ClusterTokenError as e:
         raise SupervisorArgError(str(e)) from None
 

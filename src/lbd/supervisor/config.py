@@ -20,7 +20,7 @@ import socket
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
-from lbd.common.cluster import LOOPBACK, ClusterTokenError, is_loopback, read_cluster_token
+from lbd.common.cluster import LOOPBACK, ClusterTokenError, is_loopback, read_strong_token
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
@@ -223,9 +223,11 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
 
 def _plan_group(ns: argparse.Namespace, n: int, local: int, start: int,
                 env: dict[str, str]) -> tuple[GroupSpec | None, str]:
-    """The MoE group (lbd.supervisor.moe.plan_group), with the cluster token it needs across machines."""
+    """The MoE group (lbd.supervisor.moe.plan_group), with the cluster token it needs across machines. The
+    token, wherever it is given, is refused below 256 bits (lbd.common.cluster.read_strong_token): the ranks
+    inherit it and derive CURVE and KV-transfer keys from it."""
     try:
-        token = read_cluster_token(ns.cluster_token_file, env)
+        token = read_strong_token(ns.cluster_token_file, env)
     except ClusterTokenError as e:
         raise SupervisorArgError(str(e)) from None
     group, policy = plan_group(ns, n, local, start, token)
