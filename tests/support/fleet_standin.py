@@ -253,7 +253,8 @@ def _text(body: dict) -> str:
 def rank_app(rank: Rank) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens")
+                         or rank.fleet.ns.default_max_tokens)
         chat = request.path.endswith("chat/completions")
         cached = await rank.serve(_text(body), max_tokens)
         usage = {"prompt_tokens": len(_text(body).split()), "completion_tokens": max_tokens,
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sim-profile", default="h100-llama3-8b")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--default-max-tokens", type=int, default=16,
+                   help="the tokens of an answer to a request without max_tokens")
     ns = p.parse_args(argv)
     if ns.ranks < 1 or ns.heartbeat_s <= 0:
         p.error("--ranks must be >= 1 and --heartbeat-s > 0")

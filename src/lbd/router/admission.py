@@ -27,6 +27,7 @@ from lbd.router.facts import BadRequest, parse_request, path_facts
 from lbd.router.kv.forward import FIELD as FORWARDED_IDS
 from lbd.router.kv.forward import strip_client_copy
 from lbd.router.messages import Request
+from lbd.router.metering import Bill
 from lbd.router.routed import Refused, RoutedRequest
 from lbd.router.state import RouterState
 
@@ -115,26 +116,34 @@ class Admission:
             return Refused(400, CLIENT_KV_PARAMS, "BadRequestError", "kv_transfer_params", rid_header)
         if data is not None and FORWARDED_IDS in data:  # only the router's own (signed) ids reach a rank
             body = strip_client_copy(data)
+        bill = None
         if key is not None and self.gate is not None and self.gate.limits_on:
-            refused = self._rate_limit(request, key, facts, t0, rid_header)
-            if refused is not None:
-                return refused
+            limited = self._rate_limit(request, key, facts, t0, rid_header)
+            if isinstance(limited, Refused):
+                return limited
+            bill = limited
         if self._queue_limits and request.method == "POST" and admits(request.path):
             queues_full = refusal(self.state)
             if queues_full is not None:
                 self.state.metrics.decision(self.cfg.policy, queues_full[0])
+                if bill is not None:  # nothing will be produced
+                    bill.settle(t0)
                 return Refused(503, queues_full[1], "ServiceUnavailableError", None, rid_header)
-        return RoutedRequest(request, body, rid_header, t0, facts, data, trace)
+        rr = RoutedRequest(request, body, rid_header, t0, facts, data, trace)
+        rr.bill = bill
+        return rr
 
     def _rate_limit(self, request: Request, key: ApiKey, facts: RequestFacts, t0: float,
-                    rid_header: bytes) -> Refused | None:
-        """The key's request and token rate limits (lbd.router.auth)."""
+                    rid_header: bytes) -> Refused | Bill | None:
+        """The key's request and token rate limits (lbd.router.auth): its refusal, or, for a request that
+        generates under a token limit, the bill its answer's output settles (lbd.router.metering)."""
         assert self.gate is not None
         output = requested_tokens(request.body, request.path) if self.gate.counts_tokens else 0
         tokens = facts.prompt_tokens + output
         wait = self.gate.admit(key, tokens, t0)
         if wait <= 0.0:
-            return None
+            bucket = self.gate.token_bucket(key) if output else None
+            return Bill(bucket, output) if bucket is not None else None
         self.state.metrics.rate_limited.labels(key.name).inc()
         after = retry_after(wait)
         message = f"rate limit of API key {key.name} exceeded: retry in {after} s"

@@ -4,9 +4,10 @@ in constant time (``lbd.common.auth``), and per-key token buckets for requests/s
 Tokens are charged on admission: the prompt's estimate (characters / 4, as the policies use) plus the
 request's output cap, ``max_tokens`` (``max_completion_tokens``, ``max_output_tokens``) times ``n``. A request
 that names no cap is charged what it may produce by default: 16 tokens for /v1/completions (the engines'
-default), ``UNCAPPED_OUTPUT_TOKENS`` for a chat or a response (which run to the end of the context): omitting
-the cap must not make output free. (Charging what was actually produced would need every answer read for its
-usage; a client that wants to pay less names its cap.) Paths that generate nothing (/tokenize...) are
+default), ``UNCAPPED_OUTPUT_TOKENS`` for a chat or a response (which run to the end of the context). When the
+answer ends the charge is settled on the output actually produced (``lbd.router.metering``): an answer
+longer than its charge leaves the bucket in debt, a shorter one gets the rest back, so omitting the cap
+neither makes output free nor costs more than the output. Paths that generate nothing (/tokenize...) are
 charged their prompt only. A bucket holds ``rate x
 --rate-limit-burst-s`` (at least one request's worth). A request is admitted when its bucket holds its cost (a
 full bucket for one larger than the bucket) and then pays in full, leaving a larger one's bucket in debt: a
@@ -72,8 +73,9 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-limit-tps",
         type=float,
         default=0.0,
-        help="tokens/s per key, prompt (estimated) + max_tokens charged on admission; a request without "
-        f"max_tokens is charged {UNCAPPED_OUTPUT_TOKENS} (16 on /v1/completions) (0: no limit)",
+        help="tokens/s per key: prompt (estimated) + max_tokens charged on admission (without max_tokens: "
+        f"{UNCAPPED_OUTPUT_TOKENS}, 16 on /v1/completions), settled on the output produced when the answer "
+        "ends (0: no limit)",
     )
     g.add_argument(
         "--rate-limit-burst-s",
@@ -95,15 +97,24 @@ class Bucket:
         capacity = max(rate * burst_s, unit)
         return cls(rate, capacity, capacity, now)
 
-    def wait(self, now: float, cost: float) -> float:
-        """Seconds until ``cost`` may be taken (0: now). Refills first."""
+    def refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
         self.stamp = now
+
+    def wait(self, now: float, cost: float) -> float:
+        """Seconds until ``cost`` may be taken (0: now). Refills first."""
+        self.refill(now)
         need = min(cost, self.capacity)
         return 0.0 if self.level >= need else (need - self.level) / self.rate
 
     def take(self, cost: float) -> None:
         self.level -= cost
+
+    def adjust(self, now: float, tokens: float) -> None:
+        """Charge ``tokens`` more after the fact (a debt may take the level below zero: the next request
+        waits) or, negative, give them back (never past the capacity). Refills first."""
+        self.refill(now)
+        self.level = min(self.capacity, self.level - tokens)
 
 
 @dataclass(slots=True)
@@ -171,6 +182,11 @@ class Gate:
         if lim.tokens is not None:
             lim.tokens.take(tokens)
         return 0.0
+
+    def token_bucket(self, key: ApiKey) -> Bucket | None:
+        """``key``'s token bucket (after ``admit``), settled on its answers' output (lbd.router.metering)."""
+        lim = self._limits.get(key.name)
+        return lim.tokens if lim is not None else None
 
     def _buckets(self, key: ApiKey, now: float) -> _Limits:
         rps = (key.rps or self.rps) / self.workers

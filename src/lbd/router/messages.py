@@ -44,6 +44,12 @@ class Connection(Protocol):
     def abort(self) -> None: ...
 
 
+class Meter(Protocol):
+    """What counts the bytes of an answer as they go out (lbd.router.metering.Meter)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+
 class Headers:
     """The client's headers as raw ``(name, value)`` byte pairs (order and case kept, for forwarding), their
     lower-cased names in ``names`` (the same order), and a case-insensitive ``get`` decoding as latin-1."""
@@ -136,7 +142,7 @@ class Response:
     while the client's socket buffer is full) and ``end`` for a stream. Writes after the client went away
     raise ``ConnectionResetError``."""
 
-    __slots__ = ("_conn", "_request", "_head_only", "_chunked", "started", "ended", "status")
+    __slots__ = ("_conn", "_request", "_head_only", "_chunked", "started", "ended", "status", "meter")
 
     def __init__(self, conn: Connection, request: Request) -> None:
         self._conn = conn
@@ -146,6 +152,7 @@ class Response:
         self.started = False
         self.ended = False
         self.status = 0
+        self.meter: Meter | None = None  # counts the output that reaches the client (lbd.router.metering)
 
     def _head(self, status: int, headers: HeaderList | bytes, framing: bytes) -> bytes:
         req = self._request
@@ -175,6 +182,8 @@ class Response:
             transport.write(head + body)
         else:
             transport.writelines((head, body))
+        if self.meter is not None:
+            self.meter.feed(body)
         self._conn.response_done(self._request)
 
     def start(self, status: int, headers: HeaderList | bytes, content_length: int | None = None) -> None:
@@ -208,6 +217,8 @@ class Response:
             transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
         else:
             transport.write(data)
+        if self.meter is not None:
+            self.meter.feed(data)
         if conn.write_paused:
             await conn.drain()
 

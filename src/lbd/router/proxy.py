@@ -114,11 +114,23 @@ class Proxy:
 
     async def _handle(self, request: Request, out: Response, key: ApiKey | None,
                       trace: RouteTrace | None) -> None:
-        """The steps, and the retries: a try that failed before any byte reached the client is tried again
-        elsewhere while --max-retries and --retry-budget-s allow."""
+        """Admit, then route; a request its key's token limit charged settles on the output it got."""
         rr = self.admit(request, key, trace)
         if isinstance(rr, Refused):
             return self._refuse(out, rr)
+        bill = rr.bill
+        if bill is None:
+            return await self._route(rr, out)
+        out.meter = bill.meter  # what reaches the client settles its key's token charge (lbd.router.metering)
+        try:
+            await self._route(rr, out)
+        finally:  # whatever ended it: a whole answer, a cut stream, the client gone (a cancelled task)
+            move = rr.move
+            bill.settle(self.loop.time(), len(move.out_ids) if move is not None else 0)
+
+    async def _route(self, rr: RoutedRequest, out: Response) -> None:
+        """The steps after admit, and the retries: a try that failed before any byte reached the client is
+        tried again elsewhere while --max-retries and --retry-budget-s allow; a broken stream moves."""
         if self.cfg.migration_limit:
             self.migrator.prepare(rr)
         pending = self.facts(rr)

@@ -20,6 +20,7 @@ from lbd.router.messages import Request
 if TYPE_CHECKING:
     from lbd.router.kv.cold import Deferred
     from lbd.router.kv.forward import ExactPrompt
+    from lbd.router.metering import Bill
     from lbd.router.tracing import RouteTrace
 
 
@@ -47,6 +48,7 @@ class RoutedRequest:
     full: int = 0  # how many of ``exclude`` were full when the request arrived
     pd_exclude: Sequence[str] = ()  # a P/D decode stage's non-decode ranks (set by lbd.router.disagg)
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
+    bill: Bill | None = None  # its key's token charge, settled on the output (lbd.router.metering)
 
 
 @dataclass(slots=True)
