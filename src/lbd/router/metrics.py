@@ -211,9 +211,8 @@ class RouterMetrics:
         )
         self.migrations = Counter(
             "lbd_router_migrations",
-            "Streams moved to another rank after a mid-stream failure (lbd.router.migration), by the "
-            "failure and how the move ended (resumed, failed, impossible, limit, no_endpoint, "
-            "finished: cut after its finish, ended without a move).",
+            "Streams moved to another rank after a mid-stream failure (lbd.router.migration), by the failure "
+            "and outcome (resumed, failed, impossible, limit, no_endpoint; finished: cut after its finish).",
             ["reason", "outcome"],
             **kw,
         )
