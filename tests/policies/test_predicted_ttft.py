@@ -258,3 +258,54 @@ def test_a_prompt_routed_on_its_head_is_charged_and_counted_once_its_chain_is_kn
     p.on_dispatch(whole, "http://e0")
     p.on_chain_known(whole, "http://e0", 8)
     assert p.footprint.hot_tokens("http://e0", exclude=root_of(whole)) == p.footprint.hot_tokens("http://e0")
+
+
+# ---- what a request already on an endpoint costs the next one (learned, issue 42) --------------------------
+def _learn_load(p, per_token_s: float, per_running_s: float, per_ahead_s: float, n: int = 400) -> None:
+    """First bytes from a fleet where TTFT = 20 ms + tokens x per_token_s + running x per_running_s + requests
+    ahead x per_ahead_s, over varied loads (seeded)."""
+    import random
+
+    rng = random.Random(7)
+    e = eps(1)
+    for _ in range(n):
+        d = p.choose(RequestFacts(prompt_tokens=100), e)
+        tokens, running, ahead = rng.uniform(200, 4000), float(rng.randint(0, 8)), float(rng.randint(0, 3))
+        d.load = (tokens, running, ahead)
+        p.on_first_byte(d, 0.02 + tokens * per_token_s + running * per_running_s + ahead * per_ahead_s)
+
+
+def test_load_prices_are_learned_from_first_bytes() -> None:
+    """A request ahead that costs 50 ms where a token costs 50 us is worth 1,000 prefill tokens."""
+    p = make_policy("predicted_ttft")
+    assert (p.running_tokens, p.request_tokens) == (16.0, 0.0)  # the settings until enough first bytes
+    _learn_load(p, 50e-6, 5e-3, 50e-3)
+    assert abs(p.model.request_tokens - 1000.0) < 50.0 and abs(p.model.running_tokens - 100.0) < 10.0
+    p.reset()
+    assert (p.model.running_tokens, p.model.request_tokens) == (16.0, 0.0)
+
+
+def test_learned_prices_stop_stacking_a_prefix_behind_a_queue() -> None:
+    """The holder of a long prompt's prefix with three requests queued ahead: on a fleet where each request
+    ahead costs 50 ms and a token 10 us the miss elsewhere (~3,000 tokens, ~30 ms) is cheaper, so the request
+    goes to an idle endpoint; with the settings' prices (a request ahead costs only its tokens) it stacked."""
+    facts = hot(96)  # ~3,000 prompt tokens
+    busy = replace(eps(1)[0], unstarted=3, unstarted_tokens=900, inflight=5, running=2.0)
+    idle = eps(2)[1]
+    settings = make_policy("predicted_ttft")
+    settings.on_dispatch(facts, busy.key)
+    assert settings.choose(facts, [busy, idle]).endpoint.key == busy.key
+    learned = make_policy("predicted_ttft")
+    learned.on_dispatch(facts, busy.key)
+    _learn_load(learned, 10e-6, 2e-3, 50e-3)
+    assert learned.choose(facts, [busy, idle]).endpoint.key == idle.key
+
+
+def test_load_prices_stay_fixed_with_a_fixed_rate_and_within_bounds() -> None:
+    fixed = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    _learn_load(fixed, 50e-6, 5e-3, 50e-3)
+    assert (fixed.model.running_tokens, fixed.model.request_tokens) == (16.0, 0.0)
+    assert fixed.choose(RequestFacts(prompt_tokens=100), eps(1)).load is None  # nothing to learn from
+    p = make_policy("predicted_ttft", running_tokens=32.0)
+    _learn_load(p, 1e-9, -1e-3, 10.0)  # free tokens, running requests that "help": clamped
+    assert p.model.running_tokens == 32.0 and p.model.request_tokens == 8192.0

@@ -79,6 +79,9 @@ class Decision:
     cost_tokens: float = 0.0  # predicted_ttft: prefill tokens it expected ahead of and in this request
     predicted_s: float = 0.0
     plugin: str = ""  # the registered name of the filter, scorer or picker that decided
+    # predicted_ttft: what the estimate was made of on the chosen endpoint (prefill tokens, running requests,
+    # requests queued ahead), for the learning hook to weigh against the first byte's time
+    load: tuple[float, float, float] | None = None
 
     def explain(self) -> str:
         """The detail line (built now if it was deferred)."""
