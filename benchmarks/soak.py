@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node.wait_ready(300)
         router = RouterServer("--upstreams", f"supervisor://127.0.0.1:{node.sport}", "--outlier-first-byte-"
-                              "timeout-s", "5", *(["--pd-disaggregation", "--pd-min-prompt-tokens", "64"]
+                              "timeout-s", "5", *(["--pd-disaggregation", "--pd-min-prompt-tokens", "32"]
                                                    if args.pd else []),
                               log=out / "router.log").wait_ready()
         mix = kinds(args.max_tokens)

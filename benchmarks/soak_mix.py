@@ -12,7 +12,9 @@ stream used to get wrong:
 - ``chat_stop``: a chat that ends by a stop token (an EOS, as far as the engine can tell: ``stop_token_ids``
   names a token its greedy answer produces), so nothing may follow the finish;
 - ``long_prompt``: a completion whose prompt is long enough for the router to disaggregate it (prefill on a
-  prefill rank, decode on a decode rank) when the node has P/D ranks.
+  prefill rank, decode on a decode rank) when the node has P/D ranks: the router estimates it at 57 tokens
+  (4 characters a token; the tiny model's tokenizer makes 147 of it), over the soak's
+  ``--pd-min-prompt-tokens 32``; the other kinds' prompts are estimated under 32 and run on a decode rank.
 """
 
 from __future__ import annotations

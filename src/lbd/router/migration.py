@@ -207,7 +207,7 @@ class Migrator:
     def _note(self, rr: RoutedRequest, move: Move, reason: str, d: Decision) -> None:
         data = move.data
         sampled = data.get("temperature", 1.0) not in (0, 0.0) and data.get("top_k") != 1
-        rid = rr.rid_header[14:-2].decode("latin-1")
+        rid = rr.request_id
         log.info(
             "request %s: %s on %s after %d tokens; resuming on %s (move %d)%s",
             rid,

@@ -272,7 +272,7 @@ class Proxy:
             rr.trace.retries += 1
         rr.exclude.append(d.endpoint.key)
         rr.snaps = self.state.snapshots()
-        log.info("request %s: %s on %s; retrying elsewhere", rr.rid_header[14:-2].decode("latin-1"),
+        log.info("request %s: %s on %s; retrying elsewhere", rr.request_id,
                  failure.kind, d.endpoint.key)
         return True
 

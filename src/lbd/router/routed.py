@@ -50,6 +50,11 @@ class RoutedRequest:
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
     bill: Bill | None = None  # its key's token charge, settled on the output (lbd.router.metering)
 
+    @property
+    def request_id(self) -> str:
+        """The X-Request-Id value (``rid_header`` may carry more header lines after it, e.g. P/D's)."""
+        return self.rid_header.split(b"\r\n", 1)[0][14:].decode("latin-1")
+
 
 @dataclass(slots=True)
 class Refused:
