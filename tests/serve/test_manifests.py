@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
 VERSION = "1.33.0"
 # what Kubernetes and LeaderWorkerSet put in $(VAR) at run time
+SECRET = secrets.token_hex(32)  # what `openssl rand -hex 32` makes: 256 bits (never in a test id)
 EXAMPLES = {"LWS_LEADER_ADDRESS": "lbd-0.lbd.default", "LWS_WORKER_INDEX": "1", "POD_INDEX": "1"}
 
 
@@ -133,7 +135,9 @@ def test_container_flags_parse_and_grace_covers_shutdown(where: str, spec: dict[
     """Each lbd container's args are accepted by that command's own parser (ports moved to free ones), and
     the pod's termination grace period covers its --shutdown-timeout plus what lbd adds before killing."""
     for c in spec["containers"]:
-        env = {e["name"]: e.get("value", "x") for e in c.get("env", [])}
+        # a Secret's value is the operator's: the README makes the cluster token with `openssl rand -hex 32`
+        env = {e["name"]: e.get("value", SECRET if "secretKeyRef" in e.get("valueFrom", {}) else "x")
+               for e in c.get("env", [])}
         values = {**env, **EXAMPLES}
         args = [re.sub(r"\$\((\w+)\)", lambda m, v=values: v.get(m.group(1), ""), a) for a in c["args"]]
         command, flags = args[0], args[1:]
