@@ -19,7 +19,8 @@ from openai import OpenAI
 
 from support.procs import free_port, spawn, stop, wait_http
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+# pip installs take minutes on a loaded host
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 

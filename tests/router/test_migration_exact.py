@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from support import settled
 from support.procs import free_port, spawn, stop, wait_http
 from support.sse_cut import Cut, SseCut
 from support.tiny import make_tiny_llama
@@ -203,7 +204,7 @@ def test_a_chat_with_no_max_tokens_ends_where_the_unbroken_one_does(router: str,
         assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] > BREAK_AT + 16
     before = moves(router)
     got = streamed(router, "chat", ranks, kill=True, **extra)
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     print(f"chat, no max_tokens, ends by {end}: {got['usage']['completion_tokens']} tokens after a move, "
           f"{want['usage']['completion_tokens']} unbroken")
     assert_exact(got, want)
@@ -218,7 +219,7 @@ def test_a_chat_that_ends_on_its_stop_token_after_a_move_ends_there(router: str,
     assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] == ids.index(stop_id) + 1
     before = moves(router)
     got = streamed(router, "chat", ranks, kill=True, stop_token_ids=[stop_id])
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
 
 
@@ -228,7 +229,7 @@ def test_a_greedy_stream_with_a_frequency_penalty_is_exact_after_a_move(router: 
     want = streamed(router, "cmpl", ranks, **extra)
     before = moves(router)
     got = streamed(router, "cmpl", ranks, kill=True, **extra)
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     print(f"frequency_penalty 1.0: {len(got['text'])} characters resumed, {len(want['text'])} unbroken, "
           f"{want['usage']['completion_tokens']} tokens, {want['finishes']}")
     assert_exact(got, want)
@@ -242,7 +243,7 @@ def test_a_completion_with_no_max_tokens_gets_16_in_all(router: str, ranks: list
         r.link.arm(cut)  # 6 tokens in
     before = moves(router)
     got = streamed(router, "cmpl", ranks)
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
 
 
@@ -256,7 +257,7 @@ def test_chat_logprobs_with_top_logprobs_0_continue_with_no_alternatives(router:
         r.link.arm(cut)
     before = moves(router)
     got = streamed(router, "chat", ranks, **extra)
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
     assert [(t, alt) for t, _, alt in got["logprobs"]] == [(t, alt) for t, _, alt in want["logprobs"]]
     lps = [lp for _, lp, _ in want["logprobs"]]
@@ -274,7 +275,7 @@ def test_a_stream_cut_after_its_finish_reason_is_finished_not_resumed(router: st
     before = moves(router)
     got = streamed(router, kind, ranks, **extra)
     assert sum(r.link.cuts for r in ranks) >= 1
-    assert delta(before, moves(router)) == {"finished": 1}
+    assert settled(lambda: delta(before, moves(router)), {"finished": 1}) == {"finished": 1}
     assert_exact(got, want)
 
 
@@ -287,7 +288,7 @@ def test_an_echoed_completion_is_resumed_with_its_prompt_once(router: str, ranks
         r.link.arm(cut)
     before = moves(router)
     got = streamed(router, "cmpl", ranks, **extra)
-    assert delta(before, moves(router)) == {"resumed": 1}
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
 
 
@@ -297,6 +298,6 @@ def test_a_vllm_guided_field_is_not_resumed_and_the_error_says_why(router: str, 
         r.link.arm(cut)
     before = moves(router)
     got = streamed(router, "cmpl", ranks, max_tokens=40, guided_regex="[a-z ]+")
-    assert delta(before, moves(router)) == {"impossible": 1}
+    assert settled(lambda: delta(before, moves(router)), {"impossible": 1}) == {"impossible": 1}
     assert got["done"] == 1 and len(got["errors"]) == 1
     assert "guided_regex" in got["errors"][0] and "structured output" in got["errors"][0]

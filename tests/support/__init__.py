@@ -45,6 +45,17 @@ def default_router_tokenizer():
     return load_local(str(folder if (folder / "tokenizer.json").exists() else resolve_model(None)))
 
 
+def settled(read, want, timeout: float = 10.0):
+    """``read()`` once it equals ``want`` (else its last value, after ``timeout`` s): the router counts a move
+    when the attempt that made it returns, a moment after the client read its ``[DONE]``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if got == want or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.05)
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` in Prometheus text whose labels include ``labels``."""
     total = 0.0
