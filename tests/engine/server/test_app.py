@@ -224,17 +224,22 @@ def test_stop_strings(client: openai.OpenAI, http: httpx.Client) -> None:
     assert kept.choices[0].text == expected + stop
 
 
-def test_stream_chunks_are_not_buffered(server: EngineServer, http: httpx.Client) -> None:
+def test_stream_chunks_are_not_buffered(slower_llama: Path, tmp_path: Path) -> None:
+    """The first token reaches the client while the request still generates: nothing waits for the end. (On
+    the slower model: the 2-layer one can write all 400 tokens between two of a loaded client's reads.)"""
+    srv = start_server(slower_llama, tmp_path / "server.log", "--served-model-name", MODEL)
     body = {"model": MODEL, "prompt": "unbuffered", "stream": True, **LONG}
-    with httpx.Client(base_url=server.base_url, timeout=60) as c, c.stream("POST", "/v1/completions",
-                                                                            json=body) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert orjson.loads(first[6:])["choices"][0]["finish_reason"] is None
-        # the first token reached us while the request is still generating: nothing waits for the end
-        assert http.get("/load").json() == {"server_load": 1}
-        assert metric_value(http.get("/metrics").text, "vllm:num_requests_running") == 1
-        events = [line for line in lines if line.startswith("data: ")]
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                             json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert orjson.loads(first[6:])["choices"][0]["finish_reason"] is None
+            assert c.get("/load").json() == {"server_load": 1}
+            assert metric_value(c.get("/metrics").text, "vllm:num_requests_running") == 1
+            events = [line for line in lines if line.startswith("data: ")]
+    finally:
+        srv.close()
     assert events[-1] == "data: [DONE]" and len(events) >= 100
 
 
