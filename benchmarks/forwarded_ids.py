@@ -79,7 +79,7 @@ def ttft_ms(c: httpx.Client, url: str, body: dict) -> float:
 
 def run(args: argparse.Namespace, logs: Path) -> dict:
     port = free_port()
-    key = {INTERNAL_KEY_ENV: secrets.token_hex(16)}  # the rank takes ids signed with it
+    key = {INTERNAL_KEY_ENV: secrets.token_hex(32)}  # the rank takes ids signed with it
     rank = spawn([sys.executable, "-m", "lbd", "serve", "--device", "sim", "--sim-profile", "h100-llama3-8b",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                   "--disable-log-requests", "--kv-events-config", KV_EVENTS], env=key, log=logs / "rank.log")

@@ -13,17 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from lbd.common.cluster import CLUSTER_TOKEN_ENV, MIN_TOKEN_BITS, read_strong_token, token_bits
+from lbd.common.cluster import (
+    CLUSTER_TOKEN_ENV,
+    MIN_TOKEN_BITS,
+    read_strong_internal_key,
+    read_strong_token,
+    token_bits,
+)
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 from support import free_port_run
 
 WEAK = "s3cret-cluster-token"
 FIX = "secrets.token_urlsafe(32)"
 
 
-def _run(*argv: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
+def _run(*argv: str, token: str | None = None, key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_TOKEN_ENV, INTERNAL_KEY_ENV)}
     if token is not None:
         env[CLUSTER_TOKEN_ENV] = token
+    if key is not None:
+        env[INTERNAL_KEY_ENV] = key
     return subprocess.run([sys.executable, "-m", "lbd", *argv], env=env, capture_output=True, text=True,
                           timeout=60)
 
@@ -70,3 +79,19 @@ def test_lbd_route_refuses_a_weak_token() -> None:
     proc = _run(*argv, token=WEAK)
     assert proc.returncode == 2, proc.stderr
     assert CLUSTER_TOKEN_ENV in proc.stderr and FIX in proc.stderr and WEAK not in proc.stderr
+
+
+def test_every_command_refuses_a_weak_internal_key() -> None:
+    """$LBD_INTERNAL_KEY signs forwarded ids (its HMACs travel with requests): `lbd route` and `lbd supervise`
+    refuse a weak one at start-up as `lbd serve` does, naming the variable, never printing the key."""
+    strong = secrets.token_urlsafe(32)
+    assert read_strong_internal_key({INTERNAL_KEY_ENV: strong}) == strong
+    assert read_strong_internal_key({}) is None
+    with pytest.raises(ValueError, match=INTERNAL_KEY_ENV):
+        read_strong_internal_key({INTERNAL_KEY_ENV: WEAK})
+    route = ["route", "--host", "127.0.0.1", "--port", str(free_port_run(1)), "--upstreams",
+             "http://127.0.0.1:9"]
+    for argv in (route, _supervise_flags()):
+        proc = _run(*argv, key=WEAK)
+        assert proc.returncode == 2, proc.stderr
+        assert INTERNAL_KEY_ENV in proc.stderr and FIX in proc.stderr and WEAK not in proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from support import metric_value
 from support.procs import EngineServer
 
 MODEL = "tiny"
-KEY = "strip-test-internal-key"
+KEY = secrets.token_urlsafe(32)  # routers refuse a weak internal key
 EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
                      "replay_endpoint": "tcp://*:0"})
 MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a lake."}]

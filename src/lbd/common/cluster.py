@@ -30,7 +30,10 @@ import os
 import socket
 import string
 import zlib
+from collections.abc import Mapping
 from typing import Any
+
+from lbd.common.internal_key import INTERNAL_KEY_ENV
 
 CLUSTER_TOKEN_ENV = "LBD_CLUSTER_TOKEN"
 LOOPBACK = "127.0.0.1"
@@ -98,6 +101,16 @@ def read_strong_token(path: str | None, env: dict[str, str] | None = None) -> st
     if token is not None:
         check_token_strength(token, CLUSTER_TOKEN_ENV if path is None else f"--cluster-token-file {path}")
     return token
+
+
+def read_strong_internal_key(env: Mapping[str, str] | None = None) -> str | None:
+    """``$LBD_INTERNAL_KEY`` (None when unset or empty), refused below ``MIN_TOKEN_BITS`` as the cluster token
+    is: its HMACs travel with every forwarded request, so a guessable key could be checked offline."""
+    env = os.environ if env is None else env
+    key = env.get(INTERNAL_KEY_ENV, "").strip()
+    if key:
+        check_token_strength(key, INTERNAL_KEY_ENV, "the internal key")
+    return key or None
 
 
 def is_loopback(host: str | None) -> bool:

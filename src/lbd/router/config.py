@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from lbd.common.auth import key_lines, read_key_file
-from lbd.common.cluster import ClusterTokenError, read_strong_token
+from lbd.common.cluster import ClusterTokenError, read_strong_internal_key, read_strong_token
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, check_limits, limits_from
 from lbd.common.otlp import check_otlp_endpoint
@@ -160,8 +160,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     limits = _check_files_and_limits(p, ns)
     _check_keys(p, ns)
     _routing_config(p, ns)
-    try:  # $LBD_CLUSTER_TOKEN keys the CURVE load streams it follows (lbd.router.load_feed): 256 bits or more
-        read_strong_token(None)
+    try:  # $LBD_CLUSTER_TOKEN keys the CURVE load streams it follows (lbd.router.load_feed),
+        read_strong_token(None)  # $LBD_INTERNAL_KEY signs forwarded ids: each 256 bits or more
+        read_strong_internal_key()
     except ClusterTokenError as e:
         p.error(str(e))
     return _config(ns, upstreams, limits)

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
-from lbd.common.cluster import LOOPBACK, ClusterTokenError, check_token_strength, is_loopback
-from lbd.common.internal_key import INTERNAL_KEY_ENV, derive_key
+from lbd.common.cluster import LOOPBACK, ClusterTokenError, is_loopback, read_strong_internal_key
+from lbd.common.internal_key import derive_key
 from lbd.common.limits import Limits, limits_from
 from lbd.common.ports import port_in_use
 from lbd.engine.config.args import engine_args_from_namespace, validate
@@ -313,12 +313,10 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
 def _internal_key(env: dict[str, str], cluster_token: str | None) -> str:
     """The deployment's internal key: given (256 bits or more: its HMACs travel), derived from the cluster
     token, or made here."""
-    given = env.get(INTERNAL_KEY_ENV, "").strip()
-    if given:
-        try:
-            check_token_strength(given, INTERNAL_KEY_ENV, "the internal key")
-        except ClusterTokenError as e:
-            raise SupervisorArgError(str(e)) from None
+    try:
+        given = read_strong_internal_key(env)
+    except ClusterTokenError as e:
+        raise SupervisorArgError(str(e)) from None
     return given or (derive_key(cluster_token) if cluster_token else secrets.token_hex(32))
 
 

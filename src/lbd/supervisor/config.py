@@ -20,7 +20,13 @@ import socket
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
-from lbd.common.cluster import LOOPBACK, ClusterTokenError, is_loopback, read_strong_token
+from lbd.common.cluster import (
+    LOOPBACK,
+    ClusterTokenError,
+    is_loopback,
+    read_strong_internal_key,
+    read_strong_token,
+)
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, limits_from
 from lbd.engine.config.args import engine_args_from_namespace, validate
@@ -199,6 +205,10 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
         roles = plan_roles(ns, local)
     except RoleError as e:
         raise SupervisorArgError(str(e)) from None
+    try:  # signs the router's forwarded ids: 256 bits or more, as the cluster token
+        internal_key = read_strong_internal_key(env)
+    except ClusterTokenError as e:
+        raise SupervisorArgError(str(e)) from None
     specs = []
     for i in range(local):
         devices = slices[i].split(",") if slices[i] is not None else None
@@ -210,8 +220,8 @@ def rank_specs(ns: argparse.Namespace, passthrough: list[str], n: int, local: in
             raise SupervisorArgError(str(e)) from None
         child_env.update(secrets)
         argv = argv + role_flags(roles[i])
-        if ns.rank_engine == "lbd" and ns.rank_command is None and env.get(INTERNAL_KEY_ENV):
-            child_env[INTERNAL_KEY_ENV] = env[INTERNAL_KEY_ENV]  # a Ray-placed rank inherits nothing of ours
+        if ns.rank_engine == "lbd" and ns.rank_command is None and internal_key:
+            child_env[INTERNAL_KEY_ENV] = internal_key  # a Ray-placed rank inherits nothing of ours
         child_env.update(group.child_env() if group is not None else {})
         specs.append(RankSpec(rank=start + i, local_rank=i, port=ns.port + i, argv=argv, env=child_env,
                               devices=slices[i], cpus=place.pinned_cpus(ns.rank_engine, ns.rank_command),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -59,7 +60,7 @@ SYSTEM = "You are a careful assistant who answers questions about rivers, lakes 
 @pytest.fixture(scope="module", autouse=True)
 def internal_key() -> Iterator[None]:
     """The ranks and the routers share an internal key (inherited), so the routers' ids are taken."""
-    os.environ[INTERNAL_KEY_ENV] = "kv-routing-internal-key"
+    os.environ[INTERNAL_KEY_ENV] = secrets.token_urlsafe(32)
     try:
         yield
     finally:
