@@ -38,6 +38,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
+from lbd.bench.stats import percentile  # noqa: E402
 from peers import lbd_route_argv  # noqa: E402
 from support.procs import exit_on_sigterm, free_port, free_port_run, spawn, stop, wait_http  # noqa: E402
 
@@ -161,16 +162,6 @@ def router_cpu(pid: int) -> float:
     return t.user + t.system
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 # ---- one run -----------------------------------------------------------------------------------------------
 def run_one(args: argparse.Namespace, policy: str, run: int, sup: int, urls: list[str], logs: Path) -> dict:
     reset_caches(urls)
@@ -206,7 +197,8 @@ def run_one(args: argparse.Namespace, policy: str, run: int, sup: int, urls: lis
     ttfts = [r["ttft"] * 1000 for r in records if r.get("ttft") is not None and not r.get("error")]
     failed = sum(1 for r in records if r.get("error"))
     return {"policy": label, "run": run, "n": len(ttfts), "failed": failed,
-            "p50": pct(ttfts, 50), "p90": pct(ttfts, 90), "p99": pct(ttfts, 99), "max": max(ttfts, default=0),
+            "p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90), "p99": percentile(ttfts, 99),
+            "max": max(ttfts, default=0),
             "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else math.nan,
             "load1": os.getloadavg()[0], "router_cpu_s": cpu}
 

@@ -133,13 +133,20 @@ def impossible(kind: str, data: dict[str, Any]) -> str | None:
     return None
 
 
-def with_token_ids(body: bytes) -> bytes:
-    """The JSON object ``body`` with ``"return_token_ids": true`` added last (a later key wins)."""
+def append_field(body: bytes, field: bytes) -> bytes | None:
+    """The JSON object ``body`` with ``field`` (``"key":value``) added last, its other bytes as they were (a
+    later key wins); None when ``body`` does not end as an object."""
     head = body.rstrip()
     if not head.endswith(b"}"):
-        return body
+        return None
     inner = head[:-1].rstrip()
-    return inner + (FIELD if inner.endswith(b"{") else b"," + FIELD) + b"}"
+    return inner + (field if inner.endswith(b"{") else b"," + field) + b"}"
+
+
+def with_token_ids(body: bytes) -> bytes:
+    """The JSON object ``body`` with ``"return_token_ids": true`` added last (a later key wins)."""
+    spliced = append_field(body, FIELD)
+    return body if spliced is None else spliced
 
 
 def penalised(data: dict[str, Any]) -> bool:

@@ -32,6 +32,7 @@ import orjson
 
 from lbd.common.limits import read_upstream
 from lbd.policies import EndpointSnapshot
+from lbd.router.continuation import append_field
 from lbd.router.routed import RoutedRequest
 
 if TYPE_CHECKING:
@@ -49,12 +50,10 @@ def with_params(body: bytes, params: dict[str, Any]) -> bytes:
     """The JSON object ``body`` with ``kv_transfer_params`` added last, its other bytes as they were: what
     earlier steps added stays (the migrator's ``return_token_ids``, without which a broken decode stream could
     not move; the router's forwarded prompt ids)."""
-    head = body.rstrip()
-    if not head.endswith(b"}"):
+    spliced = append_field(body, b'"kv_transfer_params":' + orjson.dumps(params))
+    if spliced is None:
         raise ValueError("the request body is not a JSON object")
-    inner = head[:-1].rstrip()
-    field = b'"kv_transfer_params":' + orjson.dumps(params)
-    return inner + (field if inner.endswith(b"{") else b"," + field) + b"}"
+    return spliced
 
 
 class Disagg:
