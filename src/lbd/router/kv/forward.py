@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from lbd.common.internal_key import IdsSigner, body_digest
+from lbd.router.continuation import append_field
 
 FIELD = "lbd_prompt_token_ids"  # the engine's name for it (lbd.engine.server.forwarded.FIELD)
 _FIELD = FIELD.encode()
@@ -115,12 +116,11 @@ def with_ids(body: bytes, prompt: ExactPrompt, signer: IdsSigner) -> bytes | Non
         return None
     if not isinstance(data, dict) or FIELD in data:
         return None
-    inner = end[:-1].rstrip()
     ids = b"[%s]" % b",".join(t for t in map(_memo.text, prompt.pieces) if t)
     fp = prompt.fingerprint
     sig = signer.sign(ids, fp, body_digest(data))
-    field = b'"%s":{"ids":%s,"tokenizer":"%s","sig":"%s"}}' % (_FIELD, ids, fp.encode(), sig.encode())
-    return inner + (b"" if inner.endswith(b"{") else b",") + field
+    return append_field(end, b'"%s":{"ids":%s,"tokenizer":"%s","sig":"%s"}' % (_FIELD, ids, fp.encode(),
+                                                                                sig.encode()))
 
 
 def strip_client_copy(data: dict[str, Any]) -> bytes:
