@@ -14,6 +14,9 @@ from lbd.engine.procutil import set_pdeathsig
 
 # Triton's interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# `lbd route` defaults to a worker per CPU; the suite's many routers run one each (tests that mean more
+# say --workers), so two xdist workers on two cores are not contended by them
+os.environ.setdefault("LBD_ROUTE_WORKERS", "1")
 # The test-support package (tests/support); lbd itself comes from the installed package (src layout).
 sys.path.insert(0, str(Path(__file__).parent))
 

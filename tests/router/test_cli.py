@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -86,3 +87,36 @@ def test_router_imports_nothing_heavy_and_starts_fast() -> None:
     assert out[1] == "False"
     # CPU seconds of the imports (~0.15 here), not wall time: a machine shared with other tests stretches that
     assert float(out[0]) < 1.0 and time.monotonic() - t0 < 30.0
+
+
+def test_workers_default_to_one_per_usable_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--workers`` defaults to auto (the suite sets LBD_ROUTE_WORKERS=1 to keep its routers light; a user
+    without it gets auto); auto counts usable CPUs up to the cap, and a running router has that many."""
+    from lbd.common.cpus import usable_cpus
+    from lbd.router.flags import AUTO_WORKERS_MAX, WORKERS_ENV, make_parser
+
+    auto = min(AUTO_WORKERS_MAX, usable_cpus())
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert make_parser().parse_args(["--upstreams", "http://h:1"]).workers == auto
+    assert make_parser().parse_args(["--upstreams", "http://h:1", "--workers", "AUTO"]).workers == auto
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert make_parser().parse_args(["--upstreams", "http://h:1"]).workers == 3
+    psutil = pytest.importorskip("psutil")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != WORKERS_ENV}
+    proc = subprocess.Popen([*LBD, "--upstreams", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port",
+                             str(port), "--log-level", "warning"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        seen = -1
+        while time.monotonic() < deadline:
+            kids = psutil.Process(proc.pid).children()
+            seen = len(kids) if auto > 1 else 1  # one worker runs in the launcher's own process
+            with socket.socket() as s:
+                if seen == auto and s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        assert seen == auto, (seen, auto)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

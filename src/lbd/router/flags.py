@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from lbd import policies
+from lbd.common.cpus import usable_cpus
 from lbd.common.limits import add_limit_arguments
 from lbd.common.tls import add_tls_arguments
 from lbd.router.auth import add_auth_arguments
@@ -14,6 +16,21 @@ from lbd.router.kv.index import DEFAULT_BLOCKS_PER_ENDPOINT, DEFAULT_MAX_BLOCKS
 from lbd.router.outlier import add_outlier_arguments
 
 PROG = "lbd route"
+WORKERS_ENV = "LBD_ROUTE_WORKERS"
+AUTO_WORKERS_MAX = 8
+
+
+def _workers(value: str) -> int:
+    """``--workers``: a count, or ``auto`` (one per usable CPU, at most AUTO_WORKERS_MAX)."""
+    if value.strip().lower() == "auto":
+        return min(AUTO_WORKERS_MAX, usable_cpus())
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number or auto") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is below 1: give 1 or more, or auto")
+    return n
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -68,9 +85,11 @@ def make_parser() -> OneLineParser:
     g.add_argument("--port", type=int, default=8080, help="listen port")
     g.add_argument(
         "--workers",
-        type=int,
-        default=1,
-        help="router processes sharing the port (SO_REUSEPORT) and their load counters",
+        type=_workers,
+        default=os.environ.get(WORKERS_ENV, "auto"),
+        help="router processes sharing the port (SO_REUSEPORT) and their load counters: a number, or auto: "
+        f"one per usable CPU (affinity set, cgroup quota), at most {AUTO_WORKERS_MAX} (each worker follows "
+        f"every rank's KV events and keeps its own index); the default can be set by ${WORKERS_ENV}",
     )
     g.add_argument(
         "--debug-headers",
