@@ -56,6 +56,7 @@ class EndpointSnapshot:
     block_size: int = 16
     num_blocks: int = 0
     age_s: float = math.inf
+    role: str = "mixed"  # prefill, decode or mixed (P/D: --prefill/--decode, or a supervisor's /status)
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models

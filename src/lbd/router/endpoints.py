@@ -12,7 +12,7 @@ from lbd.router.telemetry import Sample
 
 # Endpoint fields the policies' snapshot copies (besides the per-request counters and the sample's age).
 _SNAPSHOT_INPUTS = frozenset(
-    {"url", "rank", "models", "healthy", "routable", "draining", "sample", "prefix_hit_rate"}
+    {"url", "rank", "models", "healthy", "routable", "draining", "sample", "prefix_hit_rate", "role"}
 )
 
 
@@ -137,7 +137,7 @@ class Endpoint:
         snap = self.snap
         if snap is None or snap.key != self.url:
             snap = self.snap = EndpointSnapshot(key=self.url)
-        snap.rank, snap.models = self.rank, self.models
+        snap.rank, snap.models, snap.role = self.rank, self.models, self.role
         snap.healthy, snap.draining = self.healthy and self.routable, self.draining
         s = self.sample
         if s is not None:
