@@ -26,6 +26,7 @@ MODULES = (
     "lbd.policies.affinity",
     "lbd.policies.ttft",
     "lbd.policies.overlap",
+    "lbd.policies.roles",
     "lbd.policies.profiles",
 )
 P = TypeVar("P", bound=type[Plugin])
