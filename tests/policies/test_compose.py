@@ -19,7 +19,7 @@ from lbd.policies import (
     route,
 )
 from lbd.policies.compose import ConfigError, parse
-from lbd.policies.registry import unregister_profile
+from lbd.policies.registry import prefill_profile, unregister_profile
 from lbd.router.config import parse_args
 
 
@@ -140,6 +140,31 @@ def test_routing_config_flag_registers_the_profile_and_bad_files_exit_2(tmp_path
     with pytest.raises(SystemExit):
         parse_args([*up, "--routing-config", str(tmp_path / "missing.json")])
     assert "--routing-config" in capsys.readouterr().err
+
+
+def test_a_routing_config_names_the_prefill_profile_of_pd(tmp_path: Path) -> None:
+    """``prefill``: a composed profile (registered beside the policy) or a policy's name; else pd_prefill."""
+    config = {"name": "pd_mix", "scorers": ["queue"],
+              "prefill": {"name": "pd_mix_prefill", "filters": [{"plugin": "role", "role": "prefill"}],
+                          "scorers": ["prefill_work", {"plugin": "queue", "weight": 100}]}}
+    path = tmp_path / "pd.json"
+    path.write_text(json.dumps(config))
+    try:
+        up = ["--upstreams", "http://127.0.0.1:1"]
+        assert parse_args([*up, "--routing-config", str(path)]).policy == "pd_mix"
+        assert prefill_profile("pd_mix") == "pd_mix_prefill"
+        described = make_policy("pd_mix_prefill").describe()
+        assert described["filters"] == ["role"]
+        assert [s["plugin"] for s in described["scorers"]] == ["prefill_work", "queue"]
+        parse_args([*up, "--routing-config", str(profile_file(tmp_path, 1.0, "pd_mix"))])  # again, no prefill
+        assert prefill_profile("pd_mix") == "pd_prefill"
+    finally:
+        unregister_profile("pd_mix")
+        unregister_profile("pd_mix_prefill")
+    for prefill, words in (("nope", "'prefill': 'nope' is not a registered policy"),
+                           ({"name": "x"}, "a name of its own"), (3, "a profile object")):
+        with pytest.raises(ConfigError, match=words):
+            parse({"name": "x", "prefill": prefill})
 
 
 def test_reset_forgets_what_every_plugin_learned() -> None:

@@ -30,6 +30,7 @@ def test_registry_lists_every_policy_of_the_issue() -> None:
         "prefix_affinity",
         "session",
         "predicted_ttft",
+        "pd_prefill",
     }
     with pytest.raises(KeyError, match="unknown policy 'nope'"):
         make_policy("nope")

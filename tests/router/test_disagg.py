@@ -1,6 +1,7 @@
 """`lbd route --prefill URL --decode URL` in front of two real engine ranks (a KV producer and a consumer):
 long prompts run in two stages (vLLM's contract) and answer what one rank alone answers, streamed and not;
-short prompts, and a deployment missing a role, run colocated; the x-lbd-disagg header says which."""
+short prompts, and a deployment missing a role, run colocated; the x-lbd-disagg header says which, and
+--debug-headers name the plugin that decided each stage."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def pd(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     try:
         consumer = engine(tiny_llama, "kv_consumer", logs / "d.log")
         both = RouterServer("--prefill", producer.base_url, "--decode", consumer.base_url,
-                            "--pd-min-prompt-tokens", "32", *FAST, log=logs / "route.log").wait_ready()
+                            "--pd-min-prompt-tokens", "32", "--debug-headers", *FAST,
+                            log=logs / "route.log").wait_ready()
         routers.append(both)
         prefill_only = RouterServer("--prefill", producer.base_url, *FAST,
                                     log=logs / "route-p.log").wait_ready()
@@ -54,11 +56,17 @@ def pd(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
 
 def ask(url: str, prompt: str, stream: bool) -> tuple[str, str]:
     """(text, x-lbd-disagg header) of a greedy completion."""
+    text, headers = ask_headers(url, prompt, stream)
+    return text, headers.get("x-lbd-disagg", "")
+
+
+def ask_headers(url: str, prompt: str, stream: bool) -> tuple[str, httpx.Headers]:
+    """(text, the answer's headers) of a greedy completion."""
     data = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
             "stream": stream}
     with httpx.stream("POST", url + "/v1/completions", json=data, timeout=60) as r:
         assert r.status_code == 200, r.read()
-        header = r.headers.get("x-lbd-disagg", "")
+        header = r.headers
         if not stream:
             return json.loads(r.read())["choices"][0]["text"], header
         out = []
@@ -79,8 +87,13 @@ def test_long_prompts_run_in_two_stages_with_the_colocated_answer(pd, stream: bo
     prompt = f"{uuid.uuid4()} " + "a long shared document about numbers 0123456789 " * 8
     alone, _ = ask(producer.base_url, prompt, False)
     before = pulled(consumer)
-    text, header = ask(router.url, prompt, stream)
-    assert header == f"pd {producer.base_url}"
+    text, headers = ask_headers(router.url, prompt, stream)
+    assert headers["x-lbd-disagg"] == f"pd {producer.base_url}"
+    # each stage names the plugin that decided it: prefill_work for the prefill, the policy's for the decode
+    assert headers["x-lbd-prefill-endpoint"] == producer.base_url
+    reason = headers["x-lbd-prefill-route-reason"]
+    assert reason.startswith("least_prefill_work (prefill_work): ahead 0 tokens"), reason
+    assert headers["x-lbd-endpoint"] == consumer.base_url and " (ttft)" in headers["x-lbd-route-reason"]
     assert text == alone
     assert pulled(consumer) > before
 
@@ -113,23 +126,31 @@ def test_bad_pd_flags_exit_2(flags: list[str], needle: str) -> None:
 
 def test_concurrent_long_prompts_spread_over_prefill_ranks(tiny_llama: Path, tmp_path: Path) -> None:
     """Two long prompts at once go to two prefill ranks: a rank in the middle of a long prefill step reports
-    no queue, so the router counts its own prefill stages (sim ranks, time dilated: a prefill takes ~1 s)."""
+    no queue, so the router counts its own prefill stages (sim ranks, time dilated: a prefill takes ~1 s).
+    One producer lends no blocks (its lease cap is 1 byte): its request says so (colocated (no_lease)) and
+    runs whole on the decode rank."""
     sim = ("--device", "sim", "--sim-profile", "h100-llama3-8b*100", "--max-model-len", "512",
            "--served-model-name", "tiny")
-    kv = [json.dumps({"kv_connector": "LbdConnector", "kv_role": r}) for r in ("kv_producer", "kv_consumer")]
+    kv = [json.dumps({"kv_connector": "LbdConnector", "kv_role": "kv_producer"}),
+          json.dumps({"kv_connector": "LbdConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"max_lease_bytes": 1}}),
+          json.dumps({"kv_connector": "LbdConnector", "kv_role": "kv_consumer"})]
     ranks: list[EngineServer] = []
     router = None
     try:
-        for i, role in enumerate([kv[0], kv[0], kv[1]]):
+        for i, role in enumerate(kv):
             log = tmp_path / f"{i}.log"
             ranks.append(EngineServer(tiny_llama, *sim, "--kv-transfer-config", role, log=log))
         router = RouterServer("--prefill", ranks[0].base_url, "--prefill", ranks[1].base_url, "--decode",
-                              ranks[2].base_url, "--pd-min-prompt-tokens", "32", *FAST,
+                              ranks[2].base_url, "--pd-min-prompt-tokens", "32", "--debug-headers", *FAST,
                               log=tmp_path / "route.log").wait_ready()
         prompts = [f"{uuid.uuid4()} " + "numbers 0123456789 " * 40 for _ in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            headers = [h for _, h in pool.map(lambda p: ask(router.url, p, False), prompts)]
-        assert sorted(headers) == sorted(f"pd {r.base_url}" for r in ranks[:2])
+            answers = [h for _, h in pool.map(lambda p: ask_headers(router.url, p, False), prompts)]
+        said = {h["x-lbd-prefill-endpoint"]: h["x-lbd-disagg"] for h in answers}
+        lent, capped = ranks[0].base_url, ranks[1].base_url
+        assert said == {lent: f"pd {lent}", capped: "colocated (no_lease)"}
+        assert all(h["x-lbd-endpoint"] == ranks[2].base_url for h in answers)
     finally:
         if router is not None:
             router.close()

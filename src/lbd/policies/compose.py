@@ -9,6 +9,14 @@ code. The router reads the file; this module checks what it holds and builds the
 A filter, scorer or picker is its registered name, or an object with ``plugin`` (the name), its options and
 (scorers) ``weight`` (default 1; 0 turns it off). The router's gate (model, pin, health, exclusions) runs in
 front of every profile and is not listed. Every mistake is a ``ConfigError`` naming the plugin and the fix.
+
+``prefill`` (optional) is the profile a P/D router's prefill stages run by (the composed one decides the
+decode stages, behind the decode role's rule): a registered policy's name, or a profile object of its own
+(``name``, ``filters``, ``scorers``, ``picker``); unset: ``pd_prefill`` (the ``prefill_work`` scorer).
+
+    {"name": "pd_mix", "scorers": ["queue"],
+     "prefill": {"name": "pd_mix_prefill", "scorers": [{"plugin": "prefill_work"}, {"plugin": "queue",
+                                                                                  "weight": 100}]}}
 """
 
 from __future__ import annotations
@@ -21,9 +29,16 @@ from typing import Any
 from lbd.policies.filters import GATE
 from lbd.policies.plugin import Env, Filter, Picker, Plugin, Scorer
 from lbd.policies.profile import Profile
-from lbd.policies.registry import builtin_names, plugin_class, plugin_options, plugins
+from lbd.policies.registry import (
+    available,
+    builtin_names,
+    plugin_class,
+    plugin_options,
+    plugins,
+    register_profile,
+)
 
-KEYS = ("name", "help", "filters", "scorers", "picker")
+KEYS = ("name", "help", "filters", "scorers", "picker", "prefill")
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")
 
 
@@ -108,6 +123,7 @@ def parse(data: Any) -> tuple[str, str, Callable[..., Profile]]:
     help = data.get("help") or _summary(filters, scorers, picker)
     if not isinstance(help, str):
         raise ConfigError("'help' must be a string")
+    _prefill(data, name)
 
     def build(stale_s: float = 1.0, seed: int = 0, **_: Any) -> Profile:
         env = Env(stale_s, seed)
@@ -120,6 +136,36 @@ def parse(data: Any) -> tuple[str, str, Callable[..., Profile]]:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"profile {name!r}: {e}") from None
     return name, help, build
+
+
+def register(data: Any) -> str:
+    """Check a routing config and register its profile (and a prefill profile it composes); its name."""
+    name, help, build = parse(data)
+    prefill = _prefill(data, name)
+    if prefill is not None and prefill[1] is not None:
+        register_profile(prefill[0], prefill[1], prefill[2])
+    register_profile(name, build, help, prefill[0] if prefill is not None else None)
+    return name
+
+
+def _prefill(data: dict[str, Any], name: str) -> tuple[str, Callable[..., Profile] | None, str] | None:
+    """The config's ``prefill``: (a registered profile's name, None, "") or a composed one's (name, builder,
+    help); None when it names none."""
+    given = data.get("prefill")
+    if given is None:
+        return None
+    if isinstance(given, str):
+        if given not in available():
+            raise ConfigError(f"'prefill': {given!r} is not a registered policy; use one of: "
+                              f"{', '.join(available())}, or a profile object")
+        return given, None, ""
+    if not isinstance(given, dict) or "prefill" in given:
+        raise ConfigError("'prefill' must be a registered policy's name or a profile object (without its own "
+                          "'prefill')")
+    pname, phelp, pbuild = parse(given)
+    if pname == name:
+        raise ConfigError(f"'prefill' needs a name of its own, not {name!r}")
+    return pname, pbuild, phelp
 
 
 def _make(env: Env, spec: Spec) -> Filter | Scorer | Picker:

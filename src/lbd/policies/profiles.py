@@ -14,6 +14,7 @@ from lbd.policies.pick import Lowest, PowerOfTwo, RoundRobin
 from lbd.policies.plugin import Env, Scorer
 from lbd.policies.profile import Profile
 from lbd.policies.registry import available, profile
+from lbd.policies.roles import PrefillWork
 from lbd.policies.scorers import KvPressure, Queue
 from lbd.policies.ttft import Evict, Reuse, Ttft
 
@@ -89,3 +90,11 @@ def predicted_ttft(stale_s: float = 1.0, seed: int = 0, prefill_tokens_per_s: fl
         scorers.append((Evict(env, kv_threshold=kv_threshold, footprint_window=footprint_window,
                               index_capacity=index_capacity), evict_weight))
     return _profile("predicted_ttft", env, [gap], scorers, Lowest(env, eps=1e-6))
+
+
+@profile("pd_prefill", "P/D's prefill stage: the least prefill work ahead (router stages without a first "
+         "byte there + the prompt's uncached tokens), then the scraped backlog")
+def pd_prefill(stale_s: float = 1.0, seed: int = 0, **_: Any) -> Profile:
+    """The profile ``lbd.router.disagg`` runs a prefill stage by (behind the prefill role's gate)."""
+    env = Env(stale_s, seed)
+    return _profile("pd_prefill", env, [], [(PrefillWork(env), 1.0)], Lowest(env))

@@ -34,6 +34,8 @@ KINDS = ("filter", "scorer", "picker")
 _PLUGINS: dict[str, dict[str, type[Plugin]]] = {k: {} for k in KINDS}
 _PROFILES: dict[str, tuple[Callable[..., Profile], str]] = {}
 _BUILTIN: set[str] = set()
+_PREFILL: dict[str, str] = {}  # a composed profile -> the profile P/D's prefill stage runs by
+PD_PREFILL = "pd_prefill"  # the prefill stage's profile unless a routing config names another
 
 
 def plugin(cls: P) -> P:
@@ -81,17 +83,30 @@ def profile(name: str, help: str) -> Callable[[Callable[..., Profile]], Callable
     return add
 
 
-def register_profile(name: str, builder: Callable[..., Profile], help: str) -> None:
-    """Add (or replace) a profile composed at run time; a built-in policy's name is refused."""
+def register_profile(name: str, builder: Callable[..., Profile], help: str,
+                     prefill: str | None = None) -> None:
+    """Add (or replace) a profile composed at run time; a built-in policy's name is refused. ``prefill``: the
+    registered profile a P/D prefill stage runs by when this one is the policy (None: ``pd_prefill``)."""
     if not name or name in _BUILTIN:
         raise ValueError(f"profile name {name!r} is empty or a built-in policy's")
+    if prefill is not None and prefill not in _PROFILES:
+        raise ValueError(f"prefill profile {prefill!r} is not registered")
     _PROFILES[name] = (builder, help)
+    _PREFILL.pop(name, None)
+    if prefill is not None:
+        _PREFILL[name] = prefill
+
+
+def prefill_profile(policy: str) -> str:
+    """The profile P/D's prefill stage runs by when ``policy`` decides the decode stage."""
+    return _PREFILL.get(policy, PD_PREFILL)
 
 
 def unregister_profile(name: str) -> None:
     """Remove a profile added by ``register_profile`` (tests)."""
     if name not in _BUILTIN:
         _PROFILES.pop(name, None)
+        _PREFILL.pop(name, None)
 
 
 def builtin_names() -> set[str]:

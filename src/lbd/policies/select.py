@@ -1,5 +1,8 @@
 """The one entry the router calls: the gate (model, pin, health, retry exclusions: ``filters.GATE``), then
-the profile's own filters, scorers and picker. Refusals carry the HTTP status and the client's message."""
+the profile's own filters, scorers and picker. Refusals carry the HTTP status and the client's message.
+
+A P/D stage passes its own gate (``roles.stage_gate``: the same plus its role as a rule) and its profile (the
+prefill profile, or the router's own for the decode stage): the same entry decides both stages."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Collection, Sequence
 
 from lbd.policies.base import Decision, EndpointSnapshot, Refusal, RequestFacts
 from lbd.policies.filters import GATE
-from lbd.policies.plugin import Context
+from lbd.policies.plugin import Context, Filter
 from lbd.policies.profile import Profile
 
 __all__ = ["Refusal", "route"]
@@ -19,15 +22,17 @@ def route(
     endpoints: Sequence[EndpointSnapshot],
     exclude: Collection[str] = (),
     pin_fallback: bool = False,
+    gate: Sequence[Filter] = GATE,
 ) -> Decision | Refusal:
-    """Choose an endpoint for ``facts`` or say why none can take it."""
+    """Choose an endpoint for ``facts`` or say why none can take it; ``gate``: the filters that may refuse
+    (the router's gate; a P/D stage's adds its role)."""
     if not endpoints:
         return Refusal(503, "no upstream endpoints are configured or discovered yet", "no_endpoints")
     ctx = Context(facts, endpoints, policy.stale_s, exclude, pin_fallback)
-    if facts.pinned_rank is not None or exclude or not _all_pass(endpoints, facts.model):
+    if gate is not GATE or facts.pinned_rank is not None or exclude or not _all_pass(endpoints, facts.model):
         kept = list(range(len(endpoints)))
-        for gate in GATE:
-            out = gate.filter(ctx, kept)
+        for rule in gate:
+            out = rule.filter(ctx, kept)
             if out.__class__ is not list:
                 return out  # type: ignore[return-value]  (a pin settled it, or a refusal)
             kept = out  # type: ignore[assignment]

@@ -17,7 +17,7 @@ from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, check_limits, limits_from
 from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import check_tls
-from lbd.policies import compose, register_profile
+from lbd.policies import compose
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.router.flags import OneLineParser, make_parser
 from lbd.router.kv.index import DEFAULT_MAX_BLOCKS
@@ -181,11 +181,9 @@ def _routing_config(p: OneLineParser, ns: argparse.Namespace) -> None:
     except ValueError as e:
         p.error(f"--routing-config {path}: not JSON ({e}); write the profile as a JSON object")
     try:
-        name, help, build = compose.parse(data)
+        ns.policy = compose.register(data)  # (and the prefill profile it composes for P/D, if any)
     except compose.ConfigError as e:
         p.error(f"--routing-config {path}: {e}")
-    register_profile(name, build, help)
-    ns.policy = name
 
 
 def _upstreams(p: OneLineParser, ns: argparse.Namespace) -> list[Upstream]:

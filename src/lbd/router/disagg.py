@@ -1,21 +1,29 @@
 """Prefill/decode disaggregation in the router: a request's two halves on two ranks (vLLM's contract).
 
 With prefill and decode ranks (``--prefill URL`` / ``--decode URL``, vllm-router's flags, or roles read from
-supervisors' /status), a chat or completion request first goes to a prefill rank as vLLM's disaggregation
-proxy sends it (``kv_transfer_params`` with ``do_remote_decode``, ``max_tokens`` 1, not streamed); the
-``kv_transfer_params`` of that answer go into the request, which then runs the usual way (policy, retries,
-streaming relay) over the decode ranks only: the decode rank pulls the blocks it lacks and streams the
-answer. The prefill rank is the one with the least prefill work ahead of the prompt's: the prompt tokens of
-this router's prefill stages running there plus the prompt's tokens not cached there (the exact view's cached
-tokens), then the scraped backlog. The stages are counted here because a rank busy with one long prefill step
-reports no queue until the step ends. The decode rank is the policy's pick among the decode ranks (KV room,
-load).
+supervisors' /status: the endpoint snapshot's ``role``), a chat or completion request first goes to a prefill
+rank as vLLM's disaggregation proxy sends it (``kv_transfer_params`` with ``do_remote_decode``, ``max_tokens``
+1, not streamed); the ``kv_transfer_params`` of that answer go into the decode stage's body, which then runs
+the usual way (decide, retries, streaming relay): the decode rank pulls the blocks it lacks and streams the
+answer.
+
+P/D is two profiles run by the one decision entry (``lbd.policies.route``): the prefill stage by the prefill
+profile (``pd_prefill``: the ``prefill_work`` scorer, least prefill work ahead: this router's stages without
+a first byte there plus the prompt's tokens not cached there, then the scraped backlog), the decode stage by
+the router's own policy; each behind the gate plus its role as a rule (``lbd.policies.roles``). What this
+step settles is one frozen ``PdStage`` on the request: the decode stage's gate, its body, the answer's header.
+A prefill stage is counted on its rank like any dispatch (shared counters, every router worker), because a
+rank busy with one long prefill step reports no queue until the step ends.
 
 The request runs whole on one rank (colocated) when a role has no ready rank, when the prompt is estimated
 shorter than ``--pd-min-prompt-tokens`` (moving its KV costs more than it saves: it then runs on a decode
-rank, as conditional disaggregation does, so the prefill ranks stay free for long prompts), or when the
-prefill stage fails. The answer's ``x-lbd-disagg`` header says which it was: ``pd <prefill rank>`` or
-``colocated (<reason>)``.
+rank, as conditional disaggregation does, so the prefill ranks stay free for long prompts), when it is
+pinned to a rank, when the prefill stage fails, or when the prefill rank lent no blocks (its lease cap was
+reached, or the prompt fills no block: the decode rank would recompute it all, so it gets the plain request).
+The answer's ``x-lbd-disagg`` header says which it was: ``pd <prefill rank>`` or ``colocated (<reason>)``.
+A decode rank whose pull fails (a lease that expired) recomputes the prompt and says nothing in its answer:
+that case still reads ``pd``. With ``--debug-headers`` the answer also names the prefill rank and the plugin
+that chose it (``x-lbd-prefill-endpoint``, ``x-lbd-prefill-route-reason``).
 
 Trust: ``kv_transfer_params`` are the router's own. A client's are refused at admission (400,
 ``lbd.router.admission``), so no client steers a rank's leases or pulls through the router; the params a
@@ -31,11 +39,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from lbd.common.limits import read_upstream
-from lbd.policies import EndpointSnapshot
+from lbd.policies import Decision, Filter, Refusal, make_policy, route
+from lbd.policies.filters import GATE
+from lbd.policies.registry import prefill_profile
+from lbd.policies.roles import has_role, stage_gate
 from lbd.router.continuation import append_field
-from lbd.router.routed import RoutedRequest
+from lbd.router.messages import serialize_headers
+from lbd.router.routed import PdStage, RoutedRequest
 
 if TYPE_CHECKING:
+    from lbd.router.endpoints import Endpoint
     from lbd.router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -44,6 +57,7 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_PREFILL_ANSWER_BYTES = 1 << 20
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL, DECODE = stage_gate("prefill"), stage_gate("decode")
 
 
 def with_params(body: bytes, params: dict[str, Any]) -> bytes:
@@ -62,79 +76,99 @@ class Disagg:
     def __init__(self, state: RouterState) -> None:
         self.state = state
         cfg = state.cfg
-        self.prefill_urls = frozenset(cfg.prefill)
-        self.decode_urls = frozenset(cfg.decode)
+        self.flagged = {url: "prefill" for url in cfg.prefill} | {url: "decode" for url in cfg.decode}
         self.min_prompt_tokens = cfg.pd_min_prompt_tokens
         self.timeout_s = cfg.pd_prefill_timeout_s
-        self.prefilling: dict[str, int] = {}  # prefill rank -> prompt tokens of its stages in flight
+        self.debug_headers = cfg.debug_headers
+        self.prefill = make_policy(prefill_profile(cfg.policy), stale_s=cfg.stale_after_s,
+                                   seed=state.shared.worker)
+        for ep in state.endpoints.values():
+            self._flag_role(ep)
+        state.on_added.append(self._flag_role)
 
-    def roles(self, snaps: list[EndpointSnapshot]) -> tuple[list[EndpointSnapshot], list[EndpointSnapshot]]:
-        """The ready prefill and decode ranks: by flag, or by the role a supervisor's /status gave them."""
-        eps = self.state.endpoints
-        prefill, decode = [], []
-        for s in snaps:
-            if not s.healthy or s.draining:
-                continue
-            role = getattr(eps.get(s.key), "role", "mixed")
-            if s.key in self.prefill_urls or role == "prefill":
-                prefill.append(s)
-            elif s.key in self.decode_urls or role == "decode":
-                decode.append(s)
-        return prefill, decode
+    def _flag_role(self, ep: Endpoint) -> None:
+        """--prefill/--decode give their endpoints a role (else a supervisor's /status does)."""
+        role = self.flagged.get(ep.url)
+        if role is not None:
+            ep.role = role
 
     async def prepare(self, rr: RoutedRequest) -> None:
-        """Run the prefill stage when it pays; leaves ``rr`` for the decode stage (its body carries the
-        params, ``pd_exclude`` keeps it off non-decode ranks), or as it was for a colocated run."""
+        """Run the prefill stage when it pays; ``rr.pd`` says how the decode stage runs (on a decode rank with
+        the prefill's params, or colocated: on any rank, or a decode rank)."""
         request, data = rr.request, rr.data
         if request.method != "POST" or request.path not in PATHS or not isinstance(data, dict):
             return
+        pd = rr.pd = await self._stage(rr, data)
+        if rr.trace is not None:
+            rr.trace.span.set_attribute("lbd.disagg", pd.outcome)
+
+    async def _stage(self, rr: RoutedRequest, data: dict[str, Any]) -> PdStage:
         if data.get("kv_transfer_params") is not None:  # refused at admission: never forwarded
-            return self._colocated(rr, "client_params")
+            return self._colocated("client_params")
         if (data.get("n") or 1) != 1:
-            return self._colocated(rr, "n")
+            return self._colocated("n")
+        facts = rr.facts
+        if facts.pinned_rank is not None:  # the client chose the rank
+            return self._colocated("pinned")
         snaps = self.state.snapshots()
-        prefill, decode = self.roles(snaps)
-        model = rr.facts.model
-        prefill = [s for s in prefill if s.serves(model)]
-        decode = [s for s in decode if s.serves(model)]
-        if not prefill or not decode:
-            return self._colocated(rr, "no_prefill_rank" if not prefill else "no_decode_rank")
-        if rr.facts.prompt_tokens < self.min_prompt_tokens:
+        for role in ("prefill", "decode"):
+            if not has_role(snaps, role, facts.model):
+                return self._colocated(f"no_{role}_rank")
+        if facts.prompt_tokens < self.min_prompt_tokens:
             # a short prompt runs whole on a decode rank: the prefill ranks stay free for long prompts
-            keep = {s.key for s in decode}
-            rr.pd_exclude = [s.key for s in snaps if s.key not in keep]
-            return self._colocated(rr, "short_prompt")
-        params = None
-        for _ in range(min(2, len(prefill))):  # a failed prefill stage is tried once more elsewhere
-            target = self.pick_prefill(rr, prefill)
-            tokens = rr.facts.prompt_tokens
-            self.prefilling[target.key] = self.prefilling.get(target.key, 0) + tokens
-            try:
-                params = await self._prefill(rr, target.key, data)
-            finally:
-                self.prefilling[target.key] -= tokens
-            if params is not None:
+            return self._colocated("short_prompt", DECODE)
+        failed: list[str] = []
+        for _ in range(2):  # a failed prefill stage is tried once more elsewhere
+            d = route(self.prefill, facts, snaps, failed, False, PREFILL)
+            if isinstance(d, Refusal):
                 break
-            prefill.remove(target)
-        if params is None:
-            return self._colocated(rr, "prefill_failed")
-        rr.body = with_params(rr.body, params)
-        keep = {s.key for s in decode}
-        rr.pd_exclude = [s.key for s in snaps if s.key not in keep]
-        rr.rid_header += b"x-lbd-disagg: pd %s\r\n" % target.key.encode("latin-1")
+            params = await self._counted(rr, d, data)
+            if params is not None:
+                return self._pd(rr, d, params)
+            failed.append(d.endpoint.key)
+            snaps = self.state.snapshots()
+        return self._colocated("prefill_failed")
+
+    async def _counted(self, rr: RoutedRequest, d: Decision, data: dict[str, Any]) -> dict[str, Any] | None:
+        """The prefill stage on ``d``'s rank, counted there until it answers (its uncached tokens: what the
+        ``prefill_work`` scorer reads back as that rank's work ahead)."""
+        state = self.state
+        ep = state.endpoints.get(d.endpoint.key)
+        if ep is None:
+            return None
+        charge = int(self.prefill.charge_tokens(rr.facts, d.endpoint))
+        state.shared.dispatch(ep.slot, charge)
+        state.metrics.dispatched(self.prefill.name, d.reason, state.loop.time() - rr.t0)
+        if rr.trace is not None:
+            rr.trace.span.set_attributes({"lbd.pd.prefill_endpoint": ep.url,
+                                          "lbd.pd.prefill_reason": d.reason,
+                                          "lbd.pd.prefill_plugin": d.plugin})
+        try:
+            return await self._prefill(rr, ep.url, data)
+        finally:
+            state.shared.start(ep.slot, charge)
+            state.shared.finish(ep.slot)
+
+    def _pd(self, rr: RoutedRequest, d: Decision, params: dict[str, Any]) -> PdStage:
+        """The decode stage after a prefill on ``d``'s rank: on a decode rank with the prefill's params; or,
+        when the prefill rank lent no blocks, colocated on a decode rank (``no_lease``: it recomputes)."""
+        extra = b""
+        if self.debug_headers:
+            extra = serialize_headers((("x-lbd-prefill-endpoint", d.endpoint.key),
+                                       ("x-lbd-prefill-route-reason", d.line())))
+        if not params.get("remote_block_ids"):
+            return self._colocated("no_lease", DECODE, extra, d)
         self.state.metrics.decision("pd", "pd")
+        outcome = f"pd {d.endpoint.key}"
+        header = b"x-lbd-disagg: %s\r\n%s" % (outcome.encode("latin-1"), extra)
+        return PdStage(outcome, header, DECODE, with_params(rr.body, params), d)
 
-    def pick_prefill(self, rr: RoutedRequest, ranks: list[EndpointSnapshot]) -> EndpointSnapshot:
-        """The least prefill work ahead: tokens of stages in flight there plus the prompt's uncached tokens;
-        then the scraped backlog, then fewest in flight."""
-        cached = rr.facts.cached_tokens or {}
-        need = rr.facts.prompt_tokens
-        return min(ranks, key=lambda s: (self.prefilling.get(s.key, 0) + need - cached.get(s.key, 0),
-                                         s.unstarted_tokens + s.waiting, s.inflight))
-
-    def _colocated(self, rr: RoutedRequest, reason: str) -> None:
-        rr.rid_header += b"x-lbd-disagg: colocated (%s)\r\n" % reason.encode()
+    def _colocated(self, reason: str, gate: tuple[Filter, ...] = GATE, extra: bytes = b"",
+                   prefill: Decision | None = None) -> PdStage:
+        """The request runs whole on one rank (of any role, or behind ``gate``)."""
         self.state.metrics.decision("pd", f"colocated_{reason}")
+        outcome = f"colocated ({reason})"
+        return PdStage(outcome, b"x-lbd-disagg: %s\r\n%s" % (outcome.encode(), extra), gate, None, prefill)
 
     async def _prefill(self, rr: RoutedRequest, key: str, data: dict[str, Any]) -> dict[str, Any] | None:
         """The prefill stage on ``key``: vLLM's proxy's first request; the answer's ``kv_transfer_params``."""

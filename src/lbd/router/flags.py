@@ -137,7 +137,8 @@ def make_parser() -> OneLineParser:
         default=None,
         metavar="FILE",
         help="a JSON profile composed of registered plugins (filters, weighted scorers, a picker); replaces "
-        "--policy (see lbd.policies.compose)",
+        "--policy; its optional \"prefill\" (a policy's name or a profile object) is the profile P/D's "
+        "prefill stages run by, default pd_prefill (see lbd.policies.compose)",
     )
     g.add_argument("--session-header", default="X-Session-ID", help="header the session policy hashes on")
     g.add_argument(

@@ -235,7 +235,8 @@ class Migrator:
         deadline = move.broke_at + cfg.retry_budget_s
         while True:
             snaps = state.snapshots()
-            d = route(state.policy, facts, snaps, rr.exclude + self._unfit(move, need), cfg.pin_fallback)
+            d = route(state.policy, facts, snaps, rr.exclude + self._unfit(move, need), cfg.pin_fallback,
+                      rr.gate)  # (P/D: a decode stage's continuation stays on decode ranks)
             if not isinstance(d, Refusal):
                 break
             if self.loop.time() >= deadline:
@@ -243,7 +244,7 @@ class Migrator:
             await asyncio.sleep(_POLL_S)
             for snap in snaps:  # an excluded rank that went out counts again once it is back
                 out = not snap.healthy or snap.draining
-                if out and snap.key in rr.exclude and snap.key not in rr.pd_exclude:  # (P/D: decodes only)
+                if out and snap.key in rr.exclude:
                     rr.exclude.remove(snap.key)
         if rr.trace is not None:
             rr.trace.decided(cfg.policy, d)

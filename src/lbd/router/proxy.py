@@ -31,6 +31,7 @@ import orjson
 from lbd.common.auth import ApiKey
 from lbd.common.limits import PeerReadTooLarge, read_upstream
 from lbd.policies import Decision, Refusal, route
+from lbd.policies.filters import GATE
 from lbd.router.admission import Admission
 from lbd.router.auth import Gate
 from lbd.router.endpoints import Endpoint
@@ -151,7 +152,7 @@ class Proxy:
             if failure is None or not self._retry(rr, failure, decision, n):
                 break
         if failure is not None:
-            return self._failure_response(out, failure, rr.rid_header)
+            return self._failure_response(out, failure, rr.reply_headers)
         move = rr.move
         if move is not None and move.broken is not None:  # failed mid-stream: resume elsewhere
             await self.migrator.resume(self, rr, out)
@@ -196,27 +197,32 @@ class Proxy:
         """Where try ``n`` goes: a half-open endpoint's trial (first try only), else the policy's choice among
         the endpoints that are not full (--max-streams-per-endpoint) and did not fail this request. Refused:
         the client's answer. None: a retry found no endpoint (it may wait for one)."""
-        state = self.state
+        state, cap, pd = self.state, self.cfg.max_streams_per_endpoint, rr.pd
+        gate = GATE if pd is None else pd.gate
         trial = None
         if n == 0:
             # live in-flight counts (--max-streams-per-endpoint); a sample of a large fleet (policies.sample)
-            rr.snaps = snaps = state.snapshots_for(rr.facts)
-            cap = self.cfg.max_streams_per_endpoint
-            rr.exclude = [e.key for e in snaps if e.inflight >= cap]  # full (usually none)
-            rr.full = len(rr.exclude)
-            rr.exclude.extend(rr.pd_exclude)
-            trial = state.outliers.trial_for(rr.facts)
+            snaps = state.snapshots_for(rr.facts)
+            full = [e.key for e in snaps if e.inflight >= cap]  # (usually none)
+            rr.exclude = []
+            if gate is GATE:  # (a P/D decode stage's trial could be a rank of the other role)
+                trial = state.outliers.trial_for(rr.facts)
+        else:  # a retry: the endpoints as they are now, less those full at first and those that failed it
+            snaps, full = state.snapshots(), rr.full
         if trial is not None:
+            rr.snaps, rr.full = snaps, full
             decision: Decision | Refusal = Decision(trial.snapshot(state.shared, self.loop.time()),
                                                     "half_open_trial", plugin="outlier")
         else:
-            decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
-            if isinstance(decision, Refusal) and len(rr.snaps) < len(state.order):
-                # the sample could not serve it: decide over every endpoint
-                rr.snaps = state.snapshots()
-                rr.exclude = [e.key for e in rr.snaps if e.inflight >= self.cfg.max_streams_per_endpoint]
-                rr.full = len(rr.exclude)
-                decision = route(state.policy, rr.facts, rr.snaps, rr.exclude, self.cfg.pin_fallback)
+            exclude = [*full, *rr.exclude] if n else full
+            decision = route(state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback, gate)
+            if n == 0:
+                if isinstance(decision, Refusal) and len(snaps) < len(state.order):
+                    # the sample could not serve it: decide over every endpoint
+                    snaps = state.snapshots()
+                    full = [e.key for e in snaps if e.inflight >= cap]
+                    decision = route(state.policy, rr.facts, snaps, full, self.cfg.pin_fallback, gate)
+                rr.snaps, rr.full = snaps, full
         if isinstance(decision, Refusal):
             return None if retrying else self._refusal(rr, decision)
         if rr.trace is not None:
@@ -230,8 +236,8 @@ class Proxy:
             cap = self.cfg.max_streams_per_endpoint
             return Refused(503, f"every endpoint that can take this request has {cap} requests in flight "
                            "(--max-streams-per-endpoint)", "ServiceUnavailableError", None,
-                           rr.rid_header + b"Retry-After: 1\r\n")
-        return Refused(refusal.status, refusal.message, refusal.type, refusal.param, rr.rid_header)
+                           rr.reply_headers + b"Retry-After: 1\r\n")
+        return Refused(refusal.status, refusal.message, refusal.type, refusal.param, rr.reply_headers)
 
     async def _wait_for_endpoint(self, rr: RoutedRequest) -> Decision | None:
         """A retryable failure and no other endpoint can take the request now (e.g. an MoE group re-forming
@@ -248,9 +254,9 @@ class Proxy:
             for snap in snaps:
                 if not snap.healthy or snap.draining:
                     out = True
-                    if snap.key in exclude and snap.key not in rr.pd_exclude:  # (non-decode ranks stay out)
+                    if snap.key in exclude:
                         exclude.remove(snap.key)
-            decision = route(self.state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback)
+            decision = route(self.state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback, rr.gate)
             if not isinstance(decision, Refusal):
                 if rr.trace is not None:
                     rr.trace.decided(self.cfg.policy, decision)
@@ -263,7 +269,7 @@ class Proxy:
 
     def _retry(self, rr: RoutedRequest, failure: Failure, d: Decision, n: int) -> bool:
         """Whether try ``n`` (it failed) is tried again: retryable, tries and --retry-budget-s left. If so the
-        endpoint it failed on is excluded and the snapshots are taken again."""
+        endpoint it failed on is excluded (the retry's decision takes the snapshots again)."""
         out_of_budget = self.loop.time() - rr.t0 > self.cfg.retry_budget_s
         if not failure.retryable or n == self.cfg.max_retries or out_of_budget:
             return False
@@ -271,7 +277,6 @@ class Proxy:
         if rr.trace is not None:
             rr.trace.retries += 1
         rr.exclude.append(d.endpoint.key)
-        rr.snaps = self.state.snapshots()
         log.info("request %s: %s on %s; retrying elsewhere", rr.request_id,
                  failure.kind, d.endpoint.key)
         return True
@@ -308,7 +313,7 @@ class Proxy:
                         state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
                     else:
                         ep.record_success("request")
-                    failure = await self.relay.relay(out, a, upstream, rr.rid_header, move)
+                    failure = await self.relay.relay(out, a, upstream, rr.reply_headers, move)
             status = str(failure.status if failure is not None else out.status)
             return failure
         except ClientGone:
@@ -333,7 +338,7 @@ class Proxy:
         a = Attempt(ep, d, int(state.policy.charge_tokens(facts, d.endpoint)), now, asyncio.current_task())
         state.shared.dispatch(ep.slot, a.charge)
         state.policy.on_dispatch(facts, ep.url)
-        body = rr.body
+        body = rr.forward_body
         if state.exact is not None and facts.block_keys is not None:
             a.pending = state.exact.dispatched(ep.url, rr, state.policy.on_chain_known)
             body = state.exact.body_for(ep.url, rr.request.path, rr.prompt_ids, body)  # ids, if ep takes them

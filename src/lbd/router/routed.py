@@ -2,8 +2,11 @@
 endpoint (``Attempt``), and the two ways a step ends early (``Refused``: an answer instead of routing;
 ``Failure``: a try that failed before any byte reached the client).
 
-The request path (``lbd.router.proxy``): admit -> facts -> decide -> attempt -> relay (``lbd.router.relay``).
-The policies see only ``RoutedRequest.facts``; the rest is the router's own bookkeeping.
+The request path (``lbd.router.proxy``): admit -> facts -> [move, P/D] -> decide -> attempt -> relay
+(``lbd.router.relay``). The policies see only ``RoutedRequest.facts``; the rest is the router's own
+bookkeeping. Each step writes its own fields once (``RoutedRequest`` names them by step); what P/D settles
+as a whole is a small frozen object (``PdStage``), so a later step cannot undo an earlier one's work (as a
+P/D body rebuild once dropped the migrator's ``return_token_ids``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lbd.policies import Decision, EndpointSnapshot, RequestFacts
+from lbd.policies import Decision, EndpointSnapshot, Filter, RequestFacts
+from lbd.policies.filters import GATE
 from lbd.router.endpoints import Endpoint
 from lbd.router.messages import Request
 
@@ -24,11 +28,26 @@ if TYPE_CHECKING:
     from lbd.router.tracing import RouteTrace
 
 
+@dataclass(slots=True, frozen=True)
+class PdStage:
+    """What prefill/decode disaggregation settled for a request (``lbd.router.disagg``), set once before the
+    decode stage is decided: where that stage may go (``gate``), what it sends (``body``) and what the
+    client's answer says about it (``header``)."""
+
+    outcome: str  # the x-lbd-disagg value: "pd <prefill rank>" or "colocated (<reason>)"
+    header: bytes  # the answer's header lines: x-lbd-disagg (and, with --debug-headers, the prefill's reason)
+    gate: tuple[Filter, ...] = GATE  # the decode stage's gate: the router's, or with the decode role's rule
+    body: bytes | None = None  # the decode stage's body (the prefill's kv_transfer_params added); None: as is
+    prefill: Decision | None = None  # the prefill stage's decision (its rank and the plugin that decided)
+
+
 @dataclass(slots=True, eq=False)
 class RoutedRequest:
-    """One request through the steps. ``admit`` makes it (request id, arrival time, parsed facts); ``facts``
-    adds the exact view's facts and the headers to forward; ``decide`` keeps the endpoints' snapshots and the
-    ones this request may not go to (full, or failed it already)."""
+    """One request through the steps, each writing its own fields once: ``admit`` makes it (request id,
+    arrival time, parsed facts, the key's bill); ``facts`` adds the headers to forward and the exact view's
+    bookkeeping; the migrator the ``move`` (and its token ids in ``body``, before any later step reads it);
+    P/D its ``pd`` stage; ``decide`` (first try) the ``snaps`` it chose among and the ``full`` ones.
+    ``exclude`` is the retries' list: the endpoints that failed this request, appended as they do."""
 
     request: Request
     body: bytes  # the request's body, read once
@@ -42,18 +61,36 @@ class RoutedRequest:
     # still runs (a cold.Deferred) or was skipped (cold.HEAD_ONLY); the prompt's ids for ranks that take them
     deferred: Deferred | str | None = None
     prompt_ids: ExactPrompt | None = None
-    # set by ``decide`` on the first try:
-    snaps: list[EndpointSnapshot] = field(init=False)
-    exclude: list[str] = field(init=False)  # keys: full (--max-streams-per-endpoint) or failed it
-    full: int = 0  # how many of ``exclude`` were full when the request arrived
-    pd_exclude: Sequence[str] = ()  # a P/D decode stage's non-decode ranks (set by lbd.router.disagg)
+    bill: Bill | None = None  # its key's token charge, settled on the output (lbd.router.metering; admit)
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
-    bill: Bill | None = None  # its key's token charge, settled on the output (lbd.router.metering)
+    pd: PdStage | None = None  # the P/D stage's outcome (lbd.router.disagg); None: not a P/D router's
+    # set once by ``decide`` on the first try (plain fields, not an object: this runs on every request)
+    snaps: list[EndpointSnapshot] = field(init=False)  # what it chose among (a sample of a large fleet)
+    full: Sequence[str] = field(init=False)  # keys full when it arrived (--max-streams-per-endpoint)
+    exclude: list[str] = field(init=False)  # endpoints that failed it (created by ``decide``, then appended)
 
     @property
     def request_id(self) -> str:
-        """The X-Request-Id value (``rid_header`` may carry more header lines after it, e.g. P/D's)."""
-        return self.rid_header.split(b"\r\n", 1)[0][14:].decode("latin-1")
+        """The X-Request-Id value."""
+        return self.rid_header[14:-2].decode("latin-1")
+
+    @property
+    def forward_body(self) -> bytes:
+        """The body an attempt sends: the P/D decode stage's, else the request's."""
+        pd = self.pd
+        return self.body if pd is None or pd.body is None else pd.body
+
+    @property
+    def reply_headers(self) -> bytes:
+        """Our header lines on the client's answer: the request id, and what P/D did."""
+        pd = self.pd
+        return self.rid_header if pd is None else self.rid_header + pd.header
+
+    @property
+    def gate(self) -> tuple[Filter, ...]:
+        """The filters that may refuse this request's decisions: the router's gate, or a P/D decode stage's"""
+        pd = self.pd
+        return GATE if pd is None else pd.gate
 
 
 @dataclass(slots=True)

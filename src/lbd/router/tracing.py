@@ -5,9 +5,11 @@ proxied request gets a SERVER span ``lbd.route`` whose parent is the client's W3
 sent one (its trace id is kept), else a new trace. The router's own span context replaces the client's
 ``traceparent`` on the forwarded request, so the engine's ``llm_request`` span is its child: one trace from
 client to engine.
-Attributes: ``lbd.endpoint`` (the chosen endpoint), ``lbd.policy``, ``lbd.route_reason``, ``lbd.retries``,
-``lbd.data_parallel_rank`` (when known), ``http.request.method``, ``url.path``,
-``http.response.status_code``. Exported over OTLP/HTTP by a background thread (BatchSpanProcessor); the
+Attributes: ``lbd.endpoint`` (the chosen endpoint), ``lbd.policy``, ``lbd.route_reason``, ``lbd.route_plugin``
+(the plugin that decided), ``lbd.retries``, ``lbd.data_parallel_rank`` (when known), ``http.request.method``,
+``url.path``, ``http.response.status_code``; P/D adds ``lbd.disagg`` and its prefill stage's
+``lbd.pd.prefill_endpoint``, ``lbd.pd.prefill_reason`` and ``lbd.pd.prefill_plugin`` (lbd.router.disagg).
+Exported over OTLP/HTTP by a background thread (BatchSpanProcessor); the
 service name is ``$OTEL_SERVICE_NAME`` or ``lbd-router``.
 """
 
@@ -33,7 +35,7 @@ class RouteTrace:
 
     def decided(self, policy: str, d: Decision) -> None:
         attrs: dict[str, Any] = {"lbd.endpoint": d.endpoint.key, "lbd.policy": policy,
-                                 "lbd.route_reason": d.reason}
+                                 "lbd.route_reason": d.reason, "lbd.route_plugin": d.plugin}
         if d.endpoint.rank is not None:
             attrs["lbd.data_parallel_rank"] = d.endpoint.rank
         self.span.set_attributes(attrs)
