@@ -5,6 +5,7 @@ supervisor run without torch, transformers or triton (their real entry points, s
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -188,3 +189,37 @@ def test_no_module_level_import_cycles() -> None:
              for m in graph.modules}
     assert _cycles(edges) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+
+def _chunk_readers(node: ast.AST, scope: str) -> set[str]:
+    """The functions under ``node`` (dotted names below ``scope``) that touch an upstream stream's chunks:
+    ``.read_chunk``, by attribute or by name; a nested function counts as itself."""
+    found = set()
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found |= _chunk_readers(child, f"{scope}.{child.name}")
+            continue
+        if (isinstance(child, ast.Attribute) and child.attr == "read_chunk") or (
+            isinstance(child, ast.Constant) and child.value == "read_chunk"
+        ):
+            found.add(scope)
+        found |= _chunk_readers(child, scope)
+    return found
+
+
+def test_one_pump_reads_the_router_s_upstream_streams() -> None:
+    """Exactly one function of lbd.router reads an upstream's answer chunk by chunk: the pump
+    (lbd.router.relay.Relay.stream), which plain streams and resumable ones (lbd.router.resumable) share, each
+    with its own tap. Two pumps did one job once (issue 42); a second one would drift from the first in its
+    idle timeouts, client-gone handling or metrics. The upstream client (lbd.router.upstream) defines
+    ``read_chunk`` and reads whole bodies with it; it is not a pump."""
+    src = ROOT / "src"
+    readers: set[str] = set()
+    for path in sorted((src / "lbd" / "router").rglob("*.py")):
+        module = ".".join(path.relative_to(src).with_suffix("").parts)
+        if module != "lbd.router.upstream":
+            readers |= _chunk_readers(ast.parse(path.read_text(), str(path)), module)
+    assert readers == {"lbd.router.relay.Relay.stream"}
+    copy = "class P:\n    async def pump(self, up):\n        while await up.read_chunk():\n            pass\n"
+    assert _chunk_readers(ast.parse(copy), "m") == {"m.P.pump"}  # (the check sees a copy)

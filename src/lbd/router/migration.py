@@ -49,8 +49,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
-
 from lbd.policies import Decision, Refusal, route
 from lbd.router.continuation import (
     RankFacts,
@@ -62,6 +60,7 @@ from lbd.router.continuation import (
     with_token_ids,
 )
 from lbd.router.messages import Response
+from lbd.router.relay import CAUSES, error_event
 from lbd.router.resumable import DONE, Move
 from lbd.router.routed import Failure, RoutedRequest
 from lbd.router.state import RouterState
@@ -71,15 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lbd.router")
 GAPS_KEPT = 1024  # the last moves' gaps from failure to the next token, for /router/status's p50/p99
-
-# a failure mid-stream as the client's error event names it (lbd.router.relay's words)
-_CAUSES = {
-    "reset": ("failed", "UpstreamError"),
-    "eof": ("failed", "EOF before [DONE]"),
-    "stall": ("stalled", "TimeoutError"),
-    "error_event": ("failed", "a retryable error event"),
-    "oversized": ("failed", "an event over the router's size cap"),
-}
 _POLL_S = 0.05
 
 
@@ -272,16 +262,15 @@ class Migrator:
 
     async def _end(self, out: Response, move: Move, why: str) -> None:
         """The stream ends with an error event: what failed (as without a move) and why it was not resumed."""
-        what, cause = _CAUSES.get(move.broken or "", ("failed", move.broken))
+        what, cause = CAUSES.get(move.broken or "", ("failed", move.broken))
         message = f"upstream {what} mid-stream ({cause}); the response is incomplete: {why}"
         where = move.failed_url or move.failed_key
         log.warning("upstream %s %s mid-stream (%s), not resumed: %s", where, what, cause, why)
-        err = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
         if out.backed_up:
             out.abort()
             return
         try:
-            await out.write(b"data: " + orjson.dumps(err) + b"\n\n" + DONE)
+            await out.write(error_event(message))
             out.end()
         except ConnectionResetError:
             out.abort()

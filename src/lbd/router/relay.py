@@ -3,9 +3,13 @@
 The status and headers go out only with the answer's first body bytes, so an upstream that fails before
 those is still retried elsewhere (a ``Failure``). Once a byte went out there is no retry: a failure mid-stream
 ends the stream with a clear error (an SSE error event, or a cut connection for a sized body). A gap of
---stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way. A streamed
-chat or completion that may move to another rank goes through ``lbd.router.migration`` instead, which resumes
-it there from the tokens already sent.
+--stream-idle-timeout-s, waiting on the upstream or on a slow client, ends a stream the same way.
+
+Every stream goes through one pump (``Relay.stream``); what differs between streams is a ``Tap``: what the
+client gets of each chunk, when the answer is over, and what a break mid-stream does. A plain stream's
+(``PLAIN``) passes the chunks as they came and ends a break as said above; a streamed chat or completion that
+may move to another rank (``lbd.router.resumable.Move``) tracks and rewrites them, and leaves a break to
+``lbd.router.migration``, which resumes the stream there from the tokens already sent.
 """
 
 from __future__ import annotations
@@ -24,19 +28,92 @@ from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
 
+log = logging.getLogger("lbd.router")
 
-class Tracked(Protocol):
+SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
+# why a stream broke mid-stream (a Tap's ``broke``) -> what the client's error event says: the upstream
+# "failed" or "stalled", and the cause
+CAUSES = {
+    "reset": ("failed", "UpstreamError"),
+    "eof": ("failed", "EOF before [DONE]"),
+    "stall": ("stalled", "TimeoutError"),
+    "error_event": ("failed", "a retryable error event"),
+    "oversized": ("failed", "an event over the router's size cap"),
+}
+
+
+def error_event(message: str) -> bytes:
+    """The last words of an SSE stream that broke mid-stream: an OpenAI-style 502 error event, and [DONE]."""
+    err = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+    return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+
+
+class Tap(Protocol):
+    """One stream's part of the pump (``Relay.stream``); the loop, the idle watchdog, the client's and the
+    upstream's failures are the pump's."""
+
+    done: bool  # the answer is whole (a tracked stream saw its [DONE]): the pump reads no more
+    broken: str | None  # a break that the stream's own bytes said (a CAUSES key): the pump reads no more
+    closing: bytes  # an end marker the tap held back, written once at the end; an EOF before it is a break
+
+    def begins(self, a: Attempt) -> bool:
+        """The answer's first bytes came from ``a``'s endpoint; True: the client still needs its status and
+        headers (False: a continuation of a stream it has)."""
+        ...
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What the client gets of ``chunk`` (b"": nothing yet)."""
+        ...
+
+    async def broke(
+        self, state: RouterState, out: Response, a: Attempt, upstream: UpstreamResponse, why: str
+    ) -> None:
+        """The stream broke mid-stream (``why``: a CAUSES key), after bytes went to the client."""
+        ...
+
+
+class Tracked(Tap, Protocol):
     """A stream that may move to another rank mid-stream (lbd.router.resumable.Move)."""
 
     def takes(self, upstream: UpstreamResponse) -> bool: ...
 
-    async def relay(
-        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes
-    ) -> Failure | None: ...
+    def refuses(self, a: Attempt, upstream: UpstreamResponse) -> Failure | None: ...
 
-log = logging.getLogger("lbd.router")
 
-SMALL_BODY = 1 << 20  # sized answers up to this are read whole and sent in one write
+class Plain:
+    """A stream passed on as it came: a break ends it with an error event (SSE) or a cut connection."""
+
+    done = False
+    broken: str | None = None
+    closing = b""
+
+    def begins(self, a: Attempt) -> bool:
+        return True
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    async def broke(
+        self, state: RouterState, out: Response, a: Attempt, upstream: UpstreamResponse, why: str
+    ) -> None:
+        """After bytes went out no retry is possible: end the stream with a clear error."""
+        what, cause = CAUSES[why]
+        log.warning("upstream %s %s mid-stream: %s", a.ep.url, what, cause)
+        message = f"upstream {what} mid-stream ({cause}); the response is incomplete"
+        sse = "text/event-stream" in upstream.content_type and upstream.content_length is None
+        if sse and not out.backed_up:  # (a client that stopped reading would never take the error event)
+            try:
+                await out.write(error_event(message))
+                out.end()
+                return
+            except ConnectionResetError:
+                raise ClientGone() from None
+        # A sized or non-SSE body: cut the connection so the client cannot take a truncated body for whole.
+        out.abort()
+        raise ClientGone()
+
+
+PLAIN = Plain()  # (it keeps nothing per stream)
 
 
 class Relay:
@@ -55,30 +132,95 @@ class Relay:
         move: Tracked | None = None,
     ) -> Failure | None:
         """Pass the answer through; a failure before its first byte is still retryable. A stream that may move
-        to another rank (``move``) goes through its tracking pump (lbd.router.resumable) instead."""
+        to another rank (``move``) goes through the pump with its tracking tap (lbd.router.resumable)."""
         if move is not None and move.takes(upstream):
-            return await move.relay(self, out, a, upstream, rid_header)
-        idle = self.cfg.stream_idle_timeout_s
+            refused = move.refuses(a, upstream)  # (a continuation answered with no stream)
+            if refused is not None:
+                return refused
+            return await self.stream(out, a, upstream, rid_header, move)
         length = upstream.content_length
         # sized and small, or already whole (a 204 or 304 has no body: it must not be sent as a chunked one)
         small = (length is not None and length <= SMALL_BODY and not upstream.chunked) or upstream.complete
+        if not small:
+            return await self.stream(out, a, upstream, rid_header, PLAIN)
+        idle = self.cfg.stream_idle_timeout_s
         try:
-            first = upstream.take_whole() if small else None
-            if first is None:
-                first = await (upstream.read(idle) if small else upstream.read_chunk(idle))
+            whole = upstream.take_whole()
+            if whole is None:
+                whole = await upstream.read(idle)
         except (UpstreamError, TimeoutError) as e:
             return self.no_first_byte(a, e, idle)
-        self.began(a, upstream, not small)
-        headers = self.response_headers(upstream, a.decision, rid_header)
+        self.began(a, upstream, False)
         try:
-            if small:
-                out.send(upstream.status, headers, first)
-                return None
-            out.start(upstream.status, headers, length)
+            out.send(upstream.status, self.response_headers(upstream, a.decision, rid_header), whole)
         except ConnectionResetError:
             raise ClientGone() from None
-        await self.pump(out, upstream, first, a.ep.url, idle)
         return None
+
+    async def stream(
+        self, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes, tap: Tap
+    ) -> Failure | None:
+        """The pump: the first chunk (none within --stream-idle-timeout-s, or a closed upstream: a Failure),
+        then every chunk as ``tap`` makes it, until the upstream's end or the tap's. A gap of
+        --stream-idle-timeout-s (waiting on the upstream or on a slow client) or a failed upstream breaks
+        the stream: the tap says what that does. The only reader of an upstream's stream in the router."""
+        idle = self.cfg.stream_idle_timeout_s
+        try:
+            chunk = await upstream.read_chunk(idle)
+        except (UpstreamError, TimeoutError) as e:
+            return self.no_first_byte(a, e, idle)
+        self.began(a, upstream, True)
+        if tap.begins(a):
+            headers = self.response_headers(upstream, a.decision, rid_header)
+            try:
+                out.start(upstream.status, headers, upstream.content_length)
+            except ConnectionResetError:
+                raise ClientGone() from None
+        loop = self.loop
+        task = asyncio.current_task()
+        assert task is not None
+        dog = Watchdog(loop, idle, task)
+        why = None
+        try:
+            while chunk:
+                data = tap.feed(chunk)
+                if data:
+                    try:
+                        await out.write(data)
+                    except ConnectionResetError:
+                        raise ClientGone() from None
+                    dog.last = loop.time()
+                if tap.done or tap.broken is not None:
+                    break
+                chunk = await upstream.read_chunk()
+            else:  # the upstream's end: a break if the tap still waits for its end marker
+                why = "eof" if tap.closing else None
+        except asyncio.CancelledError:
+            if not dog.fired:
+                raise
+            task.uncancel()
+            why = "stall"
+        except UpstreamError:
+            why = "reset"
+        finally:
+            dog.cancel()
+        await self._end(out, a, upstream, tap, why or tap.broken)
+        return None
+
+    async def _end(
+        self, out: Response, a: Attempt, upstream: UpstreamResponse, tap: Tap, why: str | None
+    ) -> None:
+        """End a pumped stream: whole (with the tap's end marker), or broken (``why``) as the tap says."""
+        if why is not None:
+            self.state.metrics.upstream_errors.labels(a.ep.url, "mid_stream").inc()
+            await tap.broke(self.state, out, a, upstream, why)
+            return
+        try:
+            if tap.closing:
+                await out.write(tap.closing)
+            out.end()
+        except ConnectionResetError:
+            raise ClientGone() from None
 
     def began(self, a: Attempt, upstream: UpstreamResponse, stream: bool) -> None:
         """The answer began: the endpoint makes progress, the request's prefill is over (its pending blocks
@@ -112,64 +254,6 @@ class Relay:
             extra = (("x-lbd-endpoint", d.endpoint.key), ("x-lbd-route-reason", d.line()))
             parts.append(serialize_headers(extra))
         return b"".join(parts)
-
-    async def pump(
-        self, out: Response, upstream: UpstreamResponse, chunk: bytes, url: str, idle: float
-    ) -> None:
-        """Copy the stream; a gap of ``idle`` s (waiting on the upstream or on a slow client) ends it."""
-        task = asyncio.current_task()
-        assert task is not None
-        dog = Watchdog(self.loop, idle, task)
-        try:
-            while chunk:
-                try:
-                    await out.write(chunk)
-                except ConnectionResetError:
-                    raise ClientGone() from None
-                dog.last = self.loop.time()
-                chunk = await upstream.read_chunk()
-        except asyncio.CancelledError:
-            if not dog.fired:
-                raise
-            task.uncancel()
-            await self.end_broken_stream(out, upstream, url, TimeoutError())
-            return
-        except UpstreamError as e:
-            await self.end_broken_stream(out, upstream, url, e)
-            return
-        finally:
-            dog.cancel()
-        try:
-            out.end()
-        except ConnectionResetError:
-            raise ClientGone() from None
-
-    async def end_broken_stream(
-        self, out: Response, upstream: UpstreamResponse, url: str, e: BaseException
-    ) -> None:
-        """After bytes went out no retry is possible: end the stream with a clear error."""
-        what = "stalled" if isinstance(e, TimeoutError) else "failed"
-        self.state.metrics.upstream_errors.labels(url, "mid_stream").inc()
-        log.warning("upstream %s %s mid-stream: %s", url, what, type(e).__name__)
-        sse = "text/event-stream" in upstream.content_type and upstream.content_length is None
-        if sse and not out.backed_up:  # (a client that stopped reading would never take the error event)
-            err = {
-                "error": {
-                    "message": f"upstream {what} mid-stream ({type(e).__name__}); the response is incomplete",
-                    "type": "BadGatewayError",
-                    "param": None,
-                    "code": 502,
-                }
-            }
-            try:
-                await out.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
-                out.end()
-                return
-            except ConnectionResetError:
-                raise ClientGone() from None
-        # A sized or non-SSE body: cut the connection so the client cannot take a truncated body for whole.
-        out.abort()
-        raise ClientGone()
 
 
 class Watchdog:

@@ -1,7 +1,8 @@
-"""One resumable stream as the client has it (``Move``): the tracking pump that passes a rank's SSE events on
-while it counts the output token ids whose text reached the client, strips the ids the client did not ask for,
-and, on a continuation, rewrites the chunks as the original stream's. A failure mid-stream sets ``broken``;
-``lbd.router.migration`` then picks the next rank and starts the continuation (``resume_on``).
+"""One resumable stream as the client has it (``Move``): the router's one pump (``lbd.router.relay``) passes a
+rank's SSE events on through it, a ``Tap`` that counts the output token ids whose text reached the client,
+strips the ids the client did not ask for, and, on a continuation, rewrites the chunks as the original
+stream's. A failure mid-stream sets ``broken``; ``lbd.router.migration`` then picks the next rank and starts
+the continuation (``resume_on``).
 
 A stream whose choice already carried its ``finish_reason`` is done: cut after that (during the usage chunk or
 before ``[DONE]``) it is not resumed (that would continue past its end and send a second finish reason);
@@ -12,8 +13,9 @@ broken upstream (``oversized``), never resumed.
 
 from __future__ import annotations
 
-import asyncio
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -29,10 +31,9 @@ from lbd.router.continuation import (
     shift_offsets,
 )
 from lbd.router.messages import Response
-from lbd.router.relay import Relay, Watchdog
-from lbd.router.routed import Attempt, ClientGone, Failure
+from lbd.router.routed import Attempt, Failure
+from lbd.router.state import RouterState
 from lbd.router.upstream import Response as UpstreamResponse
-from lbd.router.upstream import UpstreamError
 
 RETRYABLE_CODES = frozenset({502, 503, 504})  # an error event with one of these codes: the rank failed
 # a choice's ids as lbd's engine and vLLM write them (compact JSON); a quote in a string is escaped, so this
@@ -50,6 +51,7 @@ class Move:
     """One request's stream as the client has it, and its moves."""
 
     path = COMPLETIONS  # where a continuation goes, chat or not
+    closing = DONE  # the one [DONE] the client gets: the ranks' are held back, a stream without one broke
 
     def __init__(self, kind: str, data: dict[str, Any], client_ids: bool, impossible: str | None) -> None:
         self.kind, self.data, self.client_ids, self.impossible = kind, data, client_ids, impossible
@@ -73,7 +75,7 @@ class Move:
         self.broke_at = 0.0
         self.gap: float | None = None  # failure to the continuation's first token
         self.done = False
-        self.now = 0.0  # loop time of the chunk being read
+        self._clock: Callable[[], float] = time.monotonic  # the router loop's clock, once it broke
         self.finished = False  # a choice carried its finish_reason: the answer is whole
         self.usage_sent = False  # the usage chunk went out
         self.echo = kind == "cmpl" and data.get("echo") is True  # the first text is the prompt, without ids
@@ -100,7 +102,7 @@ class Move:
         return self.origin
 
     def takes(self, upstream: UpstreamResponse) -> bool:
-        """Whether this answer goes through the tracking pump (a continuation always does)."""
+        """Whether this answer is pumped through this tap (a continuation always is)."""
         return self.resuming or (
             upstream.status == 200
             and upstream.content_length is None
@@ -117,72 +119,32 @@ class Move:
         self.before, self.base_chars = len(self.out_ids), self.chars
         self.moves += 1
 
-    async def relay(
-        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, rid_header: bytes
-    ) -> Failure | None:
-        """Pass the (continuation's) stream on, tracking it; a failure mid-stream sets ``broken``."""
-        idle = relay.cfg.stream_idle_timeout_s
+    def refuses(self, a: Attempt, upstream: UpstreamResponse) -> Failure | None:
+        """A continuation answered with anything but its stream: a failure of that try (no byte went out)."""
         if self.resuming and (upstream.status != 200 or "text/event-stream" not in upstream.content_type):
             what = f"upstream {a.ep.url} answered the continuation with {upstream.status}"
             return Failure(upstream.status, what, "continuation_refused", upstream.status >= 500)
-        try:
-            first = await upstream.read_chunk(idle)
-        except (UpstreamError, TimeoutError) as e:
-            return relay.no_first_byte(a, e, idle)
-        relay.began(a, upstream, stream=True)
-        if self._origin_ep is None:  # the rank whose tokenizer made the ids (what a continuation must match)
-            self._origin_ep = a.ep
-            self.origin_facts()
-        if not self.resuming:
-            try:
-                out.start(upstream.status, relay.response_headers(upstream, a.decision, rid_header), None)
-            except ConnectionResetError:
-                raise ClientGone() from None
-        await self._pump(relay, out, a, upstream, first, idle)
         return None
 
-    async def _pump(
-        self, relay: Relay, out: Response, a: Attempt, upstream: UpstreamResponse, chunk: bytes, idle: float
+    # ---- the pump's tap (lbd.router.relay.Tap): Relay.stream runs this stream through its one loop --------
+    def begins(self, a: Attempt) -> bool:
+        """The first rank is the one whose tokenizer made the ids (what a continuation must match); a
+        continuation's status and headers are the client's already."""
+        if self._origin_ep is None:
+            self._origin_ep = a.ep
+            self.origin_facts()
+        return not self.resuming
+
+    async def broke(
+        self, state: RouterState, out: Response, a: Attempt, upstream: UpstreamResponse, why: str
     ) -> None:
-        loop = relay.loop
-        task = asyncio.current_task()
-        assert task is not None
-        dog = Watchdog(loop, idle, task)
-        try:
-            while True:
-                self.now = loop.time()
-                data = self.feed(chunk) if chunk else b""
-                if data:
-                    try:
-                        await out.write(data)
-                    except ConnectionResetError:
-                        raise ClientGone() from None
-                    dog.last = loop.time()
-                if self.done or self.broken is not None:
-                    break
-                chunk = await upstream.read_chunk()
-                if not chunk:
-                    self.broken = "eof"
-                    break
-        except asyncio.CancelledError:
-            if not dog.fired:
-                raise
-            task.uncancel()
-            self.broken = "stall"
-        except UpstreamError:
-            self.broken = "reset"
-        finally:
-            dog.cancel()
-        if self.broken is not None:
-            relay.state.fail(a.ep, "request", f"failed mid-stream ({self.broken})")
-            relay.state.metrics.upstream_errors.labels(a.ep.url, "mid_stream").inc()
-            self.failed_key, self.failed_url, self.broke_at = a.ep.key, a.ep.url, loop.time()
-            return
-        try:
-            await out.write(DONE)
-            out.end()
-        except ConnectionResetError:
-            raise ClientGone() from None
+        """A failure mid-stream: noted (``broken``) for lbd.router.migration, which resumes the stream on
+        another rank."""
+        self.broken = why
+        state.fail(a.ep, "request", f"failed mid-stream ({why})")
+        self.failed_key, self.failed_url = a.ep.key, a.ep.url
+        self._clock = state.loop.time
+        self.broke_at = self._clock()
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events in what arrived, as the client gets them (a partial event waits for its rest)."""
@@ -316,7 +278,7 @@ class Move:
                 self.finished = True
             self.chars += len(text)
             if self.resuming and self.gap is None and (ids or text):
-                self.gap = self.now - self.broke_at
+                self.gap = self._clock() - self.broke_at
         if prompt is not None and self.prompt_ids is None and not self.resuming:
             self._prompt_ids = list(prompt)
         usage = obj.get("usage")
