@@ -94,6 +94,9 @@ def test_long_prompts_run_in_two_stages_with_the_colocated_answer(pd, stream: bo
     reason = headers["x-lbd-prefill-route-reason"]
     assert reason.startswith("least_prefill_work (prefill_work): ahead 0 tokens"), reason
     assert headers["x-lbd-endpoint"] == consumer.base_url and " (ttft)" in headers["x-lbd-route-reason"]
+    prefill_profile = httpx.get(router.url + "/router/status", timeout=10).json()["prefill_profile"]
+    assert prefill_profile["name"] == "pd_prefill"
+    assert prefill_profile["decided"]["prefill_work/least_prefill_work"] >= 1, prefill_profile
     assert text == alone
     assert pulled(consumer) > before
 

@@ -179,6 +179,8 @@ class RouterApp:
             "endpoints": self.state.status(),
             "kv_index": self.state.exact.index_status() if self.state.exact is not None else None,
             "migrations": self.proxy.migrator.status(),
+            # P/D: the profile its prefill stages run by, and its decisions by plugin (lbd.router.disagg)
+            "prefill_profile": None if self.proxy.disagg is None else self.proxy.disagg.prefill.describe(),
         }
         out.send(200, _JSON, orjson.dumps(body))
 
