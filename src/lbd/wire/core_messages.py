@@ -33,6 +33,19 @@ OUTPUTS, READY, ERROR, STATS, RESET_DONE, DP = b"outputs", b"ready", b"error", b
 
 # ---- front end -> core ---------------------------------------------------------------------------------
 
+class StructuredOutputs(msgspec.Struct, frozen=True):
+    """A constraint on the output (vLLM's ``structured_outputs``): ``kind`` ``json`` (``spec`` is the JSON
+    schema's text), ``json_object`` (any JSON object; ``spec`` empty), ``regex``, ``choice`` (``spec`` is a
+    JSON list of the allowed strings) or ``grammar`` (EBNF for xgrammar, Lark for guidance). The core compiles
+    it (lbd.engine.structured) and masks the tokens the grammar does not allow. Frozen: it is the key of the
+    compiled-grammar cache."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True  # json: no properties or items beyond the schema's (OpenAI's json_schema.strict)
+    disable_any_whitespace: bool = False  # json: compact output (vLLM's field and flag)
+
+
 class SamplingParams(msgspec.Struct):
     n: int = 1
     temperature: float = 1.0
@@ -52,6 +65,7 @@ class SamplingParams(msgspec.Struct):
     # the prompt's last n tokens are output of this answer (a stream resumed on another rank: lbd.router);
     # frequency and presence penalties count them as output
     prior_output_tokens: int = 0
+    structured: StructuredOutputs | None = None  # structured outputs: the grammar the output must match
 
     @property
     def greedy(self) -> bool:

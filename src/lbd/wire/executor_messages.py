@@ -65,6 +65,10 @@ class Step(ToWorker, tag="step"):
     sample_ids: list[str]  # one per sample row
     new: list[NewRequest]
     finished: list[str]
+    # structured outputs: the constrained sample rows and their token bitmask words (int32, row after row;
+    # lbd.engine.structured.mask.TokenMask.to_wire)
+    mask_rows: list[int] = msgspec.field(default_factory=list)
+    mask: bytes = b""
 
 
 class Profile(ToWorker, tag="profile"):

@@ -43,6 +43,10 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     kv_events_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_events)
     kv_transfer_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_transfer)
+    structured_outputs_config: str | None = None  # vLLM's JSON (lbd.engine.config.structured)
+    structured_outputs_backend: str | None = None  # --structured-outputs-config.backend
+    structured_outputs_disable_any_whitespace: bool | None = None
+    structured_outputs_disable_additional_properties: bool | None = None
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -241,7 +245,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--dp-idle-check-steps", type=int, default=32,
                    help="MoE DP groups: every N steps of a wave, an all-reduce decides whether every rank "
                         "is idle and the wave ends")
+    _add_structured_arguments(parser)
     return parser
+
+
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    from lbd.engine.config.structured import BACKENDS, parse_bool_flag
+
+    g = parser.add_argument_group("structured outputs")
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='vLLM\'s keys, e.g. \'{"backend": "guidance", "disable_any_whitespace": true}\'')
+    g.add_argument("--structured-outputs-config.backend", dest="structured_outputs_backend", default=None,
+                   choices=[*BACKENDS, "outlines", "lm-format-enforcer"],
+                   help="the library that compiles grammars: xgrammar (auto, the default) or guidance "
+                        "(llguidance); outlines and lm-format-enforcer are refused")
+    g.add_argument("--structured-outputs-config.disable_any_whitespace",
+                   dest="structured_outputs_disable_any_whitespace", type=parse_bool_flag, default=None,
+                   metavar="BOOL", help="JSON output without whitespace between tokens")
+    g.add_argument("--structured-outputs-config.disable_additional_properties",
+                   dest="structured_outputs_disable_additional_properties", type=parse_bool_flag,
+                   default=None, metavar="BOOL",
+                   help="guidance: no properties beyond the schema's unless it allows them")
+
+
+def structured_config(args: EngineArgs):  # noqa: ANN201 (a StructuredOutputsConfig; ValueError when bad)
+    """The structured-outputs flags, merged (``lbd.engine.config.structured``)."""
+    from lbd.engine.config.structured import parse_structured_outputs_config
+
+    return parse_structured_outputs_config(args.structured_outputs_config, args.structured_outputs_backend,
+                                           args.structured_outputs_disable_any_whitespace,
+                                           args.structured_outputs_disable_additional_properties)
 
 
 def make_parser(prog: str = "lbd serve") -> argparse.ArgumentParser:
@@ -277,6 +310,10 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
                 offset_endpoint_port(cfg.replay_endpoint, args.rank)
         except ValueError as e:
             parser.error(str(e))
+    try:
+        structured_config(args)
+    except ValueError as e:
+        parser.error(str(e))
     if args.kv_transfer_config is not None:
         problem = kv_transfer_problem(args)
         if problem:

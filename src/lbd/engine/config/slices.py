@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from lbd.common.limits import DEFAULTS as LIMITS
 from lbd.engine.config.args import DEFAULT_MODEL_NAME, EngineArgs
+from lbd.engine.config.structured import StructuredOutputsFlags
 
 # vLLM's defaults per device kind: (max_num_seqs, max_num_batched_tokens). CPU: vLLM's CPU build.
 DEVICE_BUDGETS = {"cuda": (256, 8192), "cpu": (128, 2048), "sim": (256, 8192)}
@@ -140,6 +141,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputsFlags = field(default_factory=StructuredOutputsFlags)
 
 
 @dataclass(slots=True, frozen=True)
@@ -155,7 +157,8 @@ class FrontendConfig:
 
 
 SLICES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerLimits,
-          "parallel": ParallelConfig, "server": ServerConfig, "observability": ObservabilityConfig}
+          "parallel": ParallelConfig, "server": ServerConfig, "observability": ObservabilityConfig,
+          "structured": StructuredOutputsFlags}
 
 
 def _cut(cls: type, args: EngineArgs, **resolved: object) -> object:
@@ -203,4 +206,4 @@ def engine_config(args: EngineArgs, device: str) -> EngineConfig:
         model=_cut(ModelConfig, args, device=device, dtype=resolved_dtype(args.dtype, device)),
         cache=_cut(CacheConfig, args), scheduler=scheduler_limits(args, device),
         parallel=parallel_config(args), server=_cut(ServerConfig, args),
-        observability=_cut(ObservabilityConfig, args))
+        observability=_cut(ObservabilityConfig, args), structured=_cut(StructuredOutputsFlags, args))

@@ -22,6 +22,7 @@ from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from lbd.engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
+from lbd.engine.structured.compiler import GrammarCompiler
 from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -130,7 +131,12 @@ class EngineCore:
         except Exception:
             self.close()
             raise
-        self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None)
+        # structured outputs; none on the simulated device, which samples no logits (such requests get a 400)
+        self.grammars = None if runner.device == "sim" else GrammarCompiler(
+            config.structured.resolve(), config.model.tokenizer or model_path, runner.vocab_size,
+            runner.eos_token_id)
+        self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None,
+                                   self.grammars)
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
@@ -255,12 +261,20 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def take_rejected(self) -> list[tuple[str, str, int]]:
+        """Requests refused after admission (a structured output whose grammar failed to compile): (id,
+        message, HTTP status) each, once; the core loop answers their front ends with an error."""
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
+        return rejected
 
     # ---- the step -------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -122,6 +122,13 @@ class CoreServer:
         self.sock.send_multipart([ident, CM.ERROR, msg])
 
     # ---- outgoing -------------------------------------------------------------------------------------
+    def send_rejected(self) -> None:
+        """Errors for the requests the core refused after admitting them (a grammar that did not compile)."""
+        for rid, message, status in self.core.take_rejected():
+            ident = self.state.owner.pop(rid, None)
+            if ident is not None:
+                self.send_error(ident, rid, message, status)
+
     def send_outputs(self, outputs: list[CM.EngineCoreOutput], now: float) -> None:
         owner = self.state.owner
         by_peer: dict[bytes, list[CM.EngineCoreOutput]] = {}
@@ -183,6 +190,7 @@ class CoreServer:
             now = time.monotonic()
             if core.has_work():
                 self.send_outputs(core.step(), now)
+                self.send_rejected()
                 prof.lap("ipc_out")
             prof.end()
             if now >= next_stats:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from lbd.wire.core_messages import EngineCoreRequest, SamplingParams
 from lbd.wire.kv_transfer import KVTransferParams
+
+if TYPE_CHECKING:
+    from lbd.engine.structured.compiler import GrammarState
 
 
 class RequestStatus(Enum):
@@ -40,6 +44,7 @@ class Request:
     scheduled_at: float = 0.0
     num_preemptions: int = 0
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (engine/kv_transfer)
+    grammar: GrammarState | None = None  # structured outputs: compiling, then the matcher (engine/structured)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

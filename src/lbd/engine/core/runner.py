@@ -45,6 +45,7 @@ from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
 from lbd.engine.models.kv_spec import KVSpec
 from lbd.engine.models.parallel import kv_heads_per_rank
+from lbd.engine.structured import mask as token_mask
 from lbd.kernels import ops
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,15 @@ def _eos_token_id(folder: Path, config: object) -> int | None:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos
+
+
+def grammar_mask(sampling: list[ScheduledSeq], vocab_size: int) -> token_mask.TokenMask | None:
+    """The structured-output token mask of a step's sampling rows, from their matchers (None: no grammar);
+    the TP/PP executor sends it to its sampling worker."""
+    if not any(s.request.grammar is not None for s in sampling):
+        return None
+    return token_mask.build([s.request.grammar.matcher if s.request.grammar is not None else None
+                             for s in sampling], vocab_size)
 
 
 class ModelRunner:
@@ -330,7 +340,7 @@ class ModelRunner:
             prof.lap("lm_head")
             rows = [SampleRow(s.request.request_id, s.request.sampling, s.request.prompt_token_ids,
                               s.request.output_token_ids) for s in sampling]
-            ids, logprobs = self.sampler(logits, rows)
+            ids, logprobs = self.sampler(logits, rows, grammar_mask(sampling, self.vocab_size))
             prof.lap("sample")
         return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
 

@@ -1,11 +1,12 @@
 """Turn a step's logits into tokens, vectorised over the batch.
 
-Order as in vLLM: penalties on the logits, then greedy rows take the argmax; the others divide by their
-temperature, drop tokens under min_p, keep top_k / top_p, and sample by inverse CDF: one uniform number per
-row and step (the CPU draws the V exponentials of the exponential race far slower: benchmarks/RESULTS.md,
-"Sampling draws"). A request with a seed draws its number from its own generator, so its output does not
-depend on the rest of the batch. Logprobs are of the raw model distribution (log-softmax of the logits before
-any processing), like vLLM's default. Frequency and presence penalties count the output, and the prompt's last
+Order as in vLLM: a structured-output row's token mask (its grammar's allowed tokens, lbd.engine.structured),
+penalties on the logits, then greedy rows take the argmax; the others divide by their temperature, drop tokens
+under min_p, keep top_k / top_p, and sample by inverse CDF: one uniform number per row and step (the CPU draws
+the V exponentials of the exponential race far slower: benchmarks/RESULTS.md, "Sampling draws"). A request
+with a seed draws its number from its own generator, so its output does not depend on the rest of the batch.
+Logprobs are of the model distribution before any processing but the mask (log-softmax of the masked
+logits), like vLLM's default. Frequency and presence penalties count the output, and the prompt's last
 ``prior_output_tokens`` with it: the output a stream had before it moved here from another rank (lbd.router).
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lbd.engine.structured import mask as token_mask
 from lbd.kernels import ops
 from lbd.wire.core_messages import SamplingParams, TokenLogprobs
 
@@ -97,10 +99,14 @@ class Sampler:
             self.generators.pop(rid, None)
             self.prompt_sets.pop(rid, None)
 
-    def __call__(self, logits: torch.Tensor,
-                 rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [N, V] (any float dtype) -> N token ids and, where asked, their logprobs."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: token_mask.TokenMask | None = None
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [N, V] (any float dtype) -> N token ids and, where asked, their logprobs. ``mask``: the
+        structured-output rows' allowed tokens (lbd.engine.structured.mask), applied first, as vLLM does (the
+        logprobs of a constrained row are those of its masked logits)."""
         logits = logits.float()
+        if mask is not None:
+            token_mask.apply(logits, mask)
         params = [r.params for r in rows]
         processed = self._penalise(logits, rows) if any(_needs_penalties(p) for p in params) else logits
         if all(p.greedy for p in params):

@@ -40,6 +40,7 @@ from lbd.engine.config.slices import CacheConfig, SchedulerLimits
 from lbd.engine.core.kv_cache import CacheListener, KVCacheManager
 from lbd.engine.core.request import Request, RequestStatus
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
+from lbd.engine.structured.compiler import GrammarCompiler, GrammarWait, failure
 from lbd.wire.core_messages import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class RequestRejected(Exception):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_listener: CacheListener | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, cache_listener: CacheListener | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.prefix_caching_hash_algo, cache_listener)
@@ -115,6 +117,11 @@ class Scheduler:
         # blocks are freed
         self.parked: dict[str, Request] = {}
         self.on_finish: Callable[[Request], None] | None = None
+        # structured outputs (lbd.engine.structured): requests wait in ``compiling`` until their grammar is
+        # compiled off the loop; those whose grammar failed leave through ``rejected`` (id, message, status)
+        self.grammars = grammars
+        self.compiling: GrammarWait[Request] = GrammarWait()
+        self.rejected: list[tuple[str, str, int]] = []
 
     # ---- intake ---------------------------------------------------------------------------------------
     def add_request(self, req: Request, parked: bool = False) -> None:
@@ -139,6 +146,8 @@ class Scheduler:
                 f"Scheduler waiting queue is full ({self._waiting_tokens} prompt tokens waiting, this "
                 f"request adds {req.num_tokens}, max_num_queued_tokens={cfg.max_num_queued_tokens})", 503,
                 "max_num_queued_tokens")
+        if req.sampling.structured is not None:
+            self._attach_grammar(req)
         if self.kv.enable_prefix_caching:  # keys of the prompt's full blocks now, outside any step
             self.kv.hash_upto(req, req.num_tokens // cfg.block_size)
         req.order = self._next_order
@@ -149,6 +158,25 @@ class Scheduler:
         if parked:
             self.parked[req.request_id] = req
             return
+        self._enqueue(req)
+
+    def _attach_grammar(self, req: Request) -> None:
+        """The request's grammar: compiling (it waits in ``compiling``), or from the cache; a cached failure
+        is refused here."""
+        if self.grammars is None:
+            raise RequestRejected("structured outputs are not available on this rank (--device sim samples "
+                                  "no logits)", 400)
+        req.grammar = state = self.grammars.state(req.sampling.structured)
+        if state.ready:
+            try:
+                state.start()
+            except Exception as e:  # noqa: BLE001 (a bad grammar: the client's 400)
+                raise RequestRejected(*failure(e)) from None
+
+    def _enqueue(self, req: Request) -> None:
+        if req.grammar is not None and req.grammar.matcher is None:
+            self.compiling.add(req)
+            return
         self.waiting.append(req)
         self._waiting_tokens += req.num_tokens
 
@@ -156,8 +184,21 @@ class Scheduler:
         """A parked request joins the waiting queue (no-op when it is gone: aborted)."""
         req = self.parked.pop(request_id, None)
         if req is not None:
+            self._enqueue(req)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue; failed ones finish (``rejected``).
+        With nothing else to run, wait a moment for a compile rather than spin."""
+        if not self.waiting and not self.running:
+            self.compiling.wait(0.005)
+        ready, failed = self.compiling.take_ready()
+        for req in ready:
             self.waiting.append(req)
             self._waiting_tokens += req.num_tokens
+        for req, message, status in failed:
+            self.rejected.append((req.request_id, message, status))
+            req.finish_reason = "abort"
+            self._finish(req)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish the given requests now and free their blocks; returns the ids that were known."""
@@ -168,7 +209,7 @@ class Scheduler:
                 continue  # already finished or never seen: aborts race with completions
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif self.parked.pop(rid, None) is not None:
+            elif self.parked.pop(rid, None) is not None or self.compiling.remove(req):
                 pass
             else:
                 self.waiting.remove(req)
@@ -180,6 +221,8 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------------
     def schedule(self, max_batch_seqs: int | None = None) -> SchedulerOutput:
+        if self.compiling:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -319,6 +362,8 @@ class Scheduler:
             tok = sampled[k]
             k += 1
             req.append_token(tok.token_id)
+            if req.grammar is not None:
+                self._advance_grammar(req, tok.token_id)
             num_out = len(req.output_token_ids)
             first = num_out == 1
             o = EngineCoreOutput(req.request_id, [tok.token_id],
@@ -343,11 +388,23 @@ class Scheduler:
         return outputs
 
     @staticmethod
+    def _advance_grammar(req: Request, token: int) -> None:
+        matcher = req.grammar.matcher  # type: ignore[union-attr]
+        if matcher is not None and not matcher.accept(token):
+            logger.error("request %s sampled token %d, which its grammar does not allow", req.request_id,
+                         token)
+
+    @staticmethod
     def _check_stop(req: Request, token: int, num_out: int, max_model_len: int) -> bool:
-        """vLLM's order: length caps first, then (past min_tokens) eos, then stop token ids."""
+        """vLLM's order: length caps first, then (past min_tokens) eos, then stop token ids. A grammar that
+        has ended (it took its end-of-sequence token) stops the request even before min_tokens."""
         sp = req.sampling
         if num_out >= sp.max_tokens or req.num_tokens >= max_model_len:
             req.finish_reason = "length"
+            return True
+        grammar = req.grammar.matcher if req.grammar is not None else None
+        if grammar is not None and grammar.is_terminated():
+            req.finish_reason = "stop"
             return True
         if num_out < sp.min_tokens:
             return False
@@ -372,7 +429,7 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.parked)
+        return bool(self.waiting or self.running or self.parked or self.compiling)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -380,7 +437,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv, c = self.kv, self.counters
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting) + len(self.parked),
+        waiting = len(self.waiting) + len(self.parked) + len(self.compiling)
+        return SchedulerStats(num_running=len(self.running), num_waiting=waiting,
                               kv_cache_usage=kv.usage, num_blocks=self.config.num_blocks,
                               block_size=self.config.block_size, prefix_cache_queries=kv.prefix_queries,
                               prefix_cache_hits=kv.prefix_hits, prompt_tokens=c.prompt_tokens,

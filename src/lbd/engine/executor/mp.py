@@ -36,6 +36,7 @@ from lbd.engine.config.args import EngineArgs
 from lbd.engine.config.layout import parse_partition
 from lbd.engine.config.slices import parallel_config
 from lbd.engine.core.host_batch import HostBatch
+from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.executor.plan import WorkerPlan, layout_of, plan_workers
 from lbd.engine.models.config import load_hf_config
@@ -209,8 +210,20 @@ class MultiprocExecutor:
         known.update(r.request_id for r in sampling)
         host = HostBatch.from_seqs(out.seqs, self.block_size)
         rids = [r.request_id for r in sampling]
-        self._broadcast(X.Step(seq, host.to_wire(), rids, new, out.finished_ids))
+        rows, mask = self._grammar_mask(sampling)
+        self._broadcast(X.Step(seq, host.to_wire(), rids, new, out.finished_ids, rows, mask))
         return seq, rids
+
+    def _grammar_mask(self, sampling: list[Request]) -> tuple[list[int], bytes]:
+        """The structured-output rows' token bitmask, filled here where the matchers are (the core), for
+        the sampling worker (lbd.engine.structured; torch is imported only once a request has a grammar)."""
+        if not any(r.grammar is not None for r in sampling):
+            return [], b""
+        from lbd.engine.structured import mask as token_mask
+
+        built = token_mask.build([r.grammar.matcher if r.grammar is not None else None for r in sampling],
+                                 self.vocab_size)
+        return built.to_wire() if built is not None else ([], b"")
 
     def collect(self, handle: tuple[int, list[str]]) -> list[SampledToken]:
         seq, rids = handle

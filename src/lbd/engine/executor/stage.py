@@ -19,6 +19,7 @@ from lbd.engine.core.host_batch import HostBatch
 from lbd.engine.core.runner import ModelRunner, cpu_threads
 from lbd.engine.core.sampler import SampleRow
 from lbd.engine.distributed.context import ParallelContext
+from lbd.engine.structured.mask import TokenMask
 from lbd.wire.core_messages import TokenLogprobs
 from lbd.wire.executor_messages import NewRequest
 
@@ -73,9 +74,11 @@ class StageRunner(ModelRunner):
             times.enabled = timed
 
     # ---- a step --------------------------------------------------------------------------------------------
-    def step(self, host: HostBatch, rids: list[str], new: list[NewRequest], finished: list[str]
+    def step(self, host: HostBatch, rids: list[str], new: list[NewRequest], finished: list[str],
+             mask: tuple[list[int], bytes] = ([], b"")
              ) -> tuple[list[int], list[TokenLogprobs | None]] | None:
-        """Run this worker's part of a step; the sampler returns (token ids, logprobs), the others None."""
+        """Run this worker's part of a step; the sampler returns (token ids, logprobs), the others None.
+        ``mask``: the structured-output rows and their token bitmask, built by the core (``Step.mask``)."""
         t0 = time.perf_counter()
         sampler = self.parallel.is_sampler
         if sampler:
@@ -88,7 +91,8 @@ class StageRunner(ModelRunner):
                 logits = self._logits(hidden, batch)
                 if logits is not None:
                     rows = [self.rows[r] for r in rids]
-                    ids, logprobs = self.sampler(logits, rows)
+                    grammar = TokenMask.from_wire(*mask, len(rows), self.vocab_size) if mask[0] else None
+                    ids, logprobs = self.sampler(logits, rows, grammar)
                     for row, token in zip(rows, ids, strict=True):
                         row.output_ids.append(token)
                     result = ids, logprobs

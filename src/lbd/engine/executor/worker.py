@@ -105,7 +105,8 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     while True:
         msg = ch.recv()
         if isinstance(msg, X.Step):
-            result = runner.step(HostBatch.from_wire(msg.batch), msg.sample_ids, msg.new, msg.finished)
+            result = runner.step(HostBatch.from_wire(msg.batch), msg.sample_ids, msg.new, msg.finished,
+                                 (msg.mask_rows, msg.mask))
             if result is not None:
                 ch.send(X.Out(ns.rank, msg.seq, *result))
         elif isinstance(msg, X.Profile):

@@ -9,6 +9,7 @@ import orjson
 
 from lbd.engine.server.errors import APIError, bad_request
 from lbd.engine.server.fields import Fields, is_int_list
+from lbd.engine.server.structured_params import structured_from
 from lbd.wire.core_messages import SamplingParams
 from lbd.wire.kv_transfer import KVTransferParams, params_from_obj
 
@@ -89,9 +90,6 @@ def _unsupported(f: Fields) -> None:
         raise bad_request("'suffix' is not supported", "suffix")
     if f.raw("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
-    rf = f.obj("response_format")
-    if rf is not None and rf.str("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format")
     best_of = f.int("best_of", None, lo=1)
     if best_of is not None and best_of != f.int("n", 1):
         raise bad_request("'best_of' is not supported (use n)", "best_of")
@@ -116,6 +114,7 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
                           "min_tokens")
     sampling.logprobs = logprobs
     sampling.n = f.int("n", 1, lo=1, hi=128)
+    sampling.structured = structured_from(f)  # response_format, structured_outputs, guided_*
     return CommonParams(
         model=f.str("model"), stream=stream,
         include_usage=bool(opts and opts.bool("include_usage", False)),

@@ -1,0 +1,74 @@
+"""xgrammar (the default backend): grammars compiled against the tokenizer, one GrammarMatcher per request."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import xgrammar as xgr
+
+from lbd.engine.structured.backends import GrammarError, library_message
+
+if TYPE_CHECKING:
+    import torch
+
+    from lbd.engine.config.structured import StructuredOutputsConfig
+
+ANY_OBJECT = '{"type": "object"}'  # response_format json_object: a JSON object (OpenAI's contract)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """EBNF whose only sentences are ``choices`` (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XGrammarMatcher:
+    __slots__ = ("m",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return self.m.accept_token(token_id)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
+                 config: StructuredOutputsConfig) -> None:
+        stop = None if eos_token_id is None else [eos_token_id]
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        # our own cache (lbd.engine.structured.compiler) keeps compiled grammars: xgrammar's would be a copy
+        threads = min(8, os.cpu_count() or 1)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self.compact = config.disable_any_whitespace
+
+    def compile(self, kind: str, spec: str, strict: bool, compact: bool) -> xgr.CompiledGrammar:
+        try:
+            return self._compile(kind, spec, strict, compact or self.compact)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(library_message(e)) from None
+
+    def _compile(self, kind: str, spec: str, strict: bool, compact: bool) -> xgr.CompiledGrammar:
+        c = self.compiler
+        if kind in ("json", "json_object"):
+            return c.compile_json_schema(spec if kind == "json" else ANY_OBJECT, any_whitespace=not compact,
+                                         strict_mode=strict)
+        if kind == "regex":
+            return c.compile_regex(spec)
+        if kind == "choice":
+            return c.compile_grammar(choice_ebnf(json.loads(spec)))
+        if kind == "grammar":
+            return c.compile_grammar(spec)
+        raise GrammarError(f"unknown structured output kind {kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled)

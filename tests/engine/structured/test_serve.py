@@ -1,0 +1,106 @@
+"""Structured outputs over HTTP on `python -m lbd.engine` (a tiny random-weight model: the grammar alone makes
+the text valid): OpenAI's ``response_format``, vLLM's ``structured_outputs`` and the older ``guided_*``
+fields on chat and completions, streamed and not; bad constraints get a 400 naming the problem and leave the
+server serving; ``max_tokens`` inside the grammar ends with ``length``.
+
+The server is a tensor-parallel rank (TP 2): the core fills each step's token mask, the Step message carries
+it and TP rank 0 of the last stage applies it before sampling. The one-device runner is covered in process
+(test_engine_core.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from support import EngineServer
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 10},
+                         "sunny": {"type": "boolean"},
+                         "temps": {"type": "array", "maxItems": 4,
+                                   "items": {"type": "integer", "minimum": -40, "maximum": 50}}},
+          "required": ["city", "sunny", "temps"]}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "The weather, as JSON."}]
+# compact JSON: the tiny server runs with --structured-outputs-config.disable_any_whitespace true (random
+# weights would otherwise spend their tokens on whitespace between the fields)
+FLAGS = ("--device", "cpu", "--max-model-len", "512", "--served-model-name", "tiny",
+         "--tensor-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true")
+
+
+def parsed(text: str) -> object:
+    return json.loads(text, strict=False)  # xgrammar lets raw control characters into strings, as in vLLM
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    with EngineServer(tiny_llama, *FLAGS, log=tmp_path_factory.mktemp("structured") / "engine.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: EngineServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_json_schema_on_random_weights_is_valid_json(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=FORMAT, n=3,
+                                       temperature=1.0, seed=7, max_tokens=300)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(parsed(choice.message.content), SCHEMA)
+
+
+def test_regex_choice_grammar_and_json_object_on_every_field(client: openai.OpenAI) -> None:
+    regex = r"[a-z]{3}-\d{2}"
+    r = client.completions.create(model="tiny", prompt="code:", max_tokens=50, temperature=1.0, seed=1,
+                                  extra_body={"structured_outputs": {"regex": regex}})
+    assert re.fullmatch(regex, r.choices[0].text, re.ASCII) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=1.0,
+                                       extra_body={"guided_choice": ["sunny", "rainy day"]})
+    assert r.choices[0].message.content in ("sunny", "rainy day")
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=60, temperature=1.0, seed=2,
+                                  extra_body={"guided_grammar": 'root ::= "a" ("b" | "cd")+ "."'})
+    assert re.fullmatch(r"a(b|cd)+\.", r.choices[0].text)
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300, stream=True,
+                                            temperature=1.0, seed=3, response_format={"type": "json_object"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(parsed(text), dict), text
+
+
+def test_max_tokens_inside_the_grammar_ends_with_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=FORMAT, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     400, "objekt"),
+    ({"structured_outputs": {"regex": "a(b"}}, 400, "parenthesis"),
+    ({"guided_grammar": "root ::= missing"}, 400, "missing"),
+    ({"guided_choice": []}, 400, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one"),
+    ({"response_format": {"type": "structural_tag"}}, 400, "structural_tag"),
+    ({"guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend"),
+    ({"response_format": {"type": "json_schema"}}, 400, "json_schema"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_constraints_get_400_naming_the_problem(server: EngineServer, body: dict, status: int, words: str,
+                                                    stream: bool) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "stream": stream, **body})
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_the_server_still_serves_after_bad_constraints(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
