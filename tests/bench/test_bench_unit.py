@@ -122,6 +122,17 @@ def test_group_skew_makes_low_groups_popular(src: TextSource) -> None:
     assert counts[0] > 180 and counts[3] < 60 and counts == sorted(counts, reverse=True)
 
 
+def test_group_burst_starts_a_groups_sessions_in_a_row(src: TextSource) -> None:
+    spec = WorkloadSpec(
+        name="multi-turn", num_groups=6, system_prompt_len=8, question_len=4, num_turns=2, group_burst=4
+    )
+    groups = [s.group for s in _take(sessions(spec, src, 2), 40)]
+    runs = [groups[i:i + 4] for i in range(0, 40, 4)]
+    assert all(len(set(r)) == 1 for r in runs) and len({r[0] for r in runs}) > 1
+    with pytest.raises(WorkloadError, match="--group-burst"):
+        WorkloadSpec(name="multi-turn", group_burst=0).check()
+
+
 def test_skew_mix(src: TextSource) -> None:
     spec = WorkloadSpec(name="skew", long_fraction=0.25, long_input_len=80, short_input_len=8)
     got = _take(sessions(spec, src, 3), 200)

@@ -100,6 +100,10 @@ def make_parser() -> argparse.ArgumentParser:
         help="shared-prefix, multi-turn: Zipf exponent of the system prompts' popularity (0: uniform)",
     )
     g.add_argument(
+        "--group-burst", type=int, default=1,
+        help="shared-prefix, multi-turn: sessions in a row from each drawn system prompt (a burst on it)",
+    )
+    g.add_argument(
         "--question-len", type=int, default=128, help="shared-prefix, multi-turn: tokens per question"
     )
     g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per session")
@@ -178,6 +182,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig, Worklo
         range_ratio=ns.range_ratio,
         num_groups=ns.num_groups,
         group_skew=ns.group_skew,
+        group_burst=ns.group_burst,
         system_prompt_len=ns.system_prompt_len,
         question_len=ns.question_len,
         num_turns=ns.num_turns,

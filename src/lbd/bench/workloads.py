@@ -60,6 +60,7 @@ class WorkloadSpec:
     file: str | None = None
     prefix_seed: int | None = None  # system prompts from this seed (not the stream's): fixed across runs
     group_skew: float = 0.0  # Zipf exponent of the groups' popularity (0: uniform)
+    group_burst: int = 1  # consecutive sessions of one drawn group (a group's sessions start together)
 
     def check(self) -> None:
         """Raise WorkloadError naming the flag of an impossible value."""
@@ -77,6 +78,8 @@ class WorkloadSpec:
                 raise WorkloadError(f"{flag} must be positive, got {value}")
         if self.system_prompt_len < 0:
             raise WorkloadError(f"--system-prompt-len must be >= 0, got {self.system_prompt_len}")
+        if self.group_burst < 1:
+            raise WorkloadError(f"--group-burst must be >= 1, got {self.group_burst}")
         if self.group_skew < 0:
             raise WorkloadError(f"--group-skew must be >= 0, got {self.group_skew}")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -138,12 +141,25 @@ def _system_prompts(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> 
 
 
 def _group_picker(spec: WorkloadSpec, rng: random.Random) -> Callable[[], int]:
-    """Group g is drawn with weight 1 / (g + 1) ** group_skew."""
+    """Group g is drawn with weight 1 / (g + 1) ** group_skew; each draw serves ``group_burst`` sessions in a
+    row (so a group's sessions start within a few session gaps of each other: a burst on one prefix)."""
     if spec.group_skew <= 0:
-        return lambda: rng.randrange(spec.num_groups)
-    weights = list(itertools.accumulate(1.0 / (g + 1) ** spec.group_skew for g in range(spec.num_groups)))
-    groups = range(spec.num_groups)
-    return lambda: rng.choices(groups, cum_weights=weights)[0]
+        draw: Callable[[], int] = lambda: rng.randrange(spec.num_groups)  # noqa: E731
+    else:
+        weights = list(itertools.accumulate(1.0 / (g + 1) ** spec.group_skew for g in range(spec.num_groups)))
+        groups = range(spec.num_groups)
+        draw = lambda: rng.choices(groups, cum_weights=weights)[0]  # noqa: E731
+    if spec.group_burst <= 1:
+        return draw
+    left, current = [0], [0]
+
+    def burst() -> int:
+        if left[0] <= 0:
+            current[0], left[0] = draw(), spec.group_burst
+        left[0] -= 1
+        return current[0]
+
+    return burst
 
 
 def _shared_prefix(spec: WorkloadSpec, src: TextSource, rng: random.Random) -> Iterator[Session]:
