@@ -234,9 +234,9 @@ def decision_times(n: int, count: int = 3000) -> tuple[float, float]:
         rng = random.Random(n)
         for i in range(n):
             ep = state.add(f"http://127.0.0.1:{20000 + i}", "static", i)
-            ep.models = frozenset({MODEL})
-            ep.take_sample(Sample(running=rng.randrange(8), waiting=rng.randrange(3), kv_usage=rng.random(),
-                                  block_size=16, num_blocks=4096), state.loop.time(), 0, 0)
+            sample = Sample(running=rng.randrange(8), waiting=rng.randrange(3), kv_usage=rng.random(),
+                            block_size=16, num_blocks=4096, models={MODEL})
+            state.observe(ep, sample, state.loop.time())
         texts = prompts(count, seed=n)
         times = []
         for text in texts:

@@ -80,6 +80,128 @@ def test_package_table_and_contracts_say_the_same() -> None:
     assert all(names == set(HEAVY) for names in banned_by_table.values())
 
 
+# ---- read from the source: policies hold no I/O; one module changes what the router knows of an endpoint
+SRC = ROOT / "src" / "lbd"
+# What a policy may not import: I/O of every kind (network, files, processes and threads, logging, the
+# console) and clocks and sleeps. A decision is a function of its inputs: the router passes the time in (a
+# snapshot's age_s) and does the I/O; the policies read no clock today, not even time.monotonic.
+# (importlib stays allowed: the registry imports its own plugin modules by name.)
+POLICY_IO_MODULES = frozenset({
+    "aiohttp", "asyncio", "concurrent", "datetime", "fcntl", "glob", "http", "httptools", "httpx", "io",
+    "logging", "mmap", "multiprocessing", "os", "pathlib", "pickle", "requests", "sched", "select",
+    "selectors", "shelve", "shutil", "signal", "socket", "sqlite3", "ssl", "subprocess", "sys", "tempfile",
+    "threading", "time", "urllib", "uvloop", "zmq",
+})
+POLICY_IO_CALLS = frozenset({"open", "print", "input", "breakpoint", "exec", "eval", "__import__"})
+
+
+def _io_uses(source: str) -> list[str]:
+    """Where ``source`` imports an I/O or clock module, lazily or not, or calls a builtin that does I/O."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in POLICY_IO_CALLS:
+            found.append(f"line {node.lineno}: calls {ast.unparse(node.func)}()")
+            continue
+        else:
+            continue
+        found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in POLICY_IO_MODULES]
+    return found
+
+
+def test_policies_hold_no_io() -> None:
+    """No module of lbd.policies imports an I/O or clock module (POLICY_IO_MODULES) or calls open(), print()
+    and the like: decisions stay pure functions of (facts, snapshots, the policy's explicit state)."""
+    files = sorted((SRC / "policies").rglob("*.py"))
+    assert len(files) > 10, files
+    found = {str(p.relative_to(ROOT)): uses for p in files if (uses := _io_uses(p.read_text()))}
+    assert found == {}, f"I/O or clocks in the policies: {found}"
+    probe = "import math\nimport os.path\ndef f():\n    from time import monotonic\n    open('x')\n"
+    assert _io_uses(probe) == ["line 2: imports os.path", "line 4: imports time", "line 5: calls open()"]
+
+
+# Attributes of other types that share a name with an Endpoint field (that type: why it is not an endpoint).
+NOT_ENDPOINT_WRITES = {
+    ("kv/view.py", "view.source"),  # EndpointView.source: the KV-event publisher it follows
+    ("telemetry.py", "s.models"),  # Sample.models: the parser fills the sample it builds
+    ("upstream.py", "self.pool.waiting"),  # the connection pool's waiters
+}
+_MUTATORS = frozenset({"add", "append", "clear", "discard", "extend", "insert", "pop", "popitem", "remove",
+                       "reverse", "setdefault", "sort", "update"})
+
+
+def _endpoint_fields() -> set[str]:
+    """The fields of lbd.router.endpoints.Endpoint, read from its class body."""
+    tree = ast.parse((SRC / "router" / "endpoints.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Endpoint")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _field_writes(source: str, fields: set[str]) -> list[tuple[int, str]]:
+    """Where ``source`` changes an attribute named like one of ``fields`` on anything but ``self``: assigns,
+    augments or deletes it, sets or deletes an item of it, calls a mutating method of it (``.pop``,
+    ``.clear``, ...), or ``setattr``s it."""
+    found: list[tuple[int, str]] = []
+
+    def changed(node: ast.expr) -> None:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                changed(elt)
+            return
+        if isinstance(node, ast.Starred):
+            node = node.value
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in fields and not _is_self(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            for target in node.targets:
+                changed(target)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.comprehension)):
+            changed(node.target)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            changed(node.optional_vars)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in _MUTATORS:
+                changed(func.value)
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            args = node.args
+            if name in ("setattr", "delattr", "__setattr__", "__delattr__") and len(args) >= 2 and \
+                    isinstance(args[1], ast.Constant) and args[1].value in fields and not _is_self(args[0]):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def test_one_module_changes_what_the_router_knows_of_an_endpoint() -> None:
+    """lbd.router.endpoints (its Fleet) is the only code that changes an Endpoint: nowhere else under
+    lbd/router is an attribute named like an Endpoint field changed on anything but ``self`` (the sources
+    call the fleet's methods: observe, fail, eject, readmit, supervise, ...)."""
+    fields = _endpoint_fields()
+    assert {"healthy", "sample", "waiting", "trial", "models"} <= fields, fields
+    router = SRC / "router"
+    found = []
+    for path in sorted(router.rglob("*.py")):
+        rel = str(path.relative_to(router))
+        if rel == "endpoints.py":
+            continue
+        found += [f"{rel}:{line} {what}" for line, what in _field_writes(path.read_text(), fields)
+                  if (rel, what) not in NOT_ENDPOINT_WRITES]
+    assert found == [], f"Endpoint fields changed outside lbd.router.endpoints (call a Fleet method): {found}"
+    probe = "ep.healthy = False\nself.healthy = True\na.ep.waiting[k] = 1\nep.failures_by.clear()\n" \
+            "x, ep.rank = 1, 2\nsetattr(ep, 'trial', None)\nep.other = 1\n"
+    assert [line for line, _ in _field_writes(probe, fields)] == [1, 3, 4, 5, 6]
+
+
 def _imported(log: str) -> set[str]:
     """Top-level names of every module a process imported, from its -X importtime lines."""
     return {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in log.splitlines()
@@ -189,7 +311,6 @@ def test_no_module_level_import_cycles() -> None:
              for m in graph.modules}
     assert _cycles(edges) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
 
 
 def _chunk_readers(node: ast.AST, scope: str) -> set[str]:

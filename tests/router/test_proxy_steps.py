@@ -210,7 +210,7 @@ async def test_relay_ends_a_stream_that_breaks_midway_with_an_error_event() -> N
 
             async def handler(req: Request, out: Response) -> None:
                 rr = admitted(proxy, req)
-                d = Decision(ep.snapshot(state.shared, state.loop.time()), "test")
+                d = Decision(state.snapshot(ep), "test")
                 upstream = await pool.request("POST", req.raw_path, rr.headers, req.body, 5.0)
                 a = Attempt(ep, d, 0, state.loop.time(), asyncio.current_task())
                 try:

@@ -160,25 +160,40 @@ def test_shared_counters_sum_workers_and_close_out_a_dead_one() -> None:
 
 
 def test_endpoint_snapshot_follows_every_change_after_it_was_cached() -> None:
-    from lbd.router.endpoints import Endpoint
+    """The policies' snapshot is one object per endpoint, copied again only after a change: each change the
+    fleet records (telemetry, ejection, re-admission, the supervisor's word, models) shows in it."""
+    import asyncio
 
-    c = SharedCounters(workers=1, slots=8)
-    ep = Endpoint(url="http://a:1", source="static", slot=c.slot("http://a:1"))
-    snap = ep.snapshot(c, now=10.0)
-    assert snap.healthy and snap.rank is None and snap.age_s == float("inf")
-    ep.take_sample(parse_metrics(ENGINE_TEXT), began_at=9.5, base_dispatched=0, base_finished=0)
-    c.dispatch(ep.slot, 10)
-    snap = ep.snapshot(c, now=10.0)  # the same object, refreshed
-    assert (snap.rank, snap.waiting, snap.running, snap.kv_usage) == (3, 5.0, 2.0, 0.25)
-    assert (snap.inflight, snap.delta, snap.unstarted_tokens, snap.age_s) == (1, 1, 10, 0.5)
-    ep.healthy = False
-    assert not ep.snapshot(c, now=10.0).healthy
-    ep.healthy, ep.draining = True, True
-    assert ep.snapshot(c, now=10.0).healthy and ep.snapshot(c, now=10.0).draining
-    ep.routable, ep.draining = False, False
-    assert not ep.snapshot(c, now=10.0).healthy
-    ep.models = frozenset({"x"})
-    assert ep.snapshot(c, now=11.0).models == {"x"} and ep.snapshot(c, now=11.0).age_s == 1.5
+    from lbd.router.config import parse_args
+    from lbd.router.state import RouterState
+
+    async def run() -> None:
+        url = "http://a:1"
+        state = RouterState(parse_args(["--upstreams", url, "--kv-events", "off",
+                                        "--health-failure-threshold", "1"]), SharedCounters(1, 8))
+        ep = state.add(url, "static")
+        try:
+            snap = state.snapshot(ep, now=10.0)
+            assert snap.healthy and snap.rank is None and snap.age_s == float("inf")
+            state.observe(ep, parse_metrics(ENGINE_TEXT), began_at=9.5)
+            state.shared.dispatch(ep.slot, 10)
+            assert state.snapshot(ep, now=10.0) is snap  # the same object, refreshed
+            assert (snap.rank, snap.waiting, snap.running, snap.kv_usage) == (3, 5.0, 2.0, 0.25)
+            assert (snap.inflight, snap.delta, snap.unstarted_tokens, snap.age_s) == (1, 1, 10, 0.5)
+            state.fail(ep, "probe", "refused")  # one failure ejects (--health-failure-threshold 1)
+            assert not state.snapshot(ep, now=10.0).healthy and ep.state() == "ejected"
+            state.readmit(ep, "test")
+            assert state.snapshot(ep, now=10.0).healthy
+            state.supervise(ep, routable=True, draining=True, role="mixed", pid=7, state="draining")
+            assert state.snapshot(ep, now=10.0).healthy and state.snapshot(ep, now=10.0).draining
+            state.supervise(ep, routable=False, draining=False, role="mixed", pid=7, state="starting")
+            assert not state.snapshot(ep, now=10.0).healthy
+            state.set_models(ep, [{"id": "x"}])
+            assert state.snapshot(ep, now=11.0).models == {"x"} and state.snapshot(ep, now=11.0).age_s == 1.5
+        finally:
+            state.remove(url)
+
+    asyncio.run(run())
 
 
 def test_client_keys_from_the_environment(monkeypatch) -> None:

@@ -90,7 +90,7 @@ class Disagg:
         """--prefill/--decode give their endpoints a role (else a supervisor's /status does)."""
         role = self.flagged.get(ep.url)
         if role is not None:
-            ep.role = role
+            self.state.set_role(ep, role)
 
     async def prepare(self, rr: RoutedRequest) -> None:
         """Run the prefill stage when it pays; ``rr.pd`` says how the decode stage runs (on a decode rank with

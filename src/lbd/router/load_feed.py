@@ -4,7 +4,7 @@
 - A rank advertises its stream in its JSON telemetry; the first scrape that reads it ``adopt``s the rank: a
   subscriber socket of its own connects to that address (CURVE-secured when the stream is), and the
   publisher's ``instance`` is mapped to the endpoint.
-- Each message is a full state: it becomes the endpoint's sample, as a scrape's would (``take_sample``). A
+- Each message is a full state: it becomes the endpoint's sample, as a scrape's would (``Fleet.observe``). A
   ``seq`` that skips is a gap (counted; the message itself resyncs). A new ``instance`` from a known stream
   address is a restarted rank: the router forgets what it had cached there and follows the new epoch.
 - A rank that stays silent for ``STALE_BEATS`` heartbeats is marked stale, and its scrape loop wakes up and
@@ -46,17 +46,17 @@ from lbd.wire.load_state import PURPOSE, TOPIC, BadLoadState, LoadState, decode_
 
 if TYPE_CHECKING:
     from lbd.router.endpoints import Endpoint
-    from lbd.router.shared import SharedCounters
 
 
 class Table(Protocol):
-    """What the feed needs of the router's endpoint table (``lbd.router.state.RouterState``)."""
-
-    shared: SharedCounters
+    """What the feed needs of the router's endpoints (``lbd.router.endpoints.Fleet``, which records what
+    the streams say)."""
 
     def restarted(self, ep: Endpoint, why: str) -> None: ...
 
-    def reorder(self) -> None: ...
+    def observe(self, ep: Endpoint, sample: Sample, began_at: float) -> None: ...
+
+    def sample_holds(self, ep: Endpoint, now: float) -> None: ...
 
 log = logging.getLogger("lbd.router")
 STALE_BEATS = 1.5  # silent this many heartbeats: stale (the sweep runs every SWEEP_BEATS)
@@ -301,13 +301,8 @@ class LoadFeed:
         sample = Sample(running=msg.running, waiting=msg.waiting, kv_usage=msg.kv_usage,
                         prefix_queries=msg.prefix_queries, prefix_hits=msg.prefix_hits,
                         block_size=msg.block_size, num_blocks=msg.num_blocks, prompt_tokens=msg.prompt_tokens,
-                        generation_tokens=msg.generation_tokens)
-        sample.ranks.add(msg.rank)
-        sample.models.update(ep.models)
-        totals = self.state.shared.totals(ep.slot)
-        ep.new_process = False
-        if ep.take_sample(sample, now, totals.dispatched, totals.finished):
-            self.state.reorder()
+                        generation_tokens=msg.generation_tokens, ranks={msg.rank}, models=set(ep.models))
+        self.state.observe(ep, sample, now)
 
     # ---- staleness ------------------------------------------------------------------------------------
     async def _sweep(self) -> None:
@@ -318,7 +313,7 @@ class LoadFeed:
             for rec in self.by_url.values():
                 if not rec.stale and now - rec.last_at <= STALE_BEATS * rec.heartbeat_s:
                     # a fresh stream sends every change: its last state still holds (the policies' age)
-                    rec.ep.sample_at = now
+                    self.state.sample_holds(rec.ep, now)
                 elif not rec.stale:
                     rec.stale = True
                     rec.stale_count += 1

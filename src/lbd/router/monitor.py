@@ -1,5 +1,6 @@
 """Background loops: scrape each endpoint's /metrics, probe /health (eject, half-open re-admit), learn each
-endpoint's models, and follow supervisors' /status and the upstreams file.
+endpoint's models, and follow supervisors' /status and the upstreams file. What they learn goes to the
+endpoints' owner (``lbd.router.endpoints.Fleet``, which ``RouterState`` is) through its named methods.
 
 The GETs go through ``lbd.router.upstream`` pools of their own (one per base URL, apart from the proxied
 requests' pools): with N workers scraping every endpoint every 100 ms, aiohttp's client costs an idle
@@ -193,33 +194,29 @@ class Monitor:
         try:
             status, headers, body = await self._get_with_headers(ep.url + path, self.cfg.scrape_timeout_s)
         except _GET_ERRORS as e:
-            self._scrape_failed(ep, f"{path}: {type(e).__name__}: {e}".rstrip(": "))
+            self.state.scrape_failed(ep, f"{path}: {type(e).__name__}: {e}".rstrip(": "))
             return
         if status >= 500:
-            self._scrape_failed(ep, f"{path} answered {status}")
+            self.state.scrape_failed(ep, f"{path} answered {status}")
             return
         try:
             if status != 200:  # a 4xx is not a health signal (and the numbers are unknown)
                 raise ValueError(f"{path} answered {status}")
             if path == "/metrics":
                 sample = parse_metrics(body.decode("utf-8", "replace"))
-                if not ep.telemetry_refused:
-                    ep.telemetry_path = _advertised(headers)
+                self.state.use_telemetry(ep, _advertised(headers))
             else:
                 sample = parse_telemetry(body)
         except ValueError as e:
             if path != "/metrics":
                 log.info("%s: %s; reading /metrics again", ep.url, e)
-                ep.telemetry_path, ep.telemetry_refused = "/metrics", True
-                ep.new_process = True  # /metrics' counters may lag the JSON's by a flush: not a restart
+                self.state.refuse_telemetry(ep)
             return
         prev = ep.sample
         if prev is not None and not ep.new_process and sample.prefix_queries < prev.prefix_queries:
             self.state.restarted(ep, "its counters went back")
-        ep.new_process = False
-        if ep.take_sample(sample, began, totals.dispatched, totals.finished):
-            self.state.reorder()
-        ep.record_success("scrape")
+        self.state.observe(ep, sample, began, totals)
+        self.state.succeeded(ep, "scrape")
         if sample.load_stream is not None and self.cfg.telemetry_push != "off":
             self._load_feed().adopt(ep, sample.load_stream)
 
@@ -230,11 +227,6 @@ class Monitor:
             self.push = self.state.push = LoadFeed(self.state)
             self.push.start()
         return self.push
-
-    def _scrape_failed(self, ep: Endpoint, error: str) -> None:
-        ep.scrape_errors += 1
-        self.state.metrics.scrape_errors.labels(ep.url).inc()
-        self.state.fail(ep, "scrape", error)
 
     async def _health_loop(self, ep: Endpoint) -> None:
         loop = asyncio.get_running_loop()
@@ -252,7 +244,7 @@ class Monitor:
                     self._refetch_models(ep)
                 continue
             if ok:
-                ep.record_success("probe")
+                self.state.succeeded(ep, "probe")
             else:
                 self.state.fail(ep, "probe", error)
 
@@ -275,8 +267,7 @@ class Monitor:
                     cards = [
                         c for c in orjson.loads(body).get("data", []) if isinstance(c, dict) and "id" in c
                     ]
-                    ep.model_cards = cards
-                    ep.models = frozenset(str(c["id"]) for c in cards)
+                    self.state.set_models(ep, cards)
                     return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -320,19 +311,9 @@ class Monitor:
                 continue
             seen.add(url)
             ep = self.state.add(url, source, r.rank)
-            routable = bool(r.routable)
-            ep.draining = r.state is RankState.DRAINING
-            ep.role = r.role.value
-            pid = r.pid
-            new_pid = pid is not None and ep.pid is not None and pid != ep.pid
-            if new_pid:  # seen while it starts, too: nothing the old process cached is there any more
-                self.state.restarted(ep, f"supervisor reports a new pid {pid}")
-            if routable and (not ep.routable or new_pid):
-                # a (re)started process the supervisor found ready: start clean
-                self.state.readmit(ep, f"supervisor reports {r.state.value} (pid {pid})")
-                self._refetch_models(ep)
-            ep.routable = routable or ep.draining
-            ep.pid = pid if pid is not None else ep.pid
+            if self.state.supervise(ep, bool(r.routable), r.state is RankState.DRAINING, r.role.value, r.pid,
+                                    r.state.value):
+                self._refetch_models(ep)  # a (re)started process the supervisor found ready
         for url in [u for u, e in self.state.endpoints.items() if e.source == source and u not in seen]:
             self.state.remove(url)
 

@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.policies import RequestFacts
-from lbd.router.endpoints import Endpoint
 
-if TYPE_CHECKING:  # (lbd.router.config imports this module: the metrics must not be imported that early)
-    from lbd.router.metrics import RouterMetrics
+if TYPE_CHECKING:  # (lbd.router.config imports this module: the endpoints must not be imported that early)
+    from lbd.router.endpoints import Endpoint
 
 log = logging.getLogger("lbd.router")
 CHECK_INTERVAL_S = 0.5
@@ -73,15 +71,28 @@ class Waiter(Protocol):
 
 
 class Fleet(Protocol):
-    """What the outlier checks need of the router's endpoint table (``lbd.router.state.RouterState``)."""
+    """What the outlier checks need of the router's endpoints (``lbd.router.endpoints.Fleet``, which records
+    every change these checks decide)."""
 
     endpoints: dict[str, Endpoint]
+    half_open: list[Endpoint]
     loop: asyncio.AbstractEventLoop
-    metrics: RouterMetrics
 
     def may_eject(self, ep: Endpoint) -> bool: ...
 
     def readmit(self, ep: Endpoint, why: str) -> None: ...
+
+    def sent(self, ep: Endpoint, attempt: object, now: float, trial: bool = False) -> None: ...
+
+    def answered(self, ep: Endpoint, attempt: object, now: float) -> bool: ...
+
+    def ended(self, ep: Endpoint, attempt: object) -> bool: ...
+
+    def eject(self, ep: Endpoint, now: float, why: str, duration_s: float) -> None: ...
+
+    def open_half(self, ep: Endpoint) -> None: ...
+
+    def forgive(self, ep: Endpoint) -> None: ...
 
 
 class Outliers:
@@ -91,33 +102,31 @@ class Outliers:
         self.fleet = fleet
         self.first_byte_timeout_s = first_byte_timeout_s
         self.ejection_s = ejection_s
-        self.half_open: list[Endpoint] = []  # endpoints waiting for (or running) their trial request
 
     # ---- per request --------------------------------------------------------------------------------
     def trial_for(self, facts: RequestFacts) -> Endpoint | None:
         """A half-open endpoint this request can be the trial of (usually none: one list check)."""
-        if not self.half_open:
+        if not self.fleet.half_open:
             return None
-        for ep in self.half_open:
+        for ep in self.fleet.half_open:
             if ep.trial is None and ep.routable and not ep.draining and \
                     (facts.pinned_rank is None or facts.pinned_rank == ep.rank) and \
                     (facts.model is None or not ep.models or facts.model in ep.models):
                 return ep
         return None
 
+    def sent(self, ep: Endpoint, attempt: Waiter, now: float, trial: bool = False) -> None:
+        """The attempt went to ``ep`` (as its half-open trial when ``trial``) and waits for a first byte."""
+        self.fleet.sent(ep, attempt, now, trial)
+
     def answered(self, ep: Endpoint, attempt: Waiter, now: float) -> None:
         """The attempt's first body byte came: the endpoint makes progress."""
-        ep.waiting.pop(attempt, None)
-        ep.progress_at = now
-        if ep.trial is attempt:
-            self._end_half_open(ep)
+        if self.fleet.answered(ep, attempt, now):
             self.fleet.readmit(ep, "half-open trial request answered")
 
     def ended(self, ep: Endpoint, attempt: Waiter) -> None:
         """The attempt is over (answered or not)."""
-        ep.waiting.pop(attempt, None)
-        if ep.trial is attempt:  # ended without a first byte: the trial failed
-            ep.trial = None
+        if self.fleet.ended(ep, attempt):  # the trial, ended without a first byte: it failed
             self.eject(ep, self.fleet.loop.time(), "half-open trial request failed")
 
     # ---- periodic -----------------------------------------------------------------------------------
@@ -128,14 +137,13 @@ class Outliers:
         eps = list(self.fleet.endpoints.values())
         for ep in eps:
             if ep.ejected_by == "outlier" and not ep.half_open and now >= ep.readmit_at:
-                ep.half_open = True
-                self.half_open.append(ep)
+                self.fleet.open_half(ep)
                 log.info("endpoint half-open: %s (rank %s): the next request is its trial", ep.url, ep.rank)
             elif ep.half_open and ep.trial is not None and now - ep.waiting.get(ep.trial, now) > window:
-                ep.trial = None  # eject() abandons it with the other waiting attempts: it is retried
+                # eject() drops the trial and abandons it with the other waiting attempts: it is retried
                 self.eject(ep, now, f"half-open trial request got no first byte within {window:g} s")
             elif ep.healthy and ep.outlier_ejections and now - ep.ejected_at > _MAX_FACTOR * self._base():
-                ep.outlier_ejections = 0  # healthy for long: the next ejection is short again
+                self.fleet.forgive(ep)  # healthy for long: the next ejection is short again
         for ep in eps:
             if not ep.healthy or not ep.routable or not ep.waiting:
                 continue
@@ -150,34 +158,14 @@ class Outliers:
                                 "other endpoints answer")
 
     def eject(self, ep: Endpoint, now: float, why: str) -> None:
-        ep.outlier_ejections += 1
-        duration = min(self._base() * 2 ** (ep.outlier_ejections - 1), _MAX_FACTOR * self._base())
-        first = ep.healthy
-        ep.healthy = False
-        ep.ejected_by = "outlier"
-        ep.ejected_at = now
-        ep.readmit_at = now + duration
-        ep.last_error = f"outlier: {why}"
-        self._end_half_open(ep)
-        if first:
-            self.fleet.metrics.ejections.labels(ep.url).inc()
+        """Eject ``ep`` for the base time, doubled per repeat up to ``_MAX_FACTOR``; its waiting attempts
+        are abandoned there (and retried elsewhere)."""
+        duration = min(self._base() * 2 ** ep.outlier_ejections, _MAX_FACTOR * self._base())
+        self.fleet.eject(ep, now, why, duration)
         log.warning("endpoint ejected: %s (rank %s): %s; %d waiting requests retried elsewhere; trial in "
                     "%.0f s", ep.url, ep.rank, why, len(ep.waiting), duration)
         for attempt in list(ep.waiting):
             attempt.abandon()
 
-    def forget(self, ep: Endpoint) -> None:
-        self._end_half_open(ep)
-
-    def _end_half_open(self, ep: Endpoint) -> None:
-        ep.half_open = False
-        if ep in self.half_open:
-            self.half_open.remove(ep)
-
     def _base(self) -> float:
         return self.ejection_s
-
-
-def ejection_cap(total: int, percent: float) -> int:
-    """How many endpoints passive signals may hold ejected at once: ``percent`` of them, at least one."""
-    return max(1, math.floor(total * percent / 100.0))

@@ -211,7 +211,7 @@ class Proxy:
             snaps, full = state.snapshots(), rr.full
         if trial is not None:
             rr.snaps, rr.full = snaps, full
-            decision: Decision | Refusal = Decision(trial.snapshot(state.shared, self.loop.time()),
+            decision: Decision | Refusal = Decision(state.snapshot(trial),
                                                     "half_open_trial", plugin="outlier")
         else:
             exclude = [*full, *rr.exclude] if n else full
@@ -312,7 +312,7 @@ class Proxy:
                         state.fail(ep, "request", f"answered {upstream.status}")
                         state.metrics.upstream_errors.labels(ep.url, "5xx").inc()
                     else:
-                        ep.record_success("request")
+                        state.succeeded(ep, "request")
                     failure = await self.relay.relay(out, a, upstream, rr.reply_headers, move)
             status = str(failure.status if failure is not None else out.status)
             return failure
@@ -343,9 +343,7 @@ class Proxy:
             a.pending = state.exact.dispatched(ep.url, rr, state.policy.on_chain_known)
             body = state.exact.body_for(ep.url, rr.request.path, rr.prompt_ids, body)  # ids, if ep takes them
         state.metrics.dispatched(self.cfg.policy, d.reason, now - rr.t0)
-        ep.waiting[a] = now
-        if d.reason == "half_open_trial":
-            ep.trial = a
+        state.outliers.sent(ep, a, now, trial=d.reason == "half_open_trial")
         headers = rr.headers
         if d.reason == "pin_fallback":  # the pinned rank is out: the header would make the other rank say 400
             headers = self._forward_headers(rr.request, rr.rid_header, unpinned=True, trace=rr.trace)
