@@ -30,6 +30,9 @@ log = logging.getLogger("lbd.router")
 
 
 class RouterState(Fleet):
+    """The fleet of endpoints plus what every request step shares (see the module's docstring): one per
+    router worker."""
+
     def __init__(self, cfg: RouterConfig, shared: SharedCounters) -> None:
         super().__init__(shared, RouterMetrics(self.live_rows, self.kv_rows, self.push_rows),
                          failure_threshold=cfg.health_failure_threshold,
