@@ -1,0 +1,95 @@
+"""Issue 45's first check: the openai SDK's ``chat.completions.parse`` with a pydantic model (bounded string
+and list fields, as real schemas are) against `lbd serve` with the default model, N times; prints each
+answer's time and finish reason, how many parsed, and the mask's cost at one and 32 rows (xgrammar's CPU
+kernel on the default model's vocabulary).
+
+    .venv/bin/python benchmarks/structured_parse.py                 # starts `python -m lbd.engine`
+    .venv/bin/python benchmarks/structured_parse.py --url http://127.0.0.1:8000 --n 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from typing import Annotated
+
+import httpx
+import openai
+from pydantic import BaseModel, Field
+
+Short = Annotated[str, Field(max_length=40)]
+CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Hanoi", "Quito", "Perth", "Seoul", "Dakar"]
+
+
+class City(BaseModel):
+    name: Short
+    country: Short
+    population_millions: float
+    landmarks: Annotated[list[Short], Field(max_length=3)]
+
+
+def start_engine() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the engine did not start")
+
+
+def mask_cost_ms(rows: int, vocab: int = 49152, repeat: int = 30) -> float:
+    import torch
+    import xgrammar
+
+    logits = torch.randn(rows, vocab)
+    bitmask = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask[:, ::3] = 0
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    return (time.perf_counter() - t0) / repeat * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="an engine already serving the default model")
+    ap.add_argument("--n", type=int, default=20)
+    args = ap.parse_args()
+    proc, url = (None, args.url) if args.url else start_engine()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        parsed = 0
+        for i in range(args.n):
+            t0 = time.perf_counter()
+            r = client.chat.completions.parse(
+                model="SmolLM2-135M-Instruct", response_format=City, max_tokens=300, temperature=0.7, seed=i,
+                messages=[{"role": "user", "content": f"Describe {CITIES[i % len(CITIES)]} as JSON."}])
+            ok = isinstance(r.choices[0].message.parsed, City)
+            parsed += ok
+            print(f"{i:3d} {time.perf_counter() - t0:6.2f} s {r.choices[0].finish_reason:6s} "
+                  f"{'parsed' if ok else 'NOT PARSED'} {r.usage.completion_tokens} tokens")
+        print(f"parsed {parsed} of {args.n}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(f"token mask (xgrammar CPU kernel, vocab 49152): {mask_cost_ms(1):.2f} ms at 1 row, "
+          f"{mask_cost_ms(32):.2f} ms at 32 rows")
+
+
+if __name__ == "__main__":
+    main()
