@@ -63,7 +63,11 @@ def _run_worker(cfg: RouterConfig, shared, worker: int) -> None:
 
 
 def _worker_main(cfg: RouterConfig, shared, worker: int) -> None:
-    """A forked worker: dies with the parent even if the parent is SIGKILLed (Linux PR_SET_PDEATHSIG)."""
+    """A forked worker: dies with the parent even if the parent is SIGKILLed (Linux PR_SET_PDEATHSIG). The
+    parent's forwarding handlers are not its own: a signal before its loop installs its handlers (while it
+    starts) takes the default action."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -112,8 +116,14 @@ def _supervise_workers(cfg: RouterConfig) -> int:
         p.start()
         procs[i] = p
 
+    launcher = os.getpid()
+
     def forward(sig: int, _frame: object) -> None:
         nonlocal stopping
+        if os.getpid() != launcher:  # a worker just forked, before _worker_main reset its handlers
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            return
         if sig in (signal.SIGTERM, signal.SIGINT):
             stopping = True
         for p in procs.values():
