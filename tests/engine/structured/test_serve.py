@@ -3,9 +3,11 @@ the text valid): OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
 fields on chat and completions, streamed and not; bad constraints get a 400 naming the problem and leave the
 server serving; ``max_tokens`` inside the grammar ends with ``length``.
 
-The server is a tensor-parallel rank (TP 2): the core fills each step's token mask, the Step message carries
-it and TP rank 0 of the last stage applies it before sampling. The one-device runner is covered in process
-(test_engine_core.py)."""
+The server is a pipeline-parallel rank (PP 2, so two batches in flight): the core fills each step's token
+mask from the matchers when it submits the batch (a request is not scheduled again before its token comes
+back, so its matcher is up to date), the Step message carries the mask and the last stage's TP rank 0
+applies it before sampling (with TP the same worker samples, after gathering the logits). The one-device
+runner is covered in process (test_engine_core.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ MESSAGES = [{"role": "user", "content": "The weather, as JSON."}]
 # compact JSON: the tiny server runs with --structured-outputs-config.disable_any_whitespace true (random
 # weights would otherwise spend their tokens on whitespace between the fields)
 FLAGS = ("--device", "cpu", "--max-model-len", "512", "--served-model-name", "tiny",
-         "--tensor-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true")
+         "--pipeline-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true")
 
 
 def parsed(text: str) -> object:
