@@ -81,6 +81,7 @@ class EngineCoreRequest(msgspec.Struct):
     eos_token_id: int | None
     arrival_time: float  # time.time() at the front end
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (lbd.wire.kv_transfer)
+    priority: int = 0  # vLLM's field: lower is more important; only --scheduling-policy priority orders by it
 
 
 class Abort(msgspec.Struct):

@@ -40,6 +40,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
     prefix_caching_hash_algo: str = "sha256"
     kv_events_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_events)
     kv_transfer_config: str | None = None  # vLLM's JSON (lbd.engine.config.kv_transfer)
@@ -153,6 +154,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="reject new requests with 503 when this many are waiting")
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
                    help="reject new requests with 503 when waiting prompts hold this many tokens")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come, first served (a request's 'priority' field is ignored); priority: "
+                        "by the 'priority' field (lower first), then arrival, and a waiting request preempts "
+                        "a running one of lower priority (recomputed later, never failed)")
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "builtin"],
                    help="block keys of the prefix cache: sha256 (vLLM's keys, collision resistant) or "
                         "builtin (Python's hash: faster, unsafe where tenants share a cache)")

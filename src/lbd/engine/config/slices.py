@@ -71,6 +71,7 @@ class SchedulerLimits:
     max_prefill_tokens_with_decodes: int | None = None  # None: no cap
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lbd.engine.core.priority)
 
 
 @dataclass(slots=True, frozen=True)

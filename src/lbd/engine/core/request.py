@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | None = None
     order: int = 0  # admission order at the core: lower = higher priority (FCFS, preemption victim = highest)
+    priority: int = 0  # vLLM's field, lower is more important (--scheduling-policy priority: core/priority)
     block_hashes: list[bytes | int] = field(default_factory=list)  # chained keys of the full blocks
     num_registered_blocks: int = 0  # leading blocks of block_ids already offered to the prefix cache
     # for vLLM's per-request timing metrics (wall clock, the core's): when queued and first scheduled
@@ -53,7 +54,7 @@ class Request:
     @classmethod
     def from_core_request(cls, r: EngineCoreRequest, client: bytes = b"", order: int = 0) -> Request:
         return cls(r.request_id, list(r.prompt_token_ids), r.sampling, r.eos_token_id, r.arrival_time, client,
-                   order=order, kv_transfer_params=r.kv_transfer_params)
+                   order=order, priority=r.priority, kv_transfer_params=r.kv_transfer_params)
 
     @property
     def num_prompt_tokens(self) -> int:

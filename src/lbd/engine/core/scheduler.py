@@ -6,7 +6,9 @@ prefill gets its next chunk), then waiting requests FCFS, all within ``max_num_b
 lowest-priority running request (latest admitted) is preempted by recompute: its blocks are freed, its
 computed-token count reset, and it goes back to the front of the waiting queue with the tokens it generated,
 so its output does not change. After the model runner samples, ``update`` appends tokens, checks stop
-conditions and frees finished requests.
+conditions and frees finished requests. That is ``--scheduling-policy fcfs``; under ``priority`` both queues
+are ordered by the request's ``priority`` field, then arrival, and a waiting request that finds no seat or no
+KV room preempts a running one of lower priority the same way (lbd.engine.core.priority).
 
 Decodes first once most requests stream (after Sarathi-Serve's stall-free batching): when more than twice as
 many requests are decoding as are waiting for their first token (in chunked prefill, or queued with a free
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 from lbd.engine.config.slices import CacheConfig, SchedulerLimits
 from lbd.engine.core.kv_cache import CacheListener, KVCacheManager
+from lbd.engine.core.priority import make_order, unschedule
 from lbd.engine.core.request import Request, RequestStatus
 from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOutput
 from lbd.engine.structured.compiler import GrammarCompiler, GrammarWait, failure
@@ -60,6 +63,7 @@ class SchedulerConfig:
     max_num_queued_tokens: int | None = None
     prefix_caching_hash_algo: str = "sha256"
     max_prefill_tokens_with_decodes: int | None = None  # None: no cap (the whole token budget)
+    scheduling_policy: str = "fcfs"  # or "priority": the queues' order (lbd.engine.core.priority)
 
     @classmethod
     def from_slices(cls, limits: SchedulerLimits, cache: CacheConfig, *, num_blocks: int,
@@ -72,7 +76,8 @@ class SchedulerConfig:
                    max_num_queued_reqs=limits.max_num_queued_reqs,
                    max_num_queued_tokens=limits.max_num_queued_tokens,
                    prefix_caching_hash_algo=cache.prefix_caching_hash_algo,
-                   max_prefill_tokens_with_decodes=limits.max_prefill_tokens_with_decodes)
+                   max_prefill_tokens_with_decodes=limits.max_prefill_tokens_with_decodes,
+                   scheduling_policy=limits.scheduling_policy)
 
 
 @dataclass(slots=True)
@@ -104,7 +109,8 @@ class Scheduler:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.prefix_caching_hash_algo, cache_listener)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by priority (Request.order), highest first
+        self.running: list[Request] = []  # most important first (fcfs: Request.order; see self.order)
+        self.order = make_order(config.scheduling_policy)  # where requests go in waiting and running
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self._finished_ids: list[str] = []  # freed since the last SchedulerOutput
@@ -177,7 +183,7 @@ class Scheduler:
         if req.grammar is not None and req.grammar.matcher is None:
             self.compiling.add(req)
             return
-        self.waiting.append(req)
+        self.order.enqueue(self.waiting, req)
         self._waiting_tokens += req.num_tokens
 
     def unpark(self, request_id: str) -> None:
@@ -193,7 +199,7 @@ class Scheduler:
             self.compiling.wait(0.005)
         ready, failed = self.compiling.take_ready()
         for req in ready:
-            self.waiting.append(req)
+            self.order.enqueue(self.waiting, req)
             self._waiting_tokens += req.num_tokens
         for req, message, status in failed:
             self.rejected.append((req.request_id, message, status))
@@ -302,13 +308,21 @@ class Scheduler:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
         now = 0.0
-        while (waiting and budget > 0 and self._prefill_budget > 0 and len(running) < max_seqs
-               and len(decodes) + len(prefills) < seats):
+        while waiting and budget > 0 and self._prefill_budget > 0:
             req = waiting[0]
-            computed, num_cached = kv.get_computed_prefix(req)
-            num_new = min(req.num_tokens - num_cached, budget, self._prefill_budget)
-            if not kv.allocate_for(req, num_new, computed):
-                break  # FCFS: nobody overtakes the head of the queue
+            seat = len(running) < max_seqs
+            if seat and len(decodes) + len(prefills) >= seats:
+                break  # this batch is full, not the rank (pipeline parallelism): the next batch has room
+            if seat:
+                computed, num_cached = kv.get_computed_prefix(req)
+                num_new = min(req.num_tokens - num_cached, budget, self._prefill_budget)
+            if not (seat and kv.allocate_for(req, num_new, computed)):
+                # no seat or no KV room: under priority, push out a less important request
+                given = self._displace(req, decodes, prefills)
+                if given is None:
+                    break  # nobody overtakes the head of the queue
+                budget += given
+                continue
             waiting.popleft()
             self._waiting_tokens -= req.num_tokens
             req.num_computed_tokens = num_cached
@@ -316,25 +330,38 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.scheduled_at = now = now or time.time()
             req.status = RequestStatus.RUNNING
-            # Stays sorted by priority: a preempted request was the latest admitted and, back at the head of
-            # the queue, re-enters before anyone admitted after it.
-            running.append(req)
+            self.order.admit(running, req)  # running stays sorted (lbd.engine.core.priority)
             seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
             self._prefill_budget -= num_new
         return budget
 
-    def _preempt(self, req: Request) -> None:
+    def _displace(self, req: Request, decodes: list[ScheduledSeq],
+                  prefills: list[ScheduledSeq]) -> int | None:
+        """Preempt the running request the waiting ``req`` may push out (none under fcfs), taking it out of
+        the step being built; the tokens it gives back to the step's budget, or None when there is none."""
+        victim = self.order.displaceable(req, self.running, self.in_flight)
+        if victim is None:
+            return None
+        tokens, prefill_tokens = unschedule(victim, decodes, prefills)
+        self._prefill_budget += prefill_tokens
+        self.running.remove(victim)
+        self._preempt(victim, kv_pressure=False)
+        logger.debug("Request %s (priority %d) is preempted by recompute for request %s (priority %d)",
+                     victim.request_id, victim.priority, req.request_id, req.priority)
+        return tokens
+
+    def _preempt(self, req: Request, kv_pressure: bool = True) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        self.order.requeue(self.waiting, req)
         self._waiting_tokens += req.num_tokens
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         n = self.counters.num_preemptions
-        if n == 1 or n % PREEMPTION_LOG_EVERY == 0:
+        if kv_pressure and (n == 1 or n % PREEMPTION_LOG_EVERY == 0):
             logger.warning(
                 "Request %s is preempted by recompute because there is not enough KV cache space. This can "
                 "affect end-to-end performance; give the KV cache more memory (--kv-cache-memory-bytes or "

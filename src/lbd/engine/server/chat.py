@@ -10,7 +10,7 @@ from aiohttp import web
 from lbd.engine.server.errors import bad_request
 from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import chat_entries
-from lbd.engine.server.openai_protocol import parse_chat, plan_tokens
+from lbd.engine.server.openai_protocol import header_priority, parse_chat, plan_tokens
 from lbd.engine.server.request_io import checked_state, read_json
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
@@ -25,6 +25,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     sent = state.forwarded.take(body)
     req = parse_chat(body, state.limits)
+    req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
 
     def own() -> Awaitable[list[int]]:

@@ -9,7 +9,12 @@ from aiohttp import web
 
 from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import CompletionLogprobs
-from lbd.engine.server.openai_protocol import CompletionRequest, parse_completion, plan_tokens
+from lbd.engine.server.openai_protocol import (
+    CompletionRequest,
+    header_priority,
+    parse_completion,
+    plan_tokens,
+)
 from lbd.engine.server.request_io import checked_state, read_json
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.streaming import respond
@@ -21,6 +26,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     sent = state.forwarded.take(body)
     req = parse_completion(body, state.limits)
+    req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
     tok = state.tokenizer
     inputs: list[PromptInput] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from lbd.wire.core_messages import SamplingParams
 from lbd.wire.kv_transfer import KVTransferParams, params_from_obj
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM's: overrides the body's ``priority`` when it reads as an integer
 MAX_STOP_STRINGS = 64
 
 
@@ -44,6 +46,7 @@ class CommonParams:
     sampling: SamplingParams
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (vLLM's field)
     return_token_ids: bool = False  # vLLM's field: prompt_token_ids and each choice's token_ids in the answer
+    priority: int = 0  # vLLM's field, lower first; only --scheduling-policy priority orders by it
 
 
 @dataclass(slots=True)
@@ -123,7 +126,20 @@ def _common(f: Fields, limits: Limits, logprobs: int | None, max_tokens: int | N
         include_stop=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True), logprobs=logprobs, sampling=sampling,
         kv_transfer_params=kv_transfer_params(f.raw("kv_transfer_params"), sampling.n),
-        return_token_ids=f.bool("return_token_ids", False))
+        return_token_ids=f.bool("return_token_ids", False), priority=f.int("priority", 0))
+
+
+def header_priority(headers: Mapping[str, str], priority: int) -> int:
+    """vLLM's rule: an ``X-Vllm-Priority`` header that reads as a signed 64-bit integer overrides the body's
+    ``priority``; any other value is ignored (vLLM ignores one ``int()`` cannot read)."""
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return priority
+    try:
+        value = int(raw)
+    except ValueError:
+        return priority
+    return value if -(1 << 63) <= value < (1 << 63) else priority
 
 
 def kv_transfer_params(raw: Any, n: int) -> KVTransferParams | None:

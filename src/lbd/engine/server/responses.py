@@ -27,7 +27,7 @@ from aiohttp import web
 from lbd.engine.server.chat import render_prompt_ids
 from lbd.engine.server.errors import APIError
 from lbd.engine.server.generate import Generation, PromptInput
-from lbd.engine.server.openai_protocol import check_prompt_chars, plan_tokens
+from lbd.engine.server.openai_protocol import check_prompt_chars, header_priority, plan_tokens
 from lbd.engine.server.request_io import check_rank, checked_state, read_json, state_of
 from lbd.engine.server.responses_protocol import ResponsesRequest, parse_responses
 from lbd.engine.server.sequence import Delta, Sequence
@@ -37,6 +37,7 @@ from lbd.engine.server.streaming import EventFraming, json_response, respond
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = checked_state(request)
     req = parse_responses(await read_json(request))
+    req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
     history: list[dict[str, str]] = []
     if req.previous_response_id is not None:

@@ -107,7 +107,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
     max_tokens = f.int("max_output_tokens", None, lo=1)
     common = CommonParams(model=f.str("model"), stream=f.bool("stream", False), include_usage=False,
                           continuous_usage=False, n=1, max_tokens=max_tokens, stop=[], include_stop=False,
-                          skip_special_tokens=True, logprobs=None, sampling=sampling)
+                          skip_special_tokens=True, logprobs=None, sampling=sampling,
+                          priority=f.int("priority", 0))
     echo = {"metadata": metadata or {}, "user": f.str("user"), "temperature": sampling.temperature,
             "top_p": sampling.top_p, "max_output_tokens": max_tokens,
             "parallel_tool_calls": f.bool("parallel_tool_calls", True),
