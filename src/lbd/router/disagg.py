@@ -161,7 +161,7 @@ class Disagg:
         self.state.metrics.decision("pd", "pd")
         outcome = f"pd {d.endpoint.key}"
         header = b"x-lbd-disagg: %s\r\n%s" % (outcome.encode("latin-1"), extra)
-        return PdStage(outcome, header, DECODE, with_params(rr.body, params), d)
+        return PdStage(outcome, header, DECODE, with_params(rr.own_body, params), d)
 
     def _colocated(self, reason: str, gate: tuple[Filter, ...] = GATE, extra: bytes = b"",
                    prefill: Decision | None = None) -> PdStage:

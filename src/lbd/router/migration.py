@@ -98,7 +98,7 @@ class Migrator:
             return
         why = impossible(kind, data)
         if why is None:
-            rr.body = with_token_ids(rr.body)
+            rr.ids_body = with_token_ids(rr.body)
         rr.move = Move(kind, data, data.get("return_token_ids") is True, why)
 
     def status(self) -> dict[str, Any]:

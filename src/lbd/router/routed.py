@@ -45,8 +45,8 @@ class PdStage:
 class RoutedRequest:
     """One request through the steps, each writing its own fields once: ``admit`` makes it (request id,
     arrival time, parsed facts, the key's bill); ``facts`` adds the headers to forward and the exact view's
-    bookkeeping; the migrator the ``move`` (and its token ids in ``body``, before any later step reads it);
-    P/D its ``pd`` stage; ``decide`` (first try) the ``snaps`` it chose among and the ``full`` ones.
+    bookkeeping; the migrator the ``move`` (and ``ids_body``, the body asking for token ids); P/D its ``pd``
+    stage; ``decide`` (first try) the ``snaps`` it chose among and the ``full`` ones.
     ``exclude`` is the retries' list: the endpoints that failed this request, appended as they do."""
 
     request: Request
@@ -63,6 +63,7 @@ class RoutedRequest:
     prompt_ids: ExactPrompt | None = None
     bill: Bill | None = None  # its key's token charge, settled on the output (lbd.router.metering; admit)
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
+    ids_body: bytes | None = None  # the migrator's: ``body`` asking for the answer's token ids (for a move)
     pd: PdStage | None = None  # the P/D stage's outcome (lbd.router.disagg); None: not a P/D router's
     # set once by ``decide`` on the first try (plain fields, not an object: this runs on every request)
     snaps: list[EndpointSnapshot] = field(init=False)  # what it chose among (a sample of a large fleet)
@@ -75,10 +76,16 @@ class RoutedRequest:
         return self.rid_header[14:-2].decode("latin-1")
 
     @property
+    def own_body(self) -> bytes:
+        """The body before P/D: the request's, asking for token ids where the migrator wants them."""
+        ids = self.ids_body
+        return self.body if ids is None else ids
+
+    @property
     def forward_body(self) -> bytes:
-        """The body an attempt sends: the P/D decode stage's, else the request's."""
+        """The body an attempt sends: P/D's decode body (``own_body`` and its params), else ``own_body``."""
         pd = self.pd
-        return self.body if pd is None or pd.body is None else pd.body
+        return self.own_body if pd is None or pd.body is None else pd.body
 
     @property
     def reply_headers(self) -> bytes:
