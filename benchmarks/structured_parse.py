@@ -1,7 +1,8 @@
-"""Issue 45's first check: the openai SDK's ``chat.completions.parse`` with a pydantic model (bounded string
-and list fields, as real schemas are) against `lbd serve` with the default model, N times; prints each
-answer's time and finish reason, how many parsed, and the mask's cost at one and 32 rows (xgrammar's CPU
-kernel on the default model's vocabulary).
+"""Issue 45's first checks against `lbd serve` with the default model, N times each: the openai SDK's
+``chat.completions.parse`` with a pydantic model (bounded string and list fields, as real schemas are), and
+streamed tool calls with ``tool_choice="required"`` (every call of a declared tool, its arguments valid
+against the tool's schema); prints each answer's time and finish reason, how many passed, and the mask's
+cost at one and 32 rows (xgrammar's CPU kernel on the default model's vocabulary).
 
     .venv/bin/python benchmarks/structured_parse.py                 # starts `python -m lbd.engine`
     .venv/bin/python benchmarks/structured_parse.py --url http://127.0.0.1:8000 --n 20
@@ -17,7 +18,9 @@ import time
 from typing import Annotated
 
 import httpx
+import jsonschema
 import openai
+import orjson
 from pydantic import BaseModel, Field
 
 Short = Annotated[str, Field(max_length=40)]
@@ -29,6 +32,56 @@ class City(BaseModel):
     country: Short
     population_millions: float
     landmarks: Annotated[list[Short], Field(max_length=3)]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}},
+                   "required": ["zone"]}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def streamed_calls(client: openai.OpenAI, i: int) -> tuple[list[tuple[str, str]], str | None]:
+    """(name, arguments) of each call of a streamed tool_choice="required" answer, and its finish reason."""
+    question = f"What is the weather in {CITIES[i % len(CITIES)]} for the next {1 + i % 7} days?"
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        tools=[WEATHER, TIME], tool_choice="required", stream=True, max_tokens=300, temperature=0.7, seed=i)
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, [d.function.name or "", ""])
+                call[1] += d.function.arguments or ""
+    return [(name, args) for name, args in calls.values()], finish
+
+
+def valid_calls(calls: list[tuple[str, str]]) -> bool:
+    try:
+        for name, arguments in calls:
+            jsonschema.validate(orjson.loads(arguments), SCHEMAS[name])
+    except (KeyError, orjson.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return bool(calls)
+
+
+def run_tools(client: openai.OpenAI, n: int) -> None:
+    good = 0
+    for i in range(n):
+        t0 = time.perf_counter()
+        calls, finish = streamed_calls(client, i)
+        ok = valid_calls(calls)
+        good += ok
+        print(f"{i:3d} {time.perf_counter() - t0:6.2f} s {finish or '-':10s} {'valid' if ok else 'INVALID'} "
+              f"{[name for name, _ in calls]}")
+    print(f"streamed tool calls valid {good} of {n}")
 
 
 def start_engine() -> tuple[subprocess.Popen, str]:
@@ -83,6 +136,7 @@ def main() -> None:
             print(f"{i:3d} {time.perf_counter() - t0:6.2f} s {r.choices[0].finish_reason:6s} "
                   f"{'parsed' if ok else 'NOT PARSED'} {r.usage.completion_tokens} tokens")
         print(f"parsed {parsed} of {args.n}")
+        run_tools(client, args.n)
     finally:
         if proc is not None:
             proc.terminate()

@@ -106,3 +106,67 @@ def test_bad_constraints_get_400_naming_the_problem(server: EngineServer, body: 
 def test_the_server_still_serves_after_bad_constraints(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+             "required": ["city", "days"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def check_calls(calls: list[tuple[str, str]]) -> None:
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(parsed(arguments), PARAMS[name])  # a KeyError: not a declared tool
+
+
+def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, seed=11, max_tokens=300)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=12,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       max_tokens=300)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop" and call.function.name == "get_time"
+    check_calls([(call.function.name, call.function.arguments)])
+
+
+def test_streamed_required_tool_calls_arrive_as_openai_deltas(client: openai.OpenAI) -> None:
+    """The first delta of a call carries its id, type and name; later ones argument text only."""
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, stream=True,
+                                            tool_choice="required", temperature=1.0, seed=13, max_tokens=300)
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name
+                    calls[d.index] = [d.function.name, ""]
+                else:
+                    assert d.id is None and d.function.name is None
+                calls[d.index][1] += d.function.arguments or ""
+    assert finish == "tool_calls" and sorted(calls) == list(range(len(calls)))
+    check_calls([(name, args) for name, args in calls.values()])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+])
+def test_bad_tool_choices_name_the_field(server: EngineServer, body: dict, param: str) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 5, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

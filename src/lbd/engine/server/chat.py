@@ -16,6 +16,7 @@ from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.server.streaming import respond
 from lbd.engine.server.token_ids import EmittedIds
+from lbd.engine.server.tool_choice import ForcedTools, ToolCallStream, tool_calls
 from lbd.engine.tokenizer import ChatTemplateError
 from lbd.wire.core_messages import TokenLogprobs
 
@@ -35,7 +36,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
-    return await respond(request, gen, ChatFormatter(gen, model))
+    return await respond(request, gen, ChatFormatter(gen, model, req.forced_tools))
 
 
 async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]],
@@ -53,9 +54,11 @@ async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]]
 
 
 class ChatFormatter:
-    def __init__(self, gen: Generation, model: str) -> None:
+    def __init__(self, gen: Generation, model: str, forced: ForcedTools | None = None) -> None:
         self.gen = gen
         self.model = model
+        self.forced = forced  # tool_choice "required" or named: the text is tool calls (server.tool_choice)
+        self._calls = [ToolCallStream(forced) for _ in gen.seqs] if forced is not None else None
         self.tok = gen.state.tokenizer
         self.want_logprobs = gen.common.logprobs is not None
         n = len(gen.seqs)
@@ -80,16 +83,35 @@ class ChatFormatter:
         # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
         out = self._ids.take(delta) if self._ids is not None else None
         text, ids, lps, _ = out if out is not None else (delta.text, delta.token_ids, delta.logprobs, None)
-        if not text and not delta.finished and not (self.want_logprobs and ids):
+        body = self._delta_body(delta.seq.index, text)
+        if not body and not delta.finished and not (self.want_logprobs and ids):
             return None
-        choice: dict[str, Any] = {"index": delta.seq.index,
-                                  "delta": {"content": text} if text else {},
-                                  "logprobs": self._lp(ids, lps), "finish_reason": delta.seq.finish_reason}
+        choice: dict[str, Any] = {"index": delta.seq.index, "delta": body, "logprobs": self._lp(ids, lps),
+                                  "finish_reason": self._finish_reason(delta.seq)}
         if delta.finished:
             choice["stop_reason"] = delta.seq.stop_reason
         if out is not None:
             choice["token_ids"] = ids
         return self._chunk(choice)
+
+    def _delta_body(self, index: int, text: str) -> dict[str, Any]:
+        if self._calls is None:
+            return {"content": text} if text else {}
+        calls = self._calls[index].feed(text)
+        return {"tool_calls": calls} if calls else {}
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        """A forced tool call's grammar that ended reads ``tool_calls`` for "required" (``stop`` when named),
+        as OpenAI and vLLM say."""
+        if self.forced is not None and seq.finish_reason == "stop":
+            return self.forced.finish_reason
+        return seq.finish_reason
+
+    def _message(self, index: int) -> dict[str, Any]:
+        text = "".join(self._text[index])
+        if self.forced is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": "", "tool_calls": tool_calls(self.forced, text)}
 
     def _lp(self, ids: list[int], lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
         if not self.want_logprobs or lps is None:
@@ -105,10 +127,10 @@ class ChatFormatter:
             self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": s.index,
-                    "message": {"role": "assistant", "content": "".join(self._text[s.index])},
+        choices = [{"index": s.index, "message": self._message(s.index),
                     "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
-                    "finish_reason": s.finish_reason, "stop_reason": s.stop_reason} for s in self.gen.seqs]
+                    "finish_reason": self._finish_reason(s), "stop_reason": s.stop_reason}
+                   for s in self.gen.seqs]
         out = {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
                "model": self.model, "choices": choices, "usage": self.gen.usage(),
                **self.gen.kv_transfer_field()}

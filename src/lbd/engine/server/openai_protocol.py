@@ -11,7 +11,8 @@ import orjson
 from lbd.engine.server.errors import APIError, bad_request
 from lbd.engine.server.fields import Fields, is_int_list
 from lbd.engine.server.structured_params import structured_from
-from lbd.wire.core_messages import SamplingParams
+from lbd.engine.server.tool_choice import ForcedTools, forced_tools
+from lbd.wire.core_messages import SamplingParams, StructuredOutputs
 from lbd.wire.kv_transfer import KVTransferParams, params_from_obj
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -57,6 +58,7 @@ class ChatRequest:
     continue_final_message: bool
     tools: list[Any] | None
     template_kwargs: dict[str, Any]
+    forced_tools: ForcedTools | None = None  # tool_choice "required" or named: the output is tool calls
 
 
 @dataclass(slots=True)
@@ -218,10 +220,16 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     parsed = [parse_message(m, i) for i, m in enumerate(messages)]
     chars = sum(len(m["content"]) for m in parsed) + (len(orjson.dumps(tools)) if tools else 0)
     check_prompt_chars(chars, limits, "messages")
+    forced = forced_tools(f, tools)
+    if forced is not None:
+        if common.sampling.structured is not None:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with "
+                              "response_format or structured outputs", "tool_choice")
+        common.sampling.structured = StructuredOutputs("json", orjson.dumps(forced.schema).decode())
     return ChatRequest(common=common, messages=parsed,
                        add_generation_prompt=f.bool("add_generation_prompt", True),
                        continue_final_message=f.bool("continue_final_message", False),
-                       tools=tools, template_kwargs=dict(kwargs or {}))
+                       tools=tools, template_kwargs=dict(kwargs or {}), forced_tools=forced)
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
