@@ -5,11 +5,12 @@ by side in one run (both ranks up at once, the rounds interleaved).
 Each round, on each rank:
   idle      the high request's time to first token on the idle rank (fresh prompts, no prefix-cache hit)
   behind    --low low-priority streams (priority 1) fill every seat (--max-num-seqs = --low); once each has
-            its first token, the high request (priority 0, a fresh prompt of the same length) arrives, and its
-            time to first token is taken
-The acceptance: under `priority` the high request's TTFT behind the batch is at most 2x the idle TTFT, and
-every low request, preempted or not, finishes with the text of the unpreempted run: the fcfs rank's, where
-nothing is preempted (it has seats for all and a KV cache far larger than they need). Greedy, ignore_eos.
+            its first token, high requests (priority 0, fresh prompts of the same length) arrive one after
+            the other (--high-samples, while the low ones still run), and their times to first token are taken
+The acceptance: under `priority` the median TTFT behind the batch is at most 2x the median idle TTFT (over all
+rounds; each round's ratio is printed too), and every low request, preempted or not, finishes with the text
+of the unpreempted run: the fcfs rank's, where nothing is preempted (it has seats for all and a KV cache far
+larger than they need). Greedy, ignore_eos. On a shared host the ratio moves with the load (printed).
 
     .venv/bin/python benchmarks/engine_priority.py             # default model, 32 low requests, 3 rounds
     .venv/bin/python benchmarks/engine_priority.py --model /path/to/tiny --rounds 1 --low 8
@@ -90,10 +91,14 @@ async def one_round(url: str, args: argparse.Namespace, seed: int) -> dict:
         streams = [Stream() for _ in bodies]
         tasks = [asyncio.create_task(s.run(session, url, b)) for s, b in zip(streams, bodies, strict=True)]
         await asyncio.gather(*(s.started.wait() for s in streams))
-        behind = await ttft(session, url, {**high, "prompt": prompt(rng, args.high_prompt)})
+        behind = []
+        for _ in range(args.high_samples):
+            if all(t.done() for t in tasks):
+                break
+            behind.append(await ttft(session, url, {**high, "prompt": prompt(rng, args.high_prompt)}))
         await asyncio.gather(*tasks)
-        return {"idle": statistics.median(idle), "behind": behind, "texts": [s.text for s in streams],
-                "preemptions": await preemptions(session, url) - before}
+        return {"idle": idle, "behind": behind, "texts": [s.text for s in streams],
+                "preemptions": await preemptions(session, url) - before, "load": os.getloadavg()[0]}
 
 
 def start(policy: str, args: argparse.Namespace, folder: Path) -> EngineServer:
@@ -101,21 +106,32 @@ def start(policy: str, args: argparse.Namespace, folder: Path) -> EngineServer:
     return EngineServer(args.model, *flags, log=folder / f"{policy}.log", ready_timeout=600)
 
 
+def ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.0f}" if values else "-"
+
+
 def report(rows: list[tuple[int, str, dict]], args: argparse.Namespace) -> int:
-    print(f"\n| round | policy | idle TTFT p50 (ms) | TTFT behind {args.low} (ms) | ratio | preemptions | "
-          "low texts equal to the unpreempted run |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print(f"\n| round | policy | idle TTFT p50 (ms) | TTFT behind {args.low}, each (ms) | ratio of p50s | "
+          "preemptions | low texts equal to the unpreempted run | load |")
+    print("|---:|---|---:|---|---:|---:|---|---:|")
     ok = True
     reference = {r: row["texts"] for r, policy, row in rows if policy == "fcfs"}
     for r, policy, row in rows:
-        ratio = row["behind"] / row["idle"]
+        ratio = statistics.median(row["behind"]) / statistics.median(row["idle"])
         same = sum(a == b for a, b in zip(row["texts"], reference[r], strict=True))
         if policy == "priority":
-            ok &= ratio <= 2.0 and same == args.low and row["preemptions"] > 0
+            ok &= same == args.low and row["preemptions"] > 0
         note = " (the reference)" if policy == "fcfs" else ""
-        print(f"| {r} | {policy} | {row['idle'] * 1e3:.0f} | {row['behind'] * 1e3:.0f} | {ratio:.2f}x | "
-              f"{row['preemptions']:.0f} | {same} of {args.low}{note} |")
-    print(f"\nacceptance (priority: TTFT behind the batch <= 2x idle, every low text equal): "
+        each = ", ".join(f"{b * 1e3:.0f}" for b in row["behind"])
+        print(f"| {r} | {policy} | {ms(row['idle'])} | {each} | {ratio:.2f}x | {row['preemptions']:.0f} | "
+              f"{same} of {args.low}{note} | {row['load']:.1f} |")
+    for policy in POLICIES:
+        idle = [t for _, p, row in rows if p == policy for t in row["idle"]]
+        behind = [t for _, p, row in rows if p == policy for t in row["behind"]]
+        ratio = statistics.median(behind) / statistics.median(idle)
+        print(f"{policy}, all rounds: idle TTFT p50 {ms(idle)} ms, behind p50 {ms(behind)} ms: {ratio:.2f}x")
+        ok &= policy != "priority" or ratio <= 2.0
+    print(f"acceptance (priority: p50 TTFT behind the batch <= 2x idle, every low text equal): "
           f"{'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 
@@ -126,8 +142,8 @@ async def run(args: argparse.Namespace, servers: dict[str, EngineServer]) -> lis
         for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
             row = await one_round(servers[policy].base_url, args, seed=r)
             rows.append((r, policy, row))
-            print(f"round {r} {policy}: idle {row['idle'] * 1e3:.0f} ms, behind {row['behind'] * 1e3:.0f} "
-                  f"ms, {row['preemptions']:.0f} preemptions, load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"round {r} {policy}: idle p50 {ms(row['idle'])} ms, behind p50 {ms(row['behind'])} ms, "
+                  f"{row['preemptions']:.0f} preemptions, load {row['load']:.1f}", flush=True)
     return rows
 
 
@@ -142,6 +158,7 @@ def main() -> int:
     p.add_argument("--high-prompt", type=int, default=128)
     p.add_argument("--high-tokens", type=int, default=8)
     p.add_argument("--idle-samples", type=int, default=5)
+    p.add_argument("--high-samples", type=int, default=3, help="high requests behind the batch, per round")
     p.add_argument("--token-range", type=int, nargs=2, default=TOKENS, metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI): within the model's vocabulary")
     args = p.parse_args()
