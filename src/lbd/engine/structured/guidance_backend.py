@@ -1,5 +1,7 @@
-"""llguidance (``--structured-outputs-config.backend guidance``): grammars checked against the tokenizer,
-one LLMatcher per request. ``grammar`` takes Lark or GBNF text, as vLLM's guidance backend does."""
+"""llguidance (``--structured-outputs-config.backend guidance``): a grammar is checked against the tokenizer
+and built into a matcher on the compile thread; each request gets a copy of that matcher (microseconds on the
+step loop, where building one takes about a millisecond). ``grammar`` takes Lark or GBNF text, as vLLM's
+guidance backend does."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def closed_objects(schema: Any) -> Any:
 class GuidanceMatcher:
     __slots__ = ("m",)
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self.m = llguidance.LLMatcher(tokenizer, grammar)
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.m = matcher
 
     def accept(self, token_id: int) -> bool:
         return self.m.consume_token(token_id)
@@ -59,7 +61,11 @@ class GuidanceBackend:
         self.compact = config.disable_any_whitespace
         self.closed = config.disable_additional_properties
 
-    def compile(self, kind: str, spec: str, strict: bool, compact: bool) -> str:
+    def compile(self, kind: str, spec: str, strict: bool, compact: bool) -> llguidance.LLMatcher:
+        """A matcher at the grammar's start, which requests copy (raises GrammarError)."""
+        return llguidance.LLMatcher(self.tokenizer, self._grammar(kind, spec, strict, compact))
+
+    def _grammar(self, kind: str, spec: str, strict: bool, compact: bool) -> str:
         if kind not in _FORMATS:
             raise GrammarError(f"unknown structured output kind {kind!r}")
         if kind == "json_object":
@@ -78,5 +84,5 @@ class GuidanceBackend:
             raise GrammarError(library_message(RuntimeError(error)))
         return grammar
 
-    def matcher(self, compiled: str) -> GuidanceMatcher:
-        return GuidanceMatcher(self.tokenizer, compiled)
+    def matcher(self, compiled: llguidance.LLMatcher) -> GuidanceMatcher:
+        return GuidanceMatcher(compiled.deep_copy())
