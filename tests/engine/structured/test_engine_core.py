@@ -153,3 +153,24 @@ def test_a_grammar_that_admits_any_text_changes_nothing(tiny_llama: Path, tokeni
     assert len(text) >= 2, "too few prompts whose greedy answer is text"
     assert run(StructuredOutputs("regex", r"[\s\S]*"), text) == {rid: plain[rid] for rid in text}
     core.close()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_json_object_takes_any_object_and_strict_schemas_only_theirs(tiny_llama: Path, tokenizer,
+                                                                     backend: str) -> None:
+    """``json_object`` is any object (not only ``{}``); a strict schema refuses a property it does not name,
+    a non-strict one (``json_schema.strict: false``) takes it."""
+    core = tight_core(tiny_llama, backend)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def takes(spec: StructuredOutputs, text: str) -> bool:
+        state = core.grammars.state(spec)
+        state.future.result(timeout=60)
+        state.start()
+        return all(state.matcher.accept(t) for t in tokenizer.encode(text))
+
+    assert takes(StructuredOutputs("json_object"), '{"zebra": [1, {"b": null}], "c": "d"}')
+    assert takes(StructuredOutputs("json", schema), '{"a": 1}')
+    assert not takes(StructuredOutputs("json", schema), '{"a": 1, "b": 2}')
+    assert takes(StructuredOutputs("json", schema, strict=False), '{"a": 1, "b": 2}')
+    core.close()

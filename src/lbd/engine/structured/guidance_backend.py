@@ -70,7 +70,7 @@ class GuidanceBackend:
             raise GrammarError(f"unknown structured output kind {kind!r}")
         if kind == "json_object":
             spec = '{"type": "object"}'
-        if kind in ("json", "json_object") and (strict or self.closed):
+        if kind == "json" and (strict or self.closed):
             spec = json.dumps(closed_objects(json.loads(spec)))
         try:
             grammar = llguidance.grammar_from(_FORMATS[kind], spec)

@@ -59,9 +59,10 @@ class XGrammarBackend:
 
     def _compile(self, kind: str, spec: str, strict: bool, compact: bool) -> xgr.CompiledGrammar:
         c = self.compiler
-        if kind in ("json", "json_object"):
-            return c.compile_json_schema(spec if kind == "json" else ANY_OBJECT, any_whitespace=not compact,
-                                         strict_mode=strict)
+        if kind == "json":
+            return c.compile_json_schema(spec, any_whitespace=not compact, strict_mode=strict)
+        if kind == "json_object":  # not strict: any properties (strict mode would allow only {})
+            return c.compile_json_schema(ANY_OBJECT, any_whitespace=not compact, strict_mode=False)
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":
