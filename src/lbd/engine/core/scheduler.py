@@ -390,7 +390,7 @@ class Scheduler:
             k += 1
             req.append_token(tok.token_id)
             if req.grammar is not None:
-                self._advance_grammar(req, tok.token_id)
+                req.grammar.advance(tok.token_id, req.request_id)
             num_out = len(req.output_token_ids)
             first = num_out == 1
             o = EngineCoreOutput(req.request_id, [tok.token_id],
@@ -415,13 +415,6 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _advance_grammar(req: Request, token: int) -> None:
-        matcher = req.grammar.matcher  # type: ignore[union-attr]
-        if matcher is not None and not matcher.accept(token):
-            logger.error("request %s sampled token %d, which its grammar does not allow", req.request_id,
-                         token)
-
-    @staticmethod
     def _check_stop(req: Request, token: int, num_out: int, max_model_len: int) -> bool:
         """vLLM's order: length caps first, then (past min_tokens) eos, then stop token ids. A grammar that
         has ended (it took its end-of-sequence token) stops the request even before min_tokens."""
@@ -429,8 +422,7 @@ class Scheduler:
         if num_out >= sp.max_tokens or req.num_tokens >= max_model_len:
             req.finish_reason = "length"
             return True
-        grammar = req.grammar.matcher if req.grammar is not None else None
-        if grammar is not None and grammar.is_terminated():
+        if req.grammar is not None and req.grammar.ended:
             req.finish_reason = "stop"
             return True
         if num_out < sp.min_tokens:

@@ -119,6 +119,17 @@ class GrammarState:
         """Compiled (or failed): ``start`` will not wait."""
         return self.matcher is not None or self.future.done()
 
+    @property
+    def ended(self) -> bool:
+        """The grammar took its end-of-sequence token: the request stops."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def advance(self, token_id: int, request_id: str) -> None:
+        """Over a sampled token (the mask allowed only tokens it takes; a refusal is logged, not raised)."""
+        if self.matcher is not None and not self.matcher.accept(token_id):
+            logger.error("request %s sampled token %d, which its grammar does not allow", request_id,
+                         token_id)
+
     def start(self) -> None:
         """Make the matcher (the grammar must be ``ready``); raises GrammarError for a bad grammar, another
         exception when the backend could not load."""
