@@ -1,7 +1,7 @@
 """The openai SDK against `lbd serve`'s default model (SmolLM2-135M-Instruct, real weights, xgrammar with its
 default whitespace): ``chat.completions.parse`` with a pydantic model parses into the model, and a streamed
-``tool_choice="required"`` answer is calls of a declared tool with valid arguments. A couple of requests
-here; ``benchmarks/structured_parse.py`` runs the issue's 20 of each."""
+``tool_choice="required"`` answer is calls of a declared tool with valid arguments. One of each here;
+``benchmarks/structured_parse.py`` runs the issue's 20 of each."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class City(BaseModel):
 def test_sdk_parse_returns_the_pydantic_object(tmp_path) -> None:
     with EngineServer(None, "--device", "cpu", log=tmp_path / "engine.log") as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-        for i, city in enumerate(("Paris", "Tokyo")):
+        for i, city in enumerate(("Paris",)):  # one of each here (suite time); the benchmark runs 20
             r = client.chat.completions.parse(
                 model="SmolLM2-135M-Instruct", response_format=City, max_tokens=300, temperature=0.7, seed=i,
                 messages=[{"role": "user", "content": f"Describe {city} as JSON."}])
