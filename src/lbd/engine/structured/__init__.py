@@ -4,7 +4,7 @@ One room, imports one way (``lbd.engine.core`` uses it, it never imports the cor
 
 - ``backends``: one interface (``Backend``, ``Matcher``) over the two libraries, picked by
   ``--structured-outputs-config.backend``: ``xgrammar_backend`` (the default) and ``guidance_backend``
-  (llguidance); each imported only when chosen, at the first constrained request.
+  (llguidance); each imported only when chosen, at the first constrained request (``compiler.load_backend``).
 - ``compiler``: compiles grammars on a thread, off the core's step loop, and caches them by the request's
   ``StructuredOutputs`` (the key); a request's ``GrammarState`` waits there, then holds its matcher.
 - ``mask``: each step's token bitmask of the constrained sampling rows (filled by the matchers in the core)

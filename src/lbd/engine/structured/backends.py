@@ -1,4 +1,4 @@
-"""The interface both grammar libraries are wrapped in, and the choice between them.
+"""The interface both grammar libraries are wrapped in (``compiler.load_backend`` picks one).
 
 A ``Backend`` turns a request's ``StructuredOutputs`` into a compiled grammar (raising ``GrammarError`` with
 the library's words when the schema, regex or grammar is bad) and a compiled grammar into a fresh ``Matcher``:
