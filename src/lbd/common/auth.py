@@ -30,6 +30,12 @@ class ApiKey:
     digest: bytes
     rps: float | None = None  # per-key request rate limit (router), None = the default
     tps: float | None = None  # per-key token rate limit (router), None = the default
+    # flow control (lbd.router.flow): the key's tenant (None: the key's name), its tenant's weight in the
+    # fair shares, and the most important priority it may ask for (lower is more important, as vLLM's
+    # ``priority``; None: any)
+    tenant: str | None = None
+    weight: float = 1.0
+    max_priority: int | None = None
 
 
 def digest(secret: str | bytes) -> bytes:
@@ -38,9 +44,10 @@ def digest(secret: str | bytes) -> bytes:
 
 
 def make_key(secret: str, name: str | None = None, rps: float | None = None,
-             tps: float | None = None) -> ApiKey:
+             tps: float | None = None, tenant: str | None = None, weight: float = 1.0,
+             max_priority: int | None = None) -> ApiKey:
     d = digest(secret)
-    return ApiKey(name or f"key-{d.hex()[:8]}", d, rps, tps)
+    return ApiKey(name or f"key-{d.hex()[:8]}", d, rps, tps, tenant, weight, max_priority)
 
 
 def bearer_token(value: str | bytes | None) -> bytes | None:
@@ -104,26 +111,63 @@ def engine_keys(flag_values: Iterable[str] | None, env: dict[str, str]) -> KeyRi
     return KeyRing.from_secrets(engine_secrets(flag_values, env))
 
 
+_KEY_FIELDS = ("name", "rps", "tps", "tenant", "weight", "max_priority")
+TENANT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@/-")
+MAX_TENANT_LEN = 64
+
+
+def tenant_problem(name: str) -> str | None:
+    """Why ``name`` is not a tenant name (1 to 64 of letters, digits and ``._:@/-``), or None."""
+    if not 0 < len(name) <= MAX_TENANT_LEN or not set(name) <= TENANT_CHARS:
+        return f"a tenant is 1 to {MAX_TENANT_LEN} of letters, digits and ._:@/- (got {name[:80]!r})"
+    return None
+
+
 def read_key_file(path: Path) -> list[ApiKey]:
-    """One key per line: ``<key> [name=<name>] [rps=<requests/s>] [tps=<tokens/s>]``; ``#`` starts a comment.
-    Raises ValueError naming the line for anything else."""
+    """One key per line: ``<key> [name=<name>] [rps=<requests/s>] [tps=<tokens/s>] [tenant=<tenant>]
+    [weight=<share>] [max_priority=<int>]``; ``#`` starts a comment. ``tenant`` (default: the key's name),
+    ``weight`` (default 1) and ``max_priority`` (the most important priority the key may ask for; lower is
+    more important; default: any) are flow control's (lbd.router.flow): keys of one tenant share its queue
+    and must give it the same weight. Raises ValueError naming the line for anything else."""
     keys: list[ApiKey] = []
+    weights: dict[str, float] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        secret, options = fields[0], {}
+        where = f"{path}:{number}"
+        options: dict[str, str] = {}
         for item in fields[1:]:
             k, eq, v = item.partition("=")
-            if not eq or k not in ("name", "rps", "tps") or not v:
-                raise ValueError(f"{path}:{number}: expected name=, rps= or tps= after the key, got {item!r}")
+            if not eq or k not in _KEY_FIELDS or not v:
+                raise ValueError(f"{where}: expected {'=, '.join(_KEY_FIELDS)}= after the key, got {item!r}")
             options[k] = v
-        try:
-            rps = float(options["rps"]) if "rps" in options else None
-            tps = float(options["tps"]) if "tps" in options else None
-        except ValueError:
-            raise ValueError(f"{path}:{number}: rps and tps must be numbers") from None
-        if (rps is not None and rps <= 0) or (tps is not None and tps <= 0):
-            raise ValueError(f"{path}:{number}: rps and tps must be positive")
-        keys.append(make_key(secret, options.get("name"), rps, tps))
+        key = _key_from(fields[0], options, where)
+        tenant = key.tenant or key.name
+        if weights.setdefault(tenant, key.weight) != key.weight:
+            raise ValueError(f"{where}: tenant {tenant} has weight {weights[tenant]:g} on another key: "
+                             "give its keys one weight")
+        keys.append(key)
     return keys
+
+
+def _key_from(secret: str, options: dict[str, str], where: str) -> ApiKey:
+    """One key file line's key, its options checked."""
+    try:
+        rps = float(options["rps"]) if "rps" in options else None
+        tps = float(options["tps"]) if "tps" in options else None
+        weight = float(options.get("weight", "1"))
+    except ValueError:
+        raise ValueError(f"{where}: rps, tps and weight must be numbers") from None
+    if (rps is not None and rps <= 0) or (tps is not None and tps <= 0) or not 0 < weight < 1e6:
+        raise ValueError(f"{where}: rps, tps and weight must be positive (weight below 1e6)")
+    max_priority = None
+    if "max_priority" in options:
+        try:
+            max_priority = int(options["max_priority"])
+        except ValueError:
+            raise ValueError(f"{where}: max_priority must be an integer") from None
+    tenant = options.get("tenant")
+    if tenant is not None and (problem := tenant_problem(tenant)):
+        raise ValueError(f"{where}: {problem}")
+    return make_key(secret, options.get("name"), rps, tps, tenant, weight, max_priority)

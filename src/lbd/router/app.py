@@ -28,6 +28,7 @@ from lbd.router.kv.memory import IndexCollector
 from lbd.router.kv.tokenize import load_local
 from lbd.router.kv.view import ExactView
 from lbd.router.messages import Request, Response
+from lbd.router.metrics import FlowCollector
 from lbd.router.monitor import Monitor
 from lbd.router.proxy import Proxy, send_error
 from lbd.router.server import HttpServer
@@ -59,6 +60,8 @@ class RouterApp:
         self.gate = Gate(cfg.api_keys, cfg.api_key_file, cfg.rate_limit_rps, cfg.rate_limit_tps,
                          cfg.rate_limit_burst_s, cfg.workers)
         self.proxy = Proxy(self.state, self.gate, self.tracer)
+        if self.proxy.flow is not None:
+            self.state.metrics.register(FlowCollector(self.proxy.flow.rows))
         self.starting = cfg.serving_health  # until this worker first sees an endpoint serve
         self.monitor = Monitor(self.state)
         if cfg.kv_events != "off":
@@ -93,6 +96,8 @@ class RouterApp:
         if self.state.exact is not None:
             await self.state.exact.close()
         await self.monitor.close()
+        if self.proxy.flow is not None:
+            self.proxy.flow.close()
         if self.server is not None:
             await self.server.close(self.cfg.shutdown_timeout_s)
         for pool in self.state.pools.values():
@@ -181,6 +186,8 @@ class RouterApp:
             "migrations": self.proxy.migrator.status(),
             # P/D: the profile its prefill stages run by, and its decisions by plugin (lbd.router.disagg)
             "prefill_profile": None if self.proxy.disagg is None else self.proxy.disagg.prefill.describe(),
+            # flow control per tenant and class, all workers (lbd.router.flow)
+            "flow": {"mode": "off"} if self.proxy.flow is None else self.proxy.flow.status(),
         }
         out.send(200, _JSON, orjson.dumps(body))
 

@@ -20,6 +20,7 @@ from lbd.common.tls import check_tls
 from lbd.policies import compose
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
 from lbd.router.flags import OneLineParser, make_parser
+from lbd.router.flow.settings import FlowSettings, flow_settings
 from lbd.router.kv.index import DEFAULT_MAX_BLOCKS
 
 
@@ -149,6 +150,7 @@ class RouterConfig:
     pd_min_prompt_tokens: int = 256
     pd_prefill_timeout_s: float = 60.0
     routing_config: Path | None = None  # the file the policy's profile was composed from
+    flow: FlowSettings = field(default_factory=FlowSettings)  # flow control (lbd.router.flow)
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -160,6 +162,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
     limits = _check_files_and_limits(p, ns)
     _check_keys(p, ns)
     _routing_config(p, ns)
+    flow = flow_settings(ns)
+    if isinstance(flow, str):
+        p.error(flow)
+    ns.flow = flow
     try:  # $LBD_CLUSTER_TOKEN keys the CURVE load streams it follows (lbd.router.load_feed),
         read_strong_token(None)  # $LBD_INTERNAL_KEY signs forwarded ids: each 256 bits or more
         read_strong_internal_key()
@@ -316,7 +322,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         serving_health=ns.serving_health,
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
-        shutdown_timeout_s=ns.shutdown_timeout, routing_config=ns.routing_config,
+        shutdown_timeout_s=ns.shutdown_timeout, routing_config=ns.routing_config, flow=ns.flow,
         **_pd_settings(ns), **_kv_index_settings(ns),
     )
 

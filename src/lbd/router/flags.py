@@ -12,6 +12,7 @@ from lbd.common.cpus import usable_cpus
 from lbd.common.limits import add_limit_arguments
 from lbd.common.tls import add_tls_arguments
 from lbd.router.auth import add_auth_arguments
+from lbd.router.flow.settings import add_flow_arguments
 from lbd.router.kv.index import DEFAULT_BLOCKS_PER_ENDPOINT, DEFAULT_MAX_BLOCKS
 from lbd.router.outlier import add_outlier_arguments
 
@@ -124,6 +125,7 @@ def make_parser() -> OneLineParser:
     g.add_argument("--max-num-queued-tokens", type=int, default=None,
                    help="answer 503 while the prompts of requests not yet answering (estimated tokens) "
                         "add up to this many")
+    add_flow_arguments(p)
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",

@@ -154,6 +154,12 @@ class Response:
         self.status = 0
         self.meter: Meter | None = None  # counts the output that reaches the client (lbd.router.metering)
 
+    @property
+    def client_eof(self) -> bool:
+        """The client closed its side of the connection (lbd.router.flow: a held request whose client did so
+        is gone; the socket shows it only once something is written)."""
+        return bool(getattr(self._conn, "eof", False))
+
     def _head(self, status: int, headers: HeaderList | bytes, framing: bytes) -> bytes:
         req = self._request
         extra = headers if isinstance(headers, bytes) else serialize_headers(headers)

@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import multiprocess as _mp
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _BUCKETS = (
@@ -131,6 +131,34 @@ class _PushLive(Collector):
             stale.add_metric([url], 1.0 if is_stale else 0.0)
         yield age
         yield stale
+
+
+class FlowCollector(Collector):
+    """Flow control per tenant and class, summed over every worker from shared memory (lbd.router.flow):
+    held requests, their waits, what was dispatched and served, what was answered instead of held."""
+
+    def __init__(self, rows: Callable[[], Iterable[Any]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterable[Any]:
+        lab = ["tenant", "priority"]
+        fams = (GaugeMetricFamily("lbd_router_flow_queued", "Requests held in the router.", labels=lab),
+                CounterMetricFamily("lbd_router_flow_wait_seconds", "Time requests were held.", labels=lab),
+                CounterMetricFamily("lbd_router_flow_dispatched", "Requests let through.", labels=lab),
+                CounterMetricFamily("lbd_router_flow_dispatched_tokens", "Prompt tokens let through.",
+                                    labels=lab),
+                CounterMetricFamily("lbd_router_flow_served_tokens", "Prompt and output tokens of ended "
+                                    "requests.", labels=lab))
+        shed = CounterMetricFamily("lbd_router_flow_shed", "Requests answered instead of held, by reason "
+                                   "(sheddable 503, queue_full 429, late 503).", labels=[*lab, "reason"])
+        for r in self.rows():
+            values = (r.queued, r.wait_s, r.dispatched, r.dispatched_tokens, r.served_tokens)
+            for fam, v in zip(fams, values, strict=True):
+                fam.add_metric([r.tenant, str(r.priority)], v)
+            for reason, v in (("sheddable", r.shed), ("queue_full", r.full), ("late", r.late)):
+                shed.add_metric([r.tenant, str(r.priority), reason], v)
+        yield from fams
+        yield shed
 
 
 class RouterMetrics:

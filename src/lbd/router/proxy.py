@@ -1,9 +1,11 @@
-"""The proxy handler: the request path as named steps, admit -> facts -> decide -> attempt -> relay.
+"""The proxy handler: the request path as named steps, admit -> facts -> flow -> decide -> attempt -> relay.
 
 - ``admit``: refuse early what cannot be routed (a body over the limit, one that does not parse, a key over
   its rate limit, full queues); else the request with its parsed facts (``RoutedRequest``).
 - ``facts``: what the exact view knows (each endpoint's cached prefix, the exact prompt length) and the
   headers to forward.
+- ``flow``: flow control (``lbd.router.flow``, unless --flow-control off): while the pool is saturated the
+  request waits in the router, by priority band and fair share of its tenant, or is answered 429/503.
 - ``decide``: a half-open endpoint's trial, else the policy's choice among the endpoints this request may go
   to (``lbd.policies.route``), or the client's refusal.
 - ``attempt``: one try on the chosen endpoint; ``relay`` (``lbd.router.relay``) passes its answer through.
@@ -35,6 +37,7 @@ from lbd.policies.filters import GATE
 from lbd.router.admission import Admission
 from lbd.router.auth import Gate
 from lbd.router.endpoints import Endpoint
+from lbd.router.flow.control import FlowControl
 from lbd.router.headers import REQUEST_DROP, REQUEST_DROP_UNPINNED, TRACE_HEADERS, HeaderRewriter
 from lbd.router.messages import Request, Response
 from lbd.router.relay import Relay
@@ -84,6 +87,9 @@ class Proxy:
         self._drop = REQUEST_DROP | drop_auth
         self._drop_unpinned = REQUEST_DROP_UNPINNED | drop_auth
         self._admission = Admission(state, gate, self.loop)
+        self.flow: FlowControl | None = None  # flow control by tenant and priority (lbd.router.flow)
+        if cfg.flow.mode != "off":
+            self.flow = FlowControl(state.snapshots, cfg.stale_after_s, cfg.flow, state.shared.flows)
         self.disagg: Disagg | None = None
         if cfg.pd_disaggregation:  # only a P/D router loads the two stages (cold start)
             from lbd.router.disagg import Disagg
@@ -121,22 +127,36 @@ class Proxy:
             return self._refuse(out, rr)
         bill = rr.bill
         if bill is None:
-            return await self._route(rr, out)
+            return await self._route(rr, out, key)
         out.meter = bill.meter  # what reaches the client settles its key's token charge (lbd.router.metering)
         try:
-            await self._route(rr, out)
+            await self._route(rr, out, key)
         finally:  # whatever ended it: a whole answer, a cut stream, the client gone (a cancelled task)
             move = rr.move
             bill.settle(self.loop.time(), len(move.out_ids) if move is not None else 0)
 
-    async def _route(self, rr: RoutedRequest, out: Response) -> None:
-        """The steps after admit, and the retries: a try that failed before any byte reached the client is
-        tried again elsewhere while --max-retries and --retry-budget-s allow; a broken stream moves."""
+    async def _route(self, rr: RoutedRequest, out: Response, key: ApiKey | None = None) -> None:
+        """The steps after admit: facts, then flow control (lbd.router.flow: it may hold the request while
+        the pool is saturated, or answer instead), then the rest (``_send``)."""
         if self.cfg.migration_limit:
             self.migrator.prepare(rr)
         pending = self.facts(rr)
         if pending is not None:
             await pending
+        flow = self.flow
+        if flow is None:
+            return await self._send(rr, out)
+        ticket = await flow.enter(rr, out, key)
+        if isinstance(ticket, Refused):
+            return self._refuse(out, ticket)
+        try:
+            await self._send(rr, out)
+        finally:  # whatever ended it: its tokens are served and charged to its flow
+            flow.leave(ticket, rr.move)
+
+    async def _send(self, rr: RoutedRequest, out: Response) -> None:
+        """[P/D,] decide, attempt, and the retries: a try that failed before any byte reached the client is
+        tried again elsewhere while --max-retries and --retry-budget-s allow; a broken stream moves."""
         if self.disagg is not None:
             await self.disagg.prepare(rr)
         failure: Failure | None = None

@@ -24,6 +24,8 @@ import multiprocessing
 import zlib
 from dataclasses import dataclass
 
+from lbd.router.shared_flows import FlowTable
+
 DISPATCHED, FINISHED, STARTED, DISPATCHED_TOKENS, STARTED_TOKENS, HELD = range(6)
 COUNTERS = 5  # the monotonic ones; HELD is 1 while this worker's table has the slot's endpoint
 FIELDS = 6
@@ -67,10 +69,12 @@ class SharedCounters:
         self._q = memoryview(self._mm).cast("q")
         self._lock = multiprocessing.get_context("fork").Lock()
         self.worker = 0
+        self.flows = FlowTable(workers)  # flow control's counters per tenant and class (lbd.router.flow)
 
     def bind_worker(self, worker: int) -> None:
         """Called in each worker after the fork: which row this process writes."""
         self.worker = worker
+        self.flows.bind_worker(worker)
 
     def slot(self, url: str) -> int:
         """The slot of ``url``, claimed on first use and held by this worker until ``release``; -1 when every
@@ -185,3 +189,4 @@ class SharedCounters:
             q[base + STARTED] = q[base + DISPATCHED]
             q[base + STARTED_TOKENS] = q[base + DISPATCHED_TOKENS]
             q[base + HELD] = 0
+        self.flows.close_out(worker)

@@ -1,0 +1,46 @@
+"""When the pool is saturated: the rule flow control holds requests by.
+
+An endpoint that takes traffic has room while all three hold:
+- its queued prefill, the prompt tokens of the router's requests there that have not answered a first byte
+  (exact, every worker's: ``EndpointSnapshot.unstarted_tokens``), is below
+  ``--flow-max-prefill-tokens-per-rank``;
+- the waiting requests its engine reports are below ``--flow-max-waiting-per-rank``;
+- its KV-cache use is below ``--flow-max-kv-usage``.
+The engine's numbers count only while fresh (``--stale-after-ms``); stale, the router's own count decides.
+The pool is saturated while no endpoint has room (an empty pool is not: decide answers that request).
+The router's count moves the moment a request is dispatched, so a burst cannot overshoot by the telemetry's
+age; the engine's numbers catch what the router cannot see (other routers, long prompts in prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lbd.policies import EndpointSnapshot
+from lbd.router.flow.settings import FlowSettings
+
+
+def room(snap: EndpointSnapshot, s: FlowSettings, stale_s: float) -> str | None:
+    """None when ``snap`` has room; else why not (a short label)."""
+    if snap.unstarted_tokens >= s.max_prefill_tokens_per_rank:
+        return "queued_prefill_tokens"
+    if snap.fresh(stale_s):
+        if snap.waiting >= s.max_waiting_per_rank:
+            return "waiting_requests"
+        if snap.kv_usage >= s.max_kv_usage:
+            return "kv_usage"
+    return None
+
+
+def saturated(snaps: Iterable[EndpointSnapshot], s: FlowSettings, stale_s: float) -> str | None:
+    """None while some endpoint that takes traffic has room (or none takes traffic); else the reason of the
+    first one (every one is full)."""
+    why = None
+    for snap in snaps:
+        if not snap.healthy or snap.draining:
+            continue
+        reason = room(snap, s, stale_s)
+        if reason is None:
+            return None
+        why = why or reason
+    return why

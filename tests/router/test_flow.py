@@ -1,0 +1,260 @@
+"""Flow control by tenant and priority (lbd.router.flow) through a real `lbd route` over a fleet stand-in
+rank (tests/support/fleet_standin.py), real HTTP.
+
+Saturation is made two ways: by load, with ``--flow-max-prefill-tokens-per-rank 1`` (a rank is full while
+one of the router's requests there has not answered: the stand-in answers whole, at the end, so the rank
+serves one request at a time and every other waits in the router, ordered by flow control); and on demand,
+by the stand-in's control port making the rank report 99 waiting requests (``--flow-max-waiting-per-rank``
+4): then nothing is released until the test clears it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lbd.common.auth import read_key_file
+from support import RouterServer, metric_value
+from support.procs import free_port_run, spawn, stop, wait_http
+
+STANDIN = Path(__file__).resolve().parents[1] / "support" / "fleet_standin.py"
+TENANT = "x-gateway-inference-fairness-id"
+PROMPT = "hello world " * 20
+ONE_AT_A_TIME = ("--flow-max-prefill-tokens-per-rank", "1", "--kv-events", "off")
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.base = free_port_run(2)
+        self.proc = spawn([sys.executable, str(STANDIN), "--ranks", "1", "--base-port", str(self.base),
+                           "--control-port", str(self.base + 1)], log=tmp / "fleet.log")
+        wait_http(f"http://127.0.0.1:{self.base}/health", 30, self.proc)
+        self.url = f"http://127.0.0.1:{self.base}"
+
+    def waiting(self, n: int | None) -> None:
+        """The rank reports ``n`` waiting requests (None: its own numbers again)."""
+        body = {} if n is None else {"waiting": n}
+        httpx.post(f"http://127.0.0.1:{self.base + 1}/standin/0/set", json=body, timeout=5).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("flow"))
+    try:
+        yield f
+    finally:
+        stop(f.proc)
+
+
+@pytest.fixture(scope="module")
+def router(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterServer]:
+    """Flow control on (by default it engages once two flows are seen; these tests see many), one worker."""
+    r = RouterServer("--upstreams", fleet.url, "--workers", "1", *ONE_AT_A_TIME, "--flow-max-queued", "40",
+                     "--flow-max-queued-per-tenant", "14",
+                     log=tmp_path_factory.mktemp("flow-router") / "router.log")
+    try:
+        r.wait_ready()
+        assert _post(r.url, "first").status_code == 200 and not _flow(r)["engaged"]  # one flow: not yet
+        assert _post(r.url, "second").status_code == 200 and _flow(r)["engaged"]
+        yield r
+    finally:
+        r.close()
+
+
+def _post(url: str, tenant: str | None = None, priority: int | None = None, timeout: float = 30,
+          headers: dict[str, str] | None = None, key: str | None = None, client: httpx.Client | None = None,
+          max_tokens: int = 8) -> httpx.Response:
+    h = dict(headers or {})
+    if tenant is not None:
+        h[TENANT] = tenant
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    body: dict = {"model": "standin-model", "prompt": PROMPT, "max_tokens": max_tokens}
+    if priority is not None:
+        body["priority"] = priority
+    post = client.post if client is not None else httpx.post
+    return post(url + "/v1/completions", json=body, headers=h, timeout=timeout)
+
+
+def _flow(r: RouterServer) -> dict:
+    return r.status()["flow"]
+
+
+def _wait_for(read, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not read():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _saturate(fleet: Fleet, r: RouterServer) -> None:
+    fleet.waiting(99)
+    _wait_for(lambda: _flow(r)["saturated"] == "waiting_requests", "the router never saw the rank saturated")
+
+
+def _held(r: RouterServer) -> int:
+    return sum(f["queued"] for f in _flow(r)["flows"])
+
+
+def _closed_loops(url: str, loops: dict[str, int], seconds: float, keys: bool = False) -> dict[str, int]:
+    """``loops[tenant]`` clients per tenant (an API key with ``keys``), each sending one request after
+    another for 1 + ``seconds``; returns the answers each tenant got in the last ``seconds`` (from the first
+    second on, so the counters' start is not counted)."""
+    done = dict.fromkeys(loops, 0)
+    lock = threading.Lock()
+    count_from = time.monotonic() + 1.0
+    stop_at = count_from + seconds
+
+    def loop(tenant: str) -> None:
+        with httpx.Client() as client:  # (kept alive: the next request follows at once)
+            while time.monotonic() < stop_at:
+                resp = _post(url, client=client, max_tokens=16, **{"key" if keys else "tenant": tenant})
+                assert resp.status_code == 200, resp.text
+                if count_from <= time.monotonic() < stop_at:  # (not the start, nor the backlog after)
+                    with lock:
+                        done[tenant] += 1
+
+    with cf.ThreadPoolExecutor(sum(loops.values())) as pool:
+        for f in [pool.submit(loop, t) for t, n in loops.items() for _ in range(n)]:
+            f.result()
+    return done
+
+
+def test_the_key_file_carries_tenant_weight_and_max_priority(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("k1 name=a tenant=team-a weight=2 max_priority=1\nk2 tenant=team-a weight=2\nk3\n")
+    a, b, c = read_key_file(path)
+    assert (a.tenant, a.weight, a.max_priority) == ("team-a", 2.0, 1) and b.max_priority is None
+    assert (c.tenant, c.weight) == (None, 1.0)
+    path.write_text("k1 tenant=t weight=2\nk2 tenant=t weight=3\n")
+    with pytest.raises(ValueError, match="one weight"):
+        read_key_file(path)
+    path.write_text("k1 tenant=bad name\n")
+    with pytest.raises(ValueError):
+        read_key_file(path)
+
+
+def test_bands_dispatch_strictly(fleet: Fleet, router: RouterServer) -> None:
+    """Held while the rank is full, then one at a time: every class 0 before any class 1, then class 2,
+    whatever the arrival order."""
+    _saturate(fleet, router)
+    order: list[int] = []
+    lock = threading.Lock()
+
+    def send(p: int) -> None:
+        assert _post(router.url, "bands", p).status_code == 200
+        with lock:
+            order.append(p)
+
+    with cf.ThreadPoolExecutor(9) as pool:
+        futures = []
+        for p in (2, 2, 2, 0, 0, 0, 1, 1, 1):
+            futures.append(pool.submit(send, p))
+            time.sleep(0.02)
+        _wait_for(lambda: _held(router) == 9, "nine requests held")
+        fleet.waiting(None)
+        for f in futures:
+            f.result()
+    assert order == [0, 0, 0, 1, 1, 1, 2, 2, 2], order
+
+
+def test_equal_weights_share_tokens_whatever_the_demand(fleet: Fleet, router: RouterServer) -> None:
+    """Past saturation (one request at a time), a tenant with 2 clients and one with 8 (1x and 4x its fair
+    share) are served near-equal tokens; without flow control the second gets ~4x (the last test).
+    (3 and 12 clients, not 1 and 4: one is in service, the others keep the tenant waiting in the router.)"""
+    fleet.waiting(None)
+    done = _closed_loops(router.url, {"light": 3, "heavy": 12}, 3.0)
+    assert 0.75 <= done["light"] / done["heavy"] <= 1.33, done
+    served = {f["tenant"]: f["dispatched"] for f in _flow(router)["flows"]}
+    assert served["heavy"] > done["heavy"] + 5, served  # the heavy tenant's backlog was held in the router
+
+
+def test_a_full_queue_is_429_and_a_vanished_client_leaves_it(fleet: Fleet, router: RouterServer) -> None:
+    """--flow-max-queued-per-tenant 14: the 15th is answered 429 with Retry-After; held clients that go away
+    leave the queue gauge (status and /metrics) at 0 at once."""
+    _saturate(fleet, router)
+    with cf.ThreadPoolExecutor(14) as pool:
+        futures = [pool.submit(_post, router.url, "flood", None, 1.5) for _ in range(14)]
+        _wait_for(lambda: _held(router) == 14, "fourteen requests held")
+        t0 = time.monotonic()
+        over = _post(router.url, "flood")
+        assert over.status_code == 429 and time.monotonic() - t0 < 1.0, over.text
+        assert int(over.headers["retry-after"]) >= 1
+        assert "--flow-max-queued-per-tenant" in over.json()["error"]["message"]
+        for f in futures:  # each client gives up after 1.5 s
+            with pytest.raises(httpx.ReadTimeout):
+                f.result()
+    _wait_for(lambda: _held(router) == 0, "the vanished clients' requests left the queue", 3.0)
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    assert metric_value(text, "lbd_router_flow_queued") == 0
+    assert metric_value(text, "lbd_router_flow_shed_total", tenant="flood", reason="queue_full") == 1
+    fleet.waiting(None)
+
+
+def test_deadlines_and_sheddable_are_answered_early(fleet: Fleet, router: RouterServer) -> None:
+    """Saturated: a sheddable class (below 0) is 503 at once; a deadline is 503 by the deadline, naming it,
+    and at once when the queue ahead has not moved for a while."""
+    _saturate(fleet, router)
+    t0 = time.monotonic()
+    shed = _post(router.url, "low", -1)
+    assert shed.status_code == 503 and shed.headers["retry-after"] == "1" and time.monotonic() - t0 < 0.5
+    t0 = time.monotonic()
+    late = _post(router.url, "rush", headers={"x-lbd-ttft-deadline-ms": "400"})
+    took = time.monotonic() - t0
+    assert late.status_code == 503 and "x-lbd-ttft-deadline-ms" in late.json()["error"]["message"], late.text
+    assert 0.35 <= took < 0.9, took
+    with cf.ThreadPoolExecutor(1) as pool:  # one held over a second, none released: the wait is unbounded
+        stuck = pool.submit(_post, router.url, "stuck", None, 30)
+        _wait_for(lambda: _held(router) == 1, "one request held")
+        time.sleep(1.2)
+        t0 = time.monotonic()
+        early = _post(router.url, "rush", headers={"x-lbd-ttft-deadline-ms": "5000"})
+        assert early.status_code == 503 and time.monotonic() - t0 < 0.5, early.text
+        assert "cannot be met" in early.json()["error"]["message"]
+        fleet.waiting(None)
+        assert stuck.result().status_code == 200
+    bad = _post(router.url, "rush", headers={"x-lbd-ttft-deadline-ms": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-lbd-ttft-deadline-ms"
+    assert _post(router.url, "rush", headers={"x-lbd-priority": "high"}).status_code == 400
+
+
+def test_weights_from_the_key_file_across_two_workers(fleet: Fleet, tmp_path: Path) -> None:
+    """Tenants of weight 1 and 2 (key file), both past their share, over two router workers that share the
+    counters: served about 1:2; a key asking for a priority above its max_priority is refused 403."""
+    fleet.waiting(None)
+    keys = tmp_path / "keys"
+    keys.write_text("k-one tenant=one\nk-two tenant=two weight=2\nk-capped tenant=one max_priority=1\n")
+    r = RouterServer("--upstreams", fleet.url, "--workers", "2", *ONE_AT_A_TIME, "--api-key-file", str(keys),
+                     log=tmp_path / "router.log").wait_ready()
+    try:
+        assert _post(r.url, key="k-capped", priority=0).status_code == 403
+        done = _closed_loops(r.url, {"k-one": 6, "k-two": 6}, 3.0, keys=True)
+        assert 1.5 <= done["k-two"] / done["k-one"] <= 2.7, done
+    finally:
+        r.close()
+
+
+def test_off_passes_everything_straight_through(fleet: Fleet, tmp_path: Path) -> None:
+    """--flow-control off: a saturated rank gets every request at once (none held, none shed), and the
+    demand decides the shares (4 clients to 1: ~4x)."""
+    r = RouterServer("--upstreams", fleet.url, "--workers", "1", *ONE_AT_A_TIME, "--flow-control", "off",
+                     log=tmp_path / "router.log").wait_ready()
+    try:
+        fleet.waiting(99)
+        time.sleep(0.3)  # the router has seen it (the stand-in pushes its load)
+        t0 = time.monotonic()
+        assert _post(r.url, "low", -1).status_code == 200 and time.monotonic() - t0 < 2.0
+        assert r.status()["flow"] == {"mode": "off"}
+        assert "lbd_router_flow_queued" not in httpx.get(r.url + "/metrics", timeout=5).text
+        fleet.waiting(None)
+        done = _closed_loops(r.url, {"light": 3, "heavy": 12}, 2.0)
+        assert done["heavy"] / done["light"] >= 2.5, done
+    finally:
+        r.close()
