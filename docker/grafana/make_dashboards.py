@@ -58,6 +58,9 @@ def dashboard(uid: str, title: str, instance_metric: str, rows: list[tuple[str, 
             "templating": {"list": variables}, "panels": panels}
 
 
+FLOW_MAX = "max by (instance, tenant, priority) "  # every worker of a router reports the router's totals
+
+
 def router() -> dict:
     req = f"lbd_router_requests_total{SEL}"
     return dashboard("lbd-router", "lbd route", "lbd_router_requests_total", [
@@ -104,6 +107,19 @@ def router() -> dict:
             panel("Moved streams: failure to next token, p50 / p99", [
                 (_q("lbd_router_migration_gap_seconds", 0.5), "p50"),
                 (_q("lbd_router_migration_gap_seconds", 0.99), "p99")], "s"),
+        ]),
+        ("Flow control", [
+            panel("Held in the router, and served tokens/s, by tenant and class", [
+                (f"sum by (tenant, priority) ({FLOW_MAX}(lbd_router_flow_queued{SEL}))",
+                 "held {{tenant}} p{{priority}}"),
+                (f"sum by (tenant, priority) ({FLOW_MAX}"
+                 f"(rate(lbd_router_flow_served_tokens_total{SEL}{RATE})))",
+                 "tokens/s {{tenant}} p{{priority}}"),
+                (f"sum by (tenant, reason) (max by (instance, tenant, priority, reason) "
+                 f"(rate(lbd_router_flow_shed_total{SEL}{RATE})))", "shed/s {{tenant}} {{reason}}")],
+                width=24, description="lbd.router.flow: requests held while the pool is saturated, prompt "
+                "and output tokens served, requests answered 429/503 instead of held (each worker of a "
+                "router reports the router's totals: max per instance)"),
         ]),
         ("Telemetry", [
             panel("Endpoint takes traffic (1) or not (0)", [
