@@ -14,6 +14,7 @@ from lbd.router.continuation import (
     impossible,
     kind_of,
     left,
+    needs_lbd,
     penalised,
     rank_facts,
     shift_offsets,
@@ -102,12 +103,23 @@ def test_penalties_tell_lbd_ranks_which_prompt_tokens_are_output() -> None:
     assert penalised({"presence_penalty": -0.5}) and not penalised({"repetition_penalty": 1.3})
 
 
-def test_structured_outputs_are_not_resumed() -> None:
-    assert "guided_json" in impossible("cmpl", {"prompt": "p", "guided_json": {"type": "object"}})
-    assert "guided_choice" in impossible("chat", {"messages": [], "guided_choice": ["a", "b"]})
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
-    assert "json_schema" in impossible("chat", {"messages": [], "response_format": fmt})
-    assert impossible("chat", {"messages": [], "response_format": {"type": "text"}}) is None
+def test_structured_outputs_continue_their_grammar_on_lbd_ranks() -> None:
+    """The continuation keeps the constraint and says which prompt tokens were output: lbd's engine advances
+    the grammar over them. Only lbd's engine can (``needs_lbd``); a forced tool_choice stays refused."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    chat = {"messages": [], "response_format": fmt, "max_tokens": 50}
+    assert impossible("chat", chat) is None
+    body = continuation("chat", chat, [1, 2], [7, 8], 48)
+    assert body["response_format"] == fmt and body[RESUMED_FIELD] == 2 and "messages" not in body
+    assert RESUMED_FIELD not in continuation("chat", chat, [1, 2], [], 50)  # nothing sent yet
+    cmpl = {"prompt": "p", "structured_outputs": {"regex": "[a-z]+"}, "guided_choice": None}
+    body = continuation("cmpl", cmpl, [1], [5, 6, 7], 4)
+    assert body["structured_outputs"] == {"regex": "[a-z]+"} and body[RESUMED_FIELD] == 3
+    assert "json_schema" in needs_lbd(chat) and "guided_choice" in needs_lbd({"guided_choice": ["a"]})
+    assert "penalties" in needs_lbd({"presence_penalty": 1.0, "guided_json": {}})
+    assert needs_lbd({"response_format": {"type": "text"}}) is None and needs_lbd(cmpl | {"n": 1}) is not None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert "tools" in impossible("chat", {"messages": [], "tools": tools, "tool_choice": "required"})
 
 
 def test_ids_move_only_to_a_rank_with_the_same_tokenizer() -> None:
@@ -117,9 +129,9 @@ def test_ids_move_only_to_a_rank_with_the_same_tokenizer() -> None:
     assert rank_facts(cards, "other") == RankFacts()
     upgraded = RankFacts("lbd", "/m2", 512, "def")
     vllm = rank_facts([{"id": "m", "owned_by": "vllm", "root": "/m", "max_model_len": 512}], "m")
-    assert lbd.takes_ids_of(lbd, penalties=True) and not upgraded.takes_ids_of(lbd, penalties=False)
-    assert not vllm.takes_ids_of(lbd, penalties=False) and not RankFacts().takes_ids_of(lbd, penalties=False)
+    assert lbd.takes_ids_of(lbd, lbd_only=True) and not upgraded.takes_ids_of(lbd, lbd_only=False)
+    assert not vllm.takes_ids_of(lbd, lbd_only=False) and not RankFacts().takes_ids_of(lbd, lbd_only=False)
     # no fingerprint on the first rank: only ranks with none either, of the same engine and model
-    assert vllm.takes_ids_of(vllm, penalties=False) and not lbd.takes_ids_of(vllm, penalties=False)
-    assert not RankFacts("vllm", "/other", 512).takes_ids_of(vllm, penalties=False)
-    assert not vllm.takes_ids_of(vllm, penalties=True)  # penalties continue exactly on lbd's engine only
+    assert vllm.takes_ids_of(vllm, lbd_only=False) and not lbd.takes_ids_of(vllm, lbd_only=False)
+    assert not RankFacts("vllm", "/other", 512).takes_ids_of(vllm, lbd_only=False)
+    assert not vllm.takes_ids_of(vllm, lbd_only=True)  # penalties, grammars continue on lbd's engine only

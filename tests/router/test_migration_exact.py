@@ -2,12 +2,15 @@
 migration tests leave out by setting ``max_tokens`` and ``ignore_eos``: a chat with no ``max_tokens`` (it runs
 to the context, --max-model-len 512), a completion with none (16 tokens in all), a chat that ends on a stop
 token, a greedy stream with a frequency penalty, logprobs with ``top_logprobs`` 0, a stream cut after its last
-token, and a vLLM guided field (not resumed, the error event says why).
+token, and structured outputs (a ``json_schema`` chat, a vLLM ``guided_regex`` completion): the new rank
+advances the grammar over the output already sent, so the answer goes on where the grammar was.
 
 Two real engine ranks of an 8-layer tiny Llama behind one `lbd route`, each behind an ``SseCut`` link. The
 serving rank is SIGKILLed when the client has ``BREAK_AT`` chunks with text (it is started again in the
 background), or its link is cut at an exact event. Each answer is compared with the unbroken run's: its
-text, one finish reason, one ``[DONE]``, no error event, its usage; each test counts its own moves.
+text, one finish reason, one ``[DONE]``, no error event, its usage; each test counts its own moves. The ranks
+write compact JSON (--structured-outputs-config.disable_any_whitespace: random weights would otherwise spend
+their tokens on whitespace).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from support import settled
@@ -36,6 +40,13 @@ CONTEXT = 512
 BREAK_AT = 40
 PROMPT = "def add(a, b): return a + b # numbers 0123456789 and symbols"
 MESSAGES = [{"role": "user", "content": "Count the numbers 0123456789 and add them."}]
+# bounded, as real schemas are: random weights end it well past BREAK_AT tokens
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "temps", "sunny"],
+          "properties": {"city": {"type": "string", "maxLength": 12},
+                         "temps": {"type": "array", "minItems": 16, "maxItems": 16,
+                                   "items": {"type": "integer", "minimum": -40, "maximum": 50}},
+                         "sunny": {"type": "boolean"}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
 FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--health-failure-threshold",
         "1", "--scrape-interval-ms", "200", "--kv-events", "off", "--debug-headers")
 
@@ -55,7 +66,7 @@ class Rank:
         argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port),
                 "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB",
                 "--max-model-len", str(CONTEXT), "--data-parallel-rank", str(self.number),
-                "--data-parallel-size", "2"]
+                "--data-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true"]
         self.proc = spawn(argv, log=self.log)
         wait_http(f"http://127.0.0.1:{self.port}/health", timeout=180, proc=self.proc)
         self.ready.set()
@@ -292,12 +303,29 @@ def test_an_echoed_completion_is_resumed_with_its_prompt_once(router: str, ranks
     assert_exact(got, want)
 
 
-def test_a_vllm_guided_field_is_not_resumed_and_the_error_says_why(router: str, ranks: list[Rank]) -> None:
+def test_a_json_schema_chat_cut_mid_answer_completes_on_another_rank(router: str, ranks: list[Rank]) -> None:
+    """Issue 45, acceptance 2: the continuation carries ``response_format`` and the new rank starts the
+    grammar past the output sent (started again, it would want a "{" there): valid JSON, the unbroken text."""
+    extra = {"max_tokens": 300, "response_format": FORMAT}
+    want = streamed(router, "chat", ranks, **extra)
+    assert want["finishes"] == ["stop"] and want["chunks"] > BREAK_AT + 10, want
+    jsonschema.validate(json.loads(want["text"], strict=False), SCHEMA)
+    before = moves(router)
+    got = streamed(router, "chat", ranks, kill=True, **extra)
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
+    print(f"json_schema chat: {want['usage']['completion_tokens']} tokens, cut after {BREAK_AT}")
+    assert_exact(got, want)
+    jsonschema.validate(json.loads(got["text"], strict=False), SCHEMA)
+
+
+def test_a_vllm_guided_field_is_resumed_with_its_grammar(router: str, ranks: list[Rank]) -> None:
+    extra = {"max_tokens": 40, "guided_regex": "a[0-9]{60}"}  # started again, the grammar would want an "a"
+    want = streamed(router, "cmpl", ranks, **extra)
+    assert want["text"][0] == "a" and want["text"][1:].isdigit() and want["finishes"] == ["length"]
     cut = Cut(after=10)
     for r in ranks:
         r.link.arm(cut)
     before = moves(router)
-    got = streamed(router, "cmpl", ranks, max_tokens=40, guided_regex="[a-z ]+")
-    assert settled(lambda: delta(before, moves(router)), {"impossible": 1}) == {"impossible": 1}
-    assert got["done"] == 1 and len(got["errors"]) == 1
-    assert "guided_regex" in got["errors"][0] and "structured output" in got["errors"][0]
+    got = streamed(router, "cmpl", ranks, **extra)
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
+    assert_exact(got, want)

@@ -1,6 +1,7 @@
 """Where a continuation may go (lbd.router.migration ``_unfit``), on the router's real state: only ranks
 whose tokenizer is the first rank's (the ``lbd_tokenizer`` fingerprint of their /v1/models card), whose
-context holds the answer, and, for a penalised stream, only lbd's engine. And where the first rank's card was
+context holds the answer, and, for a penalised or structured stream, only lbd's engine (a vLLM first rank's is
+not resumed, the reason says why). And where the first rank's card was
 not known when the stream began, it is read at the move."""
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ async def test_a_continuation_goes_only_where_the_ids_mean_the_same() -> None:
         penalised = Move("cmpl", {"model": "m", "prompt": "p", "frequency_penalty": 1.0}, False, None)
         penalised.origin = RankFacts("lbd", "/m", 512, "f1")
         assert mig._unfit(penalised, 100) == [upgraded.url, vllm.url, vllm2.url]
+        schema = Move("chat", {"model": "m", "messages": [], "response_format": {"type": "json_object"}},
+                      False, None)
+        schema.origin, schema._prompt_ids = RankFacts("lbd", "/m", 512, "f1"), [1, 2]
+        assert mig._unfit(schema, 100) == [upgraded.url, vllm.url, vllm2.url]
+        assert mig._why_not(schema) == (None, "")
+        schema.origin = RankFacts("vllm", "/m", 512, None)  # vLLM cannot advance a grammar over sent tokens
+        why, outcome = mig._why_not(schema)
+        assert outcome == "impossible" and "response_format json_object" in why and "lbd's engine" in why
     finally:
         for url in URLS:
             state.remove(url)

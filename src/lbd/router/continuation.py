@@ -17,10 +17,16 @@ the continuation tells lbd's engine that its prompt's last n tokens are output (
 that does not read that field (vLLM) would penalise differently, so such a request moves only to ranks of
 lbd's engine (``penalised``; the repetition penalty counts prompt and output alike and needs nothing).
 
+Structured outputs (``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` and
+``guided_*`` fields) move the same way, their fields kept on the continuation (a completions request takes
+them too): lbd's engine, told by ``RESUMED_FIELD`` which prompt tokens were output, advances the request's
+grammar over them before it samples, so the answer goes on where the grammar was (it answers 400 if they are
+not a prefix the grammar allows). vLLM would start the grammar again mid-answer, so such a request moves only
+between ranks of lbd's engine (``needs_lbd``).
+
 What a token continuation cannot reproduce is refused with its reason: tool calls (the rank parses them from
-the chat's output, which a completion does not do), structured outputs (``response_format`` json and vLLM's
-guided fields: the grammar would start again mid-answer), images or audio (the ids hold their placeholders,
-not the media), ``n`` > 1.
+the chat's output, which a completion does not do; a ``tool_choice`` forced through the grammar included),
+images or audio (the ids hold their placeholders, not the media), ``n`` > 1.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ COMPLETIONS = "/v1/completions"
 FIELD = b'"return_token_ids":true'
 RESUMED_FIELD = "lbd_resumed_output_tokens"  # lbd's engine: the prompt's last n tokens count as output
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # a completion without max_tokens (lbd's engine and vLLM)
-# vLLM's structured-output fields: a continuation would start the grammar again at the cut
+# vLLM's structured-output fields: only lbd's engine continues their grammar from the tokens sent
 STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
               "structural_tag")
 # fields a continuation must not carry: its prompt is ids already cut and rendered, and the original sent
@@ -46,7 +52,6 @@ _CHAT_ONLY = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
-        "response_format",
         "chat_template",
         "chat_template_kwargs",
         "add_generation_prompt",
@@ -76,11 +81,11 @@ class RankFacts:
     max_model_len: int | None = None
     tokenizer: str | None = None
 
-    def takes_ids_of(self, origin: RankFacts, penalties: bool) -> bool:
+    def takes_ids_of(self, origin: RankFacts, lbd_only: bool) -> bool:
         """Whether ids made by ``origin``'s tokenizer mean the same here: the same fingerprint; where the
         origin published none (a vLLM rank), a rank that publishes none either and loaded the same model.
-        With penalties (``penalised``) only lbd's engine continues them exactly."""
-        if penalties and self.engine != "lbd":
+        ``lbd_only`` (``needs_lbd``: penalties, a grammar): only lbd's engine continues them exactly."""
+        if lbd_only and self.engine != "lbd":
             return False
         if origin.tokenizer is not None:
             return self.tokenizer == origin.tokenizer
@@ -108,13 +113,6 @@ def impossible(kind: str, data: dict[str, Any]) -> str | None:
     """Why this request cannot be resumed from a token prompt (None: it can)."""
     if (data.get("n") or 1) != 1:
         return "n > 1 (several choices)"
-    for name in STRUCTURED:
-        if data.get(name) is not None:
-            return f"structured output ({name}: its grammar would start again mid-answer)"
-    fmt = data.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        what = f"response_format {fmt.get('type')}"
-        return f"structured output ({what}: its grammar would start again mid-answer)"
     if kind == "cmpl":
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -155,6 +153,28 @@ def penalised(data: dict[str, Any]) -> bool:
                for k in ("frequency_penalty", "presence_penalty"))
 
 
+def structured(data: dict[str, Any]) -> str | None:
+    """The field that constrains the output to a grammar (None: free text)."""
+    for name in STRUCTURED:
+        if data.get(name) is not None:
+            return name
+    fmt = data.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        return f"response_format {fmt.get('type')}"
+    return None
+
+
+def needs_lbd(data: dict[str, Any]) -> str | None:
+    """Why only lbd's engine can continue this request (None: any engine can): output-counting penalties, or a
+    grammar to advance over the tokens sent; both read ``RESUMED_FIELD``."""
+    if penalised(data):
+        return "frequency or presence penalties count output tokens"
+    what = structured(data)
+    if what is not None:
+        return f"a structured output ({what}) must continue its grammar from the tokens sent"
+    return None
+
+
 def left(kind: str, data: dict[str, Any], prompt_len: int, n: int, context: int | None) -> int | None:
     """Output tokens the unbroken run had left after ``n`` (<= 0: it was done; None: not known, a chat with no
     limit on a rank whose context length is unknown)."""
@@ -186,7 +206,7 @@ def continuation(kind: str, data: dict[str, Any], prompt_ids: list[int], sent: l
         body["min_tokens"] = max(data["min_tokens"] - n, 0)
     if kind == "chat" and data.get("logprobs"):
         body["logprobs"] = int(data.get("top_logprobs") or 0)
-    if penalised(data) and n:
+    if needs_lbd(data) and n:
         body[RESUMED_FIELD] = n
     return body
 

@@ -30,9 +30,11 @@ engine publishes it, the one of ``/tokenizer_info``); a first rank with no finge
 stream only to ranks with none either, of the same engine and model ``root``. A rank whose context is shorter
 than the answer needs is left out too; none left within --retry-budget-s ends the stream with the reason. A
 chat with no ``max_tokens`` continues with the first rank's context length less prompt and output (what it
-would have had), unknown context: not resumed. Frequency and presence penalties move only between lbd ranks
-(``lbd_resumed_output_tokens`` makes the sent tokens count as output there). A stream cut after its finish
-reason is not resumed: it gets its usage chunk if it asked for one and missed it, and its ``[DONE]``.
+would have had), unknown context: not resumed. Frequency and presence penalties and structured outputs
+move only between lbd ranks (``lbd_resumed_output_tokens`` makes the sent tokens count as output there, and
+advances the request's grammar over them; a rank that finds them outside the grammar answers 400, which ends
+the stream). A stream cut after its finish reason is not resumed: it gets its usage chunk if it asked for one
+and missed it, and its ``[DONE]``.
 
 Non-streamed requests need no token ids: a rank sends a non-streamed answer whole when it is done, so a
 failure while it generates is a failure before the first byte, which the proxy already retries on another
@@ -55,7 +57,7 @@ from lbd.router.continuation import (
     impossible,
     kind_of,
     left,
-    penalised,
+    needs_lbd,
     rank_facts,
     with_token_ids,
 )
@@ -185,9 +187,10 @@ class Migrator:
         if origin is None:
             return ("it cannot be resumed on another rank: the router has not learned the rank's model "
                     "(its /v1/models card), so not which ranks share its tokenizer"), "impossible"
-        if penalised(move.data) and origin.engine != "lbd":
-            why = ("it cannot be resumed on another rank: frequency or presence penalties count output "
-                   "tokens, which only lbd's engine takes from a continuation (the rank is not lbd's)")
+        lbd_only = needs_lbd(move.data)
+        if lbd_only is not None and origin.engine != "lbd":
+            why = (f"it cannot be resumed on another rank: {lbd_only}, which only lbd's engine takes from a "
+                   "continuation (the rank is not lbd's)")
             return why, "impossible"
         limit = self.cfg.migration_limit
         if move.moves >= limit:
@@ -242,9 +245,10 @@ class Migrator:
 
     def _unfit(self, move: Move, need: int) -> list[str]:
         """Endpoints the continuation may not go to: another tokenizer than the first rank's (its ids would
-        mean other text), an engine that cannot carry its penalties, or a context shorter than ``need``."""
+        mean other text), an engine that cannot carry its penalties or grammar, or a context shorter than
+        ``need``."""
         origin = move.origin or RankFacts()
-        model, pen = move.data.get("model"), penalised(move.data)
+        model, pen = move.data.get("model"), needs_lbd(move.data) is not None
         out = []
         for key, ep in self.state.endpoints.items():
             there = rank_facts(ep.model_cards, model)

@@ -170,3 +170,23 @@ def test_bad_tool_choices_name_the_field(server: EngineServer, body: dict, param
     r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 5, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_resumed_stream_continues_its_grammar_past_the_output_it_had(server: EngineServer) -> None:
+    """lbd's router resumes a broken stream as a completion whose prompt ends with the output sent, their
+    count in ``lbd_resumed_output_tokens``: the grammar starts past them and the greedy answer goes on token
+    for token as the unbroken one; output the grammar refuses gets a 400 naming the field, before any byte."""
+    url = server.base_url + "/v1/completions"
+    base = {"model": "tiny", "temperature": 0, "max_tokens": 300, "response_format": FORMAT,
+            "return_token_ids": True}
+    whole = httpx.post(url, json=base | {"prompt": "The weather, as JSON:"}, timeout=60).json()["choices"][0]
+    prompt, out = whole["prompt_token_ids"], whole["token_ids"]
+    assert whole["finish_reason"] == "stop" and len(out) > 8, whole
+    k = len(out) // 2
+    cont = base | {"prompt": prompt + out[:k], "lbd_resumed_output_tokens": k, "max_tokens": 300 - k}
+    rest = httpx.post(url, json=cont, timeout=60).json()["choices"][0]
+    assert rest["token_ids"] == out[k:] and rest["finish_reason"] == "stop"
+    jsonschema.validate(parsed(whole["text"]), SCHEMA)
+    bad = cont | {"prompt": prompt + out[1:k], "lbd_resumed_output_tokens": k - 1, "stream": True}
+    r = httpx.post(url, json=bad, timeout=60)  # JSON does not start past its "{"
+    assert r.status_code == 400 and "lbd_resumed_output_tokens" in r.json()["error"]["message"], r.text

@@ -172,7 +172,9 @@ class Scheduler:
         if self.grammars is None:
             raise RequestRejected("structured outputs are not available on this rank (--device sim samples "
                                   "no logits)", 400)
-        req.grammar = state = self.grammars.state(req.sampling.structured)
+        n = req.sampling.prior_output_tokens  # a resumed stream: its grammar starts past what was sent
+        sent = req.prompt_token_ids[-n:] if n else ()
+        req.grammar = state = self.grammars.state(req.sampling.structured, sent)
         if state.ready:
             try:
                 state.start()

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -55,8 +56,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (cache misses), for tests and logs
 
-    def state(self, spec: StructuredOutputs) -> GrammarState:
-        """A request's grammar: from the cache, else compiling now on the background thread."""
+    def state(self, spec: StructuredOutputs, prior: Sequence[int] = ()) -> GrammarState:
+        """A request's grammar: from the cache, else compiling now on the background thread; ``prior``: output
+        it already has (a stream resumed here, ``GrammarState.start``)."""
         fut = self._cache.get(spec)
         if fut is None:
             fut = self._pool.submit(self._compile, spec)
@@ -65,7 +67,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
-        return GrammarState(spec, fut, self)
+        return GrammarState(spec, fut, self, prior)
 
     def matcher(self, compiled: Any) -> Matcher:
         assert self._backend is not None  # a compiled grammar exists only once the backend does
@@ -102,16 +104,26 @@ class GrammarCompiler:
             return self._backend
 
 
+class PriorRejected(GrammarError):
+    """A resumed stream's output so far (``prior``) is not a prefix its grammar allows."""
+
+
 class GrammarState:
     """One request's grammar: compiling, then (``start``) its matcher, which the scheduler advances over
-    every token the request samples; kept across a preemption (the tokens it matched stay the output)."""
+    every token the request samples; kept across a preemption (the tokens it matched stay the output).
 
-    __slots__ = ("spec", "future", "matcher", "compiler")
+    ``prior``: the output tokens the request had before it came here (lbd's router resuming a stream on
+    another rank sends them as the prompt's last tokens, ``lbd_resumed_output_tokens``): the matcher starts
+    past them, where the broken stream's grammar was."""
 
-    def __init__(self, spec: StructuredOutputs, future: Future[Any], compiler: GrammarCompiler) -> None:
+    __slots__ = ("spec", "future", "matcher", "compiler", "prior")
+
+    def __init__(self, spec: StructuredOutputs, future: Future[Any], compiler: GrammarCompiler,
+                 prior: Sequence[int] = ()) -> None:
         self.spec = spec
         self.future = future
         self.compiler = compiler
+        self.prior = prior
         self.matcher: Matcher | None = None
 
     @property
@@ -132,9 +144,16 @@ class GrammarState:
 
     def start(self) -> None:
         """Make the matcher (the grammar must be ``ready``); raises GrammarError for a bad grammar, another
-        exception when the backend could not load."""
+        exception when the backend could not load; PriorRejected when the grammar refuses ``prior``."""
         if self.matcher is None:
-            self.matcher = self.compiler.matcher(self.future.result())
+            matcher = self.compiler.matcher(self.future.result())
+            for i, token_id in enumerate(self.prior):
+                if not matcher.accept(token_id):
+                    raise PriorRejected(
+                        f"lbd_resumed_output_tokens: the prompt's last {len(self.prior)} tokens are not "
+                        f"output this {self.spec.kind} grammar allows (token {token_id}, number {i + 1} of "
+                        "them, is refused)")
+            self.matcher = matcher
 
 
 def failure(e: BaseException) -> tuple[str, int]:
