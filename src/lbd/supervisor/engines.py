@@ -141,7 +141,7 @@ _VLLM_SAME = frozenset({
     "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_queued_reqs", "max_num_queued_tokens", "max_logprobs",
     "enforce_eager", "api_server_count", "shutdown_timeout", "log_level", "tensor_parallel_size",
     "pipeline_parallel_size", "enable_expert_parallel", "otlp_traces_endpoint", "data_parallel_address",
-    "data_parallel_rpc_port", "host", "scheduling_policy",
+    "data_parallel_rpc_port", "host", "scheduling_policy", "enable_auto_tool_choice", "tool_call_parser",
 })
 _VLLM_DEFAULTS = frozenset({"disable_log_requests"})  # vLLM's default already: nothing to pass
 # used by the supervisor itself for every engine: the model (a positional or --model-path), the device kind

@@ -16,6 +16,7 @@ from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import add_tls_arguments, check_tls
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # vLLM's names (lbd.engine.server.tool_parsers.PARSERS)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,8 @@ class EngineArgs:
     otlp_traces_endpoint: str | None = None
     responses_store_max_entries: int = 4096
     responses_store_max_bytes: int = 256 * 1024 * 1024
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     profile_steps: int = 0
     load_heartbeat_s: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
@@ -198,6 +201,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--responses-store-max-bytes", type=parse_bytes, default=256 * 1024 * 1024,
                    help="bytes of stored /v1/responses per rank (conversation text included); the oldest "
                         "go first")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (and tools without tool_choice): the model\'s calls are read out '
+                        "of its text by --tool-call-parser into tool_calls (without it, an explicit \"auto\" "
+                        "is a 400, as in vLLM)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the format the model writes calls in (vLLM's names): hermes = <tool_call>{\"name\": "
+                        "..., \"arguments\": {...}}</tool_call>; llama3_json = a JSON object {\"name\": ..., "
+                        "\"parameters\": {...}} (several joined by '; ')")
     g.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="log where the time of a step goes (scheduling, input preparation, attention, "
                         "linear, sampling, IPC; the front ends' detokenization and streaming) every N steps; "
@@ -301,6 +312,9 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     problem = _numbers_problem(args)
     if problem:
         parser.error(problem)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                     f"{', '.join(TOOL_CALL_PARSERS)})")
     if args.otlp_traces_endpoint:
         problem = check_otlp_endpoint(args.otlp_traces_endpoint)
         if problem:

@@ -120,6 +120,8 @@ class ServerConfig:
     max_logprobs: int = 20
     responses_store_max_entries: int = 4096
     responses_store_max_bytes: int = 256 * 1024 * 1024
+    enable_auto_tool_choice: bool = False  # "auto" answers read by tool_call_parser (server.tool_parsers)
+    tool_call_parser: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from lbd.engine.server.errors import bad_request
+from lbd.engine.server.fields import Fields
 from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import chat_entries
 from lbd.engine.server.openai_protocol import header_priority, parse_chat, plan_tokens
@@ -16,7 +17,8 @@ from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
 from lbd.engine.server.streaming import respond
 from lbd.engine.server.token_ids import EmittedIds
-from lbd.engine.server.tool_choice import ForcedTools, ToolCallStream, tool_calls
+from lbd.engine.server.tool_choice import ForcedTools, ToolCallStream, auto_parser, tool_calls
+from lbd.engine.server.tool_parsers import PARSERS, ToolParser
 from lbd.engine.tokenizer import ChatTemplateError
 from lbd.wire.core_messages import TokenLogprobs
 
@@ -28,6 +30,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(body, state.limits)
     req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
+    fields = Fields(body)
+    auto = auto_parser(fields, req.tools, server_tool_parser(state))
 
     def own() -> Awaitable[list[int]]:
         return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
@@ -36,7 +40,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
-    return await respond(request, gen, ChatFormatter(gen, model, req.forced_tools))
+    fmt = ChatFormatter(gen, model, req.forced_tools, PARSERS[auto] if auto else None,
+                        fields.bool("parallel_tool_calls", True))
+    return await respond(request, gen, fmt)
+
+
+def server_tool_parser(state: FrontendState) -> str | None:
+    """The parser ``tool_choice: "auto"`` answers are read with (None: ``--enable-auto-tool-choice`` is
+    off)."""
+    server = state.config.server
+    return server.tool_call_parser if server.enable_auto_tool_choice else None
 
 
 async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]],
@@ -54,11 +67,20 @@ async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]]
 
 
 class ChatFormatter:
-    def __init__(self, gen: Generation, model: str, forced: ForcedTools | None = None) -> None:
+    """Chat's JSON shapes. The text is content, or tool calls: forced (``tool_choice`` "required" or named,
+    server.tool_choice) or read by the server's parser under "auto" (server.tool_parsers); with
+    ``parallel_tool_calls: false`` only the first call goes out, as vLLM does."""
+
+    def __init__(self, gen: Generation, model: str, forced: ForcedTools | None = None,
+                 auto: ToolParser | None = None, parallel: bool = True) -> None:
         self.gen = gen
         self.model = model
-        self.forced = forced  # tool_choice "required" or named: the text is tool calls (server.tool_choice)
+        self.forced = forced
+        self.auto = auto
+        self.parallel = parallel
         self._calls = [ToolCallStream(forced) for _ in gen.seqs] if forced is not None else None
+        self._auto = [auto.stream() for _ in gen.seqs] if auto is not None else None
+        self._called = [False] * len(gen.seqs)  # "auto": the answer holds calls (finish reason tool_calls)
         self.tok = gen.state.tokenizer
         self.want_logprobs = gen.common.logprobs is not None
         n = len(gen.seqs)
@@ -83,7 +105,7 @@ class ChatFormatter:
         # return_token_ids: text, ids and logprobs go out together, whole tokens at a time (token_ids)
         out = self._ids.take(delta) if self._ids is not None else None
         text, ids, lps, _ = out if out is not None else (delta.text, delta.token_ids, delta.logprobs, None)
-        body = self._delta_body(delta.seq.index, text)
+        body = self._delta_body(delta.seq.index, text, delta.finished)
         if not body and not delta.finished and not (self.want_logprobs and ids):
             return None
         choice: dict[str, Any] = {"index": delta.seq.index, "delta": body, "logprobs": self._lp(ids, lps),
@@ -94,21 +116,43 @@ class ChatFormatter:
             choice["token_ids"] = ids
         return self._chunk(choice)
 
-    def _delta_body(self, index: int, text: str) -> dict[str, Any]:
+    def _delta_body(self, index: int, text: str, finished: bool) -> dict[str, Any]:
+        if self._auto is not None:
+            parser = self._auto[index]
+            step = parser.feed(text)
+            if finished:
+                step += parser.finish()
+            self._called[index] = parser.called
+            body: dict[str, Any] = {"content": step.content} if step.content else {}
+            calls = self._first_only(step.calls)
+            return {**body, "tool_calls": calls} if calls else body
         if self._calls is None:
             return {"content": text} if text else {}
-        calls = self._calls[index].feed(text)
+        calls = self._first_only(self._calls[index].feed(text))
         return {"tool_calls": calls} if calls else {}
+
+    def _first_only(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return calls if self.parallel else [c for c in calls if c["index"] == 0]
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         """A forced tool call's grammar that ended reads ``tool_calls`` for "required" (``stop`` when named),
-        as OpenAI and vLLM say."""
+        as OpenAI and vLLM say; an "auto" answer with calls reads ``tool_calls`` (vLLM: when it stopped, in a
+        stream; whatever ended it, whole)."""
         if self.forced is not None and seq.finish_reason == "stop":
             return self.forced.finish_reason
+        if self._called[seq.index] and (seq.finish_reason == "stop" or not self.gen.common.stream):
+            return "tool_calls"
         return seq.finish_reason
 
     def _message(self, index: int) -> dict[str, Any]:
         text = "".join(self._text[index])
+        if self.auto is not None:
+            found = self.auto.extract(text)
+            self._called[index] = bool(found.calls)
+            if not found.calls:
+                return {"role": "assistant", "content": text}
+            calls = found.calls if self.parallel else found.calls[:1]
+            return {"role": "assistant", "content": found.content, "tool_calls": calls}
         if self.forced is None:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": "", "tool_calls": tool_calls(self.forced, text)}
@@ -127,10 +171,11 @@ class ChatFormatter:
             self._logprobs[i].extend(chat_entries(self.tok, delta.token_ids, delta.logprobs))
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": s.index, "message": self._message(s.index),
+        messages = [self._message(s.index) for s in self.gen.seqs]  # before the finish reasons: "auto"
+        choices = [{"index": s.index, "message": m,
                     "logprobs": {"content": self._logprobs[s.index]} if self.want_logprobs else None,
                     "finish_reason": self._finish_reason(s), "stop_reason": s.stop_reason}
-                   for s in self.gen.seqs]
+                   for s, m in zip(self.gen.seqs, messages, strict=True)]
         out = {"id": self.gen.id, "object": "chat.completion", "created": self.gen.created,
                "model": self.model, "choices": choices, "usage": self.gen.usage(),
                **self.gen.kv_transfer_field()}

@@ -22,7 +22,13 @@ class CallSpan:
 
 
 class RequiredCallsScanner:
-    def __init__(self) -> None:
+    """``args_keys``: the keys whose value is a call's arguments (``parameters`` for ``"required"``; the tool
+    parsers read ``arguments`` too). ``broken`` turns true on text that is not JSON (a bad string escape):
+    the scanner then reads nothing more."""
+
+    def __init__(self, args_keys: tuple[str, ...] = ("parameters",)) -> None:
+        self.args_keys = args_keys
+        self.broken = False
         self.text = ""
         self.calls: list[CallSpan] = []
         self._pos = 0
@@ -38,9 +44,14 @@ class RequiredCallsScanner:
 
     def feed(self, text: str) -> None:
         self.text += text
+        if self.broken:
+            return
         t = self.text
-        for i in range(self._pos, len(t)):
-            self._read(t, i, t[i])
+        try:
+            for i in range(self._pos, len(t)):
+                self._read(t, i, t[i])
+        except orjson.JSONDecodeError:
+            self.broken = True
         self._pos = len(t)
 
     def _read(self, t: str, i: int, ch: str) -> None:
@@ -59,7 +70,7 @@ class RequiredCallsScanner:
         if self._depth == 2 and self._want_value:
             self._want_value = False
             self._value_of = self._key
-            if self._key == "parameters" and self.calls:
+            if self._key in self.args_keys and self.calls:
                 self.calls[-1].args_start = i
         self._structural(i, ch)
         self._last_solid = i + 1
@@ -84,7 +95,7 @@ class RequiredCallsScanner:
             self._want_value = True
 
     def _end_value(self, end: int) -> None:
-        if self._value_of == "parameters" and self.calls and self.calls[-1].args_end is None:
+        if self._value_of in self.args_keys and self.calls and self.calls[-1].args_end is None:
             self.calls[-1].args_end = end
         self._value_of = None
 

@@ -9,19 +9,20 @@ JSON schema (the structured-outputs machinery, lbd.engine.structured), then read
 
 Streams carry each call as OpenAI sends one: a first delta with the call's ``id``, ``type``, ``name`` and the
 arguments so far, then argument text only (``ToolCallStream``; for ``"required"`` it reads the array as it
-grows). ``"none"`` and ``"auto"`` leave the output unconstrained (no tool-call parser yet: ``auto`` returns
-the text).
+grows). ``"none"`` and ``"auto"`` leave the output unconstrained; under ``"auto"`` the server's tool-call
+parser (``--enable-auto-tool-choice --tool-call-parser NAME``, ``server.tool_parsers``) reads calls out of
+the text (``auto_parser`` says which, or refuses ``"auto"`` without the flags as vLLM does).
 """
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from lbd.engine.server.errors import bad_request
 from lbd.engine.server.fields import Fields
 from lbd.engine.server.json_scan import RequiredCallsScanner
+from lbd.engine.server.tool_parsers.calls import CallDeltas, call_id, tool_call
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -36,10 +37,6 @@ class ForcedTools:
     @property
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
-
-
-def call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def forced_tools(f: Fields, tools: list[Any] | None) -> ForcedTools | None:
@@ -108,15 +105,11 @@ def tool_calls(forced: ForcedTools, text: str) -> list[dict[str, Any]]:
     """The answer's calls, arguments as the model wrote them (for ``"required"``: the calls written whole;
     one cut by max_tokens is left out, as the stream sends it only in part)."""
     if forced.name is not None:
-        return [_call(forced.name, text)]
+        return [tool_call(forced.name, text)]
     scanner = RequiredCallsScanner()
     scanner.feed(text)
-    return [_call(span.name, text[span.args_start:span.args_end]) for span in scanner.calls
+    return [tool_call(span.name, text[span.args_start:span.args_end]) for span in scanner.calls
             if span.name is not None and span.args_start is not None and span.args_end is not None]
-
-
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @dataclass(slots=True)
@@ -124,9 +117,8 @@ class ToolCallStream:
     """One choice's streamed text turned into OpenAI's tool-call deltas."""
 
     forced: ForcedTools
-    scanner: RequiredCallsScanner = field(default_factory=RequiredCallsScanner)
-    announced: int = 0  # calls whose first delta (id, name) went out
-    sent: list[int] = field(default_factory=list)  # argument characters sent, per call
+    deltas: CallDeltas = field(default_factory=lambda: CallDeltas(RequiredCallsScanner()))
+    announced: bool = False  # named: the call's first delta (id, name) went out
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -134,24 +126,25 @@ class ToolCallStream:
         if self.forced.name is not None:
             if self.announced:
                 return [{"index": 0, "function": {"arguments": text}}]
-            self.announced = 1
+            self.announced = True
             return [{"index": 0, "id": call_id(), "type": "function",
                      "function": {"name": self.forced.name, "arguments": text}}]
-        self.scanner.feed(text)
-        return self._required_deltas()
+        self.deltas.scanner.feed(text)
+        return self.deltas.take()
 
-    def _required_deltas(self) -> list[dict[str, Any]]:
-        out = []
-        for i, span in enumerate(self.scanner.calls):
-            if span.name is None or span.args_start is None:
-                break  # calls come in order: nothing later is ready
-            args = self.scanner.text[span.args_start:span.args_end]
-            if i >= self.announced:
-                self.announced += 1
-                self.sent.append(len(args))
-                out.append({"index": i, "id": call_id(), "type": "function",
-                            "function": {"name": span.name, "arguments": args}})
-            elif len(args) > self.sent[i]:
-                out.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
-                self.sent[i] = len(args)
-        return out
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+def auto_parser(f: Fields, tools: list[Any] | None, parser: str | None) -> str | None:
+    """The tool-call parser that reads this answer (``tool_choice`` ``"auto"``, or absent with ``tools``),
+    or None. ``parser`` is the server's (``--tool-call-parser`` with ``--enable-auto-tool-choice``; None
+    without): an explicit ``"auto"`` then gets vLLM's 400. Absent ``tool_choice`` with tools and no parser
+    stays unparsed text with the tools in the prompt, and ``"auto"`` without tools is nothing to parse (vLLM
+refuses both; lbd kept answering them)."""
+    choice = f.raw("tool_choice")
+    if not tools or choice not in (None, "auto"):
+        return None
+    if choice == "auto" and parser is None:
+        raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
+    return parser
