@@ -87,13 +87,19 @@ def test_previous_response_id_and_get_work_on_every_front_end(server: EngineServ
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function",
+                                                                                 "name": "g"}},
+     "tool_choice.function.name"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}},
-     "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": 3}}},
+     "text.format.schema"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
@@ -104,6 +110,19 @@ def test_refusals_name_the_field(server: EngineServer, body: dict, param: str) -
     r = httpx.post(server.base_url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_chat_tool_choice_auto_without_the_flags_is_vllms_400(server: EngineServer) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = [{"role": "user", "content": "x"}]
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": messages, "tools": tools, "tool_choice": "auto"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert r.json()["error"]["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
+                                            "--tool-call-parser to be set")
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={  # no tool_choice: the text
+        "model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 def test_store_evicts_its_oldest_within_both_bounds(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 streamed token by token as the engine's detokenizer hands the text out (a real BPE tokenizer), and in
 pieces of every size. A stream must announce each call once (index, id, type, name), then send argument
 text only, leak no tool markup into content, and agree with the whole-text reading. The flags: an unknown
-parser is exit 2 naming the flag and the choices, and they reach ranks as other engine flags do."""
+parser is exit 2 naming the flag and the choices, and they reach ranks as other engine flags do. The
+Responses API's items and events over a parsed stream."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from lbd.engine.config.args import TOOL_CALL_PARSERS, make_parser, parse_engine_args
 from lbd.engine.server.errors import APIError
 from lbd.engine.server.fields import Fields
+from lbd.engine.server.responses_items import OutputItems
 from lbd.engine.server.tool_choice import AUTO_NEEDS_FLAGS, auto_parser
 from lbd.engine.server.tool_parsers import PARSERS
 from lbd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -145,3 +147,24 @@ def test_flags(capsys: pytest.CaptureFixture[str]) -> None:
     ns = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     dests = {a.dest for a in parser._actions} - {"help"}
     assert engine_flags(parser, ns, dests) == ["--enable-auto-tool-choice", "--tool-call-parser=hermes"]
+
+
+def test_responses_items_stream_a_message_then_each_call(tok: Tokenizer) -> None:
+    """The Responses API's events for an "auto" answer: the message item closes before the first call's
+    opens, each call closes before the next, and the whole-text reading gives the same items."""
+    text, content, calls = HERMES[0]
+    items = OutputItems("msg_1", None, PARSERS["hermes"], True)
+    pieces = _tokens(tok, text)
+    events = [e for i, p in enumerate(pieces) for e in items.feed(p, i == len(pieces) - 1)]
+    events += items.closing(False)
+    kinds = [e["type"].removeprefix("response.") for e in events if not e["type"].endswith(".delta")]
+    call_events = ["output_item.added", "function_call_arguments.done", "output_item.done"]
+    assert kinds == ["output_item.added", "content_part.added", "output_text.done", "content_part.done",
+                     "output_item.done", *call_events, *call_events]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    streamed = items.items(cut=False)
+    whole = OutputItems("msg_1", None, PARSERS["hermes"], True)
+    whole.read(text)
+    for got in (streamed, whole.items(cut=False)):
+        assert got[0]["content"][0]["text"] == content
+        assert [(c["name"], json.loads(c["arguments"])) for c in got[1:]] == calls

@@ -1,5 +1,6 @@
 """The OpenAI Responses API: ``POST /v1/responses`` (stream and not), ``GET`` and ``DELETE
-/v1/responses/{id}``. Text in, text out; what is refused is listed in ``responses_protocol``.
+/v1/responses/{id}``. Text, structured text (``text.format``) or function calls (``tools``: the items and
+their events are ``responses_items``'); what is refused is listed in ``responses_protocol``.
 
 The prompt is the chat template over ``instructions`` (as a system message, never carried to the next turn,
 as in OpenAI's API), the stored conversation of ``previous_response_id`` and the new input items. A streamed
@@ -24,14 +25,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from lbd.engine.server.chat import render_prompt_ids
+from lbd.engine.server.chat import render_prompt_ids, server_tool_parser
 from lbd.engine.server.errors import APIError
+from lbd.engine.server.fields import Fields
 from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.openai_protocol import check_prompt_chars, header_priority, plan_tokens
 from lbd.engine.server.request_io import check_rank, checked_state, read_json, state_of
+from lbd.engine.server.responses_items import OutputItems, text_part
 from lbd.engine.server.responses_protocol import ResponsesRequest, parse_responses
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.streaming import EventFraming, json_response, respond
+from lbd.engine.server.tool_choice import auto_parser
+from lbd.engine.server.tool_parsers import PARSERS, ToolParser
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -39,7 +44,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await read_json(request))
     req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
-    history: list[dict[str, str]] = []
+    auto = auto_parser(Fields({"tool_choice": req.tool_choice}), req.tools, server_tool_parser(state))
+    history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         record = state.responses.get(req.previous_response_id)
         if record is None:
@@ -48,10 +54,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages = system + history + req.input_messages
     check_prompt_chars(sum(len(str(m["content"])) for m in messages), state.limits, "input")
-    ids = await render_prompt_ids(state, messages, param="input")
+    ids = await render_prompt_ids(state, messages, tools=req.tools, param="input")
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "input")
     gen = Generation(state, f"resp_r{state.config.rank}", [PromptInput(ids, max_tokens)], req.common)
-    return await respond(request, gen, ResponsesFormatter(gen, model, req, history))
+    return await respond(request, gen, ResponsesFormatter(gen, model, req, history,
+                                                          PARSERS[auto] if auto else None))
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -82,8 +89,8 @@ class ResponsesFormatter(EventFraming):
 
     done = b""
 
-    def __init__(self, gen: Generation, model: str, req: ResponsesRequest,
-                 history: list[dict[str, str]]) -> None:
+    def __init__(self, gen: Generation, model: str, req: ResponsesRequest, history: list[dict[str, Any]],
+                 auto: ToolParser | None = None) -> None:
         self.gen = gen
         self.model = model
         self.req = req
@@ -92,6 +99,11 @@ class ResponsesFormatter(EventFraming):
         self._text: list[str] = []
         self._seq = 0
         self._store = req.store and gen.state.responses.enabled
+        # the text may hold tool calls: items opened as they come (responses_items); else one message
+        parallel = bool(req.echo.get("parallel_tool_calls", True))
+        self.items = (OutputItems(self.msg_id, req.forced, auto, parallel)
+                      if req.forced is not None or auto is not None else None)
+        self._streamed = False
 
     # ---- framing --------------------------------------------------------------------------------------
     def encode(self, event: dict[str, Any]) -> bytes:
@@ -101,20 +113,26 @@ class ResponsesFormatter(EventFraming):
 
     def lead_in(self) -> list[dict[str, Any]]:
         started = self._response("in_progress", [], None)
+        if self.items is not None:
+            return [{"type": "response.created", "response": started},
+                    {"type": "response.in_progress", "response": started}]
         item = {"id": self.msg_id, "type": "message", "status": "in_progress", "role": "assistant",
                 "content": []}
         return [{"type": "response.created", "response": started},
                 {"type": "response.in_progress", "response": started},
                 {"type": "response.output_item.added", "output_index": 0, "item": item},
                 {"type": "response.content_part.added", "item_id": self.msg_id, "output_index": 0,
-                 "content_index": 0, "part": _text_part("")}]
+                 "content_index": 0, "part": text_part("")}]
 
     def closing(self) -> list[dict[str, Any]]:
         final = self._final()
+        if self.items is not None:
+            return [*self.items.closing(final["status"] == "incomplete"),
+                    {"type": "response.completed", "response": final}]
         item, text = final["output"][0], "".join(self._text)
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         return [{"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-                {"type": "response.content_part.done", **where, "part": _text_part(text)},
+                {"type": "response.content_part.done", **where, "part": text_part(text)},
                 {"type": "response.output_item.done", "output_index": 0, "item": item},
                 {"type": "response.completed", "response": final}]
 
@@ -126,8 +144,11 @@ class ResponsesFormatter(EventFraming):
     def stream_start(self, seq: Sequence) -> dict[str, Any] | None:
         return None
 
-    def stream_chunk(self, delta: Delta) -> dict[str, Any] | None:
+    def stream_chunk(self, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None:
         self.collect(delta)
+        if self.items is not None:
+            self._streamed = True
+            return self.items.feed(delta.text, delta.finished) or None
         if not delta.text:
             return None
         return {"type": "response.output_text.delta", "item_id": self.msg_id, "output_index": 0,
@@ -148,18 +169,25 @@ class ResponsesFormatter(EventFraming):
         seq = self.gen.seqs[0]
         cut = seq.finish_reason == "length"
         text = "".join(self._text)
-        item = {"id": self.msg_id, "type": "message", "status": "incomplete" if cut else "completed",
-                "role": "assistant", "content": [_text_part(text)]}
+        if self.items is None:
+            output = [{"id": self.msg_id, "type": "message", "status": "incomplete" if cut else "completed",
+                       "role": "assistant", "content": [text_part(text)]}]
+            turn: dict[str, Any] = {"role": "assistant", "content": text}
+        else:
+            if not self._streamed:
+                self.items.read(text)
+                self._streamed = True  # read once
+            output, turn = self.items.items(cut), self.items.history()
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
         usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": seq.num_cached},
                  "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
-        final = self._response("incomplete" if cut else "completed", [item], usage)
+        final = self._response("incomplete" if cut else "completed", output, usage)
         if cut:
             final["incomplete_details"] = {"reason": "max_output_tokens"}
         else:
             final["completed_at"] = int(time.time())
         if self._store:
-            messages = [*self.history, *self.req.input_messages, {"role": "assistant", "content": text}]
+            messages = [*self.history, *self.req.input_messages, turn]
             self.gen.state.responses.put(self.gen.id, {"response": final, "messages": messages})
         return final
 
@@ -172,6 +200,3 @@ class ResponsesFormatter(EventFraming):
                 "text": {"format": {"type": "text"}}, "tools": [], "truncation": "disabled", "usage": usage,
                 **req.echo}
 
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -29,7 +29,7 @@ class Formatter(Protocol):
 
     def stream_start(self, seq: Sequence) -> dict[str, Any] | None: ...
 
-    def stream_chunk(self, delta: Delta) -> dict[str, Any] | None: ...
+    def stream_chunk(self, delta: Delta) -> dict[str, Any] | list[dict[str, Any]] | None: ...
 
     def collect(self, delta: Delta) -> None: ...
 
@@ -112,7 +112,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
                 if delta.seq.index not in started:
                     started.add(delta.seq.index)
                     chunks.append(fmt.stream_start(delta.seq))
-                chunks.append(fmt.stream_chunk(delta))
+                out = fmt.stream_chunk(delta)  # a list: several events (the Responses API's items)
+                chunks += out if isinstance(out, list) else [out]
                 for chunk in chunks:
                     if chunk is not None:
                         if usage_key:
