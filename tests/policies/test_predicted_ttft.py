@@ -150,8 +150,9 @@ def test_exact_affinity_is_bounded_by_load() -> None:
 
 
 def test_reuse_breaks_near_ties_toward_the_cache() -> None:
-    # e0 is computing this prefix for an earlier request (its 2,000 tokens are queued there): the estimate
-    # is a little worse there, but recomputing the prefix on e1 wastes 2,000 tokens of e1's time.
+    # e0 has computed this prefix for an earlier request (held, its 2,000 tokens of others' prefills queued
+    # there): the estimate is a little worse there, but recomputing the prefix on e1 wastes 2,000 tokens of
+    # e1's time.
     p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
     e = eps(2)
     e[0] = replace(e[0], inflight=1, unstarted=1, unstarted_tokens=2000, delta=1, running=1)
@@ -159,6 +160,30 @@ def test_reuse_breaks_near_ties_toward_the_cache() -> None:
     assert p.choose(facts, e).endpoint.key == "http://e0"
     greedy = make_policy("predicted_ttft", prefill_tokens_per_s=1000, reuse_weight=0.0)
     assert greedy.choose(facts, e).endpoint.key == "http://e1"
+
+
+def test_a_prefix_still_being_computed_is_no_saving_to_wait_for() -> None:
+    """Issue 42's burst: the same 2,000 tokens are only pending on e0 (an earlier request computes them there,
+    no first byte and no KV event yet). A follower waits there for that whole prefill, as long as a recompute
+    on idle e1 takes: the pending prefix's credit is cut by the prefill queued ahead, so it goes to e1 and
+    does not stack behind the one prefill (it kept the full credit and stacked before). Once that prefill
+    is done (nothing ahead), the follower takes the hit."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    e = eps(2)
+    e[0] = replace(e[0], inflight=1, unstarted=1, unstarted_tokens=2000, delta=1, running=1)
+    facts = exact(2200, {"http://e0": 2000, "http://e1": 0})
+    facts.pending_tokens = {"http://e0": 2000}
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e1" and d.reason == "prefix_wait"
+    old = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
+    next(s for s, _ in old.scorers if s.name == "reuse").wait_bound = False
+    assert old.choose(facts, e).endpoint.key == "http://e0"  # the unbounded credit: stacked
+    e[0] = replace(e[0], unstarted=0, unstarted_tokens=0)  # the leader's first byte: nothing queued ahead
+    d = p.choose(facts, e)
+    assert d.endpoint.key == "http://e0" and d.reason == "prefix_hit"
+    # a short queue ahead of a pending prefix keeps most of its credit (less than the prefix's tokens)
+    e[0] = replace(e[0], unstarted=1, unstarted_tokens=600)
+    assert p.choose(facts, e).endpoint.key == "http://e0"
 
 
 # ---- KV pressure: the hot prefixes a placement would evict ------------------------------------------------

@@ -26,6 +26,9 @@ class RequestFacts:
     pinned_rank: int | None = None
     prompt_tokens: int = 0  # estimate (characters / 4), or exact when the router tokenized the request
     cached_tokens: dict[str, int] | None = None
+    # of cached_tokens, the part only pending there: blocks the router sent that endpoint to compute whose
+    # KV events have not come yet (a request still in prefill there computes them); absent: none
+    pending_tokens: dict[str, int] | None = None
     block_keys: dict[int, list[int]] | None = None  # the prompt's KV block chain per block size (exact view)
     chain_partial: bool = False  # block_keys is only the head of the chain (routed on its head: kv.cold)
 

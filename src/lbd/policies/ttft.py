@@ -19,7 +19,14 @@ than its prefill tokens (issue 42: ~5 ms a running request and ~35 ms a request 
 prefill token, on 8 sim ranks sharing 2 cores).
 ``reuse`` scores this request's uncached tokens: a token computed again where another rank holds it delays
 everything queued behind it there, so between two near-equal estimates the one that reuses the cache wins,
-while a rank whose queue outgrows the saving loses the request (a hot prefix spreads).
+while a rank whose queue outgrows the saving loses the request (a hot prefix spreads). A prefix still being
+computed earns no credit it would wait for (``wait_bound``): of the prefix pending on an endpoint (sent there
+to compute, its KV events not in yet: ``RequestFacts.pending_tokens``), the part as long as the prefill queued
+there beyond the shortest such queue is charged as uncached. Issue 42's burst: sessions sharing a cold
+system prompt arrive while its first request computes it; the exact view counts that prefix cached there,
+and with the full credit every follower stacked behind the one prefill (when it stalled, the whole group
+stalled: 2.1-2.6 s against ~1.1 s for a recompute on an idle rank). Held prefixes keep the whole credit
+(bounding it by every queue cost many-tenant 7-10 points of prefix hits).
 ``evict`` scores the hot prefix tokens a placement would push out of that endpoint's cache (``Footprint``:
 other prefixes served there lately plus this prompt, past ``kv_threshold`` of its KV blocks): evicting a
 tenant's prefix costs its next request that prefix again, so cold prefixes go where there is room.
@@ -34,6 +41,8 @@ from lbd.policies.prefix import CHUNK_CHARS, PrefixIndex, PrefixMemory
 from lbd.policies.registry import plugin
 
 CHARS_PER_TOKEN = 4  # the router's prompt-length estimate; it never tokenizes
+QUEUED = "ttft.queued"  # ctx.memo: prefill tokens queued ahead per endpoint (reuse bounds its credit by it)
+WAIT_CUT = "reuse.wait_cut"  # ctx.memo: each endpoint's credit cut by its queue (the reason names it)
 
 
 class TtftModel(Learned):
@@ -197,7 +206,7 @@ class Ttft(Scorer):
         model = self.model
         stale_s, avg, thr = self.stale_s, model.avg_prompt_tokens, self.kv_threshold
         per_running, per_ahead = model.running_tokens, model.request_tokens
-        out = []
+        out, ahead = [], []
         for ep, (uncached, _) in zip(ctx.pool, uncached_all(ctx, self.memory), strict=True):
             own_running = ep.inflight - ep.unstarted
             if own_running < 0:
@@ -211,9 +220,12 @@ class Ttft(Scorer):
                 over = over / (1.0 - thr) if over > 0.0 and thr < 1.0 else 0.0
             else:
                 others_waiting, running, over = 0.0, float(own_running), 0.0
-            out.append(ep.unstarted_tokens + others_waiting * avg + running * per_running + uncached
-                       + over * self.kv_penalty_tokens + (ep.unstarted + others_waiting) * per_ahead)
+            queued = ep.unstarted_tokens + others_waiting * avg
+            ahead.append(queued)
+            out.append(queued + running * per_running + uncached + over * self.kv_penalty_tokens
+                       + (ep.unstarted + others_waiting) * per_ahead)
         ctx.memo[self] = out
+        ctx.memo[QUEUED] = ahead
         return out
 
     def load(self, ctx: Context, pick: int) -> tuple[float, float, float]:
@@ -235,8 +247,13 @@ class Ttft(Scorer):
             return "stale_telemetry"
         held = uncached_all(ctx, self.memory)
         matched = held[pick][1]
-        if matched and matched == max(m for _, m in held):
+        best = max(m for _, m in held)
+        if matched and matched == best:
             return "prefix_hit"
+        cuts, totals = ctx.memo.get(WAIT_CUT), ctx.totals
+        if best and cuts and totals and any(totals[i] - cuts[i] < totals[pick] for i in ctx.kept
+                                            if held[i][1] == best):
+            return "prefix_wait"  # a holder won with its whole credit (at reuse weight 1): its queue lost it
         return "lowest_ttft"
 
     def detail(self, ctx: Context, pick: int) -> Detail:
@@ -267,18 +284,44 @@ class Reuse(Scorer):
     """This request's tokens each endpoint would compute again (its prompt less the prefix it holds)."""
 
     name = "reuse"
-    help = "the request's uncached tokens per endpoint (exact view, else the approximate index)"
+    help = ("the request's uncached tokens per endpoint (exact view, else the approximate index); "
+            "wait_bound: a pending prefix's credit shrinks by the prefill queued ahead past the least")
     uses_prefix_hashes = True
     exact_aware = True
     claims = False  # it refines the estimate; ttft names the decision
     uses_load = False
 
-    def __init__(self, env: Env, index_capacity: int = 65536) -> None:
+    def __init__(self, env: Env, index_capacity: int = 65536, wait_bound: bool = True) -> None:
         super().__init__(env)
+        self.wait_bound = wait_bound
         self.memory = env.state(PrefixMemory, capacity=index_capacity)
 
     def score(self, ctx: Context) -> list[float]:
-        return [u for u, _ in uncached_all(ctx, self.memory)]
+        held = uncached_all(ctx, self.memory)
+        pending = ctx.facts.pending_tokens if self.wait_bound else None
+        queued = ctx.memo.get(QUEUED) if pending else None
+        if queued is None:  # nothing pending anywhere (or no ttft scorer before it): the uncached tokens
+            return [u for u, _ in held]
+        return self.bounded(ctx, held, queued, pending)
+
+    def bounded(self, ctx: Context, held: list[tuple[float, int]], queued: list[float],
+                pending: dict[str, int]) -> list[float]:
+        """Each endpoint's uncached tokens plus the part of its pending prefix (sent there to compute, not
+        yet announced by its KV events) that the prefill queued ahead of it eats: the queue's excess over
+        the shortest queue among the kept endpoints. The request computing that prefix is in that queue
+        (it has no first token yet), so a follower waits there for its prefill: behind a queue longer by the
+        whole prefix it gets no credit for it, and goes where its first token comes sooner. A prefix the
+        events announced (held) keeps its whole credit, whatever the queue."""
+        least = min(queued[i] for i in ctx.kept)
+        out, cuts = [], []
+        for ep, (u, _), q in zip(ctx.pool, held, queued, strict=True):
+            extra = q - least
+            part = pending.get(ep.key, 0) if extra > 0.0 else 0
+            cut = (extra if extra < part else float(part)) if part else 0.0
+            out.append(u + cut)
+            cuts.append(cut)
+        ctx.memo[WAIT_CUT] = cuts
+        return out
 
 
 @plugin

@@ -155,3 +155,22 @@ def test_a_cap_that_is_not_positive_exits_2_naming_its_flag(
     assert e.value.code == 2 and flag in capsys.readouterr().err
     cfg = parse_args(["--upstreams", "http://127.0.0.1:1", flag, "1000"])
     assert 1000 in (cfg.kv_index_max_blocks, cfg.kv_index_max_blocks_per_endpoint)
+
+
+async def test_held_depth_splits_a_match_into_announced_and_pending_blocks() -> None:
+    """A lookup's depth counts pending blocks (sent to compute, no event yet); ``held_depth`` says how many of
+    them the endpoint's events announced, so the policy can tell a prefix held from one still in prefill."""
+    index = BlockIndex()
+    blocks = index.endpoint()
+    tokens = list(range(10 * BS))
+    keys = chain_keys(tokens, BS)
+    await Feeder(blocks).send(stored(list(range(4)), None, tokens[:4 * BS]))  # 4 blocks announced
+    index.add_pending(keys[4:], blocks.bit)  # the other 6 sent to compute
+    assert index.match(keys, blocks.bit) == {blocks.bit: 10}
+    assert index.held_depth(keys, blocks.bit, 10) == 4
+    assert index.held_depth(keys, blocks.bit, 3) == 3  # all of a shorter depth announced: one probe
+    index.remove_pending(keys[4:], blocks.bit)
+    assert index.held_depth(keys, blocks.bit, 10) == 4 and index.match(keys, blocks.bit) == {blocks.bit: 4}
+    other = index.endpoint()
+    index.add_pending(keys, other.bit)  # nothing announced there: the whole depth is pending
+    assert index.held_depth(keys, other.bit, 10) == 0

@@ -282,7 +282,9 @@ async def test_a_streamed_answer_is_tokenized_before_the_next_turn(
 async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: SupervisorNode, start_router) -> None:
     """A cold 5,000-character system prompt: the router reads its head, sees no rank holds even that, and
     sends it at once (the whole text is tokenized meanwhile); a second request with that prompt, sent
-    right behind it, still finds the rank computing it, and a third, later, finds it cached there."""
+    right behind it, still finds the rank computing it: the prefix pending there, behind that whole prefill,
+    so it is computed again on an idle rank, as soon (``prefix_wait``, issue 42), unless the first had
+    started by then (a hit); a third, later, finds it cached where they went."""
     r = await router_for(node, start_router)
     await until(r, exact_everywhere, "exact views")
     system = " ".join(f"Note {i}. You are a careful assistant who answers about rivers." for i in range(70))
@@ -297,9 +299,12 @@ async def test_a_new_long_prompt_is_routed_before_it_is_tokenized(node: Supervis
         (home, why, _), (second, why2, _) = await asyncio.gather(first, chat(c, r.url, msgs("And river 4?")))
         third, why3, _ = await chat(c, r.url, msgs("And river 5?"))
     assert "0 blocks cached" in why and why.startswith("lowest_ttft"), why
-    assert second == home and why2.startswith("prefix_hit"), (why2, home, second)
-    assert third == home and why3.startswith("prefix_hit"), why3
-    held = [int(w.split(" uncached, ")[1].split(" blocks")[0]) for w in (why2, why3)]
+    if second == home:
+        assert why2.startswith("prefix_hit"), why2
+    else:
+        assert why2.startswith("prefix_wait"), (why2, home, second)
+    assert third in (home, second) and why3.startswith("prefix_hit"), why3  # (both hold it then)
+    held = [int(w.split(" uncached, ")[1].split(" blocks")[0]) for w in (why2, why3) if "prefix_hit" in w]
     assert min(held) * 16 > 1000, held  # the whole system prompt, not only the head's ~250 tokens
     st = await r.status()
     early = {e["url"]: e["kv_events"]["routed_on_head"] for e in st["endpoints"]}

@@ -206,6 +206,22 @@ class BlockIndex:
             self._recompute(k)
 
     # ---- lookup --------------------------------------------------------------------------------------------
+    def held_depth(self, keys: Sequence[int], bit: int, depth: int) -> int:
+        """How many of the first ``depth`` blocks of ``keys`` endpoint ``bit``'s events announced (the rest of
+        a ``match`` depth is pending there): one probe when all are, else a binary search (an endpoint holds
+        a chain's blocks from its start)."""
+        held = self.held
+        if depth <= 0 or held.get(keys[depth - 1], 0) & bit:
+            return depth
+        lo, hi = 0, depth - 1  # the first block not announced lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if held.get(keys[mid], 0) & bit:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def match(self, keys: Sequence[int], bits: int) -> dict[int, int]:
         """How many leading blocks of ``keys`` each endpoint in ``bits`` holds or is computing:
         {bit: blocks} (only bits with at least one block)."""

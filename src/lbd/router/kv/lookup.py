@@ -144,11 +144,12 @@ class Lookup:
         else:
             return False  # no head, or some endpoint holds all of the longest: the rest may be there too
         _, head_tokens, head_chars = head
-        cached, keys_by_size = proof
+        cached, keys_by_size, pending = proof
         known = sum(len(p) for p in plan.pieces if not isinstance(p, str))
         facts = req.facts
         facts.prompt_tokens = self.cold.estimate_tokens(plan, head_tokens, head_chars, known)
         facts.cached_tokens = cached
+        facts.pending_tokens = pending or None
         facts.block_keys = keys_by_size
         facts.chain_partial = True
         req.deferred = self.cold.start(tok, plan) if self.cold.has_room() else HEAD_ONLY
@@ -156,10 +157,11 @@ class Lookup:
 
     def _cold_proof(
         self, ids: list[int], views: list[EndpointView]
-    ) -> tuple[dict[str, int], dict[int, list[int]]] | None:
-        """(each endpoint's cached tokens, the head's chain per block size) when no endpoint holds or
-        computes all of the head's chain; else None."""
+    ) -> tuple[dict[str, int], dict[int, list[int]], dict[str, int]] | None:
+        """(each endpoint's cached tokens, the head's chain per block size, the pending part of the cached)
+        when no endpoint holds or computes all of the head's chain; else None."""
         cached: dict[str, int] = {}
+        pending: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():
             keys = chain_keys(ids, bs)
@@ -168,10 +170,9 @@ class Lookup:
             depth = self._depths(keys, group)
             if any(d >= len(keys) for d in depth.values()):
                 return None
-            for v in group:
-                cached[v.url] = depth.get(v.blocks.bit, 0) * bs
+            self._cached(keys, group, depth, bs, cached, pending)
             keys_by_size[bs] = keys
-        return cached, keys_by_size
+        return cached, keys_by_size, pending
 
     def _lookup(self, req: Routed, pieces: list[Any], views: list[EndpointView], fp: str | None) -> None:
         n = sum(len(p) for p in pieces)
@@ -180,14 +181,27 @@ class Lookup:
         if fp is not None:
             req.prompt_ids = ExactPrompt(pieces, fp)
         cached: dict[str, int] = {}
+        pending: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for bs, group in _by_block_size(views).items():
             keys = keys_by_size[bs] = self._chain(bs, pieces, n)
-            depth = self._depths(keys, group)
-            for v in group:
-                cached[v.url] = depth.get(v.blocks.bit, 0) * bs
+            self._cached(keys, group, self._depths(keys, group), bs, cached, pending)
         facts.cached_tokens = cached
+        facts.pending_tokens = pending or None
         facts.block_keys = keys_by_size
+
+    def _cached(self, keys: list[int], group: list[EndpointView], depth: dict[int, int], bs: int,
+                cached: dict[str, int], pending: dict[str, int]) -> None:
+        """Each endpoint's cached tokens into ``cached``, and where part of them is only pending (sent there
+        to compute, not announced yet) that part into ``pending``."""
+        held_depth = self.index.held_depth
+        for v in group:
+            d = depth.get(v.blocks.bit, 0)
+            cached[v.url] = d * bs
+            if d:
+                h = held_depth(keys, v.blocks.bit, d)
+                if h < d:
+                    pending[v.url] = (d - h) * bs
 
     def _chain(self, bs: int, pieces: list[Any], n: int) -> list[int]:
         # the engine always computes the last prompt token: a fully cached prompt still recomputes it
