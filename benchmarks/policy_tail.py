@@ -12,7 +12,8 @@ run, and its p50 and hit rate no worse than round robin's. Ratios only: this hos
 
 `--trace DIR` runs the router under a wrapper that writes every decision (prompt tokens, the chosen rank,
 each rank's score parts and load at dispatch, the cached tokens it predicted) and the first byte's time to a
-JSON-lines file per run: the per-request detail behind a tail.
+JSON-lines file per run: the per-request detail behind a tail (each router worker numbers its own decisions:
+``w`` is its pid).
 
     .venv/bin/python benchmarks/policy_tail.py [--runs 3] [--policies round_robin,predicted_ttft]
         [--bench-args "..."] [--route-args "..."] [--trace DIR] [--json out.json]
@@ -62,7 +63,8 @@ def traced_router(trace: str, argv: list[str]) -> int:
         seq[0] += 1
         pool, facts = ctx.pool, ctx.facts
         rec = {
-            "ev": "decide", "n": seq[0], "t": round(time.monotonic() - t0, 4), "prompt": facts.prompt_tokens,
+            "ev": "decide", "n": seq[0], "w": os.getpid(), "t": round(time.monotonic() - t0, 4),
+            "prompt": facts.prompt_tokens,
             "pick": d.endpoint.rank, "reason": d.reason, "cost": round(d.cost_tokens, 1),
             "pred_ms": round(d.predicted_s * 1000, 2), "root": facts.prefix_hashes[1] % 100000
             if len(facts.prefix_hashes) > 1 else None,
@@ -83,7 +85,7 @@ def traced_router(trace: str, argv: list[str]) -> int:
 
     def traced_first_byte(self: Profile, decision, ttft_s: float) -> None:  # type: ignore[no-untyped-def]
         first_byte(self, decision, ttft_s)
-        out.write(json.dumps({"ev": "first_byte", "n": traced.pop(id(decision), None),
+        out.write(json.dumps({"ev": "first_byte", "n": traced.pop(id(decision), None), "w": os.getpid(),
                               "t": round(time.monotonic() - t0, 4), "ttft_ms": round(ttft_s * 1000, 2),
                               "pick": decision.endpoint.rank}) + "\n")
 
