@@ -33,6 +33,8 @@ def _samples() -> dict[bytes, msgspec.Struct]:
         CM.STATS: stats,
         CM.RESET_DONE: CM.ResetDone("x1", True),
         CM.DP: DPStatus(DPState.READY, 2, None, True, "alltoall", True, 3, 40, 5),
+        CM.LORA: CM.LoraCommand("l1", "load", "sql", "/adapters/sql"),
+        CM.LORA_DONE: CM.LoraDone("l1", 400, "DoRA adapters (use_dora) are not supported"),
     }
 
 

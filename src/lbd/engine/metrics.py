@@ -118,6 +118,13 @@ class CoreMetrics:
                              ("model_name", "reason"))
         self._rejections = {r: rejections.labels(model_name=model_name, reason=r) for r in ADMISSION_REASONS}
         self._cache_config: Gauge | None = None
+        self._lora: LoraMetrics | None = None
+
+    def set_lora(self, state: object) -> None:
+        """The adapters' state (a ``lbd.wire.core_messages.LoraState``), under --enable-lora."""
+        if self._lora is None:
+            self._lora = LoraMetrics(self.labels)
+        self._lora.update(state)
 
     def request_success(self, finished_reason: str) -> Counter:
         child = self._success.get(finished_reason)
@@ -137,6 +144,41 @@ class CoreMetrics:
             self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                        tuple(labels), multiprocess_mode="mostrecent")
         self._cache_config.labels(**labels).set(1)
+
+
+class LoraMetrics:
+    """vLLM's ``vllm:lora_requests_info`` (labels ``max_lora``, ``waiting_lora_adapters``,
+    ``running_lora_adapters``: comma-joined names; the value is the time it was set, so the newest series is
+    the current one, as in vLLM) and what it lacks, which an adapter-aware router needs: ``lbd:lora_resident``
+    (1 per adapter and place, ``device`` or ``cpu``; 0 once it left), ``lbd:lora_free_slots`` and
+    ``lbd:lora_load_seconds`` (each adapter's last load)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                          ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                          multiprocess_mode="mostrecent")
+        self.resident = Gauge("lbd:lora_resident", "LoRA adapters loaded on this rank, by place (device slot "
+                              "or CPU cache): 1 while there.", (*LABELS, "lora_name", "where"),
+                              multiprocess_mode="mostrecent")
+        self.free_slots = _gauge("lbd:lora_free_slots",
+                                 "Device LoRA slots holding no adapter.").labels(**labels)
+        self.load_seconds = Gauge("lbd:lora_load_seconds", "Seconds the last load of each LoRA adapter took "
+                                  "(read, check, build tensors).", (*LABELS, "lora_name"),
+                                  multiprocess_mode="mostrecent")
+        self._where: set[tuple[str, str]] = set()
+
+    def update(self, s: object) -> None:
+        self.info.labels(max_lora=str(s.max_lora), waiting_lora_adapters=",".join(s.waiting),
+                         running_lora_adapters=",".join(s.running)).set_to_current_time()
+        now = {(name, "device") for name in s.device} | {(name, "cpu") for name in s.cpu}
+        for name, where in self._where | now:
+            self.resident.labels(**self.labels, lora_name=name, where=where).set(
+                1 if (name, where) in now else 0)
+        self._where = now
+        self.free_slots.set(s.free_slots)
+        for name, seconds in s.load_seconds.items():
+            self.load_seconds.labels(**self.labels, lora_name=name).set(seconds)
 
 
 class FrontendMetrics:

@@ -7,10 +7,11 @@ N front ends share one core and each gets only its own requests' outputs. ``enco
 ``lbd.engine.core.process``) and the consumer (``lbd.engine.server.core_client``) both use this module.
 
 Front end -> core: ``add`` EngineCoreRequest, ``abort`` Abort, ``hello`` Hello, ``reset_prefix_cache``
-ResetPrefixCache. Core -> front end: ``outputs`` EngineCoreOutputs (each step, per front end), ``ready``
-CoreInfo (the answer to ``hello``), ``error`` RequestError, ``stats`` SchedulerStats (at most every 100 ms
-when idle, so gauges stay fresh), ``reset_done`` ResetDone, ``dp`` DPStatus (``lbd.wire.dp``: a rank of an
-MoE DP group only, after ``ready`` and on every change).
+ResetPrefixCache, ``lora`` LoraCommand (answered by ``lora_done`` LoraDone). Core -> front end: ``outputs``
+EngineCoreOutputs (each step, per front end), ``ready`` CoreInfo (the answer to ``hello``), ``error``
+RequestError, ``stats`` SchedulerStats (at most every 100 ms when idle, so gauges stay fresh), ``reset_done``
+ResetDone, ``dp`` DPStatus (``lbd.wire.dp``: a rank of an MoE DP group only, after ``ready`` and on every
+change).
 
 Compatibility: a reader ignores fields it does not know, and a field it knows but does not receive takes its
 default. Types marked *positional* (``array_like``: the per-step ones; arrays are cheaper to pack than maps,
@@ -29,6 +30,7 @@ from lbd.wire.kv_transfer import KVTransferParams
 
 ADD, ABORT, HELLO, RESET = b"add", b"abort", b"hello", b"reset_prefix_cache"
 OUTPUTS, READY, ERROR, STATS, RESET_DONE, DP = b"outputs", b"ready", b"error", b"stats", b"reset_done", b"dp"
+LORA, LORA_DONE = b"lora", b"lora_done"
 
 
 # ---- front end -> core ---------------------------------------------------------------------------------
@@ -82,6 +84,7 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float  # time.time() at the front end
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (lbd.wire.kv_transfer)
     priority: int = 0  # vLLM's field: lower is more important; only --scheduling-policy priority orders by it
+    lora_name: str | None = None  # the LoRA adapter to run with (the request's ``model``); None: base model
 
 
 class Abort(msgspec.Struct):
@@ -93,6 +96,17 @@ class Abort(msgspec.Struct):
 
 class Hello(msgspec.Struct):
     """``hello``: a front end asks for the core's CoreInfo (resent until the core answers)."""
+
+
+class LoraCommand(msgspec.Struct):
+    """``lora``: load (``path`` given) or unload adapter ``name``; answered with LoraDone of the same id once
+    done (a load: after the core read and checked it, off its step loop)."""
+
+    id: str
+    op: Literal["load", "unload"]
+    name: str
+    path: str = ""
+    base_model_name: str | None = None
 
 
 class ResetPrefixCache(msgspec.Struct):
@@ -127,6 +141,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     kv_transfer_params: KVTransferParams | None = None  # a finished prefill's, for its remote decode
 
 
+class LoraState(msgspec.Struct):
+    """A rank's LoRA adapters: vLLM's ``lora_requests_info`` (adapters with running or waiting requests,
+    ``max_lora``) and what it lacks: where each loaded adapter is (``device`` slots, ``cpu`` cache, an adapter
+    in a slot is in both), the free slots and each adapter's last load time in seconds."""
+
+    max_lora: int = 0
+    running: list[str] = msgspec.field(default_factory=list)
+    waiting: list[str] = msgspec.field(default_factory=list)
+    device: list[str] = msgspec.field(default_factory=list)
+    cpu: list[str] = msgspec.field(default_factory=list)
+    free_slots: int = 0
+    load_seconds: dict[str, float] = msgspec.field(default_factory=dict)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     """``stats``, and part of every ``outputs``: the core's load, what a front end's GET /telemetry answers.
     Counters are cumulative, with the values of vLLM's counters of the same names on /metrics (prefix-cache
@@ -141,6 +169,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    lora: LoraState | None = None  # --enable-lora only
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
@@ -175,6 +204,14 @@ class RequestError(msgspec.Struct):
     status: int = 500
 
 
+class LoraDone(msgspec.Struct):
+    """``lora_done``: the answer to LoraCommand ``id``: an HTTP status and vLLM's message."""
+
+    id: str
+    status: int
+    message: str
+
+
 class ResetDone(msgspec.Struct):
     """``reset_done``: the answer to ResetPrefixCache ``id``; ``ok`` is False while requests hold blocks."""
 
@@ -185,7 +222,7 @@ class ResetDone(msgspec.Struct):
 MESSAGES: dict[bytes, type] = {
     ADD: EngineCoreRequest, ABORT: Abort, HELLO: Hello, RESET: ResetPrefixCache,
     OUTPUTS: EngineCoreOutputs, READY: CoreInfo, ERROR: RequestError, STATS: SchedulerStats,
-    RESET_DONE: ResetDone, DP: DPStatus,
+    RESET_DONE: ResetDone, DP: DPStatus, LORA: LoraCommand, LORA_DONE: LoraDone,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in MESSAGES.items()}

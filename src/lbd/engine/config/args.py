@@ -93,6 +93,12 @@ class EngineArgs:
     tool_call_parser: str | None = None
     profile_steps: int = 0
     load_heartbeat_s: float = 1.0
+    # LoRA adapters (lbd.engine.config.lora)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -262,6 +268,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="MoE DP groups: every N steps of a wave, an all-reduce decides whether every rank "
                         "is idle and the wave ends")
     _add_structured_arguments(parser)
+    from lbd.engine.config.lora import add_lora_arguments
+
+    add_lora_arguments(parser)
     return parser
 
 
@@ -342,6 +351,11 @@ def validate(args: EngineArgs, parser: argparse.ArgumentParser) -> None:
     if problem:
         parser.error(problem)
     problem = parallel_flags_problem(args)
+    if problem:
+        parser.error(problem)
+    from lbd.engine.config.lora import lora_flags_problem
+
+    problem = lora_flags_problem(args)
     if problem:
         parser.error(problem)
 

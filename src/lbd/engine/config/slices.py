@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from lbd.common.limits import DEFAULTS as LIMITS
 from lbd.engine.config.args import DEFAULT_MODEL_NAME, EngineArgs
+from lbd.engine.config.lora import LoraFlags, lora_flags
 from lbd.engine.config.structured import StructuredOutputsFlags
 
 # vLLM's defaults per device kind: (max_num_seqs, max_num_batched_tokens). CPU: vLLM's CPU build.
@@ -145,6 +146,7 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputsFlags = field(default_factory=StructuredOutputsFlags)
+    lora: LoraFlags = field(default_factory=LoraFlags)
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,11 +159,12 @@ class FrontendConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     rank: int = 0
+    lora: LoraFlags = field(default_factory=LoraFlags)
 
 
 SLICES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerLimits,
           "parallel": ParallelConfig, "server": ServerConfig, "observability": ObservabilityConfig,
-          "structured": StructuredOutputsFlags}
+          "structured": StructuredOutputsFlags, "lora": LoraFlags}
 
 
 def _cut(cls: type, args: EngineArgs, **resolved: object) -> object:
@@ -185,7 +188,8 @@ def scheduler_limits(args: EngineArgs, device: str) -> SchedulerLimits:
 def frontend_config(args: EngineArgs) -> FrontendConfig:
     """The front end's slices (no device defaults: the front end has none to apply)."""
     return FrontendConfig(model=_cut(ModelConfig, args), server=_cut(ServerConfig, args),
-                          observability=_cut(ObservabilityConfig, args), rank=args.rank)
+                          observability=_cut(ObservabilityConfig, args), rank=args.rank,
+                          lora=lora_flags(args))
 
 
 def resolved_dtype(name: str, device: str) -> str:
@@ -209,4 +213,5 @@ def engine_config(args: EngineArgs, device: str) -> EngineConfig:
         model=_cut(ModelConfig, args, device=device, dtype=resolved_dtype(args.dtype, device)),
         cache=_cut(CacheConfig, args), scheduler=scheduler_limits(args, device),
         parallel=parallel_config(args), server=_cut(ServerConfig, args),
-        observability=_cut(ObservabilityConfig, args), structured=_cut(StructuredOutputsFlags, args))
+        observability=_cut(ObservabilityConfig, args), structured=_cut(StructuredOutputsFlags, args),
+        lora=lora_flags(args))

@@ -16,6 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.lora import LoraModule
 from lbd.engine.config.slices import EngineConfig, device_kind, engine_config
 from lbd.engine.core.metrics_recorder import MetricsRecorder
 from lbd.engine.core.request import Request
@@ -23,10 +24,18 @@ from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
 from lbd.engine.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from lbd.engine.core.step_profile import NO_PROFILE, NullProfiler, OpTimer, StepProfiler
 from lbd.engine.structured.compiler import GrammarCompiler
-from lbd.wire.core_messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from lbd.wire.core_messages import (
+    CoreInfo,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    LoraCommand,
+    LoraDone,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
     from lbd.engine.kv_events.publisher import KVEvents
+    from lbd.engine.lora.manager import LoraManager
     from lbd.engine.metrics import CoreMetrics
 
 logger = logging.getLogger(__name__)
@@ -99,6 +108,17 @@ def make_kv_events(config: EngineConfig, block_size: int) -> KVEvents | None:
                     host if host not in (None, "", "0.0.0.0", "::") else None)
 
 
+def make_loras(config: EngineConfig, runner: Runner) -> LoraManager | None:
+    """The rank's LoRA manager under ``--enable-lora`` (the runner gives its model slots), else None."""
+    if not config.lora.enable_lora:
+        return None
+    enable = getattr(runner, "enable_lora", None)
+    if enable is None:
+        raise ValueError(f"--enable-lora is not supported by this rank's runner ({type(runner).__name__}): "
+                         "LoRA runs on one CPU or CUDA device per rank")
+    return enable(config.lora)
+
+
 class KVConnector(Protocol):
     """Prefill/decode disaggregation's hooks into the core (``lbd.engine.kv_transfer.connector``, attached
     above this package by ``lbd.engine.rank_core.build_core``)."""
@@ -135,8 +155,9 @@ class EngineCore:
         self.grammars = None if runner.device == "sim" else GrammarCompiler(
             config.structured.resolve(), config.model.tokenizer or model_path, runner.vocab_size,
             runner.eos_token_id)
+        self.loras = make_loras(config, runner)  # --enable-lora (lbd.engine.lora)
         self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None,
-                                   self.grammars)
+                                   self.grammars, self.loras)
         self._depth = getattr(self.runner, "max_in_flight", 1)
         self._batches: deque[tuple[SchedulerOutput, Any]] = deque()  # submitted, not yet updated
         self.metrics = metrics
@@ -223,6 +244,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest, client: bytes = b"") -> None:
         """Queue a request; raises RequestRejected (with an HTTP status) when it cannot be taken."""
         req = Request.from_core_request(request, client)
+        if request.lora_name is not None:
+            self._set_adapter(req, request.lora_name)
         if req.eos_token_id is None:
             req.eos_token_id = self.runner.eos_token_id
         ids = req.prompt_token_ids
@@ -235,6 +258,31 @@ class EngineCore:
             if e.reason is not None and self.metrics is not None:
                 self.metrics.admission_rejection(e.reason)
             raise
+
+    def _set_adapter(self, req: Request, name: str) -> None:
+        adapter = self.loras.lookup(name) if self.loras is not None else None
+        if adapter is None:
+            raise RequestRejected(f"The model `{name}` does not exist.", 404)
+        req.lora_id, req.lora_name = adapter.lora_id, name
+        req.hash_extra = (("lora", name, adapter.path),)  # vLLM's extra key: blocks are per adapter
+
+    def lora_command(self, cmd: LoraCommand, token: Any) -> LoraDone | None:
+        """Load (answered later, by ``take_lora_answers``, with ``token``) or unload (answered now)."""
+        if self.loras is None:
+            return LoraDone(cmd.id, 400, "LoRA is not enabled on this rank: start it with --enable-lora")
+        if cmd.op == "unload":
+            if self.loras.remove(cmd.name):
+                return LoraDone(cmd.id, 200, f"Success: LoRA adapter '{cmd.name}' removed successfully.")
+            return LoraDone(cmd.id, 404, f"The lora adapter '{cmd.name}' cannot be found.")
+        self.loras.load(LoraModule(cmd.name, cmd.path, cmd.base_model_name), (token, cmd.id))
+        return None
+
+    def take_lora_answers(self) -> list[tuple[Any, LoraDone]]:
+        """(token, answer) of the loads that finished since the last call."""
+        if self.loras is None:
+            return []
+        return [(tok[0], LoraDone(tok[1], status, message))
+                for tok, status, message in self.loras.take_answers() if tok is not None]
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[str]:
         """Finish requests now; ``reason`` is "stop" when the front end matched a stop string."""
@@ -251,7 +299,8 @@ class EngineCore:
         return done
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._batches)
+        loading = self.loras is not None and self.loras.busy
+        return self.scheduler.has_work() or bool(self._batches) or loading
 
     def close(self) -> None:
         """Flush and close the KV-event publisher; stop the runner's worker processes, if it has any."""
@@ -263,12 +312,18 @@ class EngineCore:
             self.kv_events = None
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
+        if getattr(self, "loras", None) is not None:
+            self.loras.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.loras is not None:
+            s = self.scheduler
+            stats.lora = self.loras.state(s.running, [*s.waiting, *self.loras.waiting])
+        return stats
 
     def take_rejected(self) -> list[tuple[str, str, int]]:
         """Requests refused after admission (a structured output whose grammar failed to compile): (id,
@@ -328,6 +383,8 @@ class EngineCore:
         """Write out what the recorder tallied (the core loop calls this every 100 ms, idle or not)."""
         if self.recorder is not None:
             self.recorder.flush()
+            if self.loras is not None:
+                self.metrics.set_lora(self.stats().lora)
         if self.kv_transfer is not None:
             self.kv_transfer.poll()  # served and expired leases go back even while idle
 

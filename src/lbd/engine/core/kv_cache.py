@@ -32,7 +32,8 @@ _ROOT_SERIAL = 0  # the "parent" of a request's first block
 
 
 class CacheListener(Protocol):
-    def stored(self, keys: list[BlockKey], parent: BlockKey | None, token_ids: Sequence[int]) -> None: ...
+    def stored(self, keys: list[BlockKey], parent: BlockKey | None, token_ids: Sequence[int],
+               lora: tuple[int, str | None] | None = None) -> None: ...  # lora: (id, name) of an adapter's
     def removed(self, key: BlockKey) -> None: ...
     def cleared(self) -> None: ...
 
@@ -205,7 +206,11 @@ class KVCacheManager:
             return
         bs = self.block_size
         parent = req.block_hashes[first - 1] if first else None
-        self.listener.stored(req.block_hashes[first:end], parent, req.all_token_ids[first * bs:end * bs])
+        keys, tokens = req.block_hashes[first:end], req.all_token_ids[first * bs:end * bs]
+        if req.lora_id:  # KV events name the adapter (vLLM's lora_id / lora_name)
+            self.listener.stored(keys, parent, tokens, lora=(req.lora_id, req.lora_name))
+        else:
+            self.listener.stored(keys, parent, tokens)
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s hold on all its blocks (finish, abort or preemption)."""
@@ -254,5 +259,5 @@ class KVCacheManager:
         bs, toks, key = self.block_size, req.all_token_ids, self.hasher
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = key(parent, toks[i * bs:(i + 1) * bs], None)
+            parent = key(parent, toks[i * bs:(i + 1) * bs], req.hash_extra)
             hashes.append(parent)

@@ -91,7 +91,7 @@ class CoreServer:
         if kind == CM.HELLO:
             self.sock.send_multipart([ident, CM.READY, self._info])
             return
-        if kind not in (CM.ADD, CM.ABORT, CM.RESET):
+        if kind not in (CM.ADD, CM.ABORT, CM.RESET, CM.LORA):
             logger.warning("dropping a message of unknown kind %r", kind[:32])
             return
         try:
@@ -104,6 +104,10 @@ class CoreServer:
         elif kind == CM.ABORT:
             for rid in self.core.abort(msg.ids, msg.reason):
                 self.state.owner.pop(rid, None)
+        elif kind == CM.LORA:
+            answer = self.core.lora_command(msg, ident)
+            if answer is not None:
+                self.sock.send_multipart([ident, CM.LORA_DONE, CM.encode(answer)])
         else:
             ok = self.core.reset_prefix_cache()
             self.sock.send_multipart([ident, CM.RESET_DONE, CM.encode(CM.ResetDone(msg.id, ok))])
@@ -128,6 +132,11 @@ class CoreServer:
             ident = self.state.owner.pop(rid, None)
             if ident is not None:
                 self.send_error(ident, rid, message, status)
+
+    def send_lora_answers(self) -> None:
+        """Answers to adapter loads that finished (they ran in the LoRA loader thread)."""
+        for ident, answer in self.core.take_lora_answers():
+            self.sock.send_multipart([ident, CM.LORA_DONE, CM.encode(answer)])
 
     def send_outputs(self, outputs: list[CM.EngineCoreOutput], now: float) -> None:
         owner = self.state.owner
@@ -191,6 +200,7 @@ class CoreServer:
             if core.has_work():
                 self.send_outputs(core.step(), now)
                 self.send_rejected()
+                self.send_lora_answers()
                 prof.lap("ipc_out")
             prof.end()
             if now >= next_stats:

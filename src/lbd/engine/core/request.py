@@ -46,6 +46,12 @@ class Request:
     num_preemptions: int = 0
     kv_transfer_params: KVTransferParams | None = None  # prefill/decode disaggregation (engine/kv_transfer)
     grammar: GrammarState | None = None  # structured outputs: compiling, then the matcher (engine/structured)
+    # LoRA (engine/lora): the adapter's id (0: base model) and name, its device slot while running (-1: none),
+    # and the extra key of its prefix-cache blocks (vLLM's ("lora", name, path)), so adapters share no block
+    lora_id: int = 0
+    lora_name: str | None = None
+    lora_slot: int = -1
+    hash_extra: tuple | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -158,6 +158,7 @@ def grammar_mask(sampling: list[ScheduledSeq], vocab_size: int) -> token_mask.To
 
 class ModelRunner:
     profiler: NullProfiler = NO_PROFILE  # the core sets a StepProfiler under --profile-steps
+    lora = None  # the model's LoRA slots (lbd.engine.lora.slots.LoraDevice) under --enable-lora
 
     def __init__(self, model_path: str, model: ModelConfig, cache: CacheConfig, limits: SchedulerLimits,
                  parallel: ParallelContext | None = None, *, threads: int | None = None,
@@ -329,6 +330,8 @@ class ModelRunner:
             return []
         prof = self.profiler
         batch = self.prepare(seqs)
+        if self.lora is not None:  # each token's adapter slot (-1: the base model)
+            self.lora.set_step([(s.request.lora_slot, s.num_new_tokens) for s in seqs], self.torch_device)
         sampling = [s for s in seqs if s.sample]
         prof.lap("prepare")
         with torch.inference_mode():
@@ -343,6 +346,23 @@ class ModelRunner:
             ids, logprobs = self.sampler(logits, rows, grammar_mask(sampling, self.vocab_size))
             prof.lap("sample")
         return [SampledToken(r.request_id, t, lp) for r, t, lp in zip(rows, ids, logprobs, strict=True)]
+
+    def enable_lora(self, flags: Any) -> Any:  # LoraFlags -> LoraManager
+        """Give the model ``flags.max_loras`` adapter slots and return the rank's adapter manager. The fused
+        one-call CPU decoder and the decode CUDA graphs have no LoRA hook, so they are turned off: adapted
+        steps run layer by layer, eagerly."""
+        from lbd.engine.lora import slots
+        from lbd.engine.lora.manager import LoraManager
+
+        if self.parallel.tp_size * self.parallel.pp_size > 1:
+            raise ValueError("--enable-lora is not supported with tensor or pipeline parallelism")
+        device = slots.attach(self.model, flags.max_loras, flags.max_lora_rank, self.torch_dtype,
+                              self.torch_device)
+        self.model._fused_checked, self.model._fused = True, None
+        self.graphs = None
+        self.lora = device
+        return LoraManager(flags, device, slots.module_shapes(self.model), self.model.cfg.num_layers,
+                           self.torch_dtype)
 
     def _forward(self, batch: StepBatch, kv_caches: list) -> torch.Tensor | None:
         """The forward this process runs: here the whole model (a pipeline stage in a worker, which returns

@@ -36,6 +36,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from lbd.engine.core.kv_cache import CacheListener, KVCacheManager
 from lbd.engine.core.priority import make_order, unschedule
@@ -45,6 +46,9 @@ from lbd.engine.core.sched_output import SampledToken, ScheduledSeq, SchedulerOu
 from lbd.engine.structured.compiler import GrammarCompiler, GrammarWait, failure
 from lbd.wire.core_messages import EngineCoreOutput, SchedulerStats
 
+if TYPE_CHECKING:
+    from lbd.engine.lora.manager import LoraManager
+
 logger = logging.getLogger(__name__)
 
 PREEMPTION_LOG_EVERY = 50  # a warning on the first preemption, then on every 50th (vLLM logs similarly)
@@ -52,7 +56,7 @@ PREEMPTION_LOG_EVERY = 50  # a warning on the first preemption, then on every 50
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_listener: CacheListener | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, loras: LoraManager | None = None) -> None:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.prefix_caching_hash_algo, cache_listener)
@@ -76,6 +80,9 @@ class Scheduler:
         self.grammars = grammars
         self.compiling: GrammarWait[Request] = GrammarWait()
         self.rejected: list[tuple[str, str, int]] = []
+        # LoRA (lbd.engine.lora): requests wait in ``loras.waiting`` until their adapter is in host memory,
+        # and are admitted only with a device slot for it (held while they run)
+        self.loras = loras
 
     # ---- intake ---------------------------------------------------------------------------------------
     def add_request(self, req: Request, parked: bool = False) -> None:
@@ -104,6 +111,8 @@ class Scheduler:
             self._attach_grammar(req)
         if self.kv.enable_prefix_caching:  # keys of the prompt's full blocks now, outside any step
             self.kv.hash_upto(req, req.num_tokens // cfg.block_size)
+        if req.lora_id:
+            self.loras.hold(req)
         req.order = self._next_order
         self._next_order += 1
         req.queued_at = time.time()
@@ -133,6 +142,9 @@ class Scheduler:
         if req.grammar is not None and req.grammar.matcher is None:
             self.compiling.add(req)
             return
+        if req.lora_id and self.loras.needs_wait(req):
+            self.loras.waiting.append(req)
+            return
         self.order.enqueue(self.waiting, req)
         self._waiting_tokens += req.num_tokens
 
@@ -148,6 +160,9 @@ class Scheduler:
         if not self.waiting and not self.running:
             self.compiling.wait(0.005)
         ready, failed = self.compiling.take_ready()
+        if self.loras is not None and self.loras.waiting:
+            more, lost = self.loras.take_ready(not self.waiting and not self.running)
+            ready, failed = [*ready, *more], [*failed, *lost]
         for req in ready:
             self.order.enqueue(self.waiting, req)
             self._waiting_tokens += req.num_tokens
@@ -165,7 +180,8 @@ class Scheduler:
                 continue  # already finished or never seen: aborts race with completions
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif self.parked.pop(rid, None) is not None or self.compiling.remove(req):
+            elif self.parked.pop(rid, None) is not None or self.compiling.remove(req) or \
+                    (req.lora_id and self.loras.unwait(req)):
                 pass
             else:
                 self.waiting.remove(req)
@@ -177,7 +193,7 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------------------
     def schedule(self, max_batch_seqs: int | None = None) -> SchedulerOutput:
-        if self.compiling:
+        if self.compiling or (self.loras is not None and self.loras.waiting):
             self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
@@ -263,6 +279,8 @@ class Scheduler:
             seat = len(running) < max_seqs
             if seat and len(decodes) + len(prefills) >= seats:
                 break  # this batch is full, not the rank (pipeline parallelism): the next batch has room
+            if req.lora_id and not self.loras.acquire(req):
+                break  # every LoRA slot is in use by running requests
             if seat:
                 computed, num_cached = kv.get_computed_prefix(req)
                 num_new = min(req.num_tokens - num_cached, budget, self._prefill_budget)
@@ -280,6 +298,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.scheduled_at = now = now or time.time()
             req.status = RequestStatus.RUNNING
+            if req.lora_id:
+                self.loras.pin(req)
             self.order.admit(running, req)  # running stays sorted (lbd.engine.core.priority)
             seq = ScheduledSeq(req, num_new, num_cached + num_new == req.num_tokens)
             (decodes if num_new == 1 else prefills).append(seq)
@@ -304,6 +324,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, kv_pressure: bool = True) -> None:
         self.kv.free(req)
+        if req.lora_slot >= 0:
+            self.loras.unpin(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.order.requeue(self.waiting, req)
@@ -392,13 +414,17 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(req)
         self.kv.free(req)
+        if req.lora_id:
+            self.loras.unpin(req)
+            self.loras.drop(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
     # ---- introspection --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.parked or self.compiling)
+        return bool(self.waiting or self.running or self.parked or self.compiling
+                    or (self.loras is not None and self.loras.waiting))
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -406,7 +432,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv, c = self.kv, self.counters
-        waiting = len(self.waiting) + len(self.parked) + len(self.compiling)
+        waiting = len(self.waiting) + len(self.parked) + len(self.compiling) + \
+            (len(self.loras.waiting) if self.loras is not None else 0)
         return SchedulerStats(num_running=len(self.running), num_waiting=waiting,
                               kv_cache_usage=kv.usage, num_blocks=self.config.num_blocks,
                               block_size=self.config.block_size, prefix_cache_queries=kv.prefix_queries,

@@ -36,12 +36,14 @@ class EventRecorder:
         self.events: list[KVCacheEvent] = []
         self._external = external_key_fn()
 
-    def stored(self, keys: list[BlockKey], parent: BlockKey | None, token_ids: Sequence[int]) -> None:
+    def stored(self, keys: list[BlockKey], parent: BlockKey | None, token_ids: Sequence[int],
+               lora: tuple[int, str | None] | None = None) -> None:
         ext = self._external
+        lora_id, lora_name = lora if lora is not None else (None, None)
         self.events.append(BlockStored(
             block_hashes=[ext(k) for k in keys], parent_block_hash=None if parent is None else ext(parent),
-            token_ids=list(token_ids), block_size=self.block_size, lora_id=None, medium=MEDIUM_GPU,
-            lora_name=None, group_idx=0))
+            token_ids=list(token_ids), block_size=self.block_size, lora_id=lora_id, medium=MEDIUM_GPU,
+            lora_name=lora_name, group_idx=0))
 
     def removed(self, key: BlockKey) -> None:
         events = self.events

@@ -20,15 +20,18 @@ class Linear(nn.Module):
     ``ops.pack_linear_weights`` may replace W by a packed copy for the CPU kernel (``packable_weight``)."""
 
     packable_weight = True
+    lora = None  # LoRA slots (lbd.engine.lora.slots.ProjectionLora) under --enable-lora: y += x A B per slot
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.weight = _empty(sum(self.shard_sizes), in_features)
         self.bias = _empty(sum(self.shard_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class RMSNorm(nn.Module):

@@ -52,6 +52,7 @@ class CoreClient:
         self._routes: dict[str, asyncio.Queue] = {}
         self._info: asyncio.Future[CM.CoreInfo] | None = None
         self._resets: dict[str, asyncio.Future[bool]] = {}
+        self._lora: dict[str, asyncio.Future[CM.LoraDone]] = {}
         self._tasks: list[asyncio.Task] = []
         self.stats = CM.SchedulerStats()
         self.dead_reason: str | None = None
@@ -129,6 +130,21 @@ class CoreClient:
         finally:
             self._resets.pop(rid, None)
 
+    async def lora_command(self, op: str, name: str, path: str = "", base_model_name: str | None = None,
+                           timeout: float = 600.0) -> CM.LoraDone:
+        """Load or unload an adapter in the core; its answer (HTTP status and message)."""
+        if not self.alive:
+            raise CoreError(self.dead_reason or "engine core died", 503)
+        cid = secrets.token_hex(8)
+        done = self._lora[cid] = asyncio.get_running_loop().create_future()
+        try:
+            self._sent()
+            await self._sock.send_multipart([CM.LORA, CM.encode(CM.LoraCommand(cid, op, name, path,
+                                                                                base_model_name))])
+            return await asyncio.wait_for(done, timeout)
+        finally:
+            self._lora.pop(cid, None)
+
     def _sent(self) -> None:
         if self.pending_since is None:
             self.pending_since = asyncio.get_running_loop().time()
@@ -185,6 +201,10 @@ class CoreClient:
                 queue.put_nowait(CoreError(msg.message, msg.status))
             else:
                 logger.warning("core error: %s", msg.message)
+        elif isinstance(msg, CM.LoraDone):
+            lora_done = self._lora.get(msg.id)
+            if lora_done is not None and not lora_done.done():
+                lora_done.set_result(msg)
         elif isinstance(msg, CM.ResetDone):
             done = self._resets.get(msg.id)
             if done is not None and not done.done():

@@ -61,7 +61,8 @@ class Generation:
                 self._by_id[rid] = seq
                 self._requests.append(EngineCoreRequest(rid, prompt.ids, self._sampling(prompt, i),
                                                         state.eos_token_id, time.time(),
-                                                        common.kv_transfer_params, common.priority))
+                                                        common.kv_transfer_params, common.priority,
+                                                        state.adapter(common.model)))
 
     def _sampling(self, prompt: PromptInput, i: int) -> SamplingParams:
         sp = msgspec.structs.replace(self.common.sampling, max_tokens=prompt.max_tokens, n=1)

@@ -6,12 +6,14 @@ import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lbd.engine import metrics
 from lbd.engine.server.errors import APIError, bad_request
 from lbd.engine.server.fields import Fields
+from lbd.engine.server.lora_routes import add_lora_routes, lora_cards
 from lbd.engine.server.openai_protocol import check_prompt_chars, parse_message
 from lbd.engine.server.request_io import read_json, state_of
 from lbd.engine.server.streaming import json_response
@@ -36,6 +38,7 @@ async def models(request: web.Request) -> web.Response:
              # the same one (lbd.router.continuation.RankFacts)
              "lbd_tokenizer": state.forwarded.fingerprint,
              "permission": []} for name in state.config.model.model_names]
+    data.extend(lora_cards(state))
     return json_response({"object": "list", "data": data})
 
 
@@ -92,6 +95,7 @@ async def telemetry(request: web.Request) -> web.Response:
         "prefix_cache_queries_total": s.prefix_cache_queries, "prefix_cache_hits_total": s.prefix_cache_hits,
         "prompt_tokens_total": s.prompt_tokens, "generation_tokens_total": s.generation_tokens,
         "server_load": state.in_flight, "age_s": age, "load_stream": stream,
+        "lora": msgspec.to_builtins(s.lora) if s.lora is not None else None,
     })
 
 
@@ -165,3 +169,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics_text)
     app.router.add_get(TELEMETRY_PATH, telemetry)
     add_cache_routes(app)
+    add_lora_routes(app)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lbd.engine.config.lora import LoraModule
 from lbd.engine.config.slices import FrontendConfig
 from lbd.engine.metrics import FrontendMetrics
 from lbd.engine.server.core_client import CoreClient
@@ -45,6 +46,10 @@ class FrontendState:
     draining: bool = False
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     load_stream: LoadPublisher | None = None  # the pushed load state (--load-heartbeat-s)
+    loras: dict[str, LoraModule] = field(default_factory=dict)  # adapters by name (server.lora_routes)
+
+    def __post_init__(self) -> None:
+        self.loras = {m.name: m for m in self.config.lora.modules}
 
     @property
     def limits(self) -> Limits:
@@ -60,9 +65,13 @@ class FrontendState:
         """The served name to answer with; 404 for a model this server does not serve."""
         if model is None:
             return self.config.model.model_name
-        if model not in self.config.model.model_names:
+        if model not in self.config.model.model_names and model not in self.loras:
             raise APIError(f"The model `{model}` does not exist.", 404, "model", "NotFoundError")
         return model
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model."""
+        return model if model is not None and model in self.loras else None
 
     @property
     def dp_state(self) -> DPState | None:

@@ -1,0 +1,48 @@
+"""Batched LoRA: y[t] += (x[t] @ A[slot[t]]) @ B[slot[t]] for every token whose slot is >= 0 (-1 = base).
+
+Three ways, one result:
+- ``add_grouped`` (the CPU path): per slot, its rows (a slice when contiguous, else gathered once) times A,
+  times B, added back: two small matmuls per adapter in the step, whatever the batch's mix.
+- ``add_gathered``: torch's gather path, A and B gathered per token and two ``torch.bmm``: what a naive
+  implementation does; kept as the reference the fast path is measured against.
+- ``lbd.engine.lora.triton_kernel.add_lora`` on CUDA (one kernel, per-token slot).
+
+Measured on this project's 2-core CPU host (fp32, SmolLM2-135M shapes: in 576, out 960 (qkv) / 3072
+(gate_up), W 64 (rank 16, q/k/v), 3 adapters + base mixed evenly; ``tests/engine/lora/test_compute.py`` prints
+the numbers with ``-s``): see benchmarks/RESULTS.md, "LoRA compute". The grouped path wins at every batch
+size measured (the gather path copies an [in, W] and a [W, out] matrix per token), so it is the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Group = tuple[int, "slice | torch.Tensor"]
+
+
+def add_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                groups: list[Group]) -> torch.Tensor:
+    for slot, rows in groups:
+        if isinstance(rows, slice):
+            y[rows].add_(torch.mm(torch.mm(x[rows], a[slot]), b[slot]))
+        else:
+            y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a[slot]), b[slot]))
+    return y
+
+
+def add_gathered(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 token_slots: torch.Tensor) -> torch.Tensor:
+    adapted = token_slots >= 0
+    idx = token_slots.clamp(min=0).long()
+    delta = torch.bmm(torch.bmm(x.unsqueeze(1), a[idx]), b[idx]).squeeze(1)
+    return y.add_(delta * adapted.unsqueeze(1).to(delta.dtype))
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: list[Group],
+             token_slots: torch.Tensor) -> torch.Tensor:
+    """The step's deltas added to ``y`` in place: Triton on CUDA, grouped matmuls elsewhere."""
+    if y.is_cuda:
+        from lbd.engine.lora import triton_kernel
+
+        return triton_kernel.add_lora(y, x, a, b, token_slots)
+    return add_grouped(y, x, a, b, groups)

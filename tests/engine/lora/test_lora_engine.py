@@ -1,0 +1,141 @@
+"""LoRA in the engine core (in process): greedy output per adapter equals transformers with the adapter
+merged (PEFT's merge), for Llama, Qwen2 and Qwen3, in batches mixing three adapters and the base model; slots
+evicted and reloaded when there are fewer slots than adapters; prefix caching keyed by adapter."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from tests.support.lora import ATTENTION, MLP, make_adapter, make_tiny_qwen2, merged_checkpoint
+from tests.support.parity import Run, assert_all_close, engine_args, greedy, hf_greedy
+from tests.support.tiny import make_tiny_qwen3
+
+from lbd.engine.core.engine_core import EngineCore, RequestRejected
+from lbd.engine.kv_events.recorder import EventRecorder
+from lbd.wire.core_messages import EngineCoreRequest, LoraCommand
+
+ADAPTERS = {"attn": dict(rank=4, alpha=8, targets=("q_proj", "v_proj")),
+            "full": dict(rank=8, alpha=16, targets=ATTENTION + MLP),
+            "mlp": dict(rank=16, alpha=16, targets=MLP)}
+
+
+def _adapters(base: Path, root: Path) -> dict[str, Path]:
+    return {name: make_adapter(root / name, base, seed=i + 1, **kw)
+            for i, (name, kw) in enumerate(ADAPTERS.items())}
+
+
+def _core(base: Path, adapters: dict[str, Path], **kw: object) -> EngineCore:
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    return EngineCore.from_args(engine_args(base, enable_lora=True, lora_modules=modules, max_lora_rank=16,
+                                            **kw), str(base))
+
+
+def _run(core: EngineCore, jobs: list[tuple[str | None, list[int]]], n: int, prefix: str = "r") -> list[Run]:
+    """All jobs (adapter or None, prompt) at once; also records the most adapters one step carried."""
+    ids = [f"{prefix}{i}" for i in range(len(jobs))]
+    for rid, (lora, prompt) in zip(ids, jobs, strict=True):
+        core.add_request(EngineCoreRequest(rid, prompt, greedy(n), None, 0.0, lora_name=lora))
+    runs = {rid: Run() for rid in ids}
+    core.most_slots_in_a_step = 0
+    for _ in range(10_000):
+        if not core.has_work():
+            break
+        outs = core.step()
+        step = core.runner.lora.ctx.step
+        if step is not None:
+            core.most_slots_in_a_step = max(core.most_slots_in_a_step, len(step.groups))
+        for out in outs:
+            run = runs[out.request_id]
+            run.tokens += out.new_token_ids
+            for lp in out.new_logprobs or []:
+                run.top.append(dict(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                run.chosen.append(lp.token_logprob)
+    return [runs[rid] for rid in ids]
+
+
+def _check_against_merged(base: Path, tmp: Path, max_loras: int) -> EngineCore:
+    adapters = _adapters(base, tmp / "adapters")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    names = [None, "attn", "full", "mlp"]
+    jobs = [(names[i % 4], p) for i, p in enumerate(prompts)]
+    core = _core(base, adapters, max_loras=max_loras, max_cpu_loras=max(max_loras, 2))
+    ours = _run(core, jobs, 8)
+    for name in names:
+        idx = [i for i, (lora, _) in enumerate(jobs) if lora == name]
+        ref_path = base if name is None else merged_checkpoint(base, adapters[name], tmp / f"merged-{name}")
+        refs = hf_greedy(ref_path, [prompts[i] for i in idx], [8] * len(idx))
+        assert_all_close([ours[i] for i in idx], refs)
+    # the adapters do change the output (else the parity above proves nothing)
+    assert len({tuple(ours[i].tokens) for i in range(4)} | {tuple(ours[i].tokens) for i in range(4, 8)}) > 4
+    return core
+
+
+def test_llama_three_adapters_and_base_in_one_batch(tiny_llama: Path, tmp_path: Path) -> None:
+    core = _check_against_merged(tiny_llama, tmp_path, max_loras=3)
+    assert core.most_slots_in_a_step == 3  # one step ran all three adapters (and the base rows)
+    state = core.stats().lora
+    assert state.free_slots == 0 and sorted(state.device) == ["attn", "full", "mlp"]
+    assert state.running == [] and state.waiting == [] and set(state.load_seconds) == set(ADAPTERS)
+    core.close()
+
+
+def test_qwen2_with_fewer_slots_than_adapters(tmp_path: Path) -> None:
+    """Two slots for three adapters: the third waits for a slot no running request uses (LRU eviction)."""
+    base = make_tiny_qwen2(tmp_path / "qwen2")
+    core = _check_against_merged(base, tmp_path, max_loras=2)
+    assert core.most_slots_in_a_step == 2
+    assert not core.loras.users and not core.loras.refs  # every pin and hold was given back
+    core.close()
+
+
+def test_qwen3_three_adapters_and_base(tmp_path: Path) -> None:
+    base = make_tiny_qwen3(tmp_path / "qwen3")
+    _check_against_merged(base, tmp_path, max_loras=3).close()
+
+
+def test_prefix_cache_and_kv_events_are_per_adapter(tiny_llama: Path, tmp_path: Path) -> None:
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    core = _core(tiny_llama, adapters, max_loras=2, max_cpu_loras=3)
+    recorder = EventRecorder(core.config.block_size)
+    core.scheduler.kv.listener = recorder
+    prompt = [random.Random(5).randrange(3, 300) for _ in range(40)]  # two full blocks of 16
+    full, attn = (_run(core, [(name, prompt)], 6, prefix=name)[0].tokens for name in ("full", "attn"))
+    assert full != attn
+    assert core.scheduler.kv.prefix_hits == 0  # the second adapter reused no block of the first
+    stored = [e for e in recorder.take() if type(e).__name__ == "BlockStored"]
+    assert {e.lora_name for e in stored} == {"full", "attn"}
+    assert {e.lora_id for e in stored} == {core.loras.lookup(n).lora_id for n in ("full", "attn")}
+    keys = {name: {k for e in stored if e.lora_name == name for k in e.block_hashes}
+            for name in ("full", "attn")}
+    assert not keys["full"] & keys["attn"]
+    again = _run(core, [("full", prompt)], 6, prefix="again")[0].tokens
+    assert again == full and core.scheduler.kv.prefix_hits == 32  # the same adapter does hit its blocks
+    core.close()
+
+
+def test_unknown_adapter_bad_load_and_unload(tiny_llama: Path, tmp_path: Path) -> None:
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    core = _core(tiny_llama, {"full": adapters["full"]})
+    with pytest.raises(RequestRejected) as err:
+        core.add_request(EngineCoreRequest("x", [5, 6], greedy(2), None, 0.0, lora_name="nope"))
+    assert err.value.status == 404
+    dora = make_adapter(tmp_path / "dora", tiny_llama, use_dora=True)
+    big = make_adapter(tmp_path / "big", tiny_llama, rank=32, alpha=32)
+    for name, path, status, words in (("dora", dora, 400, "DoRA"), ("big", big, 400, "--max-lora-rank 16"),
+                                      ("none", tmp_path / "missing", 404, "No adapter found")):
+        assert core.lora_command(LoraCommand(name, "load", name, str(path)), "tok") is None  # off the loop
+        answers = []
+        while not answers:
+            core.step()
+            answers = core.take_lora_answers()
+        ((token, done),) = answers
+        assert (token, done.status) == ("tok", status) and words in done.message, done.message
+        assert core.loras.lookup(name) is None
+    assert core.lora_command(LoraCommand("u", "unload", "full"), "tok").status == 200
+    assert core.lora_command(LoraCommand("u", "unload", "full"), "tok").status == 404
+    with pytest.raises(RequestRejected):
+        core.add_request(EngineCoreRequest("y", [5, 6], greedy(2), None, 0.0, lora_name="full"))
+    core.close()
