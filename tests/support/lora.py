@@ -12,8 +12,9 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 def make_tiny_qwen2(path: Path, *, layers: int = 2, seed: int = 0, max_pos: int = 512) -> Path:
     """Qwen2: biases on q/k/v, hidden 64, 4 heads (2 KV)."""
-    from tests.support.tiny import _common, _save_tiny
     from transformers import Qwen2Config
+
+    from support.tiny import _common, _save_tiny
 
     return _save_tiny(path, lambda tok: Qwen2Config(
         **_common(tok, layers, 64, 4, max_pos), num_key_value_heads=2, intermediate_size=128,

@@ -8,13 +8,13 @@ import random
 from pathlib import Path
 
 import pytest
-from tests.support.lora import ATTENTION, MLP, make_adapter, make_tiny_qwen2, merged_checkpoint
-from tests.support.parity import Run, assert_all_close, engine_args, greedy, hf_greedy
-from tests.support.tiny import make_tiny_qwen3
 
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
 from lbd.engine.kv_events.recorder import EventRecorder
 from lbd.wire.core_messages import EngineCoreRequest, LoraCommand
+from support.lora import ATTENTION, MLP, make_adapter, make_tiny_qwen2, merged_checkpoint
+from support.parity import Run, assert_all_close, engine_args, greedy, hf_greedy
+from support.tiny import make_tiny_qwen3
 
 ADAPTERS = {"attn": dict(rank=4, alpha=8, targets=("q_proj", "v_proj")),
             "full": dict(rank=8, alpha=16, targets=ATTENTION + MLP),
