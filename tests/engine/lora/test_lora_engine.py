@@ -55,13 +55,13 @@ def _run(core: EngineCore, jobs: list[tuple[str | None, list[int]]], n: int, pre
     return [runs[rid] for rid in ids]
 
 
-def _check_against_merged(base: Path, tmp: Path, max_loras: int) -> EngineCore:
+def _check_against_merged(base: Path, tmp: Path, max_loras: int, **kw: object) -> EngineCore:
     adapters = _adapters(base, tmp / "adapters")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 30))] for _ in range(8)]
     names = [None, "attn", "full", "mlp"]
     jobs = [(names[i % 4], p) for i, p in enumerate(prompts)]
-    core = _core(base, adapters, max_loras=max_loras, max_cpu_loras=max(max_loras, 2))
+    core = _core(base, adapters, max_loras=max_loras, max_cpu_loras=max(max_loras, 2), **kw)
     ours = _run(core, jobs, 8)
     for name in names:
         idx = [i for i, (lora, _) in enumerate(jobs) if lora == name]
@@ -79,6 +79,16 @@ def test_llama_three_adapters_and_base_in_one_batch(tiny_llama: Path, tmp_path: 
     state = core.stats().lora
     assert state.free_slots == 0 and sorted(state.device) == ["attn", "full", "mlp"]
     assert state.running == [] and state.waiting == [] and set(state.load_seconds) == set(ADAPTERS)
+    core.close()
+
+
+def test_llama_chunked_prefill_and_preemption(tiny_llama: Path, tmp_path: Path) -> None:
+    """16-token steps (prompts prefill in chunks) and 6 KV blocks for 8 requests of up to 3 (preemptions:
+    a preempted request gives its slot back and takes one again when readmitted)."""
+    core = _check_against_merged(tiny_llama, tmp_path, max_loras=3, max_num_batched_tokens=16,
+                                 kv_cache_memory_bytes=6 * 8192, max_model_len=64)
+    assert core.scheduler.counters.num_preemptions > 0
+    assert not core.loras.users and not core.loras.refs
     core.close()
 
 
