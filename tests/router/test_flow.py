@@ -227,16 +227,26 @@ def test_deadlines_and_sheddable_are_answered_early(fleet: Fleet, router: Router
 
 def test_weights_from_the_key_file_across_two_workers(fleet: Fleet, tmp_path: Path) -> None:
     """Tenants of weight 1 and 2 (key file), both past their share, over two router workers that share the
-    counters: served about 1:2; a key asking for a priority above its max_priority is refused 403."""
+    counters: served about 1:2; a key asking for a priority above its max_priority is refused 403; with
+    --flow-engine-preemption a request is not held while a less important one runs."""
     fleet.waiting(None)
     keys = tmp_path / "keys"
     keys.write_text("k-one tenant=one\nk-two tenant=two weight=2\nk-capped tenant=one max_priority=1\n")
     r = RouterServer("--upstreams", fleet.url, "--workers", "2", *ONE_AT_A_TIME, "--api-key-file", str(keys),
-                     log=tmp_path / "router.log").wait_ready()
+                     "--flow-engine-preemption", log=tmp_path / "router.log").wait_ready()
     try:
         assert _post(r.url, key="k-capped", priority=0).status_code == 403
         done = _closed_loops(r.url, {"k-one": 6, "k-two": 6}, 3.0, keys=True)
         assert 1.5 <= done["k-two"] / done["k-one"] <= 2.7, done
+        # --flow-engine-preemption: a class-2 request fills the rank, a class-0 one is not held behind it
+        with cf.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(_post, r.url, priority=2, key="k-one", max_tokens=400)
+            flows = lambda: r.status(headers={"Authorization": "Bearer k-one"})["flow"]["flows"]  # noqa: E731
+            _wait_for(lambda: any(f["priority"] == 2 and f["dispatched"] for f in flows()), "class 2 sent")
+            t0 = time.monotonic()
+            assert _post(r.url, key="k-two").status_code == 200
+            assert not long.done() and time.monotonic() - t0 < 1.0
+            assert long.result().status_code == 200
     finally:
         r.close()
 

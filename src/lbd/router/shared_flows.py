@@ -20,9 +20,9 @@ import multiprocessing
 import zlib
 from dataclasses import dataclass
 
-(ENQUEUED, DEQUEUED, DISPATCHED, DISPATCHED_TOKENS, SERVED_TOKENS, WAIT_US, VIRTUAL, SHED, FULL,
- LATE) = range(10)
-FIELDS = 10
+(ENQUEUED, DEQUEUED, DISPATCHED, DISPATCHED_TOKENS, SERVED_TOKENS, WAIT_US, VIRTUAL, SHED, FULL, LATE,
+ ENDED) = range(11)
+FIELDS = 11
 NAME_BYTES = 64
 OTHER = "~other"  # slot 0: the flows past the table's size
 _EMPTY = 0
@@ -46,6 +46,7 @@ class FlowRow:
     shed: int
     full: int
     late: int
+    inflight: int  # let through and not ended yet
 
 
 def _flow_id(tenant: str, priority: int) -> int:
@@ -140,6 +141,9 @@ class FlowTable:
     def queued(self, slot: int) -> int:
         return self.total(slot, ENQUEUED) - self.total(slot, DEQUEUED)
 
+    def inflight(self, slot: int) -> int:
+        return self.total(slot, DISPATCHED) - self.total(slot, ENDED)
+
     def virtual(self, slot: int) -> int:
         return self.total(slot, VIRTUAL)
 
@@ -147,10 +151,12 @@ class FlowTable:
         t = [self.total(slot, f) for f in range(FIELDS)]
         return FlowRow(slot, self.tenant(slot), self.priority(slot), self.weight(slot),
                        t[ENQUEUED] - t[DEQUEUED], t[DISPATCHED], t[DISPATCHED_TOKENS], t[SERVED_TOKENS],
-                       t[WAIT_US] / 1e6, t[VIRTUAL] / 1000, t[SHED], t[FULL], t[LATE])
+                       t[WAIT_US] / 1e6, t[VIRTUAL] / 1000, t[SHED], t[FULL], t[LATE],
+                       t[DISPATCHED] - t[ENDED])
 
     def close_out(self, worker: int) -> None:
-        """A dead worker's held requests are gone: its row's queue is emptied (parent side)."""
+        """A dead worker's requests are gone: its row's queue is emptied, its requests ended (parent side)."""
         for slot in range(self.slots):
             base = self._base(worker, slot)
             self._q[base + DEQUEUED] = self._q[base + ENQUEUED]
+            self._q[base + ENDED] = self._q[base + DISPATCHED]

@@ -88,6 +88,8 @@ class FlowControl:
         """Let ``rr`` through (its ticket; None: flow control is not engaged yet), after holding it if the
         pool is saturated; or its refusal."""
         req = rr.request
+        if req.method != "POST" or not req.path.startswith("/v1/"):  # (not /tokenize: no engine queue)
+            return None
         who = classify(req.headers, rr.data, key)
         if isinstance(who, Refused):
             who.headers = rr.reply_headers
@@ -97,7 +99,7 @@ class FlowControl:
             return None
         tokens = max(1, rr.facts.prompt_tokens)
         if not self.bands.holds_before(who.priority) and not self._held_elsewhere(who.priority, True):
-            why = self._saturated()
+            why = self._saturated_for(who.priority)
             if why is None:
                 return self._let(slot, who, tokens, out)
         else:
@@ -124,7 +126,7 @@ class FlowControl:
             self.table.add(slot, T.FULL)
             which = (f"{queued} requests held (--flow-max-queued)" if queued >= self.s.max_queued
                      else f"tenant {who.tenant} has {mine} requests held (--flow-max-queued-per-tenant)")
-            after = max(1, min(60, math.ceil(self._wait_estimate(who.priority, whole=True))))
+            after = max(1, math.ceil(min(60.0, self._wait_estimate(who.priority, whole=True))))
             return Refused(429, f"flow control's queue is full: {which}; retry in {after} s",
                            "RateLimitError", None, rr.reply_headers + b"Retry-After: %d\r\n" % after)
         return None
@@ -196,6 +198,7 @@ class FlowControl:
         if move is not None:
             produced = max(produced, len(move.out_ids))
         self.table.add(ticket.slot, T.SERVED_TOKENS, ticket.tokens + produced)
+        self.table.add(ticket.slot, T.ENDED)
         self._charge(ticket, produced)
         if self.bands.count:
             self._wake.set()
@@ -209,6 +212,15 @@ class FlowControl:
     def _saturated(self) -> str | None:
         return saturated(self.snapshots(), self.s, self.stale_s)
 
+    def _saturated_for(self, priority: int) -> str | None:
+        """Why a request of ``priority`` must wait, or None. With --flow-engine-preemption a request is not
+        held while less important ones run (every worker's): its engine preempts one of them for it."""
+        why = self._saturated()
+        if why is not None and self.s.engine_preemption:
+            if any(p > priority and self.table.inflight(i) > 0 for i, (_, p) in self._flows().items()):
+                return None
+        return why
+
     # ---- flows --------------------------------------------------------------------------------------------
     def engaged(self) -> bool:
         """On, or auto and more than one flow seen (by any worker)."""
@@ -220,7 +232,9 @@ class FlowControl:
         key = (who.tenant, who.priority)
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = self.table.slot(who.tenant, who.priority, who.weight)
+            slot = self.table.slot(who.tenant, who.priority, who.weight)
+            if slot:  # (the flows past the table's size are not remembered: tenant headers are the client's)
+                self._slots[key] = slot
         return slot
 
     def _flows(self) -> dict[int, tuple[str, int]]:
@@ -331,7 +345,7 @@ class FlowControl:
             if self._held_elsewhere(band, False):
                 self.why = "a more important band is held by another worker"
                 return
-            self.why = self._saturated()
+            self.why = self._saturated_for(band)
             if self.why is not None:
                 return
             slot = self.bands.next_flow(band, table.virtual)

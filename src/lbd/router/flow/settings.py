@@ -20,6 +20,7 @@ class FlowSettings:
     max_queued_per_tenant: int = 256
     max_wait_s: float = 60.0
     poll_s: float = 0.005
+    engine_preemption: bool = False
 
 
 def add_flow_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,11 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
                    help="... or while its engine reports this many waiting requests (fresh telemetry)")
     g.add_argument("--flow-max-kv-usage", type=float, default=d.max_kv_usage,
                    help="... or while its KV-cache use (fresh telemetry, 0..1) reaches this")
+    g.add_argument("--flow-engine-preemption", action=argparse.BooleanOptionalAction,
+                   default=d.engine_preemption,
+                   help="the ranks run --scheduling-policy priority (a more important request preempts a "
+                        "less important one): a request is not held while requests of a less important class "
+                        "run, since its engine makes room for it; with FCFS ranks leave it off")
     g.add_argument("--flow-max-queued", type=int, default=d.max_queued,
                    help="requests held in the router (all workers, all tenants); one more is answered 429 "
                         "with Retry-After")
@@ -62,4 +68,4 @@ def flow_settings(ns: argparse.Namespace) -> FlowSettings | str:
         return f"--flow-max-kv-usage must be in (0, 1], got {ns.flow_max_kv_usage}"
     return FlowSettings(ns.flow_control, ns.flow_max_prefill_tokens_per_rank, ns.flow_max_waiting_per_rank,
                         ns.flow_max_kv_usage, ns.flow_max_queued, ns.flow_max_queued_per_tenant,
-                        ns.flow_max_wait_s, ns.flow_poll_ms / 1000)
+                        ns.flow_max_wait_s, ns.flow_poll_ms / 1000, ns.flow_engine_preemption)
