@@ -349,8 +349,9 @@ class ModelRunner:
 
     def enable_lora(self, flags: Any) -> Any:  # LoraFlags -> LoraManager
         """Give the model ``flags.max_loras`` adapter slots and return the rank's adapter manager. The fused
-        one-call CPU decoder and the decode CUDA graphs have no LoRA hook, so they are turned off: adapted
-        steps run layer by layer, eagerly."""
+        one-call CPU decoder has no LoRA hook: a step with adapted tokens runs layer by layer (steps of the
+        base model alone keep it). The decode CUDA graphs are turned off (their step would need the slots as
+        inputs): every CUDA step runs eagerly."""
         from lbd.engine.lora import slots
         from lbd.engine.lora.manager import LoraManager
 
@@ -358,7 +359,7 @@ class ModelRunner:
             raise ValueError("--enable-lora is not supported with tensor or pipeline parallelism")
         device = slots.attach(self.model, flags.max_loras, flags.max_lora_rank, self.torch_dtype,
                               self.torch_device)
-        self.model._fused_checked, self.model._fused = True, None
+        self.model.lora_ctx = device.ctx
         self.graphs = None
         self.lora = device
         return LoraManager(flags, device, slots.module_shapes(self.model), self.model.cfg.num_layers,

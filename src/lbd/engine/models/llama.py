@@ -181,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             decoder = self.fused_decoder()
             cache = kv_caches[0][0] if kv_caches else None
+            if self.lora_ctx is not None and self.lora_ctx.step is not None:
+                decoder = None  # adapted tokens: the layer-by-layer forward, whose projections add LoRA
             if (decoder is not None and cache is not None and cache.dtype == torch.float32
                     and cache.is_contiguous() and fused.usable(meta, x.shape[0])):
                 return decoder.forward(x, positions, meta, kv_caches)
@@ -195,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
     _fused: fused.FusedDecoder | None = None
     _fused_checked = False
+    lora_ctx = None  # under --enable-lora, the step's adapters (lbd.engine.lora.slots.LoraContext)
 
     def fused_decoder(self) -> fused.FusedDecoder | None:
         """The whole stack as one C call, where every layer is the plain fp32 kind the C driver chains (built
