@@ -149,3 +149,24 @@ def test_unknown_adapter_bad_load_and_unload(tiny_llama: Path, tmp_path: Path) -
     with pytest.raises(RequestRejected):
         core.add_request(EngineCoreRequest("y", [5, 6], greedy(2), None, 0.0, lora_name="full"))
     core.close()
+
+
+def test_a_request_without_a_slot_does_not_hold_back_the_queue(tiny_llama: Path, tmp_path: Path) -> None:
+    """One slot: while "full" runs, an "attn" request waits for the slot, and the base request queued behind
+    it runs anyway; "attn" takes the slot once "full" is done (LRU eviction), and nothing leaks."""
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    core = _core(tiny_llama, adapters, max_loras=1, max_cpu_loras=3)
+    for rid, lora in (("f", "full"), ("a", "attn"), ("b", None)):
+        core.add_request(EngineCoreRequest(rid, [5, 6, 7, 8], greedy(12 if rid == "f" else 4), None, 0.0,
+                                           lora_name=lora))
+    core.step()
+    assert {r.request_id for r in core.scheduler.running} == {"f", "b"}
+    assert core.stats().lora.waiting == ["attn"] and core.stats().lora.running == ["full"]
+    done: set[str] = set()
+    for _ in range(100):
+        done |= {o.request_id for o in core.step() if o.finish_reason is not None}
+        if not core.has_work():
+            break
+    assert done == {"f", "a", "b"} and core.stats().lora.device == ["attn"]
+    assert not core.loras.users and not core.loras.refs and core.stats().lora.free_slots == 0
+    core.close()

@@ -274,13 +274,15 @@ class Scheduler:
         waiting, running, kv = self.waiting, self.running, self.kv
         max_seqs = self.config.max_num_seqs
         now = 0.0
+        no_slot: list[Request] = []  # LoRA requests whose adapter found no free slot: the rest go on
         while waiting and budget > 0 and self._prefill_budget > 0:
             req = waiting[0]
             seat = len(running) < max_seqs
             if seat and len(decodes) + len(prefills) >= seats:
                 break  # this batch is full, not the rank (pipeline parallelism): the next batch has room
             if req.lora_id and not self.loras.acquire(req):
-                break  # every LoRA slot is in use by running requests
+                no_slot.append(waiting.popleft())  # every slot is in use by running requests
+                continue
             if seat:
                 computed, num_cached = kv.get_computed_prefix(req)
                 num_new = min(req.num_tokens - num_cached, budget, self._prefill_budget)
@@ -305,6 +307,7 @@ class Scheduler:
             (decodes if num_new == 1 else prefills).append(seq)
             budget -= num_new
             self._prefill_budget -= num_new
+        waiting.extendleft(reversed(no_slot))  # back at the head, in their order
         return budget
 
     def _displace(self, req: Request, decodes: list[ScheduledSeq],

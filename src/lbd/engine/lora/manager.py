@@ -136,7 +136,9 @@ class LoraManager:
             del self._loading[lora_id]
             adapter = self.by_id.get(lora_id)
             exc = fut.exception()
-            if exc is None and adapter is not None:
+            if adapter is None:  # unloaded while it was loading
+                exc = AdapterError("the adapter was unloaded while it was loading", 404)
+            if exc is None:
                 adapter.load_seconds = time.monotonic() - fut.start  # type: ignore[attr-defined]
                 self._store(adapter, fut.result())
                 if fut.token is not None:  # type: ignore[attr-defined]  (a reload for a request: no answer)

@@ -58,7 +58,8 @@ def make_step(seq_slots: list[tuple[int, int]], device: torch.device) -> LoraSte
         else:
             idx = [i for a, b in spans for i in range(a, b)]
             groups.append((slot, torch.tensor(idx, dtype=torch.long, device=device)))
-    token_slots = torch.tensor([s for s, n in seq_slots for _ in range(n)], dtype=torch.int32, device=device)
+    per_seq = torch.tensor(seq_slots, dtype=torch.int32)
+    token_slots = per_seq[:, 0].repeat_interleave(per_seq[:, 1].long(), output_size=pos).to(device)
     return LoraStep(groups, token_slots, pos)
 
 
