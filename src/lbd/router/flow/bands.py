@@ -41,22 +41,18 @@ class Bands:
         self._bands: dict[int, dict[int, deque[Held]]] = {}
         self._order: list[int] = []  # the bands that hold requests, most important first
         self.count = 0
-        self.by_tenant: dict[str, int] = {}
 
-    def push(self, h: Held) -> bool:
-        """Hold ``h``; True when its flow had nothing held here before (the caller lifts its counter)."""
+    def push(self, h: Held) -> None:
+        """Hold ``h`` (at the end of its flow's FIFO)."""
         band = self._bands.get(h.priority)
         if band is None:
             band = self._bands[h.priority] = {}
             bisect.insort(self._order, h.priority)
         flow = band.get(h.slot)
-        fresh = flow is None
         if flow is None:
             flow = band[h.slot] = deque()
         flow.append(h)
         self.count += 1
-        self.by_tenant[h.tenant] = self.by_tenant.get(h.tenant, 0) + 1
-        return fresh
 
     def remove(self, h: Held) -> bool:
         """Take ``h`` out (its client left, its deadline passed); False if it is not held."""
@@ -73,11 +69,6 @@ class Bands:
 
     def _taken(self, h: Held, band: dict[int, deque[Held]], flow: deque[Held]) -> None:
         self.count -= 1
-        left = self.by_tenant[h.tenant] - 1
-        if left:
-            self.by_tenant[h.tenant] = left
-        else:
-            del self.by_tenant[h.tenant]
         if not flow:
             del band[h.slot]
             if not band:
@@ -105,11 +96,6 @@ class Bands:
     def holds_before(self, priority: int) -> bool:
         """Something is held here in ``priority``'s band or a more important one."""
         return bool(self._order) and self._order[0] <= priority
-
-    def flows(self, priority: int) -> list[int]:
-        """The slots with requests held in band ``priority``."""
-        band = self._bands.get(priority)
-        return list(band) if band else []
 
     def held_in(self, priority: int, slot: int) -> int:
         """Requests of flow ``slot`` held here in band ``priority``."""

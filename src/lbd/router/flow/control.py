@@ -45,7 +45,7 @@ from lbd.router.shared_flows import FlowTable
 
 _RATE_WINDOW_S = 5.0  # releases this recent estimate the drain rate
 _STUCK_S = 1.0  # held requests and no release for this long: the wait is unbounded
-_SWEEP_S = 0.1  # how often held requests are looked at for clients that closed their connection
+_SWEEP_S = 0.1  # while requests are held: how often output is charged and closed clients looked for
 _UNAVAILABLE = "ServiceUnavailableError"
 _AFTER_1 = b"Retry-After: 1\r\n"
 
@@ -145,8 +145,9 @@ class FlowControl:
                  asyncio.current_task(), out)
         if not self.bands.count:
             self._progress = now
-        if self.bands.push(h):
+        if self.table.queued(slot) == 0:  # its flow starts waiting (in any worker)
             self._lift(slot, who.priority)
+        self.bands.push(h)
         self.table.add(slot, T.ENQUEUED)
         self._kick()
         until = now + self.s.max_wait_s
@@ -323,14 +324,14 @@ class FlowControl:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for ticket in self._active:  # output as known, before the fair order reads the counters
-                if ticket.meter is not None:
-                    self._charge(ticket, ticket.meter.produced)
-            await self._release()
             now = self.loop.time()
-            if now >= self._sweep_at:
-                self._sweep_at = now + _SWEEP_S
+            if now >= self._sweep_at:  # every _SWEEP_S: output as known (before the fair order reads the
+                self._sweep_at = now + _SWEEP_S  # counters), held clients that closed
+                for ticket in self._active:
+                    if ticket.meter is not None:
+                        self._charge(ticket, ticket.meter.produced)
                 self._sweep()
+            await self._release()
             self._wake.clear()
             try:
                 async with asyncio.timeout(self.s.poll_s):
