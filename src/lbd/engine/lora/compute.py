@@ -15,7 +15,13 @@ matrix per token). So the grouped path is the CPU path; ``tests/engine/lora/test
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# LBD_LORA_TRITON=1 sends CPU tensors to the Triton kernel too (with TRITON_INTERPRET=1: how the tests run the
+# kernel inside a whole model without a GPU)
+_TRITON_ON_CPU = os.environ.get("LBD_LORA_TRITON") == "1"
 
 Group = tuple[int, "slice | torch.Tensor"]
 
@@ -41,7 +47,7 @@ def add_gathered(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: list[Group],
              token_slots: torch.Tensor) -> torch.Tensor:
     """The step's deltas added to ``y`` in place: Triton on CUDA, grouped matmuls elsewhere."""
-    if y.is_cuda:
+    if y.is_cuda or _TRITON_ON_CPU:
         from lbd.engine.lora import triton_kernel
 
         return triton_kernel.add_lora(y, x, a, b, token_slots)

@@ -5,8 +5,9 @@ input in BLOCK_K tiles (a [W] vector; W, the slot width, is a power of two), the
 B[slot] and adds into y. The shrink is recomputed per column tile: W is small (8..512) and the input row is
 read from cache, which keeps the kernel one launch with no scratch buffer. fp32 accumulation.
 
-Checked against ``compute.add_gathered`` under ``TRITON_INTERPRET=1`` on the CPU
-(tests/engine/lora/test_compute.py); not yet run on a GPU (none was lent while it was written).
+Checked under ``TRITON_INTERPRET=1`` on the CPU (tests/engine/lora/test_compute.py): against the per-token
+reference, and inside the engine (``LBD_LORA_TRITON=1``: the same greedy tokens as the grouped path for two
+adapters and the base model in one batch). Not yet run on a GPU (none was lent while it was written).
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ def _lora_kernel(x_ptr, a_ptr, b_ptr, y_ptr, slots_ptr, fan_in, fan_out, stride_
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             token_slots: torch.Tensor, block_k: int = 64, block_n: int = 64) -> torch.Tensor:
-    """y [T, out] += per token (x [T, in] @ a[slot] [in, W]) @ b[slot] [W, out]; in place."""
+             token_slots: torch.Tensor, block_k: int | None = None,
+             block_n: int | None = None) -> torch.Tensor:
+    """y [T, out] += per token (x [T, in] @ a[slot] [in, W]) @ b[slot] [W, out]; in place. The tiles
+    shrink as W grows, so a tile stays within 8K values (registers) at every --max-lora-rank."""
     num_tokens, fan_out = y.shape
     if num_tokens == 0:
         return y
+    tile = max(16, min(64, 8192 // a.shape[2]))
+    block_k, block_n = block_k or tile, block_n or tile
     x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
     assert y.stride(1) == 1 and token_slots.numel() == num_tokens
     grid = (num_tokens, triton.cdiv(fan_out, block_n))
