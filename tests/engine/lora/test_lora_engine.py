@@ -170,3 +170,42 @@ def test_a_request_without_a_slot_does_not_hold_back_the_queue(tiny_llama: Path,
     assert done == {"f", "a", "b"} and core.stats().lora.device == ["attn"]
     assert not core.loras.users and not core.loras.refs and core.stats().lora.free_slots == 0
     core.close()
+
+
+def _load(core: EngineCore, name: str, path: Path) -> int:
+    assert core.lora_command(LoraCommand(name, "load", name, str(path)), "t") is None
+    for _ in range(1000):
+        core.step()
+        answers = core.take_lora_answers()
+        if answers:
+            return answers[0][1].status
+    raise AssertionError("no answer")
+
+
+def test_unload_while_running_and_load_storm_leak_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    """Requests of an adapter unloaded mid-run finish with it; new ones get 404; loads and unloads in a row
+    (same names, new weights) between steps break no other request; afterwards every slot is free again."""
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    core = _core(tiny_llama, {"full": adapters["full"]}, max_loras=2, max_cpu_loras=2)
+    free_at_start = core.stats().lora.free_slots
+    for rid, lora in (("f", "full"), ("b", None)):
+        core.add_request(EngineCoreRequest(rid, [5, 6, 7, 8], greedy(20), None, 0.0, lora_name=lora))
+    core.step()
+    old_id = core.loras.lookup("full").lora_id
+    assert core.lora_command(LoraCommand("u", "unload", "full"), "t").status == 200
+    with pytest.raises(RequestRejected):
+        core.add_request(EngineCoreRequest("late", [5, 6], greedy(2), None, 0.0, lora_name="full"))
+    for i in range(6):  # a storm of loads and unloads while "f" and "b" run
+        name = ("attn", "mlp")[i % 2]
+        assert _load(core, name, adapters[name]) == 200
+        assert core.lora_command(LoraCommand("u", "unload", name), "t").status == 200
+    finished = set()
+    for _ in range(200):
+        finished |= {o.request_id for o in core.step() if o.finish_reason == "length"}
+        if not core.has_work():
+            break
+    assert finished == {"f", "b"}
+    assert old_id not in core.loras.by_id  # forgotten once its last request finished
+    assert not core.loras.users and not core.loras.refs and not core.loras.cpu
+    assert core.stats().lora.free_slots == free_at_start == 2
+    core.close()
