@@ -152,6 +152,15 @@ def test_a_grammar_that_admits_any_text_changes_nothing(tiny_llama: Path, tokeni
     text = {rid: prompts[rid] for rid, ids in plain.items() if utf8(tokenizer, ids)}
     assert len(text) >= 2, "too few prompts whose greedy answer is text"
     assert run(StructuredOutputs("regex", r"[\s\S]*"), text) == {rid: plain[rid] for rid in text}
+    # a batch of greedy rows whose argmax the grammar mostly refuses (the sampler's masked argmax)
+    reqs = [EngineCoreRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=200,
+                                                         structured=json_spec(SCHEMA)), None, time.time())
+            for i, p in enumerate(list(prompts.values())[:4])]
+    tokens, last, _ = drive(core, reqs)
+    assert sorted(tokens) == ["g0", "g1", "g2", "g3"]
+    for rid, ids in tokens.items():
+        assert last[rid].finish_reason == "stop", rid
+        jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True), strict=False), SCHEMA)
     core.close()
 
 

@@ -46,6 +46,26 @@ def _output_counts(row: SampleRow) -> Counter[int]:
     return counts
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that reads the processed logits but the argmax (no penalties, no logprobs)."""
+    return p.greedy and p.logprobs is None and not _needs_penalties(p)
+
+
+def _masked_argmax(logits: torch.Tensor, mask: token_mask.TokenMask) -> torch.Tensor:
+    """The argmax of every row under ``mask``, for a batch of plain greedy rows: a constrained row whose
+    unmasked argmax its grammar allows keeps it (the masked argmax is the same token, ties included: the
+    first index wins either way); only the others go through the mask's kernel and a second argmax. Most
+    rows of a model that follows its format take the first way, and the kernel is the mask's main cost."""
+    ids = ops.argmax(logits)
+    allowed = mask.allows(mask.rows, ids[mask.rows])
+    refused = [r for r, ok in zip(mask.rows, allowed, strict=True) if not ok]
+    if refused:
+        token_mask.apply(logits, mask, refused)
+        idx = torch.tensor(refused, device=logits.device)
+        ids[idx] = ops.argmax(logits[idx])
+    return ids
+
+
 def _top_k(p: SamplingParams) -> int:
     return p.top_k if p.top_k > 0 else 0
 
@@ -105,9 +125,12 @@ class Sampler:
         structured-output rows' allowed tokens (lbd.engine.structured.mask), applied first, as vLLM does (the
         logprobs of a constrained row are those of its masked logits)."""
         logits = logits.float()
+        params = [r.params for r in rows]
+        if mask is not None and all(_plain_greedy(p) for p in params):
+            ids = _masked_argmax(logits, mask)
+            return ids.tolist(), [None] * len(params)
         if mask is not None:
             token_mask.apply(logits, mask)
-        params = [r.params for r in rows]
         processed = self._penalise(logits, rows) if any(_needs_penalties(p) for p in params) else logits
         if all(p.greedy for p in params):
             ids = ops.argmax(processed)
