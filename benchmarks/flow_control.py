@@ -298,6 +298,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interactive-share", type=float, default=0.5)
     p.add_argument("--overload", type=float, default=2.0)
     p.add_argument("--no-fairness", action="store_true")
+    p.add_argument("--no-overload", action="store_true")
     p.add_argument("--warmup-s", type=float, default=5.0, help="fairness: the window's first seconds, "
                    "not counted")
     p.add_argument("--fairness-targets", default="lbd:on,lbd:off")
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capacity {cap:.2f} requests/s ({args.ranks} ranks x {args.max_num_seqs} seats), "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         for run in range(1, args.runs + 1):
-            for target in targets:
+            for target in targets if not args.no_overload else ():
                 row = overload(args, cap, target, sup, urls, logs)
                 over.append({**row, "run": run})
                 print(json.dumps(row), flush=True)
