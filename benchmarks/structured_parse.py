@@ -2,9 +2,12 @@
 ``chat.completions.parse`` with a pydantic model (bounded string and list fields, as real schemas are), and
 streamed tool calls with ``tool_choice="required"`` (every call of a declared tool, its arguments valid
 against the tool's schema); prints each answer's time and finish reason, how many passed, and the mask's
-cost at one and 32 rows (xgrammar's CPU kernel on the default model's vocabulary).
+cost at one and 32 rows (xgrammar's CPU kernel on the default model's vocabulary). ``--through-router``
+asks the same of ``lbd serve --data-parallel-size 2`` (two engine ranks behind ``lbd route``) and prints the
+router's request and decision counters (its /metrics): every answer went through it.
 
     .venv/bin/python benchmarks/structured_parse.py                 # starts `python -m lbd.engine`
+    .venv/bin/python benchmarks/structured_parse.py --through-router --n 20
     .venv/bin/python benchmarks/structured_parse.py --url http://127.0.0.1:8000 --n 20
 """
 
@@ -43,6 +46,7 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}},
                    "required": ["zone"]}}}
+MODEL = "SmolLM2-135M-Instruct"
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
@@ -50,7 +54,7 @@ def streamed_calls(client: openai.OpenAI, i: int) -> tuple[list[tuple[str, str]]
     """(name, arguments) of each call of a streamed tool_choice="required" answer, and its finish reason."""
     question = f"What is the weather in {CITIES[i % len(CITIES)]} for the next {1 + i % 7} days?"
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        model=MODEL, messages=[{"role": "user", "content": question}],
         tools=[WEATHER, TIME], tool_choice="required", stream=True, max_tokens=300, temperature=0.7, seed=i)
     calls: dict[int, list[str]] = {}
     finish = None
@@ -84,23 +88,39 @@ def run_tools(client: openai.OpenAI, n: int) -> None:
     print(f"streamed tool calls valid {good} of {n}")
 
 
-def start_engine() -> tuple[subprocess.Popen, str]:
+def start_engine(through_router: bool) -> tuple[subprocess.Popen, str]:
+    """`python -m lbd.engine`, or `lbd serve --data-parallel-size 2` (the router in front of two ranks);
+    ready once a chat answer comes back (the router's /health may answer before its ranks do)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    argv = ([sys.executable, "-m", "lbd", "serve", "--data-parallel-size", "2", *where] if through_router
+            else [sys.executable, "-m", "lbd.engine", *where])
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(1)
     proc.kill()
-    raise SystemExit("the engine did not start")
+    raise SystemExit(f"{argv[2:4]} did not start")
+
+
+def router_counters(url: str) -> str:
+    """The router's answered-request and routing-decision counters (proof the answers went through it)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError as e:
+        return f"(no /metrics: {e})"
+    lines = [ln for ln in text.splitlines()
+             if ln.startswith(("lbd_router_requests_total", "lbd_router_decisions_total"))]
+    return "; ".join(lines[:8]) or "(no lbd_router_ counters in /metrics)"
 
 
 def mask_cost_ms(rows: int, vocab: int = 49152, repeat: int = 30) -> float:
@@ -121,15 +141,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="an engine already serving the default model")
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--through-router", action="store_true",
+                    help="start `lbd serve --data-parallel-size 2` (lbd route over two ranks) instead")
     args = ap.parse_args()
-    proc, url = (None, args.url) if args.url else start_engine()
+    proc, url = (None, args.url) if args.url else start_engine(args.through_router)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         parsed = 0
         for i in range(args.n):
             t0 = time.perf_counter()
             r = client.chat.completions.parse(
-                model="SmolLM2-135M-Instruct", response_format=City, max_tokens=300, temperature=0.7, seed=i,
+                model=MODEL, response_format=City, max_tokens=300, temperature=0.7, seed=i,
                 messages=[{"role": "user", "content": f"Describe {CITIES[i % len(CITIES)]} as JSON."}])
             ok = isinstance(r.choices[0].message.parsed, City)
             parsed += ok
@@ -137,10 +159,12 @@ def main() -> None:
                   f"{'parsed' if ok else 'NOT PARSED'} {r.usage.completion_tokens} tokens")
         print(f"parsed {parsed} of {args.n}")
         run_tools(client, args.n)
+        if args.through_router:
+            print(f"router counters: {router_counters(url)}")
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(30)
+            proc.wait(60)
     print(f"token mask (xgrammar CPU kernel, vocab 49152): {mask_cost_ms(1):.2f} ms at 1 row, "
           f"{mask_cost_ms(32):.2f} ms at 32 rows")
 
