@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +113,42 @@ def test_bad_flags_exit_2_naming_the_flag(flags: list[str], words: str,
         parse_engine_args(flags)
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_load_unload_storm_breaks_nothing_else(server: str, tiny_llama: Path,
+                                               adapters: dict[str, Path]) -> None:
+    """Concurrent loads and unloads of one name, requests for it and for unknown adapters, beside base and
+    "full" requests: no 5xx anywhere, every base/"full" request answered, no slot left to the storm."""
+    import asyncio
+
+    async def storm() -> list[tuple[str, int]]:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            async def complete(model: str) -> tuple[str, int]:
+                r = await c.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 6,
+                                                          "temperature": 0})
+                return model, r.status_code
+
+            async def cycle() -> tuple[str, int]:
+                r = await c.post("/v1/load_lora_adapter", json={"lora_name": "storm",
+                                                               "lora_path": str(adapters["attn"])})
+                u = await c.post("/v1/unload_lora_adapter", json={"lora_name": "storm"})
+                return "cycle", max(r.status_code, u.status_code)
+
+            jobs = [complete(str(tiny_llama)) for _ in range(6)] + [complete("full") for _ in range(4)]
+            jobs += [cycle() for _ in range(4)] + [complete("storm") for _ in range(4)] + [complete("ghost")]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(storm())
+    assert all(status < 500 for _, status in results), results
+    assert all(status == 200 for model, status in results if model in (str(tiny_llama), "full")), results
+    assert dict(results)["ghost"] == 404
+    httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "storm"})  # if a load won last
+    deadline = time.monotonic() + 5  # /telemetry is the core's last stats: at most ~100 ms behind
+    while True:
+        lora = httpx.get(server + "/telemetry").json()["lora"]
+        settled = (lora["device"], lora["free_slots"]) == (["full"], 1) and "storm" not in lora["cpu"]
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    # two slots: "full" holds one, the other is free again; "storm" is gone everywhere
+    assert settled, (lora, results)

@@ -15,7 +15,10 @@ until this one loads them too: each front end keeps its own list, as each vLLM A
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -25,6 +28,24 @@ from lbd.engine.server.errors import APIError
 from lbd.engine.server.request_io import read_json, state_of
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # name -> (lock, [holders and waiters])
+
+
+@contextlib.asynccontextmanager
+async def _name_lock(name: str) -> AsyncIterator[None]:
+    """Loads and unloads of one adapter name in turn (as vLLM's per-name lock); the table keeps only names
+    with a holder or a waiter."""
+    lock, users = _locks.setdefault(name, (asyncio.Lock(), [0]))
+    users[0] += 1
+    try:
+        async with lock:
+            yield
+    finally:
+        users[0] -= 1
+        if not users[0]:
+            del _locks[name]
 
 
 def runtime_updates_allowed() -> bool:
@@ -49,6 +70,11 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     name, path = _name(body), _name(body, "lora_path")
     if name is None or path is None:
         raise APIError("Both 'lora_name' and 'lora_path' must be provided.", 400, err_type="InvalidUserInput")
+    async with _name_lock(name):
+        return await _load(state, body, name, path)
+
+
+async def _load(state: Any, body: Any, name: str, path: str) -> web.Response:
     if name in state.config.model.model_names:
         raise APIError(f"The lora adapter '{name}' conflicts with a served base model.", 400,
                        err_type="InvalidUserInput")
@@ -69,6 +95,11 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     if name is None:
         raise APIError("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
                        err_type="InvalidUserInput")
+    async with _name_lock(name):
+        return await _unload(state, name)
+
+
+async def _unload(state: Any, name: str) -> web.Response:
     if name not in state.loras:
         raise APIError(f"The lora adapter '{name}' cannot be found.", 404, err_type="NotFoundError")
     state.check_available()
