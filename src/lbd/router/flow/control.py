@@ -160,6 +160,7 @@ class FlowControl:
             timer.cancel()
             if not h.future.done() or h.future.cancelled():  # cancelled: the client went away
                 self._drop(h)
+            h.task = h.out = None  # (no cycle through a cancelled task's traceback: freed at once)
         if released:
             return self._let(slot, who, tokens, out)
         self.table.add(slot, T.LATE)
