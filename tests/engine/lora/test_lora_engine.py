@@ -209,3 +209,12 @@ def test_unload_while_running_and_load_storm_leak_nothing(tiny_llama: Path, tmp_
     assert not core.loras.users and not core.loras.refs and not core.loras.cpu
     assert core.stats().lora.free_slots == free_at_start == 2
     core.close()
+
+
+def test_unsupported_model_and_bad_startup_adapter_stop_start_up(tiny_mixtral: Path, tiny_llama: Path,
+                                                                 tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="MixtralForCausalLM is not supported"):
+        EngineCore.from_args(engine_args(tiny_mixtral, enable_lora=True), str(tiny_mixtral))
+    dora = make_adapter(tmp_path / "dora", tiny_llama, use_dora=True)
+    with pytest.raises(ValueError, match="--lora-modules d: DoRA adapters"):
+        _core(tiny_llama, {"d": dora})

@@ -152,3 +152,21 @@ def test_load_unload_storm_breaks_nothing_else(server: str, tiny_llama: Path,
         time.sleep(0.05)
     # two slots: "full" holds one, the other is free again; "storm" is gone everywhere
     assert settled, (lora, results)
+
+
+@pytest.mark.parametrize("value,served", [(None, False), ("0", False), ("1", True), ("True", True)])
+def test_runtime_routes_only_behind_vllm_s_gate(value: str | None, served: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiohttp import web
+
+    from lbd.engine.server.lora_routes import RUNTIME_ENV, add_lora_routes
+
+    if value is None:
+        monkeypatch.delenv(RUNTIME_ENV, raising=False)
+    else:
+        monkeypatch.setenv(RUNTIME_ENV, value)
+    app = web.Application()
+    add_lora_routes(app)
+    paths = {r.canonical for r in app.router.resources()}
+    assert ({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths) is served
+    assert bool(paths) is served

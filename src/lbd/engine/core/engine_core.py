@@ -155,7 +155,11 @@ class EngineCore:
         self.grammars = None if runner.device == "sim" else GrammarCompiler(
             config.structured.resolve(), config.model.tokenizer or model_path, runner.vocab_size,
             runner.eos_token_id)
-        self.loras = make_loras(config, runner)  # --enable-lora (lbd.engine.lora)
+        try:
+            self.loras = make_loras(config, runner)  # --enable-lora (lbd.engine.lora)
+        except Exception:
+            self.close()  # a bad --lora-modules entry or a model without LoRA support stops start-up
+            raise
         self.scheduler = Scheduler(self.config, self.kv_events.recorder if self.kv_events else None,
                                    self.grammars, self.loras)
         self._depth = getattr(self.runner, "max_in_flight", 1)
