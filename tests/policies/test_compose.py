@@ -180,7 +180,7 @@ def test_reset_forgets_what_every_plugin_learned() -> None:
     assert p.rate == 4000.0 and p.avg_prompt_tokens == 256.0 and p.picker.turn == 0
     assert p.index.size(d.endpoint.key) == 0 and p.footprint.hot_tokens(d.endpoint.key) == 0
     assert p.describe()["decided"] == {}
-    assert sorted(p.describe()["learned"]) == ["Footprint", "PrefixMemory", "TtftModel"]
+    assert sorted(p.describe()["learned"]) == ["Footprint", "Placements", "PrefixMemory", "TtftModel"]
 
 
 def test_every_decision_names_the_plugin_that_decided() -> None:

@@ -70,6 +70,10 @@ class SimProfile:
     # the link KV blocks cross between a prefill and a decode rank (lbd.engine.kv_transfer.sim)
     kv_link_bandwidth: float = 25 * GB  # effective bytes/s of one pull
     kv_link_latency_s: float = 0.5e-3  # per pull: request, descriptor exchange, completion notice
+    # LoRA (--enable-lora, lbd.engine.core.sim_lora): a rank-16 adapter into a device slot, from disk (read,
+    # check, build tensors: vLLM's load of a small adapter) or from the CPU cache (a host-to-device copy)
+    lora_load_s: float = 0.08
+    lora_copy_s: float = 0.004
 
     @property
     def flops(self) -> float:

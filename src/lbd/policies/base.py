@@ -33,6 +33,22 @@ class RequestFacts:
     chain_partial: bool = False  # block_keys is only the head of the chain (routed on its head: kv.cold)
 
 
+@dataclass(slots=True, frozen=True)
+class LoraView:
+    """Where one rank's LoRA adapters are (issue 44): the names resident in its device slots and in its CPU
+    cache, its free slots, its slot count, and whether the view is complete (``exact``: lbd's engines report
+    every resident adapter; vLLM's ``lora_requests_info`` names only adapters with running or waiting
+    requests, so an idle resident adapter looks absent there and ``free_slots`` is only a bound). ``known``:
+    every adapter the rank serves (its /v1/models cards with a ``parent``, and what its telemetry names)."""
+
+    device: frozenset[str] = frozenset()
+    cpu: frozenset[str] = frozenset()
+    free_slots: int = 0
+    max_loras: int = 0
+    exact: bool = True
+    known: frozenset[str] = frozenset()
+
+
 @dataclass(slots=True)
 class EndpointSnapshot:
     """One rank endpoint as the router sees it at decision time.
@@ -60,6 +76,7 @@ class EndpointSnapshot:
     num_blocks: int = 0
     age_s: float = math.inf
     role: str = "mixed"  # prefill, decode or mixed (P/D: --prefill/--decode, or a supervisor's /status)
+    lora: LoraView | None = None  # its adapters (--enable-lora ranks' telemetry); None: none reported
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models

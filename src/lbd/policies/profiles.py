@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lbd.policies.adapters import Adapter
 from lbd.policies.affinity import LongestPrefix, Session, SessionCap
 from lbd.policies.filters import KvRoom, LoadGap
 from lbd.policies.pick import Lowest, PowerOfTwo, RoundRobin
@@ -74,10 +75,13 @@ def predicted_ttft(stale_s: float = 1.0, seed: int = 0, prefill_tokens_per_s: fl
                    running_tokens: float = 16.0, kv_threshold: float = 0.8, kv_penalty_tokens: float = 4096.0,
                    gap_abs: float = 8.0, gap_rel: float = 0.5, index_capacity: int = 65536,
                    learn_alpha: float = 0.1, reuse_weight: float = 1.0, exact_gap_free: bool = True,
-                   evict_weight: float = 1.0, footprint_window: int = 512, **_: Any) -> Profile:
+                   evict_weight: float = 1.0, footprint_window: int = 512, adapter_weight: float = 1.0,
+                   lora_max_replicas: int = 0, **_: Any) -> Profile:
     """Bounded stickiness: approximate endpoints whose queue score is past the least one by a gap are not
     considered, so a guessed prefix never outweighs a large load gap; endpoints with an exact view are exempt
-    (their estimate holds the queue ahead and the true cost of a miss). Equal estimates rotate."""
+    (their estimate holds the queue ahead and the true cost of a miss). Equal estimates rotate. LoRA adapter
+    requests add the ``adapter`` scorer's residency cost (zeros for the base model: its decisions are the
+    same with it)."""
     env = Env(stale_s, seed)
     gap = LoadGap(env, gap_abs=gap_abs, gap_rel=gap_rel, exact_exempt=exact_gap_free)
     scorers: list[tuple[Scorer, float]] = [
@@ -89,6 +93,8 @@ def predicted_ttft(stale_s: float = 1.0, seed: int = 0, prefill_tokens_per_s: fl
     if evict_weight > 0.0:
         scorers.append((Evict(env, kv_threshold=kv_threshold, footprint_window=footprint_window,
                               index_capacity=index_capacity), evict_weight))
+    if adapter_weight > 0.0:
+        scorers.append((Adapter(env, max_replicas=lora_max_replicas), adapter_weight))
     return _profile("predicted_ttft", env, [gap], scorers, Lowest(env, eps=1e-6))
 
 

@@ -27,6 +27,7 @@ MODULES = (
     "lbd.policies.ttft",
     "lbd.policies.overlap",
     "lbd.policies.roles",
+    "lbd.policies.adapters",
     "lbd.policies.profiles",
 )
 P = TypeVar("P", bound=type[Plugin])

@@ -113,6 +113,7 @@ class RouterConfig:
     kv_index_max_blocks_per_endpoint: int | None = None  # None: from the endpoint's KV capacity
     telemetry_push: str = "auto"  # follow the load streams ranks advertise (lbd.router.load_feed)
     evict_weight: float = 1.0
+    lora_max_replicas: int = 0  # the adapter scorer's cap on one adapter's device copies (0: none)
     tokenizer: Path | None = None
     forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
     dns_refresh_interval_s: float = 5.0
@@ -297,7 +298,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         log_level=ns.log_level,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events, telemetry_push=ns.telemetry_push,
-        evict_weight=ns.evict_weight,
+        evict_weight=ns.evict_weight, lora_max_replicas=ns.lora_max_replicas,
         tokenizer=ns.tokenizer,
         forward_prompt_ids=ns.forward_prompt_ids is not False,
         limits=limits,
@@ -382,7 +383,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--rate-limit-tps": ns.rate_limit_tps,
         "--outlier-first-byte-timeout-s": ns.outlier_first_byte_timeout_s,
         "--shutdown-timeout": ns.shutdown_timeout,
-        "--evict-weight": ns.evict_weight,
+        "--evict-weight": ns.evict_weight, "--lora-max-replicas": ns.lora_max_replicas,
     }.items():
         if value < 0:
             p.error(f"{flag} must be >= 0, got {value}")

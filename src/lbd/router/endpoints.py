@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from lbd.policies import EndpointSnapshot
 from lbd.router.shared import SharedCounters, Totals
-from lbd.router.telemetry import Sample
+from lbd.router.telemetry import Sample, with_cards
 
 if TYPE_CHECKING:  # (not the config: lbd.router.config imports lbd.router.outlier, which imports this)
     from lbd.router.metrics import RouterMetrics
@@ -214,6 +214,7 @@ class Fleet:
         snap.rank, snap.models, snap.role = ep.rank, ep.models, ep.role
         snap.healthy, snap.draining = ep.healthy and ep.routable, ep.draining
         s = ep.sample
+        snap.lora = with_cards(s.lora if s is not None else None, ep.model_cards)
         if s is not None:
             snap.running, snap.waiting, snap.kv_usage = s.running, s.waiting, s.kv_usage
             snap.prefix_hit_rate, snap.block_size, snap.num_blocks = ep.prefix_hit_rate, s.block_size or 16, \

@@ -157,6 +157,13 @@ def make_parser() -> OneLineParser:
         "(each evicted one is computed again by its next request); 0 turns the charge off",
     )
     g.add_argument(
+        "--lora-max-replicas",
+        type=int,
+        default=0,
+        help="predicted_ttft's adapter scorer: once this many ranks hold a LoRA adapter on device, others "
+        "are charged heavily for it, so a popular adapter does not evict every other; 0: no cap",
+    )
+    g.add_argument(
         "--pin-fallback",
         action="store_true",
         help="route a request pinned to an unhealthy or draining rank elsewhere instead of 503",

@@ -36,12 +36,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import zmq
 from prometheus_client.core import CounterMetricFamily
 
 from lbd.common.cluster import CLUSTER_TOKEN_ENV, secure_zmq_client
 from lbd.router.kv.view import subscribe_address
-from lbd.router.telemetry import Sample
+from lbd.router.telemetry import Sample, lora_view
 from lbd.wire.load_state import PURPOSE, TOPIC, BadLoadState, LoadState, decode_advertised, decode_state
 
 if TYPE_CHECKING:
@@ -301,7 +302,8 @@ class LoadFeed:
         sample = Sample(running=msg.running, waiting=msg.waiting, kv_usage=msg.kv_usage,
                         prefix_queries=msg.prefix_queries, prefix_hits=msg.prefix_hits,
                         block_size=msg.block_size, num_blocks=msg.num_blocks, prompt_tokens=msg.prompt_tokens,
-                        generation_tokens=msg.generation_tokens, ranks={msg.rank}, models=set(ep.models))
+                        generation_tokens=msg.generation_tokens, ranks={msg.rank}, models=set(ep.models),
+                        lora=lora_view(msgspec.to_builtins(msg.lora)) if msg.lora is not None else None)
         self.state.observe(ep, sample, now)
 
     # ---- staleness ------------------------------------------------------------------------------------

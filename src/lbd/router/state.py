@@ -48,6 +48,7 @@ class RouterState(Fleet):
             seed=shared.worker,
             prefill_tokens_per_s=cfg.prefill_tokens_per_s,
             evict_weight=cfg.evict_weight,
+            lora_max_replicas=cfg.lora_max_replicas,
         )
         self.exact: ExactView | None = None  # set by the app when --kv-events is not off
         self.push: LoadFeed | None = None  # set by the monitor unless --telemetry-push off

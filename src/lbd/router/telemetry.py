@@ -24,15 +24,22 @@ Engines and their names (the first name of a row that the engine exports wins: v
 | num_blocks | cache_config_info{num_gpu_blocks} | | max_total_num_tokens / page_size |
 | prompt_tokens, generation_tokens (progress) | prompt_tokens_total, generation_tokens_total | | the same |
 
+Adapters (``--enable-lora``, issue 44) become ``Sample.lora`` (a ``LoraView``): from the JSON's ``lora``
+section, or on /metrics from ``lbd:lora_resident``/``lbd:lora_free_slots`` (lbd's engines: exact), else
+from vLLM's ``lora_requests_info`` (its newest series: the adapters with running or waiting requests, taken
+as on device). That last one cannot see an idle adapter still in a slot: a vLLM rank's view is inexact.
+
 ``ranks`` come from vLLM's ``engine`` label or SGLang's ``dp_rank`` (``lbd supervise --rank-engine sglang``
 adds it; a router also learns ranks from the supervisor's /status); ``models`` from ``model_name``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
+
+from lbd.policies.base import LoraView
 
 # field -> sample names in order of preference (vLLM, vLLM < 0.10); SGLang's apart (checked only on its text)
 _VLLM: dict[str, tuple[str, ...]] = {
@@ -77,6 +84,7 @@ class Sample:
     ranks: set[int] = field(default_factory=set)
     models: set[str] = field(default_factory=set)
     load_stream: object = None  # the pushed load stream the rank advertises (lbd.router.load_feed)
+    lora: LoraView | None = None  # its adapters, where an --enable-lora rank reports them
 
 
 def family_lines(text: str, name: str) -> list[str]:
@@ -146,7 +154,66 @@ def parse_metrics(text: str) -> Sample:
     if page > 0:
         s.block_size = int(page)
         s.num_blocks = int(extra.get("max_total_tokens", 0.0) // page)
+    if "lora_requests_info" in text:
+        s.lora = _metrics_lora(text)
     return s
+
+
+def _names(value: str | None) -> frozenset[str]:
+    return frozenset(n for n in (value or "").split(",") if n)
+
+
+def _metrics_lora(text: str) -> LoraView | None:
+    """The adapters on /metrics: lbd's resident/free-slot gauges (exact), else vLLM's newest
+    ``lora_requests_info`` series (adapters with requests only; the rest of ``max_lora`` counted free)."""
+    info = _samples(family_lines(text, "vllm:lora_requests_info"))
+    if not info:
+        return None
+    labels, _ = max(info, key=lambda lv: lv[1])  # the value is the time it was set: the newest is current
+    busy = _names(labels.get("running_lora_adapters")) | _names(labels.get("waiting_lora_adapters"))
+    max_loras = _int(labels.get("max_lora"))
+    resident = _samples(family_lines(text, "lbd:lora_resident"))
+    free = _samples(family_lines(text, "lbd:lora_free_slots"))
+    if not free:
+        return LoraView(device=busy, free_slots=max(0, max_loras - len(busy)), max_loras=max_loras,
+                        exact=False, known=busy)
+    device = frozenset(lv[0].get("lora_name", "") for lv in resident if lv[1] > 0 and lv[0].get("where") ==
+                       "device") - {""}
+    cpu = frozenset(lv[0].get("lora_name", "") for lv in resident if lv[1] > 0 and lv[0].get("where") ==
+                    "cpu") - {""}
+    return LoraView(device=device, cpu=cpu, free_slots=int(sum(v for _, v in free)), max_loras=max_loras,
+                    known=device | cpu | busy)
+
+
+def with_cards(view: LoraView | None, cards: list[dict]) -> LoraView | None:
+    """``view`` knowing the adapters a rank's /v1/models ``cards`` list (a card with a ``parent``)."""
+    named = frozenset(str(c["id"]) for c in cards if c.get("parent") and c.get("parent") != c.get("id"))
+    if not named or view is not None and named <= view.known:
+        return view
+    if view is None:
+        return LoraView(exact=False, known=named)
+    return replace(view, known=view.known | named)
+
+
+def lora_view(data: object) -> LoraView | None:
+    """An lbd ``LoraState`` as plain data (/telemetry's ``lora`` section, the pushed state's) -> LoraView;
+    None when absent or not one."""
+    if not isinstance(data, dict):
+        return None
+
+    def names(key: str) -> frozenset[str]:
+        value = data.get(key)
+        return frozenset(str(n) for n in value if n) if isinstance(value, list) else frozenset()
+
+    def count(key: str) -> int:
+        value = data.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    device, cpu = names("device"), names("cpu")
+    loaded = data.get("load_seconds")
+    known = frozenset(str(n) for n in loaded) if isinstance(loaded, dict) else frozenset()
+    return LoraView(device=device, cpu=cpu, free_slots=count("free_slots"), max_loras=count("max_lora"),
+                    known=known | device | cpu | names("running") | names("waiting"))
 
 
 # GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, far smaller than the
@@ -180,6 +247,7 @@ def parse_telemetry(body: bytes) -> Sample:
         s.ranks.add(engine)
     s.models.update(str(m) for m in data.get("model_names") or () if m)
     s.load_stream = data.get("load_stream")
+    s.lora = lora_view(data.get("lora"))
     return s
 
 

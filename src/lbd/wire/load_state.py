@@ -41,11 +41,18 @@ token (``lbd.common.cluster.secure_zmq_server``, purpose ``PURPOSE``) and ``Load
 | prompt_tokens, generation_tokens | prompt_tokens_total, generation_tokens_total (cumulative) |
 | heartbeat_s | the publisher's heartbeat interval |
 | stream | the address the rank advertises for this stream (identifies the rank across restarts) |
+| lora | an ``--enable-lora`` rank's adapters (``LoraState``: on device, in CPU, free slots), else None |
+
+``lora`` is None on ranks without adapters and from publishers older than the field (shorter arrays).
+
+A change of the adapters' residency (device or CPU) is a change too: it is sent like a change of load.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from lbd.wire.core_messages import LoraState
 
 TOPIC = b"lbd.load"
 PURPOSE = "lbd-load-state"  # the CURVE key pair's purpose (lbd.common.cluster.derive)
@@ -68,6 +75,7 @@ class LoadState(msgspec.Struct, array_like=True, gc=False):
     generation_tokens: int = 0
     heartbeat_s: float = 1.0
     stream: str = ""
+    lora: LoraState | None = None
 
 
 class LoadStream(msgspec.Struct, gc=False):

@@ -114,6 +114,4 @@ def lora_flags_problem(args: object) -> str | None:
     if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) > 1:
         return ("--enable-lora runs on one device per rank: LoRA under tensor or pipeline parallelism is not "
                 "supported yet (drop --tensor-parallel-size/--pipeline-parallel-size or --enable-lora)")
-    if getattr(args, "device", "auto") == "sim":
-        return "--enable-lora computes adapters on a real device: --device sim has no weights to adapt"
-    return None
+    return None  # (--device sim models slots and load time: lbd.engine.core.sim_lora)

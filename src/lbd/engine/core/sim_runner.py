@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.lora import LoraFlags
 from lbd.engine.config.slices import CacheConfig, ModelConfig, engine_config
 from lbd.engine.core.request import Request
 from lbd.engine.core.sched_output import SampledToken, SchedulerOutput
+from lbd.engine.core.sim_lora import SimLoras
 from lbd.engine.sim_profiles import SimProfile, StepShape, get_profile
 from lbd.wire.core_messages import TokenLogprobs
 
@@ -134,6 +136,7 @@ class SimRunner:
         self.steps = 0
         self.last_shape = StepShape()
         self.last_step_s = 0.0  # modelled time of the last step
+        self.loras: SimLoras | None = None  # --enable-lora
         logger.info(
             "sim device: profile %s (%s), %d KV blocks of %d, time scale %g",
             self.profile.name,
@@ -149,6 +152,12 @@ class SimRunner:
         cfg = engine_config(args, "sim")
         return cls(model_path, cfg.model, cfg.cache)
 
+    def enable_lora(self, flags: LoraFlags) -> SimLoras:
+        """Model ``flags.max_loras`` adapter slots and their load time (``lbd.engine.core.sim_lora``)."""
+        p = self.profile
+        self.loras = SimLoras(flags, p.time_scale * p.lora_load_s, p.time_scale * p.lora_copy_s)
+        return self.loras
+
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         start = time.perf_counter()
         for request_id in out.finished_ids:
@@ -156,6 +165,8 @@ class SimRunner:
         shape = step_shape(out)
         sampled = [self._sample(seq.request) for seq in out.seqs if seq.sample]
         self.last_shape, self.last_step_s = shape, self.profile.step_time(shape)
+        if self.loras is not None:  # adapters this step's admissions put into slots
+            self.last_step_s += self.loras.take_owed()
         self.steps += 1
         remaining = start + self.last_step_s - time.perf_counter()
         if remaining > 0:

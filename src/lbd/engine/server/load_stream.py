@@ -65,7 +65,7 @@ class LoadPublisher:
         self.endpoint = f"tcp://{addr}:{port}"
         self._seq = 0
         self._stats = SchedulerStats()
-        self._sent_key: tuple[int, int, float, int] | None = None
+        self._sent_key: tuple[object, ...] | None = None
         self._last_sent = 0.0
         self._pending: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
@@ -83,7 +83,7 @@ class LoadPublisher:
     def update(self, stats: SchedulerStats) -> None:
         """The core's newest stats: sent now if what routers weigh changed (or soon, when just sent)."""
         self._stats = stats
-        key = (stats.num_running, stats.num_waiting, stats.kv_cache_usage, stats.num_blocks)
+        key = _key(stats)
         if key == self._sent_key or self._pending is not None:
             return
         wait = self._last_sent + MIN_INTERVAL_S - time.monotonic()
@@ -98,9 +98,9 @@ class LoadPublisher:
         msg = LoadState(self.instance, self._seq, time.time(), self.rank, s.num_running, s.num_waiting,
                         s.kv_cache_usage, s.num_blocks, s.block_size, s.prefix_cache_queries,
                         s.prefix_cache_hits, s.prompt_tokens, s.generation_tokens, self.heartbeat_s,
-                        self.endpoint)
+                        self.endpoint, s.lora)
         self._seq += 1
-        self._sent_key = (s.num_running, s.num_waiting, s.kv_cache_usage, s.num_blocks)
+        self._sent_key = _key(s)
         self._last_sent = time.monotonic()
         try:
             self._pub.send_multipart((TOPIC, encode_state(msg)), flags=zmq.NOBLOCK)
@@ -120,3 +120,10 @@ class LoadPublisher:
             self._pending.cancel()
         self._pub.close(linger=0)
         self._ctx.term()
+
+
+def _key(s: SchedulerStats) -> tuple[object, ...]:
+    """What routers weigh: a change of it is sent (the load, and where the adapters are)."""
+    lora = s.lora
+    where = (tuple(lora.device), tuple(lora.cpu), lora.free_slots) if lora is not None else None
+    return (s.num_running, s.num_waiting, s.kv_cache_usage, s.num_blocks, where)

@@ -1,0 +1,188 @@
+"""LoRA adapters on the simulated device (``--device sim --enable-lora``): slots, a CPU cache and load time,
+without weights, so adapter placement can be measured on many sim ranks (benchmarks/lora_routing.py).
+
+The same interface as ``lbd.engine.lora.manager.LoraManager`` (the core and scheduler call it alike), and the
+same telemetry (``LoraState``: device, cpu, free slots, load seconds), so routers see a sim rank's adapters as
+they see a real one's. What it models:
+- ``--max-loras`` device slots, least recently used taken over (never one a running request uses: the request
+  waits, as on a real rank);
+- a CPU cache of ``--max-cpu-loras`` adapters (LRU; an adapter in a slot stays in it);
+- the cost of a slot miss, charged to the step that admits the request (``SimRunner.execute`` sleeps it):
+  ``SimProfile.lora_copy_s`` when the adapter is in the CPU cache, else ``lora_load_s`` (a read from disk).
+  vLLM loads a missing adapter inside its step too, so the whole batch waits for it.
+Adapters named by ``--lora-modules`` or loaded at run time are registered by name; their folders are not read.
+Each modelled load is logged at INFO (``sim lora: load``): the benchmark counts loads from the ranks' logs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from lbd.engine.config.lora import LoraModule
+from lbd.wire.core_messages import LoraState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SimAdapter:
+    name: str
+    lora_id: int
+    path: str
+    base_model_name: str | None = None
+    load_seconds: float | None = None
+
+
+class SimLoras:
+    """A sim rank's adapters: registry, CPU LRU, device slots and the load time owed to the next step."""
+
+    def __init__(self, flags: Any, load_s: float, copy_s: float) -> None:
+        self.flags, self.load_s, self.copy_s = flags, load_s, copy_s
+        self.adapters: dict[str, SimAdapter] = {}
+        self._next_id = 1
+        self.cpu: OrderedDict[int, None] = OrderedDict()  # lora_id, least recently used first
+        self.slots: list[int | None] = [None] * flags.max_loras
+        self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, LRU first
+        self.users: Counter[int] = Counter()  # running requests per adapter
+        self.waiting: list[Any] = []  # never used: loads are charged to a step, not waited for
+        self.owed_s = 0.0  # load time the next step sleeps
+        self.loads = self.copies = 0
+        self._answers: list[tuple[Any, int, str]] = []
+        for module in flags.modules:
+            self._register(module)
+
+    def _register(self, module: LoraModule) -> SimAdapter:
+        adapter = SimAdapter(module.name, self._next_id, module.path, module.base_model_name)
+        self._next_id += 1
+        self.adapters[adapter.name] = adapter
+        return adapter
+
+    def _by_id(self, lora_id: int) -> SimAdapter | None:
+        return next((a for a in self.adapters.values() if a.lora_id == lora_id), None)
+
+    # ---- the registry (/v1/load_lora_adapter, /v1/unload_lora_adapter) ----------------------------------
+    def lookup(self, name: str) -> SimAdapter | None:
+        return self.adapters.get(name)
+
+    def load(self, module: LoraModule, token: Any) -> None:
+        """Register ``module`` (its load is charged when a request first needs it) and answer at once."""
+        if module.name in self.adapters:
+            self.remove(module.name)
+        self._register(module)
+        self._answers.append((token, 200, f"Success: LoRA adapter '{module.name}' added successfully."))
+
+    def remove(self, name: str) -> bool:
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            return False
+        self.cpu.pop(adapter.lora_id, None)
+        if not self.users[adapter.lora_id]:
+            slot = self.slot_lru.pop(adapter.lora_id, None)
+            if slot is not None:
+                self.slots[slot] = None
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._answers)
+
+    def take_answers(self) -> list[tuple[Any, int, str]]:
+        answers, self._answers = self._answers, []
+        return answers
+
+    # ---- the scheduler's gate ---------------------------------------------------------------------------
+    def hold(self, req: Any) -> None:
+        pass
+
+    def drop(self, req: Any) -> None:
+        pass
+
+    def needs_wait(self, req: Any) -> bool:
+        return False
+
+    def take_ready(self, idle: bool) -> tuple[list[Any], list[tuple[Any, str, int]]]:
+        return [], []
+
+    def unwait(self, req: Any) -> bool:
+        return False
+
+    def acquire(self, req: Any) -> bool:
+        """A slot for the request's adapter: held, free, or the least recently used idle one (its load time
+        owed to this step); False when every slot is in use."""
+        lora_id = req.lora_id
+        if lora_id not in self.slot_lru:
+            slot = self._free_slot()
+            if slot is None:
+                return False
+            self._fill(slot, lora_id)
+        self.slot_lru.move_to_end(lora_id)
+        return True
+
+    def _fill(self, slot: int, lora_id: int) -> None:
+        adapter = self._by_id(lora_id)
+        name = adapter.name if adapter is not None else str(lora_id)
+        cost, how = (self.copy_s, "copy") if lora_id in self.cpu else (self.load_s, "read")
+        self.owed_s += cost
+        if adapter is not None:
+            adapter.load_seconds = cost
+        if how == "copy":
+            self.copies += 1
+        else:
+            self.loads += 1
+        logger.info("sim lora: load %s into slot %d (%s, %.3f s; %d reads, %d copies)", name, slot, how, cost,
+                    self.loads, self.copies)
+        self.slots[slot] = lora_id
+        self.slot_lru[lora_id] = slot
+        self.cpu[lora_id] = None
+        self.cpu.move_to_end(lora_id)
+        for old in list(self.cpu):
+            if len(self.cpu) <= max(self.flags.cpu_slots, len(self.slot_lru)):
+                break
+            if old not in self.slot_lru:
+                del self.cpu[old]
+
+    def _free_slot(self) -> int | None:
+        for slot, owner in enumerate(self.slots):
+            if owner is None:
+                return slot
+        for lora_id, slot in self.slot_lru.items():
+            if not self.users[lora_id]:
+                del self.slot_lru[lora_id]
+                self.slots[slot] = None
+                return slot
+        return None
+
+    def pin(self, req: Any) -> None:
+        self.users[req.lora_id] += 1
+        req.lora_slot = self.slot_lru[req.lora_id]
+
+    def unpin(self, req: Any) -> None:
+        if req.lora_slot >= 0:
+            req.lora_slot = -1
+            self.users[req.lora_id] -= 1
+            if self.users[req.lora_id] <= 0:
+                del self.users[req.lora_id]
+
+    def take_owed(self) -> float:
+        """The load time the step that admitted new adapters sleeps (and forget it)."""
+        owed, self.owed_s = self.owed_s, 0.0
+        return owed
+
+    # ---- telemetry --------------------------------------------------------------------------------------
+    def state(self, running: list[Any], waiting: list[Any]) -> LoraState:
+        names = {a.lora_id: a.name for a in self.adapters.values()}
+        return LoraState(
+            max_lora=self.flags.max_loras,
+            running=sorted({names.get(r.lora_id, "") for r in running if r.lora_id} - {""}),
+            waiting=sorted({names.get(r.lora_id, "") for r in waiting if r.lora_id} - {""}),
+            device=sorted(names[i] for i in self.slot_lru if i in names),
+            cpu=sorted(names[i] for i in self.cpu if i in names),
+            free_slots=sum(1 for s in self.slots if s is None),
+            load_seconds={a.name: round(a.load_seconds, 6) for a in self.adapters.values()
+                          if a.load_seconds is not None})
+
+    def close(self) -> None:
+        pass

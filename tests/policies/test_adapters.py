@@ -1,0 +1,102 @@
+"""The ``adapter`` scorer (issue 44): residency tiers, the rendezvous home, the replica cap, placements not
+yet seen in telemetry, load still counted, and base-model decisions untouched. Pure and fast: no processes."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from lbd.policies import EndpointSnapshot, RequestFacts, make_policy
+from lbd.policies.adapters import hrw_weight
+from lbd.policies.base import LoraView
+
+ADAPTERS = frozenset(f"lora{i}" for i in range(32))
+
+
+def _ep(i: int, device: tuple[str, ...] = (), cpu: tuple[str, ...] = (), free: int = 0, waiting: float = 0.0,
+        lora: bool = True) -> EndpointSnapshot:
+    view = LoraView(device=frozenset(device), cpu=frozenset(cpu), free_slots=free, max_loras=4,
+                    known=ADAPTERS) if lora else None
+    return EndpointSnapshot(key=f"http://r{i}", rank=i, age_s=0.0, num_blocks=1000, waiting=waiting,
+                            lora=view)
+
+
+def _facts(model: str) -> RequestFacts:
+    return RequestFacts(model=model, prompt_tokens=200)
+
+
+def test_tiers_device_then_cpu_then_free_slot_then_eviction() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    pool = [_ep(0, device=("x",)), _ep(1, cpu=("lora3",)), _ep(2, free=1), _ep(3, device=("lora3",))]
+    expected = [(3, "adapter_resident"), (1, "adapter_cpu"), (2, "adapter_free_slot")]
+    for rank, reason in expected:  # (the last one left is the only choice: no plugin decided it)
+        d = p.choose(_facts("lora3"), pool)
+        assert (d.endpoint.rank, d.reason, d.plugin) == (rank, reason, "adapter"), d.line()
+        assert "adapter lora3" in d.explain()
+        pool = [e for e in pool if e.rank != rank]
+
+
+def test_a_cold_adapter_has_one_home_whatever_the_order_and_adapters_spread() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    pool = [_ep(i, free=4) for i in range(8)]
+    homes = Counter()
+    for name in sorted(ADAPTERS):
+        picks = set()
+        for seed in range(3):
+            shuffled = pool[:]
+            random.Random(seed).shuffle(shuffled)
+            picks.add(p.choose(_facts(name), shuffled).endpoint.key)
+        assert picks == {max((e.key for e in pool), key=lambda k: hrw_weight(name, k))}
+        homes[picks.pop()] += 1
+    assert len(homes) >= 6, homes  # 32 adapters over 8 ranks: not piled on one
+
+
+def test_load_still_counts_a_busy_holder_loses_to_an_idle_free_slot() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    busy = [_ep(0, device=("lora1",), waiting=40.0), _ep(1, free=2)]
+    assert p.choose(_facts("lora1"), busy).endpoint.rank == 1
+    light = [_ep(0, device=("lora1",), waiting=1.0), _ep(1, free=2)]
+    assert p.choose(_facts("lora1"), light).endpoint.rank == 0
+
+
+def test_the_replica_cap_keeps_a_popular_adapter_on_its_holders() -> None:
+    pool = [_ep(0, device=("lora5",)), _ep(1, device=("lora5",)), _ep(2, free=1), _ep(3, device=("lora6",))]
+    for e in pool[:2]:  # the holders have the router's own prefills queued: a load elsewhere is sooner
+        e.unstarted, e.unstarted_tokens = 1, 2000
+    free = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    assert free.choose(_facts("lora5"), pool).endpoint.rank == 2  # a third copy: the holders are busier
+    capped = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0, lora_max_replicas=2)
+    d = capped.choose(_facts("lora5"), pool)
+    assert d.endpoint.rank in (0, 1) and "cap 2 reached" in d.explain()
+    with pytest.raises(ValueError, match="max_replicas"):
+        make_policy("predicted_ttft", lora_max_replicas=-1)
+
+
+def test_a_placement_the_telemetry_has_not_shown_yet_is_followed() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    pool = [_ep(i, free=4) for i in range(4)]
+    home = max(pool, key=lambda e: hrw_weight("lora7", e.key))
+    other = next(e for e in pool if e is not home)
+    assert p.choose(_facts("lora7"), pool).endpoint.key == home.key
+    p.on_dispatch(_facts("lora7"), other.key)  # e.g. a retry sent it elsewhere; it is loading there now
+    d = p.choose(_facts("lora7"), pool)
+    assert (d.endpoint.key, d.reason) == (other.key, "adapter_cpu")
+    p.forget(other.key)
+    assert p.choose(_facts("lora7"), pool).endpoint.key == home.key
+
+
+def test_base_model_decisions_are_the_same_with_and_without_the_scorer() -> None:
+    rng = random.Random(7)
+    with_it = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    without = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0, adapter_weight=0.0)
+    for step in range(300):
+        pool = [_ep(i, device=tuple(rng.sample(sorted(ADAPTERS), 2)), free=rng.randint(0, 2),
+                    waiting=float(rng.randint(0, 5)), lora=rng.random() < 0.8) for i in range(6)]
+        facts = RequestFacts(model=rng.choice(["base", None]), prompt_tokens=rng.randint(10, 3000),
+                             prefix_hashes=tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 4))))
+        a, b = with_it.choose(facts, pool), without.choose(facts, pool)
+        assert (a.endpoint.key, a.reason, a.plugin) == (b.endpoint.key, b.reason, b.plugin), step
+        with_it.on_dispatch(facts, a.endpoint.key)
+        without.on_dispatch(facts, b.endpoint.key)
