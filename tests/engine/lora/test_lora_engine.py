@@ -221,3 +221,24 @@ def test_unsupported_model_and_bad_startup_adapter_stop_start_up(tiny_mixtral: P
     dora = make_adapter(tmp_path / "dora", tiny_llama, use_dora=True)
     with pytest.raises(ValueError, match="--lora-modules d: DoRA adapters"):
         _core(tiny_llama, {"d": dora})
+
+
+def test_a_failed_reload_refuses_its_requests_with_the_reason(tiny_llama: Path, tmp_path: Path) -> None:
+    """One adapter in host memory: "attn" was dropped from it for "full"; its file is gone, so a request for
+    it is refused (the reason, 404) while a "full" request beside it runs; "attn" stays registered."""
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    core = _core(tiny_llama, {"attn": adapters["attn"], "full": adapters["full"]}, max_loras=1,
+                 max_cpu_loras=1)
+    assert core.stats().lora.cpu == ["full"]
+    (adapters["attn"] / "adapter_model.safetensors").unlink()
+    for rid, lora in (("a", "attn"), ("f", "full")):
+        core.add_request(EngineCoreRequest(rid, [5, 6, 7], greedy(3), None, 0.0, lora_name=lora))
+    rejected, done = [], set()
+    deadline = time.monotonic() + 60
+    while core.has_work() and time.monotonic() < deadline:
+        done |= {o.request_id for o in core.step() if o.finish_reason is not None}
+        rejected += core.take_rejected()
+    assert done >= {"f"} and [(rid, status) for rid, _, status in rejected] == [("a", 404)]
+    assert "No adapter weights" in rejected[0][1] and core.loras.lookup("attn") is not None
+    assert not core.loras.refs and not core.loras.users
+    core.close()

@@ -37,6 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class _Load:
+    """A load in the loader thread: ``token`` is whom to answer (None: a reload for a queued request)."""
+
+    future: Future
+    token: Any
+    start: float
+
+
+@dataclass(slots=True)
 class Adapter:
     name: str
     lora_id: int
@@ -61,7 +70,7 @@ class LoraManager:
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
         self.waiting: list[Any] = []  # requests waiting for their adapter's load
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
-        self._loading: dict[int, Future] = {}
+        self._loading: dict[int, _Load] = {}
         self._failed: dict[int, AdapterError] = {}
         self._answers: list[tuple[Any, int, str]] = []  # (token, status, message) of finished loads
         self._wake = threading.Event()
@@ -90,16 +99,12 @@ class LoraManager:
         old = self.adapters.get(module.name)
         if old is not None:
             self.remove(module.name)
-        adapter = self._register(module)
-        start = time.monotonic()
+        self._start_load(self._register(module), token)
 
-        def done(fut: Future) -> None:
-            self._wake.set()
-
-        fut = self._pool.submit(self._read, adapter)
-        fut.token, fut.start = token, start  # type: ignore[attr-defined]
-        fut.add_done_callback(done)
-        self._loading[adapter.lora_id] = fut
+    def _start_load(self, adapter: Adapter, token: Any) -> None:
+        future = self._pool.submit(self._read, adapter)
+        future.add_done_callback(lambda _: self._wake.set())
+        self._loading[adapter.lora_id] = _Load(future, token, time.monotonic())
 
     def remove(self, name: str) -> bool:
         """Unregister ``name`` (False when unknown); requests already in the core finish with it."""
@@ -130,27 +135,28 @@ class LoraManager:
         if not self._loading:
             return
         self._wake.clear()
-        for lora_id, fut in list(self._loading.items()):
-            if not fut.done():
+        for lora_id, load in list(self._loading.items()):
+            if not load.future.done():
                 continue
             del self._loading[lora_id]
             adapter = self.by_id.get(lora_id)
-            exc = fut.exception()
+            exc = load.future.exception()
             if adapter is None:  # unloaded while it was loading
                 exc = AdapterError("the adapter was unloaded while it was loading", 404)
             if exc is None:
-                adapter.load_seconds = time.monotonic() - fut.start  # type: ignore[attr-defined]
-                self._store(adapter, fut.result())
-                if fut.token is not None:  # type: ignore[attr-defined]  (a reload for a request: no answer)
-                    self._answers.append((fut.token, 200,  # type: ignore[attr-defined]
+                adapter.load_seconds = time.monotonic() - load.start
+                self._store(adapter, load.future.result())
+                self._failed.pop(lora_id, None)
+                if load.token is not None:
+                    self._answers.append((load.token, 200,
                                           f"Success: LoRA adapter '{adapter.name}' added successfully."))
                 continue
             err = exc if isinstance(exc, AdapterError) else AdapterError(f"loading failed: {exc}", 500)
-            self._failed[lora_id] = err
-            if adapter is not None and self.adapters.get(adapter.name) is adapter:
-                del self.adapters[adapter.name]
-            if fut.token is not None:  # type: ignore[attr-defined]
-                self._answers.append((fut.token, err.status, err.message))  # type: ignore[attr-defined]
+            self._failed[lora_id] = err  # its queued requests are refused with the reason
+            if load.token is not None:  # a refused runtime load is not registered
+                if adapter is not None and self.adapters.get(adapter.name) is adapter:
+                    del self.adapters[adapter.name]
+                self._answers.append((load.token, err.status, err.message))
 
     def take_answers(self) -> list[tuple[Any, int, str]]:
         self.poll()
@@ -174,11 +180,7 @@ class LoraManager:
         lora_id = req.lora_id
         self.refs[lora_id] += 1
         if lora_id not in self.cpu and lora_id not in self._loading and lora_id in self.by_id:
-            adapter = self.by_id[lora_id]
-            fut = self._pool.submit(self._read, adapter)
-            fut.token, fut.start = None, time.monotonic()  # type: ignore[attr-defined]
-            fut.add_done_callback(lambda _: self._wake.set())
-            self._loading[lora_id] = fut
+            self._start_load(self.by_id[lora_id], None)
 
     def drop(self, req: Any) -> None:
         """A request of this adapter left the core."""
