@@ -167,7 +167,7 @@ def test_a_prefix_still_being_computed_is_no_saving_to_wait_for() -> None:
     no first byte and no KV event yet). A follower waits there for that whole prefill, as long as a recompute
     on idle e1 takes: the pending prefix's credit is cut by the prefill queued ahead, so it goes to e1 and
     does not stack behind the one prefill (it kept the full credit and stacked before). Once that prefill
-    is done (nothing ahead), the follower takes the hit."""
+    is done (nothing ahead), the follower takes the hit; with no endpoint idle, it waits for the prefix."""
     p = make_policy("predicted_ttft", prefill_tokens_per_s=1000)
     e = eps(2)
     e[0] = replace(e[0], inflight=1, unstarted=1, unstarted_tokens=2000, delta=1, running=1)
@@ -183,6 +183,12 @@ def test_a_prefix_still_being_computed_is_no_saving_to_wait_for() -> None:
     assert d.endpoint.key == "http://e0" and d.reason == "prefix_hit"
     # a short queue ahead of a pending prefix keeps most of its credit (less than the prefix's tokens)
     e[0] = replace(e[0], unstarted=1, unstarted_tokens=600)
+    assert p.choose(facts, e).endpoint.key == "http://e0"
+    # a long one loses it to an idle endpoint...
+    e[0] = replace(e[0], unstarted_tokens=3000)
+    assert p.choose(facts, e).endpoint.key == "http://e1"
+    # ...but not when prefills are queued everywhere (saturated: a recompute would wait too, and evict)
+    e[1] = replace(e[1], inflight=1, unstarted=1, unstarted_tokens=100, delta=1)
     assert p.choose(facts, e).endpoint.key == "http://e0"
 
 
