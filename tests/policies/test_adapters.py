@@ -16,9 +16,9 @@ ADAPTERS = frozenset(f"lora{i}" for i in range(32))
 
 
 def _ep(i: int, device: tuple[str, ...] = (), cpu: tuple[str, ...] = (), free: int = 0, waiting: float = 0.0,
-        lora: bool = True) -> EndpointSnapshot:
+        lora: bool = True, load_s: float = 0.0) -> EndpointSnapshot:
     view = LoraView(device=frozenset(device), cpu=frozenset(cpu), free_slots=free, max_loras=4,
-                    known=ADAPTERS) if lora else None
+                    known=ADAPTERS, load_s=load_s) if lora else None
     return EndpointSnapshot(key=f"http://r{i}", rank=i, age_s=0.0, num_blocks=1000, waiting=waiting,
                             lora=view)
 
@@ -59,6 +59,15 @@ def test_load_still_counts_a_busy_holder_loses_to_an_idle_free_slot() -> None:
     assert p.choose(_facts("lora1"), busy).endpoint.rank == 1
     light = [_ep(0, device=("lora1",), waiting=1.0), _ep(1, free=2)]
     assert p.choose(_facts("lora1"), light).endpoint.rank == 0
+
+
+def test_a_load_is_priced_at_the_rank_s_reported_load_time() -> None:
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    holder = _ep(0, device=("lora2",))
+    holder.unstarted, holder.unstarted_tokens = 1, 3000  # 0.75 s of prefill queued at 4000 tokens/s
+    assert p.choose(_facts("lora2"), [holder, _ep(1, free=2)]).endpoint.rank == 1  # unknown: 1024 tokens
+    slow = p.choose(_facts("lora2"), [holder, _ep(1, free=2, load_s=1.0)])  # a load there: 1 s = 4000
+    assert (slow.endpoint.rank, slow.reason) == (0, "adapter_resident")
 
 
 def test_the_replica_cap_keeps_a_popular_adapter_on_its_holders() -> None:

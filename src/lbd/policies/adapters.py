@@ -5,7 +5,9 @@ A rank serves an adapter fastest where it already sits in a device slot, then wh
 from another adapter (a load, and that adapter's next request loads it again). The scorer charges each tier
 in prefill-token equivalents, the unit of the ``ttft`` scorer it is summed with in ``predicted_ttft``, so a
 rank holding the adapter wins until its queue costs more than a load elsewhere, and the exact prefix view and
-load still count (they are other scorers of the same sum).
+load still count (they are other scorers of the same sum). A load is priced at the rank's own reported load
+time (``LoraView.load_s``) times the profile's prefill rate (``TtftModel``, learned from first bytes) when
+both are known, never under ``load_tokens``; taking a slot charges the evicted adapter's next load too.
 
 - **Rendezvous home.** Among ranks of one tier, each adapter prefers its own order of ranks: highest-random-
   weight hashing of (adapter, endpoint key), so a cold adapter goes to the same rank from every router
@@ -32,6 +34,7 @@ from collections import OrderedDict
 from lbd.policies.base import EndpointSnapshot, LoraView, RequestFacts
 from lbd.policies.plugin import Context, Detail, Env, Learned, Scorer
 from lbd.policies.registry import plugin
+from lbd.policies.ttft import TtftModel
 
 TIERS = ("adapter_resident", "adapter_cpu", "adapter_free_slot", "adapter_evict")
 _MEMO = "adapter.tiers"  # ctx.memo: (tier per endpoint, holders) of this decision
@@ -119,6 +122,7 @@ class Adapter(Scorer):
         self.costs = (0.0, float(cpu_tokens), float(load_tokens), float(load_tokens) + float(evict_tokens))
         self.home_tokens, self.max_replicas, self.cap_tokens = float(home_tokens), max_replicas, cap_tokens
         self.placements = env.state(Placements, recent=recent)
+        self._ttft = env.learned.get(TtftModel)  # the profile's prefill rate, when a ttft scorer learns one
 
     def score(self, ctx: Context) -> list[float]:
         pool, adapter = ctx.pool, ctx.facts.model
@@ -134,9 +138,16 @@ class Adapter(Scorer):
         out = [0.0] * len(pool)
         for place, i in enumerate(order):
             t = tiers[i]
-            out[i] = self.costs[t] + place * step + (self.cap_tokens if capped and t else 0.0)
+            out[i] = self.cost(t, pool[i].lora) + place * step + (self.cap_tokens if capped and t else 0.0)
         ctx.memo[_MEMO] = (tiers, holders, capped)
         return out
+
+    def cost(self, t: int, view: LoraView | None) -> float:
+        """Tier ``t``'s charge on a rank: a load there at its own load time when it reports one."""
+        if t < 2 or view is None or view.load_s <= 0.0 or self._ttft is None:
+            return self.costs[t]
+        load = max(self.costs[2], view.load_s * self._ttft.rate)
+        return load if t == 2 else load + max(self.costs[3] - self.costs[2], load)
 
     def reason(self, ctx: Context, pick: int) -> str | None:
         memo = ctx.memo.get(_MEMO)

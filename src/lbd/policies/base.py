@@ -39,7 +39,8 @@ class LoraView:
     cache, its free slots, its slot count, and whether the view is complete (``exact``: lbd's engines report
     every resident adapter; vLLM's ``lora_requests_info`` names only adapters with running or waiting
     requests, so an idle resident adapter looks absent there and ``free_slots`` is only a bound). ``known``:
-    every adapter the rank serves (its /v1/models cards with a ``parent``, and what its telemetry names)."""
+    every adapter the rank serves (its /v1/models cards with a ``parent``, and what its telemetry names).
+    ``load_s``: the rank's mean adapter load time in seconds, as it reports it (0: not reported)."""
 
     device: frozenset[str] = frozenset()
     cpu: frozenset[str] = frozenset()
@@ -47,6 +48,7 @@ class LoraView:
     max_loras: int = 0
     exact: bool = True
     known: frozenset[str] = frozenset()
+    load_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -181,8 +181,9 @@ def _metrics_lora(text: str) -> LoraView | None:
                        "device") - {""}
     cpu = frozenset(lv[0].get("lora_name", "") for lv in resident if lv[1] > 0 and lv[0].get("where") ==
                     "cpu") - {""}
+    loads = _samples(family_lines(text, "lbd:lora_load_seconds"))
     return LoraView(device=device, cpu=cpu, free_slots=int(sum(v for _, v in free)), max_loras=max_loras,
-                    known=device | cpu | busy)
+                    known=device | cpu | busy, load_s=_mean_load(v for _, v in loads))
 
 
 def with_cards(view: LoraView | None, cards: list[dict]) -> LoraView | None:
@@ -211,9 +212,16 @@ def lora_view(data: object) -> LoraView | None:
 
     device, cpu = names("device"), names("cpu")
     loaded = data.get("load_seconds")
-    known = frozenset(str(n) for n in loaded) if isinstance(loaded, dict) else frozenset()
+    loaded = loaded if isinstance(loaded, dict) else {}
     return LoraView(device=device, cpu=cpu, free_slots=count("free_slots"), max_loras=count("max_lora"),
-                    known=known | device | cpu | names("running") | names("waiting"))
+                    known=frozenset(map(str, loaded)) | device | cpu | names("running") | names("waiting"),
+                    load_s=_mean_load(loaded.values()))
+
+
+def _mean_load(values: object) -> float:
+    """The mean of the positive load times among ``values`` (0.0: none)."""
+    times = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool) and v > 0]
+    return round(sum(times) / len(times), 6) if times else 0.0
 
 
 # GET /telemetry of lbd's engines (engine/server/routes.py): the same numbers as JSON, far smaller than the
