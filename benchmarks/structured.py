@@ -9,7 +9,9 @@ every answer runs to its token limit on both engines. Modes:
   - ``free``: the same prompts unconstrained (ignore_eos, the same token limit): lbd's cost of the mask;
   - ``json+new``: ``json`` at the highest level while a request with a schema never seen before arrives every
     --new-schema-every seconds (its own compile): its ITL p99 against ``json``'s shows whether the compile
-    stalls the step loop.
+    stalls the step loop;
+  - ``json+old``: the same side requests with the cached schema (their prefill and decode without a compile),
+    so ``json+new`` against ``json+old`` is the compile's own cost.
 Printed: per engine and mode, output tok/s (median, min-max over rounds), tokens per answer, TTFT / ITL p50
 and p99; the ratios from interleaved round pairs (lbd / vLLM constrained; lbd constrained / lbd free; ITL
 p99 with / without new schemas). This host is shared: only the ratios of interleaved rounds mean anything,
@@ -45,7 +47,7 @@ from lbd.bench.stats import percentile  # noqa: E402
 
 XGRAMMAR = ["--structured-outputs-config.backend", "xgrammar"]
 HEADERS = {"Content-Type": "application/json"}
-MODES = ("json", "free", "json+new")
+MODES = ("json", "free", "json+new", "json+old")
 TOPICS = ["Paris", "the Moon", "a bicycle", "the Nile", "jazz", "volcanoes", "chess", "bees", "Tokyo",
           "the violin", "glaciers", "coffee", "Mars", "the printing press", "owls", "tea", "Lima", "rain"]
 
@@ -101,7 +103,7 @@ def body(model: str, prompt: str, mode: str, max_tokens: int, tag: str = "") -> 
 
 
 async def _load(url: str, model: str, texts: list[str], mode: str, max_tokens: int, concurrency: int,
-                new_every: float) -> tuple[float, list[RequestRecord], int]:
+                new_every: float, fresh: bool = True) -> tuple[float, list[RequestRecord], int]:
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=conn) as http:
@@ -113,7 +115,7 @@ async def _load(url: str, model: str, texts: list[str], mode: str, max_tokens: i
         async def new_schemas(done: asyncio.Event) -> int:
             sent: list[asyncio.Task] = []
             while not done.is_set():
-                tag = "_" + uuid.uuid4().hex[:8]
+                tag = "_" + uuid.uuid4().hex[:8] if fresh else ""
                 b = body(model, "Write a short report as JSON.", "json", 4, tag)
                 sent.append(asyncio.create_task(send(http, url + "/v1/chat/completions", b, HEADERS,
                                                      RequestRecord("new", 0, 0.0), True, 600.0)))
@@ -137,8 +139,9 @@ def measure(eng: RunningEngine, mode: str, c: int, n: int, round_: int, max_toke
             new_every: float) -> Run:
     # new prompts for every run (no prefix-cache hits from an earlier run), the same on every engine
     texts = prompts(n, round_ * 1000 + c * 10 + MODES.index(mode))
-    wall, records, news = asyncio.run(_load(eng.url, eng.model, texts, mode.removesuffix("+new"), max_tokens,
-                                            c, new_every if mode.endswith("+new") else 0.0))
+    base, _, side = mode.partition("+")
+    wall, records, news = asyncio.run(_load(eng.url, eng.model, texts, base, max_tokens, c,
+                                            new_every if side else 0.0, side == "new"))
     ok = [r for r in records if r.ok]
     bad = [r for r in records if not r.ok]
     if bad:
@@ -158,7 +161,7 @@ def _med(xs: list[float]) -> float:
 
 def table(runs: list[Run]) -> list[str]:
     lines = ["| engine | mode | conc | output tok/s (median, min-max) | tokens / answer | "
-             "TTFT p50 / p99 ms | ITL p50 / p99 ms | new schemas | load |",
+             "TTFT p50 / p99 ms | ITL p50 / p99 ms | side requests | load |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({(r.engine, r.mode, r.concurrency) for r in runs}, key=lambda k: (k[0], k[2], k[1]))
     for e, m, c in keys:
@@ -183,9 +186,10 @@ def ratios(runs: list[Run]) -> list[str]:
     levels = sorted({r.concurrency for r in runs})
     top = max(levels) if levels else 0
     pairs = [(f"lbd json / vllm json, c={c}", ("lbd", "json", c), ("vllm", "json", c)) for c in levels]
-    pairs += [(f"lbd json / lbd free, c={top}", ("lbd", "json", top), ("lbd", "free", top)),
-              (f"lbd json+new / lbd json, c={top}", ("lbd", "json+new", top), ("lbd", "json", top)),
-              (f"vllm json+new / vllm json, c={top}", ("vllm", "json+new", top), ("vllm", "json", top))]
+    pairs += [(f"lbd json / lbd free, c={top}", ("lbd", "json", top), ("lbd", "free", top))]
+    for e in ("lbd", "vllm"):
+        pairs += [(f"{e} {a} / {e} {b}, c={top}", (e, a, top), (e, b, top))
+                  for a, b in (("json+new", "json"), ("json+old", "json"), ("json+new", "json+old"))]
     lines = ["| A / B | output tok/s ratio (median of round pairs, min-max) | ITL p99 A / B ms (ratio) |",
              "|---|---:|---:|"]
     for label, a, b in pairs:
@@ -246,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", default="4,32", help="requests per run at each --concurrency level")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of every measured answer")
     p.add_argument("--new-schema-every", type=float, default=1.0, help="seconds between json+new's schemas")
-    p.add_argument("--modes", default="json,free,json+new")
+    p.add_argument("--modes", default="json,free,json+new,json+old")
     p.add_argument("--model", default=None, help="HF folder (default: the bundled SmolLM2)")
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {rnd} {n:<5} {mode:<9} c={c:<3} {run.tok_s:6.1f} tok/s  "
                           f"{run.tokens / max(1, run.answers):.0f} tok/answer  ITL p50 "
                           f"{_ms(percentile(run.itl, 50))} p99 {_ms(percentile(run.itl, 99))} ms  "
-                          f"new schemas {run.new_schemas}  load {run.load:.1f}", flush=True)
+                          f"side requests {run.new_schemas}  load {run.load:.1f}", flush=True)
     finally:
         for eng in engines.values():
             eng.close()
