@@ -61,6 +61,8 @@ def _masked_argmax(logits: torch.Tensor, mask: token_mask.TokenMask) -> torch.Te
     refused = [r for r, ok in zip(mask.rows, allowed, strict=True) if not ok]
     if refused:
         token_mask.apply(logits, mask, refused)
+        if 2 * len(refused) > len(ids):  # most rows: one argmax over the batch beats copying them out
+            return ops.argmax(logits)
         idx = torch.tensor(refused, device=logits.device)
         ids[idx] = ops.argmax(logits[idx])
     return ids
