@@ -1,0 +1,33 @@
+"""The sim device's adapter slots (lbd.engine.core.sim_lora): LRU among idle slots, a running adapter's slot
+never taken, a miss owed to the step at the load time (a copy when the CPU cache holds it), telemetry."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lbd.engine.config.lora import LoraFlags
+from lbd.engine.core.sim_lora import SimLoras
+
+
+def _req(loras: SimLoras, name: str) -> SimpleNamespace:
+    return SimpleNamespace(lora_id=loras.lookup(name).lora_id, lora_slot=-1)
+
+
+def test_slots_lru_pins_and_load_time() -> None:
+    flags = LoraFlags(enable_lora=True, max_loras=2, max_cpu_loras=3,
+                      lora_modules=["a=/x/a", "b=/x/b", "c=/x/c"])
+    loras = SimLoras(flags, load_s=0.08, copy_s=0.004)
+    a, b, c = (_req(loras, n) for n in "abc")
+    assert loras.acquire(a) and loras.acquire(b) and loras.take_owed() == 0.16  # two reads
+    loras.pin(a)
+    loras.pin(b)
+    assert not loras.acquire(c)  # both slots run: c waits
+    loras.unpin(a)
+    assert loras.acquire(c) and loras.take_owed() == 0.08  # a's idle slot taken
+    state = loras.state([b, c], [])
+    assert (state.device, state.cpu, state.free_slots, state.running) == (["b", "c"], ["a", "b", "c"], 0,
+                                                                          ["b", "c"])
+    loras.unpin(b)
+    assert loras.acquire(a) and loras.take_owed() == 0.004  # back from the CPU cache: a copy
+    assert (loras.loads, loras.copies) == (3, 1)
+    assert loras.acquire(a) and loras.take_owed() == 0.0  # resident: free
