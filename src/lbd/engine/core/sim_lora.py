@@ -17,11 +17,12 @@ Each modelled load is logged at INFO (``sim lora: load``): the benchmark counts 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from lbd.engine.config.lora import LoraModule
+from lbd.engine.lora.slot_book import SlotBook
 from lbd.wire.core_messages import LoraState
 
 logger = logging.getLogger(__name__)
@@ -36,17 +37,15 @@ class SimAdapter:
     load_seconds: float | None = None
 
 
-class SimLoras:
+class SimLoras(SlotBook):
     """A sim rank's adapters: registry, CPU LRU, device slots and the load time owed to the next step."""
 
     def __init__(self, flags: Any, load_s: float, copy_s: float) -> None:
+        SlotBook.__init__(self, flags.max_loras)
         self.flags, self.load_s, self.copy_s = flags, load_s, copy_s
         self.adapters: dict[str, SimAdapter] = {}
         self._next_id = 1
         self.cpu: OrderedDict[int, None] = OrderedDict()  # lora_id, least recently used first
-        self.slots: list[int | None] = [None] * flags.max_loras
-        self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, LRU first
-        self.users: Counter[int] = Counter()  # running requests per adapter
         self.waiting: list[Any] = []  # never used: loads are charged to a step, not waited for
         self.owed_s = 0.0  # load time the next step sleeps
         self.loads = self.copies = 0
@@ -143,28 +142,6 @@ class SimLoras:
                 break
             if old not in self.slot_lru:
                 del self.cpu[old]
-
-    def _free_slot(self) -> int | None:
-        for slot, owner in enumerate(self.slots):
-            if owner is None:
-                return slot
-        for lora_id, slot in self.slot_lru.items():
-            if not self.users[lora_id]:
-                del self.slot_lru[lora_id]
-                self.slots[slot] = None
-                return slot
-        return None
-
-    def pin(self, req: Any) -> None:
-        self.users[req.lora_id] += 1
-        req.lora_slot = self.slot_lru[req.lora_id]
-
-    def unpin(self, req: Any) -> None:
-        if req.lora_slot >= 0:
-            req.lora_slot = -1
-            self.users[req.lora_id] -= 1
-            if self.users[req.lora_id] <= 0:
-                del self.users[req.lora_id]
 
     def take_owed(self) -> float:
         """The load time the step that admitted new adapters sleeps (and forget it)."""

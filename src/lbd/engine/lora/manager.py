@@ -30,6 +30,7 @@ import torch
 
 from lbd.engine.config.lora import LoraFlags, LoraModule
 from lbd.engine.lora.peft import AdapterError, AdapterWeights, ModuleShapes, load_weights, read_spec
+from lbd.engine.lora.slot_book import SlotBook
 from lbd.engine.lora.slots import LoraDevice
 from lbd.wire.core_messages import LoraState
 
@@ -54,9 +55,10 @@ class Adapter:
     load_seconds: float | None = None  # the last load's time (read + check + tensors)
 
 
-class LoraManager:
+class LoraManager(SlotBook):
     def __init__(self, flags: LoraFlags, device: LoraDevice, shapes: ModuleShapes, num_layers: int,
                  dtype: torch.dtype) -> None:
+        SlotBook.__init__(self, flags.max_loras)
         self.flags = flags
         self.device = device
         self.shapes, self.num_layers, self.dtype = shapes, num_layers, dtype
@@ -65,9 +67,6 @@ class LoraManager:
         self._next_id = 1
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # lora_id -> weights, LRU first
         self.refs: Counter[int] = Counter()  # requests in the core per adapter
-        self.users: Counter[int] = Counter()  # running requests per adapter
-        self.slots: list[int | None] = [None] * flags.max_loras  # slot -> lora_id
-        self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
         self.waiting: list[Any] = []  # requests waiting for their adapter's load
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._loading: dict[int, _Load] = {}
@@ -236,29 +235,6 @@ class LoraManager:
         self.slot_lru.move_to_end(lora_id)
         self.cpu.move_to_end(lora_id)
         return True
-
-    def _free_slot(self) -> int | None:
-        for slot, owner in enumerate(self.slots):
-            if owner is None:
-                return slot
-        for lora_id, slot in self.slot_lru.items():
-            if not self.users[lora_id]:
-                del self.slot_lru[lora_id]
-                self.slots[slot] = None
-                return slot
-        return None
-
-    def pin(self, req: Any) -> None:
-        """The request runs: its adapter keeps its slot until ``unpin``."""
-        self.users[req.lora_id] += 1
-        req.lora_slot = self.slot_lru[req.lora_id]
-
-    def unpin(self, req: Any) -> None:
-        if req.lora_slot >= 0:
-            req.lora_slot = -1
-            self.users[req.lora_id] -= 1
-            if self.users[req.lora_id] <= 0:
-                del self.users[req.lora_id]
 
     # ---- telemetry ------------------------------------------------------------------------------------
     def state(self, running: list[Any], waiting: list[Any]) -> LoraState:

@@ -1,0 +1,40 @@
+"""The bookkeeping of a rank's device slots for adapters, shared by the real adapters (``manager``) and the
+simulated ones (``lbd.engine.core.sim_lora``), so both evict alike: which adapter holds each slot, the slots
+in least recently used order, and how many running requests use each adapter (a slot in use is never taken
+over). Requests are duck-typed (``lora_id``, ``lora_slot``)."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any
+
+
+class SlotBook:
+    def __init__(self, max_loras: int) -> None:
+        self.slots: list[int | None] = [None] * max_loras  # slot -> lora_id
+        self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
+        self.users: Counter[int] = Counter()  # running requests per adapter
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used one no running request uses (emptied), else None."""
+        for slot, owner in enumerate(self.slots):
+            if owner is None:
+                return slot
+        for lora_id, slot in self.slot_lru.items():
+            if not self.users[lora_id]:
+                del self.slot_lru[lora_id]
+                self.slots[slot] = None
+                return slot
+        return None
+
+    def pin(self, req: Any) -> None:
+        """The request runs: its adapter keeps its slot until ``unpin``."""
+        self.users[req.lora_id] += 1
+        req.lora_slot = self.slot_lru[req.lora_id]
+
+    def unpin(self, req: Any) -> None:
+        if req.lora_slot >= 0:
+            req.lora_slot = -1
+            self.users[req.lora_id] -= 1
+            if self.users[req.lora_id] <= 0:
+                del self.users[req.lora_id]
