@@ -150,16 +150,7 @@ class SimLoras(SlotBook):
 
     # ---- telemetry --------------------------------------------------------------------------------------
     def state(self, running: list[Any], waiting: list[Any]) -> LoraState:
-        names = {a.lora_id: a.name for a in self.adapters.values()}
-        return LoraState(
-            max_lora=self.flags.max_loras,
-            running=sorted({names.get(r.lora_id, "") for r in running if r.lora_id} - {""}),
-            waiting=sorted({names.get(r.lora_id, "") for r in waiting if r.lora_id} - {""}),
-            device=sorted(names[i] for i in self.slot_lru if i in names),
-            cpu=sorted(names[i] for i in self.cpu if i in names),
-            free_slots=sum(1 for s in self.slots if s is None),
-            load_seconds={a.name: round(a.load_seconds, 6) for a in self.adapters.values()
-                          if a.load_seconds is not None})
+        return self.residency(self.adapters.values(), self.cpu, running, waiting)
 
     def close(self) -> None:
         pass

@@ -240,16 +240,7 @@ class LoraManager(SlotBook):
     def state(self, running: list[Any], waiting: list[Any]) -> LoraState:
         """What the stats (/telemetry, /metrics) say: vLLM's running/waiting adapter names plus where each
         adapter is resident, free slots and load times."""
-        names = {a.lora_id: a.name for a in self.adapters.values()}
-        return LoraState(
-            max_lora=self.flags.max_loras,
-            running=sorted({names.get(r.lora_id, "") for r in running if r.lora_id} - {""}),
-            waiting=sorted({names.get(r.lora_id, "") for r in waiting if r.lora_id} - {""}),
-            device=sorted(names[i] for i in self.slot_lru if i in names),
-            cpu=sorted(names[i] for i in self.cpu if i in names),
-            free_slots=sum(1 for s in self.slots if s is None),
-            load_seconds={a.name: round(a.load_seconds, 6) for a in self.adapters.values()
-                          if a.load_seconds is not None})
+        return self.residency(self.adapters.values(), self.cpu, running, waiting)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -6,7 +6,10 @@ over). Requests are duck-typed (``lora_id``, ``lora_slot``)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from typing import Any
+
+from lbd.wire.core_messages import LoraState
 
 
 class SlotBook:
@@ -38,3 +41,19 @@ class SlotBook:
             self.users[req.lora_id] -= 1
             if self.users[req.lora_id] <= 0:
                 del self.users[req.lora_id]
+
+    def residency(self, adapters: Iterable[Any], cpu: Iterable[int], running: list[Any],
+                  waiting: list[Any]) -> LoraState:
+        """What the stats (/telemetry, /metrics) say: vLLM's running/waiting adapter names plus where each
+        registered adapter (``name``, ``lora_id``, ``load_seconds``) is resident, free slots and load times;
+        ``cpu``: the ids in host memory."""
+        adapters = list(adapters)
+        names = {a.lora_id: a.name for a in adapters}
+        return LoraState(
+            max_lora=len(self.slots),
+            running=sorted({names.get(r.lora_id, "") for r in running if r.lora_id} - {""}),
+            waiting=sorted({names.get(r.lora_id, "") for r in waiting if r.lora_id} - {""}),
+            device=sorted(names[i] for i in self.slot_lru if i in names),
+            cpu=sorted(names[i] for i in cpu if i in names),
+            free_slots=sum(1 for s in self.slots if s is None),
+            load_seconds={a.name: round(a.load_seconds, 6) for a in adapters if a.load_seconds is not None})
