@@ -1,0 +1,110 @@
+"""The scaling rule and the planner's hysteresis (lbd.common.scaling): pure, no processes."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import orjson
+
+from lbd.common.scaling import (
+    AutoscaleReport,
+    Planner,
+    Signals,
+    fleet_signals,
+    rank_load,
+    recommended_ranks,
+    report,
+)
+
+
+def test_rank_load_is_flow_controls_saturation_point() -> None:
+    assert rank_load(8192, 0, 0) == 1.0
+    assert rank_load(0, 2, 0) == 0.5
+    assert rank_load(0, 0, 0.95) == 1.0
+    assert rank_load(0, 8, 0.1) == 2.0
+    # stale telemetry: only the router's own queued tokens count
+    assert rank_load(4096, 8, 0.9, fresh=False) == 0.5
+    assert rank_load(0, 1, 0, max_waiting=1) == 1.0
+
+
+def test_fleet_signals() -> None:
+    s = fleet_signals([0.5, 2.0], 8000, 2.0, 4000.0)
+    assert s.ranks == 2 and s.saturation == 0.75  # each rank capped at 1
+    assert s.predicted_ttft_s == 1.0 and s.token_backlog == 8000
+    assert fleet_signals([], 0).saturation == 0.0 and fleet_signals([], 0).predicted_ttft_s == 0.0
+    assert math.isinf(fleet_signals([], 10).predicted_ttft_s)
+
+
+def test_rule_for_utilisation() -> None:
+    # one saturated rank: 1 / 0.7 -> 2
+    assert recommended_ranks(Signals(1, 1.0, 0, 0.0)) == 2
+    # 4 ranks at 0.35: 1.4 / 0.7 = 2 exactly (no rounding up past it)
+    assert recommended_ranks(Signals(4, 0.35, 0, 0.0)) == 2
+    assert recommended_ranks(Signals(2, 0.5, 0, 0.0)) == 2
+    assert recommended_ranks(Signals(2, 0.3, 0, 0.0)) == 1
+
+
+def test_rule_for_the_backlog_and_bounds() -> None:
+    # TTFT 3x the target on 2 ranks: 6 ranks, though the fleet is not saturated
+    assert recommended_ranks(Signals(2, 0.2, 48000, 6.0, 2.0)) == 6
+    assert recommended_ranks(Signals(2, 0.2, 48000, 6.0, 2.0), max_ranks=4) == 4
+    assert recommended_ranks(Signals(2, 0.0, 0, 0.0), min_ranks=2) == 2
+    # idle: scale to the minimum, zero included; any work keeps one rank
+    assert recommended_ranks(Signals(3, 0.0, 0, 0.0), min_ranks=0) == 0
+    assert recommended_ranks(Signals(3, 0.01, 0, 0.0), min_ranks=0) == 1
+    # nothing serving and work waiting: one rank (then measure again)
+    assert recommended_ranks(Signals(0, 0.0, 100, math.inf), min_ranks=0, max_ranks=8) == 1
+    assert recommended_ranks(Signals(0, 0.0, 0, 0.0), min_ranks=0) == 0
+
+
+def test_report_round_trips_through_json() -> None:
+    r = report(Signals(2, 0.9, 1000, 0.125, 2.0), 1, 4)
+    assert r.recommended_ranks == 3
+    body = orjson.dumps(r)
+    assert msgspec.json.decode(body, type=AutoscaleReport) == r
+
+
+def _hot(ranks: int) -> Signals:
+    return Signals(ranks, 1.0, 0, 0.0)
+
+
+def _idle(ranks: int) -> Signals:
+    return Signals(ranks, 0.0, 0, 0.0)
+
+
+def test_planner_scales_up_after_up_after_s_and_then_cools_down() -> None:
+    p = Planner(1, 8, up_after_s=2.0, down_after_s=10.0, cooldown_s=5.0)
+    assert p.observe(_hot(1), 1, 0.0) is None
+    assert p.observe(_hot(1), 1, 1.0) is None
+    assert p.observe(_hot(1), 1, 2.0) == 2
+    # cooldown: nothing while the new size settles, however hot
+    assert p.observe(_hot(2), 2, 3.0) is None
+    assert p.state(3.0)["cooling"] is True
+    assert p.observe(_hot(2), 2, 7.0) == 3  # hot since 3.0, past up_after_s and the cooldown
+    # a dip resets the trend
+    p2 = Planner(1, 8, up_after_s=2.0)
+    assert p2.observe(_hot(1), 1, 0.0) is None
+    assert p2.observe(Signals(1, 0.5, 0, 0.0), 1, 1.5) is None
+    assert p2.observe(_hot(1), 1, 2.5) is None
+    assert p2.observe(_hot(1), 1, 4.5) == 2
+
+
+def test_planner_jumps_up_but_steps_down() -> None:
+    p = Planner(1, 8, up_after_s=0.0, down_after_s=10.0, cooldown_s=0.0)
+    assert p.observe(Signals(2, 1.0, 64000, 8.0, 2.0), 2, 0.0) == 8
+    assert p.observe(_idle(8), 8, 1.0) is None
+    assert p.observe(_idle(8), 8, 10.9) is None
+    assert p.observe(_idle(8), 8, 11.0) == 7  # one step, after down_after_s below
+    assert p.observe(_idle(7), 7, 12.0) is None  # the trend starts again at the new size
+    assert p.observe(_idle(7), 7, 22.0) == 6
+    assert p.decisions == 3
+
+
+def test_planner_holds_at_the_minimum_and_pulls_back_into_bounds() -> None:
+    p = Planner(2, 4, down_after_s=0.0, cooldown_s=0.0)
+    assert p.observe(_idle(2), 2, 0.0) is None  # recommendation 2 (the minimum): nothing to do
+    assert p.observe(_idle(1), 1, 1.0) == 2
+    assert p.observe(_hot(6), 6, 2.0) == 4
+    st = p.state(2.0)
+    assert st["recommended_ranks"] == 4 and st["decisions"] == 2
