@@ -18,9 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from lbd.common import scaling
 from lbd.common.auth import read_key_file
+from lbd.common.scaling import AutoscaleReport
 from support import RouterServer, metric_value
 from support.procs import free_port_run, spawn, stop, wait_http
 
@@ -197,6 +200,36 @@ def test_a_full_queue_is_429_and_a_vanished_client_leaves_it(fleet: Fleet, route
     assert metric_value(text, "lbd_router_flow_shed_total", tenant="flood", reason="queue_full") == 1
     fleet.waiting(None)
 
+
+
+def test_autoscale_signals_follow_saturation_and_the_held_backlog(fleet: Fleet, router: RouterServer) -> None:
+    """Issue 46: /metrics' lbd_router_autoscale_* and /router/status's ``autoscale`` (one type, decoded
+    with it). Idle: nothing queued, 1 rank recommended. Saturated (the rank reports 99 waiting): saturation
+    1.0, and three requests held in the router add their prompts to the backlog (a new flow: the default
+    prompt each); the recommendation is the rule's on the reported signals, at least 2."""
+    fleet.waiting(None)
+    _wait_for(lambda: router.status()["autoscale"]["signals"]["saturation"] == 0.0, "an idle fleet")
+    idle = msgspec.convert(router.status()["autoscale"], AutoscaleReport)
+    assert (idle.signals.ranks, idle.signals.token_backlog, idle.recommended_ranks) == (1, 0, 1), idle
+    assert idle.signals.ttft_target_s == 2.0  # --ttft-target-ms's default
+    _saturate(fleet, router)
+    before = msgspec.convert(router.status()["autoscale"], AutoscaleReport)
+    with cf.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_post, router.url, "autoscale") for _ in range(3)]
+        _wait_for(lambda: _held(router) == 3, "three requests held")
+        text = httpx.get(router.url + "/metrics", timeout=5).text
+        held = msgspec.convert(router.status()["autoscale"], AutoscaleReport)
+        fleet.waiting(None)
+        for f in futures:
+            assert f.result().status_code == 200
+    assert before.signals.saturation == 1.0 and before.signals.token_backlog > 0, before
+    assert held.signals.token_backlog - before.signals.token_backlog == 3 * scaling.TOKENS_PER_WAITING_REQUEST
+    assert held.recommended_ranks == scaling.recommended_ranks(held.signals) >= 2, held
+    assert metric_value(text, "lbd_router_autoscale_saturation") == 1.0
+    assert metric_value(text, "lbd_router_autoscale_token_backlog") == held.signals.token_backlog
+    assert metric_value(text, "lbd_router_autoscale_recommended_ranks") == held.recommended_ranks
+    assert metric_value(text, "lbd_router_autoscale_ttft_target_seconds") == 2.0
+    assert metric_value(text, "lbd_router_autoscale_predicted_ttft_seconds") > 0
 
 def test_deadlines_and_sheddable_are_answered_early(fleet: Fleet, router: RouterServer) -> None:
     """Saturated: a sheddable class (below 0) is 503 at once; a deadline is 503 by the deadline, naming it,

@@ -20,8 +20,10 @@ import orjson
 from lbd.common.auth import PUBLIC_PATHS, ApiKey
 from lbd.common.internal_key import IdsSigner
 from lbd.common.limits import raise_open_files_limit
+from lbd.common.scaling import AutoscaleReport
 from lbd.common.tls import server_context
 from lbd.router.auth import Gate
+from lbd.router.autoscale_signals import AutoscaleCollector, held_tokens, router_report
 from lbd.router.config import RouterConfig
 from lbd.router.kv.index import BlockIndex
 from lbd.router.kv.memory import IndexCollector
@@ -62,6 +64,7 @@ class RouterApp:
         self.proxy = Proxy(self.state, self.gate, self.tracer)
         if self.proxy.flow is not None:
             self.state.metrics.register(FlowCollector(self.proxy.flow.rows))
+        self.state.metrics.register(AutoscaleCollector(self.autoscale))
         self.starting = cfg.serving_health  # until this worker first sees an endpoint serve
         self.monitor = Monitor(self.state)
         if cfg.kv_events != "off":
@@ -188,8 +191,16 @@ class RouterApp:
             "prefill_profile": None if self.proxy.disagg is None else self.proxy.disagg.prefill.describe(),
             # flow control per tenant and class, all workers (lbd.router.flow)
             "flow": {"mode": "off"} if self.proxy.flow is None else self.proxy.flow.status(),
+            "autoscale": self.autoscale(),  # lbd.common.scaling.AutoscaleReport
         }
         out.send(200, _JSON, orjson.dumps(body))
+
+    def autoscale(self) -> AutoscaleReport:
+        """The fleet's autoscaling signals and the rule's recommendation, computed now (on a scrape)."""
+        flow = self.proxy.flow
+        held = held_tokens(flow.rows()) if flow is not None else 0.0
+        return router_report(self.state.snapshots(), self.cfg.flow, self.cfg.stale_after_s, held,
+                             self.cfg.ttft_target_s, self.state.policy)
 
 
 async def serve(cfg: RouterConfig, shared: SharedCounters) -> None:

@@ -152,6 +152,7 @@ class RouterConfig:
     pd_prefill_timeout_s: float = 60.0
     routing_config: Path | None = None  # the file the policy's profile was composed from
     flow: FlowSettings = field(default_factory=FlowSettings)  # flow control (lbd.router.flow)
+    ttft_target_s: float = 2.0  # the autoscaling signals' TTFT target (lbd.router.autoscale_signals)
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -324,7 +325,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
         shutdown_timeout_s=ns.shutdown_timeout, routing_config=ns.routing_config, flow=ns.flow,
-        **_pd_settings(ns), **_kv_index_settings(ns),
+        ttft_target_s=ns.ttft_target_ms / 1000, **_pd_settings(ns), **_kv_index_settings(ns),
     )
 
 
@@ -361,6 +362,7 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
         "--dns-refresh-interval-s": ns.dns_refresh_interval_s,
         "--min-ready-endpoints": ns.min_ready_endpoints,
         "--kv-index-max-blocks": ns.kv_index_max_blocks,
+        "--ttft-target-ms": ns.ttft_target_ms,
     }
     for flag, value in {"--max-num-queued-reqs": ns.max_num_queued_reqs,
                         "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():

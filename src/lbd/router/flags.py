@@ -126,6 +126,10 @@ def make_parser() -> OneLineParser:
                    help="answer 503 while the prompts of requests not yet answering (estimated tokens) "
                         "add up to this many")
     add_flow_arguments(p)
+    g = p.add_argument_group("autoscaling signals (lbd_router_autoscale_*: lbd.common.scaling)")
+    g.add_argument("--ttft-target-ms", type=float, default=2000.0,
+                   help="the time to first token the fleet is sized for: the scaling rule recommends enough "
+                        "ranks to serve the token backlog within it (lbd_router_autoscale_recommended_ranks)")
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",

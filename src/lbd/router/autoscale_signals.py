@@ -1,0 +1,96 @@
+"""The router's autoscaling signals (issue 46): what a KEDA ScaledObject, an HPA or ``lbd serve --autoscale``
+reads to size the fleet, computed from what the router already knows, at scrape time (never on the request
+path).
+
+Per endpoint that takes traffic (healthy, not draining), from the same snapshot flow control decides by:
+- its load (``lbd.common.scaling.rank_load``) against flow control's thresholds (``--flow-max-*``): queued
+  prefill tokens (the router's requests there without a first byte, every worker's), the engine's waiting
+  requests and KV use (while fresh);
+- its queued prompt tokens: the larger of the router's own count and the engine's waiting requests times the
+  average prompt (other routers' requests are seen too, the router's own are not counted twice).
+Plus the requests held in the router's flow queues (every worker's) times their flows' mean dispatched
+prompt. The prefill rate behind the predicted TTFT is the predicted_ttft policy's (``--prefill-tokens-per-s``
+or learned from first bytes), else ``lbd.common.scaling.PREFILL_TOKENS_PER_S``.
+
+With ``--workers N`` every worker computes the same numbers: the router's queued tokens and the flow queues
+are shared counters (``lbd.router.shared``, ``lbd.router.shared_flows``) and the engines' numbers come from
+the same telemetry; only a learned prefill rate is each worker's own (learned from its own first bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lbd.common import scaling
+from lbd.common.scaling import AutoscaleReport, rank_load
+from lbd.policies import EndpointSnapshot
+from lbd.router.flow.settings import FlowSettings
+
+
+def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s: float, held_tokens: float,
+                  ttft_target_s: float, policy: Any) -> AutoscaleReport:
+    """The fleet's signals and the rule's recommendation (at least 1 rank; no upper bound: the
+    autoscaler's own bounds apply)."""
+    avg_prompt = _learned(policy, "avg_prompt_tokens", scaling.TOKENS_PER_WAITING_REQUEST)
+    loads, backlog = [], held_tokens
+    for snap in snaps:
+        if not snap.healthy or snap.draining:
+            continue
+        fresh = snap.fresh(stale_s)
+        loads.append(rank_load(snap.unstarted_tokens, snap.waiting, snap.kv_usage, fresh,
+                               max_tokens=flow.max_prefill_tokens_per_rank,
+                               max_waiting=flow.max_waiting_per_rank, max_kv=flow.max_kv_usage))
+        backlog += max(snap.unstarted_tokens, snap.waiting * avg_prompt if fresh else 0.0)
+    rate = _learned(policy, "rate", scaling.PREFILL_TOKENS_PER_S)
+    signals = scaling.fleet_signals(loads, round(backlog), ttft_target_s, rate)
+    return scaling.report(signals)
+
+
+def held_tokens(rows: Iterable[Any]) -> float:
+    """Prompt tokens held in the flow queues (every worker's): each flow's held requests times its mean
+    dispatched prompt (a flow that has dispatched nothing yet counts the default prompt)."""
+    total = 0.0
+    for r in rows:
+        if r.queued > 0:
+            mean = r.dispatched_tokens / r.dispatched if r.dispatched else scaling.TOKENS_PER_WAITING_REQUEST
+            total += r.queued * mean
+    return total
+
+
+def _learned(policy: Any, name: str, default: float) -> float:
+    """A number the routing policy learned (the prefill rate, the mean prompt), else ``default``."""
+    try:
+        value = getattr(policy, name)
+    except AttributeError:
+        return default
+    return float(value) if isinstance(value, int | float) and value > 0 else default
+
+
+class AutoscaleCollector(Collector):
+    """``lbd_router_autoscale_*`` gauges, computed when /metrics is read."""
+
+    def __init__(self, report: Callable[[], AutoscaleReport]) -> None:
+        self.report = report
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        r = self.report()
+        s = r.signals
+        ttft = s.predicted_ttft_s if s.predicted_ttft_s != float("inf") else 1e9
+        for name, doc, value in (
+            ("saturation", "The fleet's busy fraction: the mean over ranks taking traffic of each one's load "
+             "against flow control's saturation thresholds, capped at 1 (1.0 = every rank saturated).",
+             s.saturation),
+            ("token_backlog", "Prompt tokens waiting for a first token: queued in the engines plus held in "
+             "the router's flow queues.", s.token_backlog),
+            ("predicted_ttft_seconds", "The backlog over the fleet's prefill rate: how long a request "
+             "arriving now waits for its first token.", ttft),
+            ("ttft_target_seconds", "The TTFT target (--ttft-target-ms).", s.ttft_target_s),
+            ("ranks", "Ranks taking traffic (healthy, not draining).", s.ranks),
+            ("recommended_ranks", "Ranks the scaling rule recommends (lbd.common.scaling).",
+             r.recommended_ranks),
+        ):
+            yield GaugeMetricFamily(f"lbd_router_autoscale_{name}", doc, value=value)
