@@ -33,6 +33,7 @@ from typing import Protocol
 import httptools
 
 from lbd.common.limits import Limits
+from lbd.router.gc_policy import handler_cancelled
 from lbd.router.messages import Headers, Request, Response
 
 log = logging.getLogger("lbd.router")
@@ -125,6 +126,7 @@ class Connection(asyncio.Protocol):
         self.queue.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: a running handler releases what it holds
+            handler_cancelled(self.loop)
         self._wake_drain(ConnectionResetError("client connection closed"))
 
     def data_received(self, data: bytes) -> None:

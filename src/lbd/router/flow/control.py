@@ -38,6 +38,7 @@ from lbd.router.flow.bands import Bands, Held
 from lbd.router.flow.identity import DEADLINE_HEADER, Who, classify
 from lbd.router.flow.saturation import saturated
 from lbd.router.flow.settings import FlowSettings
+from lbd.router.gc_policy import handler_cancelled
 from lbd.router.messages import Response
 from lbd.router.metering import Meter
 from lbd.router.routed import Refused, RoutedRequest
@@ -371,6 +372,7 @@ class FlowControl:
         for h in [h for h in self.bands if h.out is not None and h.out.client_eof]:
             if h.task is not None:
                 h.task.cancel()
+                handler_cancelled(self.loop)
 
     def close(self) -> None:
         if self._task is not None:
