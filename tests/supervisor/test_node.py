@@ -6,7 +6,10 @@ both ranks ready, and the last one shuts it down with SIGTERM.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -99,6 +102,21 @@ def test_ready_only_when_both_ranks_serve(node: SupervisorNode, tiny_llama: Path
     assert metric_value(sup_metrics, "lbd_supervisor_ready") == 1
     assert "lbd_supervisor_probe_duration_seconds_count" in sup_metrics
 
+
+
+def test_autoscale_gauges_read_the_ranks(node: SupervisorNode) -> None:
+    """Issue 46: lbd_supervisor_autoscale_* on the health port, from each ready rank's /telemetry (read in
+    the background on a scrape, never waited for): idle, both ranks read, nothing queued, 1 recommended."""
+    node.wait_ready()
+
+    def gauges() -> dict[str, float]:
+        text = node.get("/metrics").text
+        return {k: metric_value(text, f"lbd_supervisor_autoscale_{k}")
+                for k in ("ranks", "saturation", "token_backlog", "recommended_ranks", "ttft_target_seconds")}
+
+    node.wait_for(lambda: gauges()["ranks"] == 2, 10, "both ranks' load read")
+    assert gauges() == {"ranks": 2, "saturation": 0, "token_backlog": 0, "recommended_ranks": 1,
+                        "ttft_target_seconds": 2.0}
 
 def test_hung_rank_is_detected_and_restarted(node: SupervisorNode, tiny_llama: Path) -> None:
     node.wait_ready()
@@ -219,7 +237,8 @@ def test_rolling_restart_one_rank_at_a_time(node: SupervisorNode) -> None:
     assert node.get("/readyz").status_code == 200
 
 
-def test_sigterm_lets_streams_finish_and_stops_everything(node: SupervisorNode, tiny_llama: Path) -> None:
+def test_prestop_and_sigterm_let_streams_finish_and_stop_everything(node: SupervisorNode,
+                                                                    tiny_llama: Path) -> None:
     node.wait_ready()
     streams = [Stream(node.rank_url(i), str(tiny_llama)) for i in range(2)]
     for s in streams:
@@ -228,11 +247,18 @@ def test_sigterm_lets_streams_finish_and_stops_everything(node: SupervisorNode, 
         assert s.first.wait(60)
     tree = node.descendants()
     assert len(tree) >= 4  # two launchers, two cores
+    # Kubernetes' order (docker/k8s/base/node.yaml): the preStop hook drains every rank (routers stop
+    # sending, the streams go on), then SIGTERM
+    hook = subprocess.run([sys.executable, "-m", "lbd.supervisor.prestop", "--node", node.url,
+                           "--settle-s", "0.2"], env={**os.environ, "LBD_ADMIN_TOKEN": TOKEN},
+                          capture_output=True, text=True, timeout=30)
+    assert hook.returncode == 0 and "draining ranks [0, 1]" in hook.stderr, hook.stderr
+    assert [(r["state"], r["routable"]) for r in node.status()["ranks"]] == [("draining", False)] * 2
     t0 = time.monotonic()
     node.proc.send_signal(signal.SIGTERM)
     # "at once": the signal is handled on the supervisor's loop, so allow it a moment on a busy machine
     deadline = time.monotonic() + 2.0
-    while (r := node.get("/readyz")).status_code == 200 and time.monotonic() < deadline:
+    while "stopping" not in (r := node.get("/readyz")).text and time.monotonic() < deadline:
         time.sleep(0.02)
     assert r.status_code == 503 and "stopping" in r.text
     assert node.get("/status").json()["phase"] == "stopping"

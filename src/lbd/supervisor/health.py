@@ -116,6 +116,7 @@ from lbd.common.aio_guard import GuardedAppRunner
 from lbd.common.auth import KeyRing
 from lbd.common.limits import Limits, raise_open_files_limit
 from lbd.common.tls import server_context
+from lbd.supervisor.autoscale_signals import NodeSignals
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from lbd.supervisor.rank import Command
@@ -179,6 +180,7 @@ class HealthServer(AppServer):
         self.limits = cfg.limits
         self.tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
         self._admin = KeyRing.from_secrets([cfg.admin_token]) if cfg.admin_token else KeyRing()
+        self.signals = NodeSignals(sup)  # lbd_supervisor_autoscale_* on /metrics
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz),

@@ -18,6 +18,7 @@ from lbd.common.limits import PeerReadTooLarge, read_aiohttp
 # (running, waiting) gauges of the engines a rank may run: vLLM's names (lbd's too), SGLang's
 _IN_FLIGHT = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
               ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")  # the same engines' KV-cache use (0..1)
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
 # Not a failure: a member of an MoE group answering 503 with this header is alive and waiting for its group
@@ -122,6 +123,29 @@ class Prober:
                     for running, waiting in _IN_FLIGHT:
                         if running in text:
                             return int(_metric_sum(text, running) + _metric_sum(text, waiting))
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            pass
+        return None
+
+    async def load(self, base_url: str) -> tuple[float, float] | None:
+        """The rank's (waiting requests, KV-cache use 0..1) for the autoscaling signals: lbd's JSON
+        `/telemetry` (vLLM's names without the prefix), else `/metrics` (vLLM's or SGLang's names); None when
+        it tells neither."""
+        try:
+            async with self._client().get(base_url + "/telemetry") as resp:
+                if resp.status == 200:
+                    data = orjson.loads(await read_aiohttp(resp))
+                    return float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
+                orjson.JSONDecodeError):
+            pass
+        try:
+            async with self._client().get(base_url + "/metrics") as resp:
+                if resp.status == 200:
+                    text = (await read_aiohttp(resp)).decode("utf-8", "replace")
+                    for (_, waiting), kv in zip(_IN_FLIGHT, _KV_USAGE, strict=True):
+                        if waiting in text:
+                            return _metric_sum(text, waiting), _metric_sum(text, kv)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             pass
         return None

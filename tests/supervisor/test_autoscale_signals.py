@@ -1,0 +1,64 @@
+"""What the supervisor reads of a rank for its autoscaling signals (``Prober.load``): lbd's JSON /telemetry of
+a fleet stand-in rank whose numbers the test sets, and the /metrics fallback of an engine without /telemetry
+(SGLang's names); real HTTP. The node's gauges over real ranks are in test_node.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+from aiohttp import web
+
+from lbd.supervisor.probe import Prober
+from support.procs import free_port_run, spawn, stop, wait_http
+
+STANDIN = Path(__file__).resolve().parents[1] / "support" / "fleet_standin.py"
+SGLANG = "sglang:num_running_reqs 3\nsglang:num_queue_reqs{dp_rank=\"0\"} 5\nsglang:token_usage 0.25\n"
+
+
+def test_load_reads_telemetry(tmp_path: Path) -> None:
+    base = free_port_run(2)
+    proc = spawn([sys.executable, str(STANDIN), "--ranks", "1", "--base-port", str(base), "--control-port",
+                  str(base + 1), "--no-push"], log=tmp_path / "standin.log")
+    try:
+        wait_http(f"http://127.0.0.1:{base}/health", 30, proc)
+        httpx.post(f"http://127.0.0.1:{base + 1}/standin/0/set", json={"waiting": 7, "kv_usage": 0.5},
+                   timeout=5).raise_for_status()
+
+        async def read() -> tuple[float, float] | None:
+            prober = Prober(5.0)
+            try:
+                return await prober.load(f"http://127.0.0.1:{base}")
+            finally:
+                await prober.close()
+
+        assert asyncio.run(read()) == (7.0, 0.5)
+    finally:
+        stop(proc)
+
+
+def test_load_falls_back_to_metrics_and_tells_none_without_either() -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=SGLANG)
+
+    async def run() -> tuple[object, object]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        prober = Prober(5.0)
+        try:
+            port = sock.getsockname()[1]
+            return (await prober.load(f"http://127.0.0.1:{port}"),
+                    await prober.load(f"http://127.0.0.1:{free_port_run(1)}"))
+        finally:
+            await prober.close()
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == ((5.0, 0.25), None)
