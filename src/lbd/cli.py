@@ -9,6 +9,7 @@ COMMANDS = {
     "serve": ("lbd.serve.cli", "Serve a model: one engine rank, or a data-parallel deployment (internal, "
                                 "multi-node with --headless, hybrid, Ray) built from supervise + route."),
     "supervise": ("lbd.supervisor.cli", "Run a node's DP ranks on their own ports, probe and restart them."),
+    "scale": ("lbd.supervisor.scale_cli", "Resize a node (supervise or serve) to N local ranks at run time."),
     "route": ("lbd.router.cli", "Balance OpenAI HTTP traffic over rank endpoints using their telemetry."),
     "bench": ("lbd.bench.cli", "Load-test any OpenAI endpoint and report latency and throughput."),
 }

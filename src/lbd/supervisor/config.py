@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lbd.common.auth import engine_secrets
@@ -24,6 +25,7 @@ from lbd.common.cluster import (
     LOOPBACK,
     ClusterTokenError,
     is_loopback,
+    read_cluster_token,
     read_strong_internal_key,
     read_strong_token,
 )
@@ -119,6 +121,11 @@ class SupervisorConfig:
     ssl_ca_certs: str | None = None  # verifies the ranks' certificates (and client certificates)
     ssl_cert_reqs: int = 0
     executor_backend: str = "mp"  # ray: the rank's workers are Ray actors (lbd.engine.executor.ray_executor)
+    # every local rank's spec for a node of another size (DP size, local size), by the rules above; raises
+    # SupervisorArgError when the node cannot have it (lbd.supervisor.scale). None: not resizable (Ray).
+    respec: Callable[[int, int], list[RankSpec]] | None = None
+    cluster_token: str | None = None  # $LBD_CLUSTER_TOKEN / --cluster-token-file: also admits POST /scale
+    scale_down_drain_timeout_s: float = 30.0  # a removed rank's longest drain (--scale-down-drain-timeout-s)
 
     @property
     def ready_needed(self) -> int:
@@ -277,7 +284,22 @@ def parse_args(argv: list[str], env: dict[str, str] | None = None, prog: str = P
             group, on_failure = None, ("restart-rank" if on_failure == "restart-group" else on_failure)
     except (SupervisorArgError, GroupFlagError) as e:
         parser.error(str(e))
-    return _config(ns, env, (n, per_node, local, start), specs, group, on_failure)
+    cfg = _config(ns, env, (n, per_node, local, start), specs, group, on_failure)
+    if ns.data_parallel_backend != "ray":
+        cfg.respec = _respec(ns, passthrough, changed_engine_options(parser, ns, engine_dests), env, start,
+                             group)
+    return cfg
+
+
+def _respec(ns: argparse.Namespace, passthrough: list[str], changed: dict[str, object], env: dict[str, str],
+            start: int, group: GroupSpec | None) -> Callable[[int, int], list[RankSpec]]:
+    """The specs of every local rank of this node at DP size ``n`` with ``local`` ranks here: the devices,
+    CPU slices, ports and roles the start-up rules give a node of that size (the rank ports' availability
+    is the caller's to check: the current ranks hold theirs)."""
+    def specs(n: int, local: int) -> list[RankSpec]:
+        check_kv_events(ns, start, local)
+        return rank_specs(ns, passthrough, n, local, start, env, True, changed, group)
+    return specs
 
 
 def _parse(parser: OneLineParser, argv: list[str]) -> argparse.Namespace:
@@ -317,4 +339,5 @@ def _config(ns: argparse.Namespace, env: dict[str, str], topology: tuple[int, in
         api_keys=engine_secrets(ns.api_key, env), limits=limits_from(ns),
         ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs,
         ssl_cert_reqs=ns.ssl_cert_reqs, executor_backend=ns.distributed_executor_backend, group=group,
-        log_level=ns.log_level)
+        log_level=ns.log_level, cluster_token=read_cluster_token(ns.cluster_token_file, env),
+        scale_down_drain_timeout_s=ns.scale_down_drain_timeout_s)

@@ -105,6 +105,10 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         "without one they answer 404")
     g.add_argument("--drain-timeout-s", type=_non_negative_float, default=None,
                    help="longest wait for a draining rank's in-flight requests (default: --shutdown-timeout)")
+    g.add_argument("--scale-down-drain-timeout-s", type=_non_negative_float, default=30.0,
+                   help="when POST /scale (lbd scale) removes ranks: longest wait for their in-flight "
+                        "requests before SIGTERM; what still runs then is cut with a retryable error, which "
+                        "a router resumes on another rank")
     g.add_argument("--restart-backoff-initial-s", type=_non_negative_float, default=1.0,
                    help="delay before the first restart of a failed rank; doubles on each further failure")
     g.add_argument("--restart-backoff-max-s", type=_non_negative_float, default=60.0,

@@ -100,6 +100,10 @@ Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401
 POST /ranks/{rank}/drain     state draining (routers stop sending), wait for zero in-flight requests, restart.
 POST /ranks/{rank}/restart   SIGTERM (the engine finishes its requests), then start again (ends a backoff).
 POST /rolling-restart        drain and restart one rank at a time, each waiting for the previous to be ready.
+POST /scale   {"data_parallel_size_local": N}: resize the node (supervisor/scale.py: who may, and how ranks
+              come and go); 202 with the ``ScaleResult`` (lbd.wire.scale), 200 when N is the current size, 400
+              naming the field, 409 with the reason when it cannot happen (the node unchanged). Besides the
+              admin token it takes the cluster token; with neither set it is open on a loopback-only port.
 Errors are OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status in ``code``.
 """
 
@@ -114,12 +118,14 @@ from aiohttp import web
 
 from lbd.common.aio_guard import GuardedAppRunner
 from lbd.common.auth import KeyRing
-from lbd.common.limits import Limits, raise_open_files_limit
+from lbd.common.cluster import is_loopback
+from lbd.common.limits import Limits, PeerReadTooLarge, raise_open_files_limit, read_capped
 from lbd.common.tls import server_context
-from lbd.supervisor.autoscale_signals import NodeSignals
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from lbd.supervisor.rank import Command
+from lbd.supervisor.scale import Scaler, ScaleRefused, scale_denied, scale_keys
+from lbd.wire import scale as wire_scale
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 409: "ConflictError"}
@@ -180,13 +186,14 @@ class HealthServer(AppServer):
         self.limits = cfg.limits
         self.tls = server_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs, cfg.ssl_cert_reqs)
         self._admin = KeyRing.from_secrets([cfg.admin_token]) if cfg.admin_token else KeyRing()
-        self.signals = NodeSignals(sup)  # lbd_supervisor_autoscale_* on /metrics
+        self._scale_keys = scale_keys(cfg.admin_token, cfg.cluster_token)
+        self.scaler = Scaler(sup)
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz),
             web.get("/status", self.status), web.get("/metrics", self.metrics),
             web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
-            web.post("/rolling-restart", self.rolling_restart),
+            web.post("/rolling-restart", self.rolling_restart), web.post("/scale", self.scale),
         ])
 
     # ---- read-only ----------------------------------------------------------------------------------------
@@ -272,3 +279,20 @@ class HealthServer(AppServer):
             return error_response(409, why)
         return _json({"action": "rolling-restart", "accepted": True,
                       "ranks": [w.spec.rank for w in self.sup.workers]}, status=202)
+
+    async def scale(self, request: web.Request) -> web.Response:
+        denied = scale_denied(request.headers.get("Authorization"), self._scale_keys,
+                              is_loopback(self.sup.cfg.supervisor_host))
+        if denied is not None:
+            return error_response(*denied)
+        try:
+            body = await read_capped(request.content.readany, wire_scale.MAX_BODY_BYTES,
+                                     request.content_length, "POST /scale's body")
+            target = wire_scale.decode_request(body).data_parallel_size_local
+        except (wire_scale.ScaleRequestError, PeerReadTooLarge) as e:
+            return error_response(400, str(e), getattr(e, "param", None))
+        try:
+            status, result = self.scaler.request(target)
+        except ScaleRefused as e:
+            return error_response(409, str(e), "data_parallel_size_local")
+        return web.Response(status=status, body=wire_scale.encode(result), content_type="application/json")

@@ -19,7 +19,9 @@ from lbd.supervisor.rank import Command, FailureAction, RankWorker, StartRank
 from lbd.wire.states import NodePhase, RankState, RollingState
 
 if TYPE_CHECKING:
+    from lbd.supervisor.config import RankSpec
     from lbd.supervisor.group import MoeGroup
+    from lbd.wire.scale import ScaleResult
     from lbd.wire.status import RollingRestart, SupervisorStatus
 
 log = logging.getLogger("lbd.supervisor")
@@ -44,8 +46,10 @@ class Supervisor:
         self.metrics = SupervisorMetrics()
         tls = client_context(cfg.ssl_ca_certs) if cfg.ssl_certfile else None
         self.prober = Prober(cfg.probe_timeout_s, tls)
+        self._start_rank = start_rank
         self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
+        self.scaling: ScaleResult | None = None  # the last resize (lbd.supervisor.scale), shown in /status
         # the ranks of an MoE model form one group (None: independent dense ranks)
         self.group: MoeGroup | None = None
         if cfg.group is not None:
@@ -106,6 +110,7 @@ class Supervisor:
                                 generate_every=cfg.probe_generate_every),
             uptime_s=time.monotonic() - self._started_mono,
             rolling_restart=self.rolling,
+            scaling=self.scaling,
             ranks=ranks,
             groups=[self.group.status(ranks)] if self.group is not None else [],
         )
@@ -137,6 +142,14 @@ class Supervisor:
             await self.prober.close()
         log.info("exit %d", self.exit_code)
         return self.exit_code
+
+    def add_worker(self, spec: RankSpec) -> RankWorker:
+        """Start one more local rank at run time (a resize, lbd.supervisor.scale), like those started with
+        the node; it shows in /status at once."""
+        w = RankWorker(spec, self.cfg, self.prober, self.metrics, self.on_rank_failure, self._start_rank)
+        self.workers.append(w)
+        w.start()
+        return w
 
     def request_stop(self, sig: signal.Signals) -> None:
         """First SIGTERM/SIGINT: graceful shutdown. A second one: kill every rank now."""
@@ -198,6 +211,8 @@ class Supervisor:
             return f"supervisor is {self.phase}"
         if self._rolling_task is not None and not self._rolling_task.done():
             return "a rolling restart is already running"
+        if self.scaling is not None and self.scaling.state == "running":
+            return "a resize (POST /scale) is running: restart once it is done"
         from lbd.wire.status import RollingRestart  # lazily, for cold start (lbd.wire.states)
 
         self.rolling = RollingRestart(state=RollingState.RUNNING, started_at=time.time())

@@ -155,6 +155,32 @@ class RankWorker:
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop the lifecycle, SIGTERM the rank, SIGKILL its tree after ``grace_s``."""
+        await self._halt()
+        if self.state is not RankState.FAILED:
+            self._set_state(RankState.STOPPED)
+        await self._stop_process(grace_s)
+
+    async def retire(self, drain_timeout_s: float, grace_s: float) -> None:
+        """Leave for good (the node shrinks, lbd.supervisor.scale). The lifecycle ends first, so no failure
+        policy restarts it; state draining (routers stop sending) for at least DRAIN_SETTLE_S and until no
+        request is in flight or ``drain_timeout_s``; then SIGTERM (the engine gives what still runs its
+        --shutdown-timeout, then cuts it), SIGKILL of the tree after ``grace_s``; state stopped."""
+        await self._halt()
+        if self._proc is not None:
+            self._set_state(RankState.DRAINING)
+            loop = asyncio.get_running_loop()
+            settle = loop.time() + DRAIN_SETTLE_S
+            deadline = loop.time() + max(drain_timeout_s, DRAIN_SETTLE_S)
+            while loop.time() < deadline:
+                busy = await self.prober.in_flight(self.spec.probe_url)  # None: gone, or tells no count
+                if loop.time() >= settle and not busy:
+                    break
+                await asyncio.sleep(DRAIN_POLL_S)
+        await self._stop_process(grace_s)
+        self._set_state(RankState.STOPPED)
+
+    async def _halt(self) -> None:
+        """End the lifecycle task (probes, restarts) and its side tasks; a spawn under way is recorded."""
         self._stopping = True
         for task in self._side_tasks:
             task.cancel()
@@ -164,9 +190,6 @@ class RankWorker:
         if self._spawn_task is not None and self._proc is None:
             with contextlib.suppress(Exception):
                 self._proc = await self._spawn_task
-        if self.state is not RankState.FAILED:
-            self._set_state(RankState.STOPPED)
-        await self._stop_process(grace_s)
 
     async def kill_now(self) -> None:
         if self._proc is not None:

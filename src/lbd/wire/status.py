@@ -19,6 +19,7 @@ from msgspec import UNSET, UnsetType, field
 from lbd.wire.codec import json_decoder
 from lbd.wire.dp import DPState, DPStatus, Wave
 from lbd.wire.roles import NodeRole, RankRole
+from lbd.wire.scale import ScaleResult
 from lbd.wire.states import NodePhase, RankState, RollingState
 
 
@@ -272,6 +273,7 @@ class SupervisorStatus(msgspec.Struct):
     probe: ProbeSettings | None = None
     uptime_s: float = 0.0
     rolling_restart: RollingRestart | None = None
+    scaling: ScaleResult | None = None  # the last resize (POST /scale, lbd.wire.scale), null before any
     ranks: list[RankStatus] = field(default_factory=list)
     groups: list[GroupStatus] = field(default_factory=list)
     supervisor_pid: int | None | UnsetType = UNSET  # lbd serve: its supervisor child's pid

@@ -1,0 +1,142 @@
+"""Resizing a supervised node at run time (lbd.supervisor.scale, `lbd scale`): one real `lbd supervise` with
+``--device sim`` ranks, shared by the tests of this module in order. The refusals leave it as it was; then it
+grows 1 -> 2 (a router following its /status serves from the new rank) and shrinks 2 -> 1 while a stream
+runs on the rank that leaves: the router resumes it on the rank that stays, and the client sees one whole
+stream."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from support import RouterServer, metric_value
+from support.node import SupervisorNode, gone_within
+from support.procs import free_port_run
+
+ADMIN = "scale-admin-token"
+CLUSTER = secrets.token_urlsafe(32)
+SIM = ["--device", "sim", "--sim-profile", "a100-llama3-8b", "--max-model-len", "512",
+       "--log-level", "warning"]
+STREAM_TOKENS = 400  # ~4 s of a100 decode: the shrink cuts it about a second in
+
+
+@pytest.fixture(scope="module")
+def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorNode]:
+    port = free_port_run(2)  # the ranks' ports: rank 0's, and rank 1's once it grows
+    n = SupervisorNode(tiny_llama, 1, "--port", str(port), "--admin-token", ADMIN, "--shutdown-timeout", "1",
+                       "--scale-down-drain-timeout-s", "0", engine_flags=SIM,
+                       env={"LBD_CLUSTER_TOKEN": CLUSTER}, log=tmp_path_factory.mktemp("scale") / "node.log")
+    n.rank_port = port  # type: ignore[attr-defined]
+    try:
+        n.wait_ready()
+        yield n
+    finally:
+        n.close()
+
+
+def scale(node: SupervisorNode, body: object, token: str | None = ADMIN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return node.client.post("/scale", json=body, headers=headers)
+
+
+def lbd_scale(node: SupervisorNode, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lbd", "scale", "--node", node.url, *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_refused_resizes_leave_the_node_as_it_was(node: SupervisorNode) -> None:
+    before = node.status()
+    assert scale(node, {"data_parallel_size_local": 2}, token=None).status_code == 401
+    assert scale(node, {"data_parallel_size_local": 2}, token="wrong").status_code == 401
+    for body in ({"data_parallel_size_local": "2"}, {"data_parallel_size_local": 0}, {"size": 2}, [2]):
+        r = scale(node, body, token=CLUSTER)  # the cluster token admits a resize too
+        assert r.status_code == 400, (body, r.text)
+        assert "data_parallel_size_local" in r.json()["error"]["message"]
+    r = node.client.post("/scale", content=b"{", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    with socket.socket() as taken:  # rank 1's port held by someone else: no room for it
+        taken.bind(("127.0.0.1", node.rank_port + 1))  # type: ignore[attr-defined]
+        taken.listen()
+        r = scale(node, {"data_parallel_size_local": 2})
+        assert r.status_code == 409 and "already in use" in r.json()["error"]["message"], r.text
+        cli = lbd_scale(node, "--data-parallel-size", "2", env={"LBD_CLUSTER_TOKEN": CLUSTER})
+        assert cli.returncode == 1 and "409" in cli.stderr and "already in use" in cli.stderr, cli
+    r = scale(node, {"data_parallel_size_local": 1})
+    assert r.status_code == 200 and r.json()["state"] == "done" and r.json()["added"] == []
+    bad = lbd_scale(node, "--data-parallel-size", "x", env={})
+    assert bad.returncode == 2 and "--data-parallel-size" in bad.stderr, bad
+    after = node.status()
+    assert [(r["rank"], r["pid"]) for r in after["ranks"]] == [(r["rank"], r["pid"]) for r in before["ranks"]]
+    assert after["data_parallel_size_local"] == 1 and after["scaling"] is None
+    metrics = node.get("/metrics").text
+    assert metric_value(metrics, "lbd_supervisor_resizes_total", direction="grow", outcome="refused") == 2
+    assert metric_value(metrics, "lbd_supervisor_ranks") == 1
+
+
+def _stream(url: str, model: str, out: dict[str, object], started: threading.Event) -> None:
+    body = {"model": model, "prompt": "Hello there", "max_tokens": STREAM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text = ""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
+                          headers={"X-data-parallel-rank": "1"}) as r:
+            out["status"] = r.status_code
+            for chunk in r.iter_text():
+                text += chunk
+                if text.count("data: ") >= 5:
+                    started.set()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    finally:
+        out["text"] = text
+        started.set()
+
+
+def test_grow_then_shrink_under_a_stream(node: SupervisorNode, tiny_llama: Path, tmp_path: Path) -> None:
+    router = RouterServer("--upstreams", f"supervisor://127.0.0.1:{node.sport}", "--migrate-pinned",
+                          "--supervisor-poll-interval-s", "0.1", log=tmp_path / "router.log").wait_ready()
+    try:
+        grown = lbd_scale(node, "--data-parallel-size", "2", "--wait", env={"LBD_ADMIN_TOKEN": ADMIN})
+        assert grown.returncode == 0 and "1 -> 2 local ranks: done" in grown.stdout, grown
+        status = node.status()
+        assert status["data_parallel_size_local"] == 2 and status["scaling"]["added"] == [1]
+        new = status["ranks"][1]
+        assert (new["rank"], new["port"], new["state"]) == (1, node.rank_port + 1, "ready")  # type: ignore
+        body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 2}
+        node.wait_for(lambda: httpx.post(router.url + "/v1/completions", json=body, timeout=30,
+                                         headers={"X-data-parallel-rank": "1"}).status_code == 200,
+                      30, "the router to serve from the new rank")
+
+        out: dict[str, object] = {}
+        started = threading.Event()
+        reader = threading.Thread(target=_stream, args=(router.url, str(tiny_llama), out, started))
+        reader.start()
+        assert started.wait(60)
+        leaving = psutil.Process(new["pid"])
+        r = scale(node, {"data_parallel_size_local": 1})
+        assert r.status_code == 202 and r.json()["removing"] == [1], r.text
+        assert node.rank(1)["state"] == "draining" and not node.rank(1)["routable"]
+        reader.join(120)
+        text = str(out.get("text", ""))
+        assert out.get("status") == 200 and "error" not in out, out
+        assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, text[-500:]
+        assert f'"completion_tokens":{STREAM_TOKENS}' in text.replace(" ", ""), text[-500:]
+        node.wait_for(lambda: node.status()["scaling"]["state"] == "done", 60, "the shrink")
+        status = node.status()
+        assert [r["rank"] for r in status["ranks"]] == [0] and status["data_parallel_size_local"] == 1
+        assert not gone_within([leaving], 5.0)  # the removed rank's process is gone, and not restarted
+        moved = metric_value(httpx.get(router.url + "/metrics").text, "lbd_router_migrations_total",
+                             outcome="resumed")
+        assert moved >= 1  # the stream was cut on the rank that left and resumed on rank 0
+        assert metric_value(node.get("/metrics").text, "lbd_supervisor_ranks") == 1
+    finally:
+        router.close()
