@@ -49,17 +49,20 @@ def _merge(base: Any, patch: Any) -> Any:
     return patch
 
 
-def _cuda_overlay() -> list[dict[str, Any]]:
-    """docker/k8s/cuda rendered: the base with node-gpu.yaml merged in and the JSON 6902 patch applied."""
-    kust = yaml.safe_load((K8S / "cuda" / "kustomization.yaml").read_text())
+def _overlay(name: str) -> list[dict[str, Any]]:
+    """docker/k8s/<name> rendered as kustomize would, as far as our overlays go: ../base plus its own files,
+    the image tag, strategic-merge patch files and JSON 6902 patches (test, remove, replace)."""
+    kust = yaml.safe_load((K8S / name / "kustomization.yaml").read_text())
     docs = [copy.deepcopy(d) for f in ("node.yaml", "router.yaml") for d in _docs(K8S / "base" / f)]
-    for d in docs:
-        if d["kind"] in ("StatefulSet", "Deployment"):
-            for c in d["spec"]["template"]["spec"]["containers"]:
-                c["image"] = "lbd:cuda"
+    docs += [d for r in kust["resources"] if r != "../base" for d in _docs(K8S / name / r)]
+    for image in kust.get("images", []):
+        for d in docs:
+            if d["kind"] in ("StatefulSet", "Deployment"):
+                for c in d["spec"]["template"]["spec"]["containers"]:
+                    c["image"] = f"{image['name']}:{image['newTag']}"
     for patch in kust["patches"]:
         if "path" in patch:
-            (p,) = _docs(K8S / "cuda" / patch["path"])
+            (p,) = _docs(K8S / name / patch["path"])
             i = next(i for i, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) ==
                      (p["kind"], p["metadata"]["name"]))
             docs[i] = _merge(docs[i], p)
@@ -75,13 +78,16 @@ def _cuda_overlay() -> list[dict[str, Any]]:
                     assert node[last] == op["value"], f"the overlay's guard failed: {op}"
                 elif op["op"] == "remove":
                     del node[last]
+                else:
+                    assert op["op"] == "replace", op
+                    node[last] = op["value"]
     return docs
 
 
 def _resources() -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml" or path.parent.name in ("cuda", "monitoring"):
+        if path.name == "kustomization.yaml" or path.parent.name in ("cuda", "monitoring", "autoscale"):
             continue  # monitoring: Prometheus Operator CRDs, no schema in kubernetes-validate (see below)
         for d in _docs(path):
             where = f"{path.relative_to(ROOT)}:{d['kind']}/{d['metadata']['name']}"
@@ -91,7 +97,12 @@ def _resources() -> list[tuple[str, dict[str, Any]]]:
                         (f"{where}:worker", _pod(tpl["workerTemplate"], "worker"))]
             else:
                 out.append((where, d))
-    out += [(f"docker/k8s/cuda:{d['kind']}/{d['metadata']['name']}", d) for d in _cuda_overlay()]
+    out += [(f"docker/k8s/cuda:{d['kind']}/{d['metadata']['name']}", d) for d in _overlay("cuda")]
+    # the autoscale overlay, and the HPA that replaces its ScaledObject (a CRD: checked against KEDA's schema
+    # by test_scaledobject_validates_against_kedas_crd)
+    autoscale = [d for d in _overlay("autoscale") if d["kind"] != "ScaledObject"] + _docs(K8S / "autoscale" /
+                                                                                        "hpa.yaml")
+    out += [(f"docker/k8s/autoscale:{d['kind']}/{d['metadata']['name']}", d) for d in autoscale]
     return out
 
 
@@ -100,7 +111,8 @@ RESOURCES = _resources()
 
 def test_every_manifest_is_found() -> None:
     kinds = sorted({r["kind"] for _, r in RESOURCES})
-    assert kinds == ["Deployment", "Pod", "PodDisruptionBudget", "Service", "StatefulSet"], kinds
+    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "Pod", "PodDisruptionBudget", "Service",
+                     "StatefulSet"], kinds
 
 
 def test_monitoring_manifests_are_prometheus_operator_resources() -> None:
@@ -144,6 +156,14 @@ def test_container_flags_parse_and_grace_covers_shutdown(where: str, spec: dict[
         given = [float(a.split("=", 1)[1]) for a in flags if a.startswith("--shutdown-timeout=")]
         shutdown = given[0] if given else 30.0
         extra = {"serve": 15.0, "supervise": 5.0, "route": 5.0}[command]  # see node.py, supervisor/node.py
+        hook = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        if hook[:1] == ["sleep"]:  # a preStop runs before SIGTERM, within the same grace period
+            extra += float(hook[1])
+        elif hook:
+            from lbd.supervisor.prestop import parse_args as prestop
+
+            assert hook[:3] == ["python", "-m", "lbd.supervisor.prestop"], hook
+            extra += prestop(hook[3:]).settle_s
         assert spec["terminationGracePeriodSeconds"] >= shutdown + extra, (where, shutdown)
         _parses(command, flags, env)
 
@@ -175,3 +195,82 @@ def test_dockerfiles_lint_clean() -> None:
     assert len(files) == 2
     done = subprocess.run([hadolint, *files], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---- autoscaling (docker/k8s/autoscale, issue 46) ----------------------------------------------------------
+KEDA_CRD = ROOT / "tests" / "data" / "k8s" / "keda.sh_scaledobjects.yaml"  # source and version in its header
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD's openAPIV3Schema as the API server applies it with strict field validation: an object that
+    lists its properties takes no others (unless it preserves unknown fields)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in out and "additionalProperties" not in out
+                and not out.get("x-kubernetes-preserve-unknown-fields")):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(x) for x in schema]
+    return schema
+
+
+def _keda_errors(doc: dict[str, Any]) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    (crd,) = _docs(KEDA_CRD)
+    version = next(v for v in crd["spec"]["versions"] if f"keda.sh/{v['name']}" == doc["apiVersion"])
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    body = {k: v for k, v in doc.items() if k != "metadata"}  # metadata is Kubernetes' ObjectMeta
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in jsonschema.Draft7Validator(schema).iter_errors(body)]
+
+
+def _scaledobject() -> dict[str, Any]:
+    (so,) = [d for d in _overlay("autoscale") if d["kind"] == "ScaledObject"]
+    return so
+
+
+def test_scaledobject_validates_against_kedas_crd() -> None:
+    so = _scaledobject()
+    assert so["apiVersion"] == "keda.sh/v1alpha1" and not _keda_errors(so), _keda_errors(so)
+    # a planted wrong field fails: the check is not vacuous
+    for path, value in ((("spec", "scaleTargetRef", "nmae"), "lbd-node"), (("spec", "maxReplicas"), 8),
+                        (("spec", "triggers", 0, "metadata", "threshold"), 2)):
+        bad = copy.deepcopy(so)
+        node = bad
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert _keda_errors(bad), path
+
+
+def test_autoscalers_target_the_node_and_read_exported_metrics() -> None:
+    """The ScaledObject and the HPA scale the node StatefulSet on a metric the router exports; every replica
+    they may start is a valid node (its --node-rank fits the overlay's --data-parallel-size), and the
+    per-pod target is the node's local rank count (the metric counts ranks, the autoscaler pods)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lbd.common.scaling import Signals, report
+    from lbd.router.autoscale_signals import AutoscaleCollector
+
+    registry = CollectorRegistry()
+    registry.register(AutoscaleCollector(lambda: report(Signals(1, 0.5, 10, 0.1))))
+    exported = set(re.findall(r"^(lbd_router_autoscale_\w+) ", generate_latest(registry).decode(), re.M))
+    so, (hpa,) = _scaledobject(), _docs(K8S / "autoscale" / "hpa.yaml")
+    (trigger,) = so["spec"]["triggers"]
+    assert set(re.findall(r"lbd_\w+", trigger["metadata"]["query"])) <= exported, trigger
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] in exported
+    (node,) = [d for d in _overlay("autoscale") if d["kind"] == "StatefulSet"]
+    assert "replicas" not in node["spec"]  # the autoscaler's
+    args = node["spec"]["template"]["spec"]["containers"][0]["args"]
+    local = next(int(a.split("=")[1]) for a in args if a.startswith("--data-parallel-size-local="))
+    assert trigger["metadata"]["threshold"] == str(local)
+    assert hpa["spec"]["metrics"][0]["external"]["target"]["averageValue"] == str(local)
+    for target, most in ((so["spec"]["scaleTargetRef"], so["spec"]["maxReplicaCount"]),
+                         (hpa["spec"]["scaleTargetRef"], hpa["spec"]["maxReplicas"])):
+        assert (target["kind"], target["name"]) == ("StatefulSet", node["metadata"]["name"])
+        from lbd.supervisor.config import parse_args
+
+        flags = [a.replace("$(POD_INDEX)", str(most - 1)) for a in args[1:]]
+        flags = [f"--port={free_port_run(4)}" if a.startswith("--port=") else a for a in flags]
+        parse_args(flags, env={"LBD_ADMIN_TOKEN": SECRET})

@@ -53,7 +53,8 @@ def drain_node(node: str, token: str | None) -> list[int]:
     return asked
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The hook's flags; exit 2 naming the flag on a bad one."""
     p = argparse.ArgumentParser(prog="python -m lbd.supervisor.prestop", description=__doc__.split("\n")[0])
     p.add_argument("--node", default="http://127.0.0.1:9256", help="the node's health port")
     p.add_argument("--settle-s", type=float, default=5.0,
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.settle_s < 0:
         p.error(f"--settle-s must be >= 0, got {ns.settle_s}")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
     try:
         asked = drain_node(ns.node.rstrip("/"), os.environ.get(ADMIN_TOKEN_ENV) or None)
     except (OSError, ValueError) as e:  # unreachable, or not a supervisor's /status: nothing to drain here
