@@ -135,8 +135,8 @@ def test_grow_then_shrink_under_a_stream(node: SupervisorNode, tiny_llama: Path,
         assert [r["rank"] for r in status["ranks"]] == [0] and status["data_parallel_size_local"] == 1
         assert not gone_within([leaving], 5.0)  # the removed rank's process is gone, and not restarted
         moved = metric_value(httpx.get(router.url + "/metrics").text, "lbd_router_migrations_total",
-                             outcome="resumed")
-        assert moved >= 1  # the stream was cut on the rank that left and resumed on rank 0
+                             reason="error_event", outcome="resumed")
+        assert moved >= 1  # the leaving rank ended the stream with a retryable 503, resumed on rank 0
         assert metric_value(node.get("/metrics").text, "lbd_supervisor_ranks") == 1
     finally:
         router.close()

@@ -153,12 +153,17 @@ class Frontend:
                     f", {len(self.keys)} API key(s) required" if self.keys else "")
 
     async def drain(self) -> None:
-        """Close the listener, answer 503 to new requests, let in-flight ones finish (--shutdown-timeout)."""
+        """Close the listener, answer 503 to new requests, let in-flight ones finish (--shutdown-timeout);
+        streams still open then end with a retryable 503 error event (a router resumes each on another
+        rank) rather than a cut connection, within aiohttp's second wait of the same length."""
         if self.state is not None:
             self.state.draining = True
             if self.state.in_flight:
                 logger.info("draining %d in-flight requests (up to %.0fs)", self.state.in_flight,
                             self.config.server.shutdown_timeout)
+            state = self.state
+            asyncio.get_running_loop().call_later(self.config.server.shutdown_timeout, setattr, state,
+                                                  "streams_ending", True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

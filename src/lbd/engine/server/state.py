@@ -44,6 +44,7 @@ class FrontendState:
     started: float = field(default_factory=time.time)
     in_flight: int = 0
     draining: bool = False
+    streams_ending: bool = False  # past --shutdown-timeout: open streams end with a retryable 503 (app.drain)
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     load_stream: LoadPublisher | None = None  # the pushed load state (--load-heartbeat-s)
     loras: dict[str, LoraModule] = field(default_factory=dict)  # adapters by name (server.lora_routes)

@@ -122,6 +122,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter, first: 
                 if prof is not None:
                     prof.add("stream", time.perf_counter() - t0)
                 delta = await anext(rest, None)
+                if delta is not None and gen.state.streams_ending:  # the server stops (Frontend.drain)
+                    raise APIError("the server is shutting down: retry the request", 503)
             if gen.common.include_usage:
                 await resp.write(framing.encode(fmt.usage_chunk()))
             for event in framing.closing():
