@@ -15,6 +15,7 @@ from lbd.common.auth import key_lines, read_key_file
 from lbd.common.cluster import ClusterTokenError, read_strong_internal_key, read_strong_token
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.limits import Limits, check_limits, limits_from
+from lbd.common.lora_modules import LoraModule
 from lbd.common.otlp import check_otlp_endpoint
 from lbd.common.tls import check_tls
 from lbd.policies import compose
@@ -114,6 +115,7 @@ class RouterConfig:
     telemetry_push: str = "auto"  # follow the load streams ranks advertise (lbd.router.load_feed)
     evict_weight: float = 1.0
     lora_max_replicas: int = 0  # the adapter scorer's cap on one adapter's device copies (0: none)
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded on demand (lbd.router.adapter_loader)
     tokenizer: Path | None = None
     forward_prompt_ids: bool = True  # send ranks that take them our token ids (lbd.router.kv.forward)
     dns_refresh_interval_s: float = 5.0
@@ -161,6 +163,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     ns = p.parse_args(argv)
     upstreams = _upstreams(p, ns)
     _check_numbers(p, ns)
+    if len({m.name for m in ns.lora_modules}) != len(ns.lora_modules):
+        p.error("--lora-modules names an adapter twice: give each name once")
     limits = _check_files_and_limits(p, ns)
     _check_keys(p, ns)
     _routing_config(p, ns)
@@ -300,7 +304,7 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
         kv_events=ns.kv_events, telemetry_push=ns.telemetry_push,
         evict_weight=ns.evict_weight, lora_max_replicas=ns.lora_max_replicas,
-        tokenizer=ns.tokenizer,
+        lora_modules=tuple(ns.lora_modules), tokenizer=ns.tokenizer,
         forward_prompt_ids=ns.forward_prompt_ids is not False,
         limits=limits,
         max_streams_per_endpoint=ns.max_streams_per_endpoint,

@@ -10,6 +10,7 @@ from pathlib import Path
 from lbd import policies
 from lbd.common.cpus import usable_cpus
 from lbd.common.limits import add_limit_arguments
+from lbd.common.lora_modules import lora_module_arg
 from lbd.common.tls import add_tls_arguments
 from lbd.router.auth import add_auth_arguments
 from lbd.router.flow.settings import add_flow_arguments
@@ -166,6 +167,15 @@ def make_parser() -> OneLineParser:
         default=0,
         help="predicted_ttft's adapter scorer: once this many ranks hold a LoRA adapter on device, others "
         "are charged heavily for it, so a popular adapter does not evict every other; 0: no cap",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module_arg,
+        default=(),
+        metavar="NAME=PATH",
+        help="LoRA adapters the router may load on demand (the engine's syntax; paths as the ranks see "
+        "them): a request for one no rank lists loads it on the rank the policy picks",
     )
     g.add_argument(
         "--pin-fallback",

@@ -47,6 +47,7 @@ from lbd.router.upstream import Response as UpstreamResponse
 from lbd.router.upstream import UpstreamError
 
 if TYPE_CHECKING:
+    from lbd.router.adapter_loader import AdapterLoader
     from lbd.router.disagg import Disagg
     from lbd.router.migration import Migrator
     from lbd.router.resumable import Move
@@ -90,6 +91,12 @@ class Proxy:
         self.flow: FlowControl | None = None  # flow control by tenant and priority (lbd.router.flow)
         if cfg.flow.mode != "off":
             self.flow = FlowControl(state.snapshots, cfg.stale_after_s, cfg.flow, state.shared.flows)
+        # adapters loaded on demand (--lora-modules; lbd.router.adapter_loader): who may take one, the load
+        self.adapters: AdapterLoader | None = None
+        if cfg.lora_modules:
+            from lbd.router.adapter_loader import AdapterLoader
+
+            self.adapters = AdapterLoader(state, cfg.lora_modules, self._auth)
         self.disagg: Disagg | None = None
         if cfg.pd_disaggregation:  # only a P/D router loads the two stages (cold start)
             from lbd.router.disagg import Disagg
@@ -168,7 +175,9 @@ class Proxy:
                     break
             elif isinstance(decision, Refused):
                 return self._refuse(out, decision)
-            failure = await self.attempt(rr, out, decision)
+            # the request's LoRA adapter loaded there first, if it must be (lbd.router.adapter_loader)
+            failure = None if self.adapters is None else await self.adapters.prepare(rr, decision)
+            failure = failure or await self.attempt(rr, out, decision)
             if failure is None or not self._retry(rr, failure, decision, n):
                 break
         if failure is not None:
@@ -229,6 +238,8 @@ class Proxy:
                 trial = state.outliers.trial_for(rr.facts)
         else:  # a retry: the endpoints as they are now, less those full at first and those that failed it
             snaps, full = state.snapshots(), rr.full
+        if self.adapters is not None:  # ranks that could load the request's adapter on demand
+            snaps = self.adapters.widen(rr.facts, snaps)
         if trial is not None:
             rr.snaps, rr.full = snaps, full
             decision: Decision | Refusal = Decision(state.snapshot(trial),
@@ -240,6 +251,7 @@ class Proxy:
                 if isinstance(decision, Refusal) and len(snaps) < len(state.order):
                     # the sample could not serve it: decide over every endpoint
                     snaps = state.snapshots()
+                    snaps = snaps if self.adapters is None else self.adapters.widen(rr.facts, snaps)
                     full = [e.key for e in snaps if e.inflight >= cap]
                     decision = route(state.policy, rr.facts, snaps, full, self.cfg.pin_fallback, gate)
                 rr.snaps, rr.full = snaps, full
@@ -270,6 +282,7 @@ class Proxy:
         while self.loop.time() < deadline:
             await asyncio.sleep(_WAIT_POLL_S)
             snaps = self.state.snapshots()
+            snaps = snaps if self.adapters is None else self.adapters.widen(rr.facts, snaps)
             out = False
             for snap in snaps:
                 if not snap.healthy or snap.draining:

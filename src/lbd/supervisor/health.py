@@ -104,6 +104,9 @@ POST /scale   {"data_parallel_size_local": N}: resize the node (supervisor/scale
               come and go); 202 with the ``ScaleResult`` (lbd.wire.scale), 200 when N is the current size, 400
               naming the field, 409 with the reason when it cannot happen (the node unchanged). Besides the
               admin token it takes the cluster token; with neither set it is open on a loopback-only port.
+POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (also behind VLLM_ALLOW_RUNTIME_LORA_UPDATING) every
+                             ready rank loads (unloads) the adapter; a rank that starts again gets the node's
+                             adapters back before it is ready; answered when done (supervisor/adapters.py).
 Errors are OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status in ``code``.
 """
 
@@ -195,6 +198,7 @@ class HealthServer(AppServer):
             web.post("/ranks/{rank}/drain", self.drain), web.post("/ranks/{rank}/restart", self.restart),
             web.post("/rolling-restart", self.rolling_restart), web.post("/scale", self.scale),
         ])
+        self.app.add_routes(sup.adapters.routes(self._denied))  # the node's LoRA adapters (.adapters)
 
     # ---- read-only ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from lbd.common.tls import client_context
+from lbd.supervisor.adapters import NodeAdapters
 from lbd.supervisor.config import SupervisorConfig
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import Prober
@@ -49,6 +50,10 @@ class Supervisor:
         self._start_rank = start_rank
         self.workers = [RankWorker(spec, cfg, self.prober, self.metrics, self.on_rank_failure, start_rank)
                         for spec in cfg.ranks]
+        # the node's LoRA adapters: loaded on every rank, and back on one that starts again
+        self.adapters = NodeAdapters(self.workers, cfg.api_keys[0] if cfg.api_keys else None, tls)
+        for w in self.workers:
+            w.before_ready = self.adapters.restore
         self.scaling: ScaleResult | None = None  # the last resize (lbd.supervisor.scale), shown in /status
         # the ranks of an MoE model form one group (None: independent dense ranks)
         self.group: MoeGroup | None = None
@@ -147,6 +152,7 @@ class Supervisor:
         """Start one more local rank at run time (a resize, lbd.supervisor.scale), like those started with
         the node; it shows in /status at once."""
         w = RankWorker(spec, self.cfg, self.prober, self.metrics, self.on_rank_failure, self._start_rank)
+        w.before_ready = self.adapters.restore  # the node's LoRA adapters, before it is ready
         self.workers.append(w)
         w.start()
         return w

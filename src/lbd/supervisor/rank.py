@@ -125,6 +125,10 @@ class RankWorker:
         self.group_wait: str | None = None  # an MoE member alive but waiting for its group (last probe)
         # called once a failed member's process is gone (REPLACE_MEMBER): the group is told
         self.after_stop: Callable[[RankWorker, str], None] | None = None
+        # awaited once a new process first passes its probe, before it is marked ready (the node's LoRA
+        # adapters loaded back: supervisor/adapters.py); it stays starting meanwhile (start-up timeout holds)
+        self.before_ready: Callable[[RankWorker], Awaitable[None]] | None = None
+        self._readying: asyncio.Task[None] | None = None
         self._probes = 0  # probes of the current process since it became ready
         self._started_mono: float | None = None
         self._ready_mono: float | None = None
@@ -305,8 +309,10 @@ class RankWorker:
                     return "planned", ev.detail
         finally:
             timer.cancel()
-            for task in helpers:
-                task.cancel()
+            for task in [*helpers, self._readying]:
+                if task is not None:
+                    task.cancel()
+            self._readying = None
 
     async def _spawn(self) -> RankHandle:
         # Shielded: if shutdown() cancels us mid-spawn, the process still gets recorded and stopped there.
@@ -442,19 +448,10 @@ class RankWorker:
                 self.generate_failures = 0
             else:
                 self.consecutive_failures = 0
-            if self.state is RankState.STARTING:
-                self._ready_mono = time.monotonic()
-                self._ever_ready = True
-                self.attempts = 0
-                self._probes = 0
-                # A rank answers /health only once all its workers are up, and a worker never changes
-                # without the rank restarting: one read per incarnation is enough.
-                self.workers = self._proc.workers() if self._proc is not None else []
-                self._set_state(RankState.READY)
-                log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
-                         self._ready_mono - (self._started_mono or self._ready_mono))
-                self._side_tasks.add(task := asyncio.create_task(self._learn_sources(gen)))
-                task.add_done_callback(self._side_tasks.discard)
+            if self.state is RankState.STARTING and self.before_ready is None:
+                self._became_ready(gen)
+            elif self.state is RankState.STARTING and self._readying is None:
+                self._readying = asyncio.create_task(self._ready_after(gen, self.before_ready))
             return
         if self.state not in (RankState.READY, RankState.DRAINING):
             return  # not serving yet: refusals while it loads are expected; the start-up timeout bounds them
@@ -469,6 +466,25 @@ class RankWorker:
             log.warning("rank %d: unhealthy: %s", self.spec.rank, why)
             self._set_state(RankState.UNHEALTHY)
             self._events.put_nowait(RankEvent(gen, RankEventKind.UNHEALTHY, why))
+
+    async def _ready_after(self, gen: int, hook: Callable[[RankWorker], Awaitable[None]]) -> None:
+        await hook(self)
+        if gen == self.generation and self.state is RankState.STARTING:
+            self._became_ready(gen)
+
+    def _became_ready(self, gen: int) -> None:
+        self._ready_mono = time.monotonic()
+        self._ever_ready = True
+        self.attempts = 0
+        self._probes = 0
+        # A rank answers /health only once all its workers are up, and a worker never changes
+        # without the rank restarting: one read per incarnation is enough.
+        self.workers = self._proc.workers() if self._proc is not None else []
+        self._set_state(RankState.READY)
+        log.info("rank %d: ready (%.1f s after start)", self.spec.rank,
+                 self._ready_mono - (self._started_mono or self._ready_mono))
+        self._side_tasks.add(task := asyncio.create_task(self._learn_sources(gen)))
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _learn_sources(self, gen: int) -> None:
         """Copy the ready rank's KV-event sources into /status (routers and operators read them there)."""

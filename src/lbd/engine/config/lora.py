@@ -3,25 +3,18 @@
 
 ``--lora-modules`` takes vLLM's two forms, each one adapter: ``name=path`` or the JSON
 ``{"name": .., "path": .., "base_model_name": ..}``. Standard library only (the supervisor validates engine
-flags without torch); reading an adapter's files is ``lbd.engine.lora.peft``.
+flags without torch); the entries' syntax is ``lbd.common.lora_modules`` (the router reads it too); reading
+an adapter's files is ``lbd.engine.lora.peft``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
+from lbd.common.lora_modules import LoraModule, parse_lora_module
+
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices for --max-lora-rank
-
-
-@dataclass(slots=True, frozen=True)
-class LoraModule:
-    """One adapter named on the command line (or loaded at run time)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,29 +35,6 @@ class LoraFlags:
     def cpu_slots(self) -> int:
         """Adapters kept loaded in host memory: ``--max-cpu-loras`` (vLLM's default: ``--max-loras``)."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-
-def parse_lora_module(text: str) -> LoraModule:
-    """``name=path`` or vLLM's JSON form; ValueError naming the flag otherwise."""
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
-                not isinstance(obj.get("path"), str) or not obj["name"] or not obj["path"]:
-            raise ValueError('--lora-modules: the JSON form needs string "name" and "path" '
-                             '(and optionally "base_model_name")')
-        base = obj.get("base_model_name")
-        if base is not None and not isinstance(base, str):
-            raise ValueError('--lora-modules: "base_model_name" must be a string')
-        return LoraModule(obj["name"], obj["path"], base)
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules: {text!r} is neither name=path nor the JSON form "
-                         '{"name": ..., "path": ...}')
-    return LoraModule(name, path)
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
