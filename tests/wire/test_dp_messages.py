@@ -16,6 +16,7 @@ from lbd.wire.dp_messages import (
     Join,
     Joined,
     Lost,
+    Reform,
     Report,
     StartWave,
     UnknownKind,
@@ -38,6 +39,7 @@ FROM_COORDINATOR = [
     (Form(generation=4, size=2), "form"),
     (Abort(generation=4, reason="rank 1 failed"), "abort"),
     (StartWave(generation=4, wave=7), "wave_start"),
+    (Reform(generation=4, size=8), "reform"),
 ]
 
 

@@ -9,7 +9,8 @@ coordinator is remote: only its HTTP port is read.
 
 Every node polls the coordinator's ``GET /status`` every ``POLL_S`` (the group's generation, wave state and
 each member's waiting/running, fresh to ~100 ms) and tells it ``POST /members/{rank}/failed`` when one of its
-members died or hung.
+members died or hung. A resize of the group (``lbd.supervisor.group``) is ``POST /resize``; the coordinator's
+command line follows the new size, so a restarted coordinator keeps it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Coordinator:
     def __init__(self, spec: GroupSpec, log_level: str, on_fatal: Callable[[str], None]) -> None:
         self.spec = spec
         self.url = spec.coordinator_url
+        self.log_level = log_level
         self.argv = spec.coordinator_argv(sys.executable, log_level)
         self.on_fatal = on_fatal  # the coordinator refused its flags (exit 2): restarting cannot help
         self.proc: Child | None = None
@@ -176,6 +178,26 @@ class Coordinator:
                             type(e).__name__, attempt + 1, CONTROL_TRIES)
                 await asyncio.sleep(0.2 * (attempt + 1))
         return False
+
+    async def resize(self, spec: GroupSpec) -> str | None:
+        """Ask the coordinator to re-form the group at ``spec.size`` members; None when it accepted, else
+        why not (its answer, or that it does not answer). Its command line follows the new spec."""
+        try:
+            async with self._client().post(
+                    f"{self.url}/resize", data=orjson.dumps({"size": spec.size}),
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)) as resp:
+                answer = await read_aiohttp(resp)
+        except (OSError, aiohttp.ClientError, TimeoutError) as e:
+            return f"the DP coordinator at {self.url} does not answer ({type(e).__name__})"
+        if resp.status != 200:
+            try:
+                return str(orjson.loads(answer)["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                return f"the DP coordinator answered {resp.status}"
+        self.spec, self.argv = spec, spec.coordinator_argv(sys.executable, self.log_level)
+        log.info("DP coordinator: re-forming the group at %d members: %s", spec.size, answer.decode()[:200])
+        return None
 
     def describe(self) -> CoordinatorInfo:
         age = time.monotonic() - self.status_at if self.status_at is not None else None

@@ -12,11 +12,22 @@ before the first byte: a router retries them; streams already started end with a
 generation, and only that member is started again. The survivors keep their processes and loaded weights and
 re-join the new process group. The time from the failure to the group being ready again is kept
 (``last_recovery`` in /status, ``lbd_supervisor_group_recovery_seconds``).
+
+Resizing (``POST /scale``, ``lbd.supervisor.scale``; elastic expert parallelism, as vLLM's elastic EP): the
+survivors keep their processes, weights and running requests. Growing, the new members start at the new size
+beside the serving group and, once each has loaded and waits for its group, the coordinator is told
+(``POST /resize``): the members leave the generation together at a wave's idle check, the survivors re-place
+their experts (``lbd.engine.dp.elastic``: they read only the experts newly theirs) and the group re-forms
+with the new members. Shrinking, the coordinator is told first: the leaving members cut their streams with a
+retryable 503 (a router resumes them on the survivors) and are then retired by the caller. Refused with the
+reason, nothing changed (``resize_refusal``): a group spanning nodes, tensor-parallel experts, fewer than 2
+ranks, a size the expert count does not divide, a group not serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +46,7 @@ from lbd.wire.status import Recovery as RecoveryEntry
 
 log = logging.getLogger("lbd.supervisor")
 
+RESIZE_POLL_S = 0.1
 _RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -118,6 +130,78 @@ class MoeGroup:
         task = asyncio.get_running_loop().create_task(self.coordinator.member_failed(worker.spec.rank, why))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # ---- resizing ---------------------------------------------------------------------------------------
+    def resize_refusal(self, size: int) -> str | None:
+        """Why the group cannot re-form at ``size`` members now, or None; asks nothing, changes nothing."""
+        spec, experts = self.spec, self.spec.moe.num_experts
+        what = f"re-forming the MoE group ({spec.moe.describe()}) at {size} ranks"
+        if len(spec.local_ranks) != spec.size or not spec.runs_coordinator:
+            return f"{what}: the group spans nodes, and resizing one is not implemented: restart its nodes"
+        if not spec.expert_parallel:
+            return (f"{what}: its experts are split tensor-parallel (each rank holds a slice of every "
+                    "expert), which a resize does not re-place: start the node with --enable-expert-parallel")
+        if size < 2:
+            return (f"{what}: a group has at least 2 ranks (one rank serves the model alone, without a "
+                    "group): restart the node with --data-parallel-size 1")
+        if experts % size:
+            fits = ", ".join(str(n) for n in range(2, experts + 1) if experts % n == 0)
+            return f"{what}: {experts} experts do not split evenly over {size} ranks: use one of {fits}"
+        ready, why = self.readiness()
+        return None if ready else f"{what}: the group does not serve now ({why}): resize once it does"
+
+    async def grow(self, workers: list[RankWorker], timeout_s: float) -> str | None:
+        """Take ``workers`` (started at the new size, ranked after ours) into the group: once each has loaded
+        and waits for its group, re-form at the new size. None once the group serves at it, else why not
+        (the coordinator untold when they never loaded)."""
+        deadline = time.monotonic() + timeout_s
+        why = await self._until(lambda: all(w.group_wait is not None or w.state is RankState.READY
+                                            for w in workers), deadline, "the new ranks to load")
+        size = self.spec.size + len(workers)
+        why = why or await self._reform(size)
+        if why is not None:
+            return why
+        for w in workers:
+            self.members[w.spec.rank] = w
+            w.after_stop = self._member_stopped
+        return await self._until(lambda: self._serves(size), deadline, f"the group to serve at {size} ranks")
+
+    async def shrink(self, size: int, timeout_s: float) -> str | None:
+        """Re-form at ``size`` members, without the members ranked ``size`` and above (their engines cut
+        their streams with a retryable 503; the caller retires them). None once the group serves at ``size``,
+        else why not."""
+        why = await self._reform(size)
+        if why is not None:
+            return why
+        for rank in [r for r in self.members if r >= size]:
+            self.members.pop(rank).after_stop = None
+        return await self._until(lambda: self._serves(size), time.monotonic() + timeout_s,
+                                 f"the group to serve at {size} ranks")
+
+    async def _reform(self, size: int) -> str | None:
+        """Tell the coordinator to re-form at ``size``; None when it took it (our spec follows)."""
+        problem = self.resize_refusal(size)
+        spec = dataclasses.replace(self.spec, size=size, local_ranks=tuple(range(size)))
+        problem = problem or await self.coordinator.resize(spec)
+        if problem is not None:
+            return problem
+        log.info("MoE group: re-forming at %d ranks (was %d)", size, self.spec.size)
+        self.spec = spec
+        for rank in range(size):
+            self.metrics.joined.labels(rank=str(rank)).set(0)
+        return None
+
+    def _serves(self, size: int) -> bool:
+        status = self.coordinator.fresh_status()
+        return status is not None and status.size == size and self.readiness()[0]
+
+    async def _until(self, done: Callable[[], bool], deadline: float, what: str) -> str | None:
+        """None once ``done()``, or why not at ``deadline``."""
+        while not done():
+            if time.monotonic() >= deadline:
+                return f"timed out waiting for {what}: {self.readiness()[1]}"
+            await asyncio.sleep(RESIZE_POLL_S)
+        return None
 
     # ---- readiness ------------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, str]:

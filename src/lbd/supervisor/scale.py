@@ -15,7 +15,8 @@ resumes each on a rank that stays (lbd.router.migration), so its client sees one
 never restarted (its lifecycle ends before it drains) and leaves /status once its process is gone.
 
 One resize at a time; none while a rolling restart runs. Refused (409, the node unchanged): too few CUDA
-devices for the new size, a rank port in use, a Ray-placed node, an MoE group (``moe_resize_refusal``), a
+devices for the new size, a rank port in use, a Ray-placed node, an MoE group that cannot re-form at the new
+size (``MoeGroup.resize_refusal``: a size its experts do not divide, a group spanning nodes...), a
 size below an integer ``--ready-policy``. The node's DP sizes (/status, readiness under ``--ready-policy
 all``) follow when the ranks leave (shrinking) or are ready (growing).
 
@@ -54,12 +55,6 @@ NO_TOKEN = ("POST /scale is off: this health port listens beyond loopback and no
 
 class ScaleRefused(Exception):
     """The resize cannot happen (409): the reason, one line; the node is left as it was."""
-
-
-def moe_resize_refusal() -> str:
-    """Why an MoE node is not resized (its expert-parallel group would have to re-form at the new size)."""
-    return ("resizing an MoE group: its expert-parallel group cannot re-form at a new size yet; restart the "
-            "node with the new --data-parallel-size-local")
 
 
 def scale_denied(authorization: str | None, keys: KeyRing, loopback_only: bool) -> tuple[int, str] | None:
@@ -124,8 +119,9 @@ class Scaler:
         node, cfg = self.node, self.node.cfg
         if node.phase != RUNNING:
             raise ScaleRefused(f"supervisor is {node.phase}")
-        if node.group is not None:
-            raise ScaleRefused(moe_resize_refusal())
+        problem = node.group.resize_refusal(cfg.dp_size - cfg.dp_size_local + target) if node.group else None
+        if problem is not None:  # an MoE node: its group re-forms at the new size (lbd.supervisor.group)
+            raise ScaleRefused(problem)
         if cfg.respec is None:
             raise ScaleRefused("resizing Ray-placed ranks (--data-parallel-backend ray) is not implemented: "
                                "restart the node with the new --data-parallel-size")
@@ -161,6 +157,10 @@ class Scaler:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.node.cfg.startup_timeout_s
         try:
+            group = self.node.group  # MoE: the group re-forms with them once they have loaded
+            why = await group.grow(workers, self.node.cfg.startup_timeout_s) if group is not None else None
+            if why is not None:
+                raise ScaleRefused(why)
             while not all(w.state is RankState.READY for w in workers):
                 if self.node.phase != RUNNING or loop.time() >= deadline:
                     waiting = "; ".join(w.why_not_ready() for w in workers if w.state is not RankState.READY)
@@ -179,6 +179,14 @@ class Scaler:
         self._finish(result, "grow", DONE)
 
     async def _shrink(self, result: ScaleResult, workers: list[RankWorker]) -> None:
+        group = self.node.group  # MoE: the group re-forms without them first (their streams cut, to resume)
+        why = await group.shrink(self.node.cfg.dp_size, self.node.cfg.startup_timeout_s) if group else None
+        if why is not None:
+            log.warning("resize %d -> %d failed: %s", result.previous, result.target, why)
+            result.error = why
+            self._set_size(result.previous)
+            self._finish(result, "shrink", FAILED)
+            return
         await self._remove(workers)
         self._finish(result, "shrink", DONE)
 

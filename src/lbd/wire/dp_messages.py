@@ -14,6 +14,9 @@ coordinator -> rank (``CoordinatorMessage``: every one carries ``generation``):
   ``abort``       Abort: that generation is over; fail requests, leave, join the next (also the answer to a
                   report of a generation this coordinator does not know: it restarted)
   ``wave_start``  StartWave: run (dummy) passes until the wave ends
+  ``reform``      Reform: the group re-forms at ``size`` ranks: leave that generation together at the next
+                  idle check of a wave (members ``>= size`` drain out; the others re-place their experts and
+                  join the next generation, keeping their requests)
 
 ``encode`` makes a message's bytes; ``decode_from_rank`` and ``decode_from_coordinator`` read one back.
 Compatibility: unknown fields are skipped and a missing field with a default takes it; a kind this version
@@ -89,8 +92,12 @@ class StartWave(CoordinatorMessage, tag="wave_start"):
     wave: int
 
 
+class Reform(CoordinatorMessage, tag="reform"):
+    size: int
+
+
 RANK_MESSAGES = (Join, Joined, Lost, Report, WaveStarted, WaveEnded)
-COORDINATOR_MESSAGES = (Form, Abort, StartWave)
+COORDINATOR_MESSAGES = (Form, Abort, StartWave, Reform)
 
 
 class UnknownKind(ValueError):
@@ -108,7 +115,7 @@ class _Kind(msgspec.Struct):
 _ENCODER = msgspec.msgpack.Encoder()
 _KIND = msgspec.msgpack.Decoder(_Kind)
 _FROM_RANK = msgspec.msgpack.Decoder(Join | Joined | Lost | Report | WaveStarted | WaveEnded)
-_FROM_COORDINATOR = msgspec.msgpack.Decoder(Form | Abort | StartWave)
+_FROM_COORDINATOR = msgspec.msgpack.Decoder(Form | Abort | StartWave | Reform)
 
 
 def encode(msg: RankMessage | CoordinatorMessage) -> bytes:

@@ -5,6 +5,7 @@ Rooms, with one-way imports (each only imports those above it):
   ``coordinator``     the process beside rank 0: TCPStore host, rank reports, waves, generations, HTTP
   ``group``           one generation's torch.distributed process group (gloo on CPU, NCCL on CUDA)
   ``expert_parallel`` which experts a member holds and how tokens reach them (dispatch / combine)
+  ``elastic``         a member's experts re-placed for a new group size (a resize, in the same process)
   ``wave``            the wave bookkeeping of one rank (pure)
   ``rank``            the core loop of a rank in a group: waves, dummy passes, healing
 

@@ -2,14 +2,22 @@
 
 It hosts the group's TCPStore (``A:P+1``, so the store outlives any rank), a ZMQ ROUTER (``A:P+2``) the
 ranks' cores talk to (``lbd.wire.dp_messages``), and HTTP (``A:P+3`` unless ``--http-port``): ``/status``
-(JSON), ``/metrics`` (Prometheus) and ``POST /members/{rank}/failed`` (the supervisor says a member died or
-hangs). All of it is one asyncio loop that sleeps in epoll between messages: an idle group costs nothing.
+(JSON), ``/metrics`` (Prometheus), ``POST /members/{rank}/failed`` (the supervisor says a member died or
+hangs) and ``POST /resize`` (``{"size": N}``: the group re-forms at N ranks).
+All of it is one asyncio loop that sleeps in epoll between messages: an idle group costs nothing.
 
 Generations: generation g forms when all N ranks have sent ``join`` (the coordinator then sends ``form g``)
 and is ready once each answered ``joined g``. A failed member (the supervisor's POST, a rank's ``lost``,
 or a ``join`` from a member of g, i.e. a restarted or fallen-out rank) aborts g: every rank is told, and
 g+1 forms when all N have joined again. A restarted coordinator tells ranks that report a group it does not
-know to leave it, and numbers its first generation after theirs. ``Coordinator`` is the state machine (no
+know to leave it, and numbers its first generation after theirs.
+
+Resizing (elastic expert parallelism): ``resize(N)`` of a ready generation g sends ``reform g N`` to every
+member and waits for N joins of g+1. The members of g leave it together at their next idle check of a wave
+(a member that is paused starts one), so no collective is cut: those ranked ``>= N`` drain out (their requests
+fail with a retryable 503), the others re-place their experts for N members and join g+1 keeping their
+requests; new members (started with size N) join g+1 as they come up. Reports of g are not answered with an
+abort while it retires. ``Coordinator`` is the state machine (no
 I/O; it returns the messages to send), ``serve`` wires it to the sockets.
 
 Every socket binds ``--data-parallel-address`` (resolved), never every interface: a group on one machine
@@ -74,7 +82,11 @@ class Coordinator:
     waves_ended: int = -1  # the last wave id of this generation that ended
     waves_total: int = 0
     aborts: int = 0
+    resizes: int = 0
+    retiring: int | None = None  # the generation a resize ends: its members still run its last steps
+    wave_asked: int | None = None  # a wave a member started before every member had joined (it waits)
     members: list[MemberInfo] = field(default_factory=list)
+    _strangers: set[int] = field(default_factory=set)  # ranks outside the group already warned about
 
     def __post_init__(self) -> None:
         self.members = [MemberInfo(r) for r in range(self.size)]
@@ -83,14 +95,17 @@ class Coordinator:
     def on_message(self, ident: bytes, msg: DM.RankMessage, now: float) -> Outgoing:
         rank = msg.rank
         if not 0 <= rank < self.size:
-            logger.warning("dropping a message from unknown rank %r", rank)
+            if rank not in self._strangers:  # a member removed by a resize, or one started early for one
+                self._strangers.add(rank)
+                logger.warning("dropping messages from rank %r: the group has %d ranks", rank, self.size)
             return []
         m = self.members[rank]
         if isinstance(msg, DM.Report):
             m.ident = m.ident or ident
             m.waiting, m.running = msg.waiting, msg.running
             m.last_report, m.wave_active = now, msg.wave_active
-            if msg.ready and not (m.joined and msg.generation == self.generation):
+            if msg.ready and not (m.joined and msg.generation == self.generation) \
+                    and msg.generation != self.retiring:
                 # a group this coordinator did not form (it was restarted) or already aborted: leave it
                 why = "the coordinator does not know that generation (it restarted): re-join"
                 return [(ident, DM.encode(DM.Abort(generation=msg.generation, reason=why)))]
@@ -104,12 +119,17 @@ class Coordinator:
             if all(x.joined for x in self.members):
                 self.state = DPState.READY
                 logger.info("generation %d ready: %d members", self.generation, self.size)
+                asked, self.wave_asked = self.wave_asked, None  # a member with work already stepped
+                return self._wave_start(asked) if asked is not None else []
             return []
         if isinstance(msg, DM.Lost) and msg.generation == self.generation:
             return self.abort(f"rank {rank} lost generation {msg.generation}: {msg.reason}")
-        if isinstance(msg, DM.WaveStarted):
-            now_ready = msg.generation == self.generation and self.state is DPState.READY
-            return self._wave_start(msg.wave) if now_ready else []
+        if isinstance(msg, DM.WaveStarted) and msg.generation == self.generation:
+            if self.state is DPState.READY:
+                return self._wave_start(msg.wave)
+            if self.form_sent:  # it formed and has work before the others said joined: start it then
+                self.wave_asked = msg.wave
+            return []
         if isinstance(msg, DM.WaveEnded) and msg.generation == self.generation and msg.wave == self.wave_id:
             if self.wave_active:
                 self.wave_active, self.waves_ended = False, self.wave_id
@@ -151,6 +171,7 @@ class Coordinator:
         out = [(x.ident, msg) for x in self.members if x.ident is not None]
         self.generation += 1
         self.state, self.form_sent, self.aborts = DPState.REFORMING, False, self.aborts + 1
+        self.wave_asked = None
         self.wave_active, self.wave_id, self.waves_ended = False, 0, -1
         for x in self.members:
             x.pending = x.joined = x.wave_active = False
@@ -161,6 +182,27 @@ class Coordinator:
         m = self.members[rank]
         out = self.abort(f"rank {rank} failed: {reason}") if m.joined or self.form_sent else []
         m.pending, m.ident, m.pid, m.last_report = False, None, None, None
+        return out
+
+    def resize(self, size: int) -> Outgoing:
+        """Re-form the ready group at ``size`` ranks (ValueError when it is not ready or ``size`` < 1)."""
+        if size < 1:
+            raise ValueError(f"a group needs at least one rank, not {size}")
+        if self.state is not DPState.READY:
+            raise ValueError(f"generation {self.generation} is {self.state.value}: resize a ready group")
+        old = self.generation
+        logger.info("re-forming generation %d of %d ranks at %d ranks", old, self.size, size)
+        msg = DM.encode(DM.Reform(generation=old, size=size))
+        out = [(x.ident, msg) for x in self.members if x.ident is not None]
+        kept = self.members[:size]
+        self.members = kept + [MemberInfo(r) for r in range(len(kept), size)]
+        self.size, self.retiring, self.resizes = size, old, self.resizes + 1
+        self._strangers.clear()
+        self.generation += 1
+        self.state, self.form_sent, self.wave_asked = DPState.REFORMING, False, None
+        self.wave_active, self.wave_id, self.waves_ended = False, 0, -1
+        for x in self.members:
+            x.pending = x.joined = x.wave_active = False
         return out
 
     # ---- views --------------------------------------------------------------------------------------------
@@ -229,19 +271,35 @@ class CoordinatorMetrics:
 
 
 ZMQ_PURPOSE = "lbd-dp-coordinator"  # the CURVE keys' derivation label (the ranks use the same)
-MAX_BODY_BYTES = 4096  # POST /members/{rank}/failed: {"reason": "..."}
+MAX_BODY_BYTES = 4096  # POST /members/{rank}/failed: {"reason": "..."}; POST /resize: {"size": N}
 BODY_READ_S = 5.0
 
 
 def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[Outgoing], Awaitable[None]],
               token: str | None) -> web.Application:
-    """/status, /metrics and POST /members/{rank}/failed; the bearer token on each when there is one; a
-    failure report's body capped at ``MAX_BODY_BYTES`` and ``BODY_READ_S``."""
+    """/status, /metrics, POST /members/{rank}/failed and POST /resize; the bearer token on each when there is
+    one; a body capped at ``MAX_BODY_BYTES`` and ``BODY_READ_S``."""
     from aiohttp import web
 
     from lbd.engine.server.errors import APIError, error_response
 
-    size = coord.size
+    async def read_body(request: web.Request, example: str) -> dict[str, Any]:
+        """The JSON object of a POST (empty: {}); APIError for a body too big, too slow or not an object."""
+        if not request.can_read_body:
+            return {}
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            raise APIError(f"body over {MAX_BODY_BYTES} bytes", 413)
+        try:
+            raw = await asyncio.wait_for(request.content.read(MAX_BODY_BYTES + 1), BODY_READ_S)
+        except TimeoutError:
+            raise APIError(f"body not received within {BODY_READ_S:g} s", 408) from None
+        try:
+            body = json.loads(raw) if len(raw) <= MAX_BODY_BYTES else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise APIError(f"body must be a JSON object of at most {MAX_BODY_BYTES} bytes: {example}", 400)
+        return body
 
     async def status(request: web.Request) -> web.Response:
         return web.Response(body=msgspec.json.encode(coord.status(time.monotonic())),
@@ -256,24 +314,30 @@ def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[O
             rank = int(request.match_info["rank"])
         except ValueError:
             rank = -1
-        if not 0 <= rank < size:
+        if not 0 <= rank < coord.size:
             name = request.match_info["rank"]
-            return error_response(APIError(f"no member {name}: ranks are 0..{size - 1}", 404, "rank"))
-        reason = "reported failed by the supervisor"
-        if request.can_read_body:
-            if (request.content_length or 0) > MAX_BODY_BYTES:
-                return error_response(APIError(f"body over {MAX_BODY_BYTES} bytes", 413))
-            try:
-                raw = await asyncio.wait_for(request.read(), BODY_READ_S)
-            except TimeoutError:
-                return error_response(APIError(f"body not received within {BODY_READ_S:g} s", 408))
-            try:
-                body = json.loads(raw)
-                reason = str(body.get("reason") or reason) if isinstance(body, dict) else reason
-            except ValueError:
-                return error_response(APIError("body must be JSON: {\"reason\": \"...\"}", 400))
+            return error_response(APIError(f"no member {name}: ranks are 0..{coord.size - 1}", 404, "rank"))
+        try:
+            body = await read_body(request, '{"reason": "..."}')
+        except APIError as e:
+            return error_response(e)
+        reason = str(body.get("reason") or "reported failed by the supervisor")
         await send(coord.member_failed(rank, reason))
         return web.json_response({"generation": coord.generation, "state": coord.state})
+
+    async def resize(request: web.Request) -> web.Response:
+        try:
+            body = await read_body(request, '{"size": N}')
+            size = body.get("size")
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise APIError('body must be {"size": N} with N a whole number of ranks', 400, "size")
+            out = coord.resize(size)
+        except APIError as e:
+            return error_response(e)
+        except ValueError as e:  # not ready, or no ranks: nothing changed
+            return error_response(APIError(f"cannot resize: {e}", 409, "size"))
+        await send(out)
+        return web.json_response({"generation": coord.generation, "state": coord.state, "size": coord.size})
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -286,6 +350,7 @@ def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[O
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_text)
     app.router.add_post("/members/{rank}/failed", failed)
+    app.router.add_post("/resize", resize)
     return app
 
 

@@ -91,16 +91,22 @@ class ExpertDispatcher:
     def __init__(self, plan: ExpertPlan, shard: ExpertShard, device: torch.device) -> None:
         if plan.backend not in BACKENDS:
             raise ValueError(f"unknown --all2all-backend {plan.backend!r}: use one of {', '.join(BACKENDS)}")
-        self.plan, self.shard = plan, shard
         self.group: DPGroup | None = None
         self.passes = 0  # forward passes through the MoE layers (real or dummy)
         self.first_layer = 0
         self._tmax = 0
+        self.device = device
+        self.place(plan, shard)
+
+    def place(self, plan: ExpertPlan, shard: ExpertShard) -> None:
+        """Use ``plan`` (this member's rank in a group of ``plan.size``) and hold ``shard`` (at start, and
+        after an elastic resize re-placed the experts: ``lbd.engine.dp.elastic``)."""
+        self.plan, self.shard = plan, shard
         starts = [ExpertShard.even(shard.num_experts, r, plan.size).start for r in range(plan.size)]
         owner = torch.zeros(shard.num_experts, dtype=torch.long)
         for r, s in enumerate(starts):
             owner[s:] = r
-        self._owner = owner.to(device)  # global expert -> member owning it (expert parallel)
+        self._owner = owner.to(self.device)  # global expert -> member owning it (expert parallel)
         self.uses_all_to_all = plan.expert_parallel and plan.backend == "alltoall"
 
     def bind(self, layer: int) -> Callable[..., torch.Tensor]:

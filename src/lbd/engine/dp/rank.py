@@ -14,7 +14,14 @@ makes the rank's EngineCore (its model holds this member's experts, routed throu
   every rank is idle;
 * a failed collective (``GroupLost``) or an ``abort`` from the coordinator: every in-flight request fails
   with 503 (before its first byte: a router retries it; a started stream ends with an error event), the
-  process group is dropped, and the rank joins the next generation with the same process and weights.
+  process group is dropped, and the rank joins the next generation with the same process and weights;
+* a ``reform`` to N members (an elastic resize): the rank starts a wave if it is paused, and every idle check
+  of a wave exchanges (has work, N asked) instead of the idle flag alone, so all members see the resize at
+  the same step and leave the generation together (no collective is cut). A rank ``>= N`` then drains out:
+  its requests fail with a retryable 503 (a router resumes them elsewhere) and it never joins again. The
+  others re-place their experts for N (``lbd.engine.dp.elastic``: kept ones stay, new ones are read from the
+  checkpoint) and join the next generation; their requests stay scheduled with their KV blocks and go on
+  when it forms.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from lbd.engine.core.process import IDLE_POLL_MS, CoreServer, LoopState
 from lbd.engine.core.runner import ModelRunner
 from lbd.engine.dp import endpoints
 from lbd.engine.dp.coordinator import ZMQ_PURPOSE
+from lbd.engine.dp.elastic import replace_experts
 from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan, attach, dummy_pass, routed_experts
 from lbd.engine.dp.group import DPGroup, GroupLost, store_client
 from lbd.engine.dp.messages import JOIN_RESEND_S, REPORT_INTERVAL_S, log_unknown_kind
@@ -50,6 +58,7 @@ from lbd.wire.dp_messages import (
     Joined,
     Lost,
     RankMessage,
+    Reform,
     Report,
     StartWave,
     UnknownKind,
@@ -82,9 +91,12 @@ class Member:
     """This rank's place in the group: the coordinator link, the current generation's group, the wave."""
 
     def __init__(self, args: EngineArgs, runner: ModelRunner, dispatcher: ExpertDispatcher,
-                 blocks: list, ctx: zmq.Context) -> None:
+                 blocks: list, ctx: zmq.Context, model_path: str) -> None:
         self.args, self.runner, self.dispatcher, self.blocks = args, runner, dispatcher, blocks
+        self.model_path = model_path  # where a resize reads the experts newly assigned here
         self.rank, self.size = args.rank, args.data_parallel_size
+        self.reform_to = 0  # the group size a ``reform`` asked for (0: none pending)
+        self.removed: str | None = None  # why this rank left the group for good (a resize below it)
         self.store_host, self.store_port, coordinator = endpoints(args)
         self.wave = Wave(args.dp_idle_check_steps)
         self.group: DPGroup | None = None
@@ -111,7 +123,7 @@ class Member:
             pass
 
     def join_if_due(self, now: float) -> None:
-        if self.group is None and now - self.last_join >= JOIN_RESEND_S:
+        if self.group is None and self.removed is None and now - self.last_join >= JOIN_RESEND_S:
             self.send(Join(self.rank, pid=os.getpid(), last_generation=self.status.generation))
             self.last_join = now
 
@@ -147,12 +159,21 @@ class Member:
         r = self.runner
         dummy_pass(self.blocks, r.model.cfg.hidden_size, r.torch_device, r.torch_dtype)
 
-    def all_idle(self, has_work: bool) -> bool:
+    def idle_check(self, has_work: bool) -> tuple[bool, int]:
+        """(does any member have work, the group size a pending ``reform`` asks for or 0): the same answer
+        on every member, after the same step."""
         assert self.group is not None
-        flag = torch.tensor([int(has_work)], dtype=torch.int32)
+        mine = torch.tensor([int(has_work), self.reform_to], dtype=torch.int64)
         if self.group.device.type == "cuda":
-            flag = flag.to(self.group.device)
-        return int(self.group.all_reduce(flag).item()) == 0
+            mine = mine.to(self.group.device)
+        every = torch.stack(self.group.all_gather(mine)).cpu()
+        return bool(every[:, 0].any()), int(every[:, 1].max())
+
+    def resize(self, size: int) -> str:
+        """Hold the experts of this rank in a group of ``size`` (after leaving the old generation)."""
+        done = replace_experts(self.runner.model, self.dispatcher, size, self.model_path)
+        self.size, self.reform_to = size, 0
+        return done.describe()
 
     def report(self, waiting: int, running: int) -> None:
         self.send(Report(self.rank, generation=self.status.generation, ready=self.ready, waiting=waiting,
@@ -185,7 +206,7 @@ class GroupMember:
         return EngineCore.from_args(args, self.model_path, metrics=metrics, runner=self.runner)
 
     def server(self, core: EngineCore, ctx: zmq.Context, sock: zmq.Socket, state: LoopState) -> MemberServer:
-        self.member = Member(self.args, self.runner, self.dispatcher, self.blocks, ctx)
+        self.member = Member(self.args, self.runner, self.dispatcher, self.blocks, ctx, self.model_path)
         return MemberServer(core, sock, self.member, self.args.shutdown_timeout, state)
 
     def close(self) -> None:
@@ -225,12 +246,12 @@ class MemberServer(CoreServer):
         for peer in [ident] if ident is not None else list(self.state.peers):
             self.sock.send_multipart([peer, CM.DP, msg])
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, message: str | None = None) -> None:
         """Every request in the core fails with 503 (its front end answers before the first byte, or ends
         the stream with an error event); their KV blocks are freed."""
         core, owner = self.core, self.state.owner
         ids = list(core.scheduler.requests)
-        message = f"the data-parallel group lost a member ({reason}): retry"
+        message = message or f"the data-parallel group lost a member ({reason}): retry"
         for rid in ids:
             ident = owner.pop(rid, None)
             if ident is not None:
@@ -264,7 +285,10 @@ class MemberServer(CoreServer):
 
     def on_coordinator(self, msg: CoordinatorMessage) -> None:
         m, gen = self.member, msg.generation
-        if isinstance(msg, Form) and not m.ready and gen > m.status.generation:
+        if isinstance(msg, Form) and msg.size != m.size:
+            logger.warning("ignoring form of generation %d at %d ranks: this rank is in a group of %d", gen,
+                           msg.size, m.size)
+        elif isinstance(msg, Form) and not m.ready and gen > m.status.generation:
             self.member.status.reason = f"forming generation {gen}"
             problem = m.form(gen)
             if problem is not None:
@@ -278,6 +302,10 @@ class MemberServer(CoreServer):
             if m.wave.start(msg.wave):
                 m.metrics.waves.inc()
                 self._send_status()
+        elif isinstance(msg, Reform) and m.ready and gen == m.status.generation and msg.size > 0:
+            logger.info("generation %d re-forms at %d ranks: leaving it at the next idle check", gen,
+                        msg.size)
+            m.reform_to = msg.size  # a paused rank starts a wave (the loop steps while reform_to is set)
 
     def _lose(self, reason: str, tell: bool) -> None:
         m = self.member
@@ -287,6 +315,9 @@ class MemberServer(CoreServer):
         m.leave(reason)
         if tell:
             m.send(Lost(m.rank, generation=gen, reason=reason))
+        if m.reform_to:  # the coordinator re-forms at that size now
+            self._reform(m.reform_to)
+            return
         m.join_if_due(time.monotonic())
         self._send_status()
 
@@ -296,7 +327,7 @@ class MemberServer(CoreServer):
         next_stats = 0.0
         self._send_status()
         while not state.stop_now:
-            stepping = m.ready and (m.wave.active or core.has_work())
+            stepping = m.ready and (m.wave.active or core.has_work() or m.reform_to > 0)
             if stepping:
                 self.drain()
                 self.drain_coordinator()
@@ -311,7 +342,7 @@ class MemberServer(CoreServer):
                                len(core.scheduler.requests))
                 break
             m.join_if_due(now)
-            if m.ready and (m.wave.active or core.has_work()):
+            if m.ready and (m.wave.active or core.has_work() or m.reform_to > 0):
                 self._wave_step(now)
             if now - self._last_report >= REPORT_INTERVAL_S:
                 stats = core.stats()
@@ -336,12 +367,36 @@ class MemberServer(CoreServer):
                 m.metrics.dummy_steps.inc()
             m.metrics.steps.inc()
             self.send_outputs(outputs, now)
-            if m.wave.stepped(dummy) and m.all_idle(core.has_work()):
+            if not m.wave.stepped(dummy):
+                return
+            busy, reform_to = m.idle_check(core.has_work())
+            if reform_to:
+                self._reform(reform_to)
+            elif not busy:
                 ended = m.wave.end()
                 m.send(WaveEnded(m.rank, generation=m.status.generation, wave=ended))
                 self._send_status()
         except GroupLost as e:
             self._lose(str(e), tell=True)
+
+    def _reform(self, size: int) -> None:
+        """Every member saw the resize at this step: leave the generation; drain out when this rank is
+        beyond ``size``, else re-place the experts and join the next generation keeping the requests."""
+        m = self.member
+        gen = m.status.generation
+        if m.rank >= size:
+            why = f"rank {m.rank} left the data-parallel group (resized to {size} ranks)"
+            self._fail_all(why, f"{why}: retry")
+            m.leave(why)
+            m.removed = m.status.reason = why
+            logger.info("%s: generation %d left for good", why, gen)
+        else:
+            m.leave(f"re-forming at {size} ranks")
+            done = m.resize(size)
+            logger.info("left generation %d to re-form at %d ranks; %s; %d requests kept", gen, size, done,
+                        len(self.core.scheduler.requests))
+            m.join_if_due(time.monotonic())
+        self._send_status()
 
 
 def unavailable_message(status: DPStatus) -> str:

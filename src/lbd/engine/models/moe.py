@@ -140,6 +140,27 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return ops.fused_experts(x, self.w13, self.w2, weights, ids, self.expert_map)
 
+    def reshard(self, shard: ExpertShard) -> list[int]:
+        """Hold ``shard``'s experts from now on (an elastic resize of the group): the experts both shards hold
+        whole keep their weights (copied into the new stacks); returns the global experts whose weights the
+        caller must load again (the new ones; all of them when the tensor-parallel slice changes)."""
+        old, il = self.shard, self.intermediate_size // shard.tp_size
+        if shard.num_experts != old.num_experts or self.intermediate_size % shard.tp_size:
+            raise ValueError(f"cannot reshard {old} into {shard}")
+        same_slice = (old.tp_rank, old.tp_size) == (shard.tp_rank, shard.tp_size)
+        lo, hi = (max(old.start, shard.start), min(old.stop, shard.stop)) if same_slice else (0, 0)
+        w13 = self.w13.new_empty(shard.num_local, 2 * il, self.w13.shape[2])
+        w2 = self.w2.new_empty(shard.num_local, self.w2.shape[1], il)
+        if lo < hi:
+            w13[lo - shard.start:hi - shard.start] = self.w13[lo - old.start:hi - old.start]
+            w2[lo - shard.start:hi - shard.start] = self.w2[lo - old.start:hi - old.start]
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.shard, self.inter_local = shard, il
+        emap = shard.expert_map()
+        self.expert_map = None if emap is None else emap.to(w13.device)
+        return [e for e in range(shard.start, shard.stop) if not lo <= e < hi]
+
     def checkpoint_slots(self, prefix: str, weight: str, expert: int | None) -> list[WeightSlot]:
         """Slots for checkpoint tensor ``weight`` of global ``expert`` (None: the fused 3-D tensors
         ``gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I] of transformers 5); ``prefix`` ends in '.'."""
@@ -192,6 +213,15 @@ _PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?
                          r"(?P<weight>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<weight>gate_up_proj|down_proj)$")
 _MIXTRAL_GATE = re.compile(r"^(?P<layer>.+)\.block_sparse_moe\.gate\.weight$")
+
+
+def checkpoint_expert(name: str) -> tuple[str, int | None] | None:
+    """(our experts module, the global expert or None for a fused 3-D tensor) that checkpoint tensor
+    ``name`` fills, or None when it holds no routed expert."""
+    m = _PER_EXPERT.match(name) or _FUSED.match(name)
+    if m is None:
+        return None
+    return f"{m['layer']}.mlp.experts", int(m["expert"]) if "expert" in m.groupdict() else None
 
 
 def moe_checkpoint_slots(model: nn.Module, name: str) -> list[WeightSlot] | None:
