@@ -11,7 +11,11 @@ Same endpoints and /status shape as `lbd supervise` (see supervisor/health.py), 
 the registration (member: state, reason, head), and the router child. Answers come from the last poll of the
 node's supervisor (a child on an internal loopback port) and the registration state: no handler waits on a
 rank. The admin endpoints (drain, restart, rolling restart, with the supervisor's token) are passed to the
-node's supervisor; a rank of another node is answered 404 naming that node's health port.
+node's supervisor; a rank of another node is answered 404 naming that node's health port. ``POST /scale``
+(lbd.supervisor.scale, ``lbd scale``) resizes this node's own ranks through its supervisor, with the same
+rules for who may (the admin or cluster token; with neither, open only on a loopback-only health port); on
+a multi-node head that is the head's local ranks only (each other node is resized on its own health port).
+Readiness and the sizes in /status follow the supervisor's local size once a resize happened.
 """
 
 from __future__ import annotations
@@ -28,15 +32,20 @@ import aiohttp
 from aiohttp import web
 from msgspec.structs import replace
 
-from lbd.common.limits import read_aiohttp
+from lbd.common.cluster import is_loopback
+from lbd.common.limits import PeerReadTooLarge, read_aiohttp, read_capped
 from lbd.common.tls import server_context
 from lbd.serve.group import Group, rendezvous, span
 from lbd.serve.member import REGISTERED, Membership, url_host
 from lbd.serve.plan import Plan
+from lbd.supervisor.flags import ADMIN_TOKEN_ENV
 from lbd.supervisor.health import AppServer, error_response, json_errors
+from lbd.supervisor.scale import scale_denied, scale_keys
+from lbd.wire import scale as wire_scale
 from lbd.wire.roles import NodeRole
 from lbd.wire.states import NodePhase, RankState
 from lbd.wire.status import (
+    AutoscaleState,
     Deployment,
     RankStatus,
     RouterInfo,
@@ -87,9 +96,10 @@ class LocalSupervisor:
     def fresh(self) -> bool:
         return self.status is not None and time.monotonic() - self.at < _STALE_S
 
-    async def forward(self, method: str, path: str, headers: dict[str, str]) -> web.Response:
+    async def forward(self, method: str, path: str, headers: dict[str, str],
+                      body: bytes | None = None) -> web.Response:
         try:
-            async with self.session().request(method, self.base + path, headers=headers) as resp:
+            async with self.session().request(method, self.base + path, headers=headers, data=body) as resp:
                 return web.Response(status=resp.status, body=await read_aiohttp(resp, timeout_s=2.0),
                                     content_type=resp.content_type or "application/json")
         except (OSError, aiohttp.ClientError, TimeoutError) as e:
@@ -120,11 +130,13 @@ class NodeHealth(AppServer):
         self.phase = RUNNING
         self.failure: str | None = None
         self.started = time.monotonic()
+        self.autoscale: Callable[[], AutoscaleState] | None = None  # --autoscale's planner state (node.py)
+        self._scale_keys = scale_keys(_admin_token(plan.supervise_argv), plan.cluster_token)
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz), web.get("/status", self.status),
             web.get("/metrics", self.metrics), web.post("/ranks/{rank}/{action}", self.admin_rank),
-            web.post("/rolling-restart", self.admin_node)])
+            web.post("/rolling-restart", self.admin_node), web.post("/scale", self.scale)])
 
     # ---- the view -----------------------------------------------------------------------------------------
     def local_ranks(self, advertised: bool) -> list[RankStatus]:
@@ -157,7 +169,7 @@ class NodeHealth(AppServer):
             return False, "the router is not running (restarting)"
         ranks = self.view_ranks()
         ready = sum(map(_serving, ranks))
-        need, total = self.plan.ready_needed, self.plan.view_size
+        _, _, total, need = self.sizes()
         head = f"{ready}/{total} ranks ready (policy {self.plan.ready_policy}"
         if ready >= need:
             return True, head + ")"
@@ -188,6 +200,8 @@ class NodeHealth(AppServer):
         alive = self.router_alive()
         if alive is not None:
             info.router = RouterInfo(port=plan.router_port, workers=plan.router_workers, alive=alive)
+        if self.autoscale is not None:
+            info.autoscale = self.autoscale()
         return info
 
     def status_body(self) -> SupervisorStatus:
@@ -196,12 +210,25 @@ class NodeHealth(AppServer):
         live, _ = self.liveness()
         base = self.local.status if self.local is not None else None
         ranks = self.view_ranks()
+        size, local, _, _ = self.sizes()
         return replace(base or SupervisorStatus(), ready=ready, live=live, reason=reason, phase=self.phase,
                        pid=os.getpid(), supervisor_pid=base.pid if base is not None else None,
-                       data_parallel_size=self.plan.dp_size, data_parallel_size_local=self.plan.dp_size_local,
+                       data_parallel_size=size, data_parallel_size_local=local,
                        data_parallel_start_rank=self.plan.dp_start_rank, ready_policy=self.plan.ready_policy,
                        ready_ranks=sum(map(_serving, ranks)), uptime_s=time.monotonic() - self.started,
                        ranks=ranks, deployment=self.deployment())
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(DP size, local size, view size, ready ranks needed): the plan's, or after a resize of this node's
+        ranks (POST /scale) with the supervisor's local size in place of the plan's."""
+        plan, status = self.plan, self.local.status if self.local is not None else None
+        if status is None or status.scaling is None:
+            return plan.dp_size, plan.dp_size_local, plan.view_size, plan.ready_needed
+        delta = status.data_parallel_size_local - plan.dp_size_local
+        view = max(plan.view_size + delta, 1)
+        policy = plan.ready_policy
+        need = view if policy == "all" else 1 if policy == "any" else min(int(policy), view)
+        return plan.dp_size + delta, status.data_parallel_size_local, view, need
 
     # ---- endpoints ----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -257,11 +284,38 @@ class NodeHealth(AppServer):
                                            f"health port {owner.health_url}", "rank")
         return await self.admin_node(request)
 
+    async def scale(self, request: web.Request) -> web.Response:
+        """POST /scale, checked here (this port may listen beyond loopback where the supervisor's does not),
+        then passed to the node's supervisor, which checks the token again and carries it out."""
+        if self.local is None:
+            return error_response(404, "this node runs no ranks (--data-parallel-size-local 0)")
+        auth = request.headers.get("Authorization")
+        denied = scale_denied(auth, self._scale_keys, is_loopback(self.plan.health_host))
+        if denied is not None:
+            return error_response(*denied)
+        try:
+            body = await read_capped(request.content.readany, wire_scale.MAX_BODY_BYTES,
+                                     request.content_length, "POST /scale's body")
+        except PeerReadTooLarge as e:
+            return error_response(400, str(e))
+        headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+        return await self.local.forward("POST", "/scale", headers, body)
+
     async def admin_node(self, request: web.Request) -> web.Response:
         if self.local is None:
             return error_response(404, "this node runs no ranks (--data-parallel-size-local 0)")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         return await self.local.forward("POST", request.path, headers)
+
+
+def _admin_token(supervise_argv: list[str]) -> str | None:
+    """The supervisor child's admin token: its --admin-token, else $LBD_ADMIN_TOKEN (which it inherits)."""
+    for i, arg in enumerate(supervise_argv):
+        if arg.startswith("--admin-token="):
+            return arg.split("=", 1)[1] or None
+        if arg == "--admin-token" and i + 1 < len(supervise_argv):
+            return supervise_argv[i + 1]
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
 def _serving(rank: RankStatus) -> bool:
