@@ -6,7 +6,10 @@ from __future__ import annotations
 import orjson
 
 from lbd.router.continuation import (
+    CHAT,
+    COMPLETIONS,
     RESUMED_FIELD,
+    RESUMED_IDS_FIELD,
     RankFacts,
     as_chat_choice,
     continuation,
@@ -20,6 +23,7 @@ from lbd.router.continuation import (
     shift_offsets,
     with_token_ids,
 )
+from lbd.router.resumable import Move
 
 
 def test_kinds() -> None:
@@ -29,9 +33,7 @@ def test_kinds() -> None:
 
 
 def test_what_cannot_be_resumed_says_why() -> None:
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    assert "tools" in impossible("chat", {"messages": [], "tools": tools})
-    assert impossible("chat", {"messages": [], "tools": tools, "tool_choice": "none"}) is None
+    assert "functions" in impossible("chat", {"messages": [], "functions": [{"name": "f"}]})
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert "image_url" in impossible("chat", {"messages": [image]})
     assert "n > 1" in impossible("cmpl", {"prompt": "a", "n": 2})
@@ -105,7 +107,7 @@ def test_penalties_tell_lbd_ranks_which_prompt_tokens_are_output() -> None:
 
 def test_structured_outputs_continue_their_grammar_on_lbd_ranks() -> None:
     """The continuation keeps the constraint and says which prompt tokens were output: lbd's engine advances
-    the grammar over them. Only lbd's engine can (``needs_lbd``); a forced tool_choice stays refused."""
+    the grammar over them. Only lbd's engine can (``needs_lbd``)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     chat = {"messages": [], "response_format": fmt, "max_tokens": 50}
     assert impossible("chat", chat) is None
@@ -118,8 +120,31 @@ def test_structured_outputs_continue_their_grammar_on_lbd_ranks() -> None:
     assert "json_schema" in needs_lbd(chat) and "guided_choice" in needs_lbd({"guided_choice": ["a"]})
     assert "penalties" in needs_lbd({"presence_penalty": 1.0, "guided_json": {}})
     assert needs_lbd({"response_format": {"type": "text"}}) is None and needs_lbd(cmpl | {"n": 1}) is not None
+
+
+def test_a_tool_chat_continues_as_the_same_chat_told_the_output_sent() -> None:
+    """Tool calls are parsed from a chat's text by the rank: the continuation is the chat itself with the
+    output ids the client has (after any the original was told), its limit what is left; lbd ranks only.
+    ``tool_choice: "none"`` is plain text: a token completion, any engine."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert "tools" in impossible("chat", {"messages": [], "tools": tools, "tool_choice": "required"})
+    chat = {"model": "m", "messages": [{"role": "user", "content": "q"}], "tools": tools, "stream": True,
+            "tool_choice": "required", "max_completion_tokens": 40, "min_tokens": 5, "prompt_logprobs": 1,
+            "logprobs": True, "top_logprobs": 2, RESUMED_FIELD: 3}
+    assert impossible("chat", chat) is None and "tools" in needs_lbd(chat)
+    body = continuation("chat", chat, [1, 2], [7, 8], 38)
+    assert body[RESUMED_IDS_FIELD] == [7, 8] and body["max_tokens"] == 38 and body["min_tokens"] == 3
+    assert (body["messages"], body["tools"], body["tool_choice"]) == (chat["messages"], tools, "required")
+    assert (body["logprobs"], body["top_logprobs"], body["return_token_ids"]) == (True, 2, True)
+    for gone in ("prompt", "max_completion_tokens", "prompt_logprobs", RESUMED_FIELD):
+        assert gone not in body, gone
+    again = continuation("chat", {**chat, RESUMED_IDS_FIELD: [4]}, [1, 2, 4], [9], 30)
+    assert again[RESUMED_IDS_FIELD] == [4, 9]
+    auto = {"messages": [], "tools": tools}  # no tool_choice: "auto", where the rank has a parser
+    assert continuation("chat", auto, [1], [2], 5)[RESUMED_IDS_FIELD] == [2]
+    plain = {"messages": [], "tools": tools, "tool_choice": "none"}
+    assert needs_lbd(plain) is None and continuation("chat", plain, [1], [2], 5)["prompt"] == [1, 2]
+    assert Move("chat", chat, False, None).path == CHAT
+    assert Move("chat", plain, False, None).path == COMPLETIONS
 
 
 def test_ids_move_only_to_a_rank_with_the_same_tokenizer() -> None:

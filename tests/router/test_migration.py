@@ -286,15 +286,15 @@ def test_a_whole_answer_broken_mid_answer_is_answered_whole(router: str, ranks: 
     assert retried(router) == retries + 1
 
 
-def test_a_chat_with_tools_ends_with_an_error_naming_why(router: str, ranks: list[Rank]) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+def test_a_chat_of_several_choices_ends_with_an_error_naming_why(router: str, ranks: list[Rank]) -> None:
+    """(A chat with tools is resumed as a chat: test_migration_exact.py.)"""
     before, moved = resumed(router, "impossible"), resumed(router)
-    got = streamed(router, "chat", fault_of("reset", ranks), tools=tools)
+    got = streamed(router, "chat", fault_of("reset", ranks), n=2)
     assert settled(lambda: (resumed(router, "impossible"), resumed(router)), (before + 1, moved)) == (
         before + 1, moved)
     assert got["done"] == 1
     assert len(got["errors"]) == 1
-    assert "tools" in got["errors"][0]["message"]
+    assert "n > 1" in got["errors"][0]["message"]
 
 
 def test_migration_limit_0_ends_the_stream_as_before(ranks: list[Rank], tmp_path: Path) -> None:

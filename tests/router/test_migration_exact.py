@@ -3,7 +3,9 @@ migration tests leave out by setting ``max_tokens`` and ``ignore_eos``: a chat w
 to the context, --max-model-len 512), a completion with none (16 tokens in all), a chat that ends on a stop
 token, a greedy stream with a frequency penalty, logprobs with ``top_logprobs`` 0, a stream cut after its last
 token, and structured outputs (a ``json_schema`` chat, a vLLM ``guided_regex`` completion): the new rank
-advances the grammar over the output already sent, so the answer goes on where the grammar was.
+advances the grammar over the output already sent, so the answer goes on where the grammar was; and streamed
+tool calls (``tool_choice`` "required", a named function, "auto" read by the ``hermes`` parser): the chat goes
+on as a chat on the new rank, whose parser (and forced grammar) picks up where the first one stopped.
 
 Two real engine ranks of an 8-layer tiny Llama behind one `lbd route`, each behind an ``SseCut`` link. The
 serving rank is SIGKILLed when the client has ``BREAK_AT`` chunks with text (it is started again in the
@@ -47,6 +49,21 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
                                    "items": {"type": "integer", "minimum": -40, "maximum": 50}},
                          "sunny": {"type": "boolean"}}}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+KILL_IN_CALL = 20  # chunks with a delta: well inside the call's arguments (the tool tests)
+ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "temps"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "temps": SCHEMA["properties"]["temps"]}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+# random weights write no calls of their own: under "auto" a regex (vLLM lets it stand beside "auto") makes
+# the model write content, then hermes markup that the rank's parser turns into a call
+HERMES = (r'Hi[a-z ]{0,4}<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", '
+          r'"temps": \[(-?[1-9]?[0-9], ){15}-?[1-9]?[0-9]\]\}\}</tool_call>')
+TOOL_CHOICES: dict[str, dict[str, Any]] = {
+    "required": {"tool_choice": "required", "parallel_tool_calls": False},  # one call: it ends
+    "named": {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "auto": {"tool_choice": "auto", "structured_outputs": {"regex": HERMES}},
+}
 FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--health-failure-threshold",
         "1", "--scrape-interval-ms", "200", "--kv-events", "off", "--debug-headers")
 
@@ -66,7 +83,8 @@ class Rank:
         argv = [sys.executable, "-m", "lbd.engine", "--host", "127.0.0.1", "--port", str(self.port),
                 "--model", str(self.model), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB",
                 "--max-model-len", str(CONTEXT), "--data-parallel-rank", str(self.number),
-                "--data-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true"]
+                "--data-parallel-size", "2", "--structured-outputs-config.disable_any_whitespace", "true",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         self.proc = spawn(argv, log=self.log)
         wait_http(f"http://127.0.0.1:{self.port}/health", timeout=180, proc=self.proc)
         self.ready.set()
@@ -148,8 +166,12 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
 
 
-def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, **extra: Any) -> dict[str, Any]:
-    """One streamed request (greedy, usage asked); ``kill``: SIGKILL its rank at BREAK_AT chunks with text."""
+def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill_at: int = BREAK_AT,
+             **extra: Any) -> dict[str, Any]:
+    """One streamed request (greedy, usage asked); ``kill``: SIGKILL its rank at ``kill_at`` chunks with text
+    or tool-call deltas. A chat's tool-call deltas are gathered into ``calls`` as OpenAI's SDK does, and any
+    that is not OpenAI's shape (a first delta without id, type and name; a later one with them) is noted in
+    ``shapes``; ``at_kill``: the calls' arguments the client had when the rank was killed."""
     req: dict[str, Any] = {"model": MODEL, "temperature": 0, "stream": True,
                            "stream_options": {"include_usage": True}, **extra}
     if kind == "chat":
@@ -157,7 +179,8 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, **ex
     else:
         req["prompt"] = PROMPT
     got: dict[str, Any] = {"text": "", "done": 0, "errors": [], "usage": None, "finishes": [], "ids": set(),
-                           "chunks": 0, "logprobs": [], "token_ids": [], "after_done": 0}
+                           "chunks": 0, "logprobs": [], "token_ids": [], "after_done": 0, "calls": [],
+                           "shapes": [], "at_kill": None}
     url = router + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
     with httpx.stream("POST", url, json=req, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -187,11 +210,29 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, **ex
                 if lp and kind == "chat":
                     got["logprobs"] += [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]])
                                         for e in lp["content"]]
-                if text:
+                deltas = c["delta"].get("tool_calls") or [] if kind == "chat" else []
+                for d in deltas:
+                    gather_call(got, d)
+                if text or deltas:
                     got["chunks"] += 1
-                    if kill and got["chunks"] == BREAK_AT:
+                    if kill and got["chunks"] == kill_at:
+                        got["at_kill"] = [call["arguments"] for call in got["calls"]]
                         next(x for x in ranks if endpoint.endswith(f":{x.link.port}")).kill_and_restart()
     return got
+
+
+def gather_call(got: dict[str, Any], d: dict[str, Any]) -> None:
+    calls, fn = got["calls"], d.get("function") or {}
+    if d["index"] == len(calls):  # its first delta: id, type, name (and the arguments so far)
+        if not (d.get("id") and d.get("type") == "function" and fn.get("name")):
+            got["shapes"].append(f"a first delta without id, type or name: {d}")
+        calls.append({"id": d.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments") or ""})
+    elif d["index"] < len(calls):
+        if "id" in d or "type" in d or "name" in fn:
+            got["shapes"].append(f"id, type or name again: {d}")
+        calls[d["index"]]["arguments"] += fn.get("arguments") or ""
+    else:
+        got["shapes"].append(f"a call out of order: {d}")
 
 
 def assert_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -329,3 +370,31 @@ def test_a_vllm_guided_field_is_resumed_with_its_grammar(router: str, ranks: lis
     got = streamed(router, "cmpl", ranks, **extra)
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
+
+
+@pytest.mark.parametrize("choice", list(TOOL_CHOICES))
+def test_a_tool_call_stream_cut_mid_call_completes_on_another_rank(router: str, ranks: list[Rank],
+                                                                   choice: str) -> None:
+    """The rank is SIGKILLed inside the call's arguments; the chat goes on as a chat on the other rank
+    (``lbd_resumed_output_token_ids``), whose parser reads the text sent first: the client's call is the
+    unbroken greedy run's, announced once, its arguments going on where they stopped, one finish reason
+    (``tool_calls``; ``stop`` for a named function, as OpenAI says)."""
+    extra = {"max_tokens": 300, "tools": TOOLS, **TOOL_CHOICES[choice]}
+    want = streamed(router, "chat", ranks, **extra)
+    assert want["finishes"] == ["stop" if choice == "named" else "tool_calls"], want
+    assert want["chunks"] > KILL_IN_CALL + 10 and not want["shapes"], want
+    assert [c["name"] for c in want["calls"]] == ["get_weather"], want["calls"]
+    args = json.loads(want["calls"][0]["arguments"])
+    if choice != "auto":  # (the regex, not the tool's schema, wrote "auto"'s call)
+        jsonschema.validate(args, ARGS)
+    before = moves(router)
+    got = streamed(router, "chat", ranks, kill=True, kill_at=KILL_IN_CALL, **extra)
+    assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
+    cut = got["at_kill"]
+    assert cut and 0 < len(cut[0]) < len(want["calls"][0]["arguments"]), cut  # killed inside the arguments
+    print(f"{choice}: {want['usage']['completion_tokens']} tokens, killed with {len(cut[0])} characters of "
+          f"arguments sent")
+    assert_exact(got, want)  # the content ("auto": "Hi..."), one finish reason, one [DONE], the usage
+    assert not got["shapes"], got["shapes"]
+    assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
+        (c["name"], c["arguments"]) for c in want["calls"]]

@@ -24,9 +24,22 @@ grammar over them before it samples, so the answer goes on where the grammar was
 not a prefix the grammar allows). vLLM would start the grammar again mid-answer, so such a request moves only
 between ranks of lbd's engine (``needs_lbd``).
 
-What a token continuation cannot reproduce is refused with its reason: tool calls (the rank parses them from
-the chat's output, which a completion does not do; a ``tool_choice`` forced through the grammar included),
-images or audio (the ids hold their placeholders, not the media), ``n`` > 1.
+A chat with tools (``tool_choice`` ``auto``, ``required`` or a named function; ``none`` is plain text) is not
+a completion: the rank turns its text into tool-call deltas with its parser (``auto``) or reads the calls its
+grammar forced (``required``, named), so a completion's text would reach the client as content. Its
+continuation is therefore the chat itself (``tool_chat``; ``Move.path`` is the chat path): the original body
+with ``RESUMED_IDS_FIELD``, the output ids the client has. lbd's engine renders the messages as the first rank
+did (the same tokenizer fingerprint: the same template), appends those ids, counts them as output (penalties,
+the forced grammar's matcher advanced over them) and has its formatter read their text before it samples, so
+the parser is where the first rank's was when the client's last chunk left: a call already announced is not
+announced again, its arguments go on where they stopped, and the one finish reason is the whole answer's.
+The chunks need no rewriting but the original's ``id``, ``created`` and ``model`` and the usage; the engine
+leaves out the role delta the client had. Only lbd's engine takes the field (``needs_lbd``), and ranks of one
+model are assumed to share their tool-call flags (``--enable-auto-tool-choice --tool-call-parser``), which the
+fingerprint does not cover.
+
+What a continuation cannot reproduce is refused with its reason: legacy ``functions``, images or audio (the
+ids hold their placeholders, not the media), ``n`` > 1.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 FIELD = b'"return_token_ids":true'
 RESUMED_FIELD = "lbd_resumed_output_tokens"  # lbd's engine: the prompt's last n tokens count as output
+# lbd's engine, on a chat: these output ids follow the rendered messages and count as output (its chat.py)
+RESUMED_IDS_FIELD = "lbd_resumed_output_token_ids"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # a completion without max_tokens (lbd's engine and vLLM)
 # vLLM's structured-output fields: only lbd's engine continues their grammar from the tokens sent
 STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
@@ -45,6 +60,8 @@ STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", 
 # fields a continuation must not carry: its prompt is ids already cut and rendered, and the original sent
 # the prompt's logprobs and echo
 _DROPPED = ("suffix", "truncate_prompt_tokens", "prompt_logprobs", "add_special_tokens", RESUMED_FIELD)
+# fields a chat continuation must not carry: the client had the prompt's logprobs; its limit is max_tokens
+_CHAT_DROPPED = ("prompt_logprobs", RESUMED_FIELD, "max_completion_tokens")
 # chat fields that a completions request does not take (the rest, sampling included, goes over as it is)
 _CHAT_ONLY = frozenset(
     {
@@ -118,8 +135,6 @@ def impossible(kind: str, data: dict[str, Any]) -> str | None:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             return "a batch of prompts"
         return None
-    if data.get("tools") and data.get("tool_choice") != "none":
-        return "a chat with tools (the router cannot parse tool calls from a token continuation)"
     if data.get("functions"):
         return "a chat with functions (the router cannot parse function calls from a token continuation)"
     for m in data.get("messages") or ():
@@ -164,9 +179,17 @@ def structured(data: dict[str, Any]) -> str | None:
     return None
 
 
+def tool_chat(kind: str, data: dict[str, Any]) -> bool:
+    """Whether this chat's answer may be tool calls (its continuation is a chat: ``chat_continuation``)."""
+    return kind == "chat" and bool(data.get("tools")) and data.get("tool_choice") != "none"
+
+
 def needs_lbd(data: dict[str, Any]) -> str | None:
-    """Why only lbd's engine can continue this request (None: any engine can): output-counting penalties, or a
-    grammar to advance over the tokens sent; both read ``RESUMED_FIELD``."""
+    """Why only lbd's engine can continue this request (None: any engine can): output-counting penalties, a
+    grammar to advance over the tokens sent (both read ``RESUMED_FIELD``), or tool calls to parse on from
+    them (``RESUMED_IDS_FIELD``)."""
+    if tool_chat("chat", data) and isinstance(data.get("messages"), list):
+        return "a chat with tools must parse its tool calls on from the tokens sent"
     if penalised(data):
         return "frequency or presence penalties count output tokens"
     what = structured(data)
@@ -191,7 +214,9 @@ def left(kind: str, data: dict[str, Any], prompt_len: int, n: int, context: int 
 def continuation(kind: str, data: dict[str, Any], prompt_ids: list[int], sent: list[int],
                  max_tokens: int) -> dict[str, Any]:
     """The completions request that continues ``data`` after the output tokens ``sent`` (``max_tokens``:
-    what is ``left``)."""
+    what is ``left``); a tool chat's is a chat (``chat_continuation``)."""
+    if tool_chat(kind, data):
+        return chat_continuation(data, sent, max_tokens)
     body = {k: v for k, v in data.items() if k not in _CHAT_ONLY} if kind == "chat" else dict(data)
     for k in _DROPPED:
         body.pop(k, None)
@@ -208,6 +233,18 @@ def continuation(kind: str, data: dict[str, Any], prompt_ids: list[int], sent: l
         body["logprobs"] = int(data.get("top_logprobs") or 0)
     if needs_lbd(data) and n:
         body[RESUMED_FIELD] = n
+    return body
+
+
+def chat_continuation(data: dict[str, Any], sent: list[int], max_tokens: int) -> dict[str, Any]:
+    """The tool chat ``data`` again, told the output ids ``sent`` (after any it was itself told)."""
+    body = {k: v for k, v in data.items() if k not in _CHAT_DROPPED}
+    before = data.get(RESUMED_IDS_FIELD)
+    body[RESUMED_IDS_FIELD] = (list(before) if isinstance(before, list) else []) + list(sent)
+    body["max_tokens"] = max_tokens
+    body["return_token_ids"] = True
+    if isinstance(data.get("min_tokens"), int):
+        body["min_tokens"] = max(data["min_tokens"] - len(sent), 0)
     return body
 
 

@@ -19,7 +19,9 @@ that returns no ids makes the request one that cannot be resumed, said so in the
 
 The continuation (``lbd.router.continuation``) is a completions token prompt; its chunks are rewritten as the
 original stream's (its ``id``, ``created``, ``model``; chat deltas; usage over the whole request; logprobs'
-offsets), and the client sees one ``[DONE]``. Greedy decoding continues token for token; seeded sampling
+offsets), and the client sees one ``[DONE]``. A chat with tools goes on as the same chat told the output ids
+sent (``lbd_resumed_output_token_ids``), so the new rank's tool-call parser, and the grammar of a forced
+``tool_choice``, go on where the first rank's were. Greedy decoding continues token for token; seeded sampling
 continues with the same seed on the new rank, so the sample can differ from an unbroken run: the move's log
 line says so.
 
@@ -30,11 +32,11 @@ engine publishes it, the one of ``/tokenizer_info``); a first rank with no finge
 stream only to ranks with none either, of the same engine and model ``root``. A rank whose context is shorter
 than the answer needs is left out too; none left within --retry-budget-s ends the stream with the reason. A
 chat with no ``max_tokens`` continues with the first rank's context length less prompt and output (what it
-would have had), unknown context: not resumed. Frequency and presence penalties and structured outputs
-move only between lbd ranks (``lbd_resumed_output_tokens`` makes the sent tokens count as output there, and
-advances the request's grammar over them; a rank that finds them outside the grammar answers 400, which ends
-the stream). A stream cut after its finish reason is not resumed: it gets its usage chunk if it asked for one
-and missed it, and its ``[DONE]``.
+would have had), unknown context: not resumed. Frequency and presence penalties, structured outputs and tool
+chats move only between lbd ranks (``lbd_resumed_output_tokens`` and ``lbd_resumed_output_token_ids`` make
+the sent tokens count as output there, and advance the request's grammar over them; a rank that finds them
+outside the grammar answers 400, which ends the stream). A stream cut after its finish reason is not
+resumed: it gets its usage chunk if it asked for one and missed it, and its ``[DONE]``.
 
 Non-streamed requests need no token ids: a rank sends a non-streamed answer whole when it is done, so a
 failure while it generates is a failure before the first byte, which the proxy already retries on another

@@ -1,8 +1,9 @@
 """One resumable stream as the client has it (``Move``): the router's one pump (``lbd.router.relay``) passes a
 rank's SSE events on through it, a ``Tap`` that counts the output token ids whose text reached the client,
 strips the ids the client did not ask for, and, on a continuation, rewrites the chunks as the original
-stream's. A failure mid-stream sets ``broken``; ``lbd.router.migration`` then picks the next rank and starts
-the continuation (``resume_on``).
+stream's (a tool chat's continuation is a chat: its chunks keep their shape, tool-call deltas included). A
+failure mid-stream sets ``broken``; ``lbd.router.migration`` then picks the next rank and starts the
+continuation (``resume_on``).
 
 A stream whose choice already carried its ``finish_reason`` is done: cut after that (during the usage chunk or
 before ``[DONE]``) it is not resumed (that would continue past its end and send a second finish reason);
@@ -21,6 +22,7 @@ from typing import Any
 import orjson
 
 from lbd.router.continuation import (
+    CHAT,
     COMPLETIONS,
     RankFacts,
     as_chat_choice,
@@ -29,6 +31,7 @@ from lbd.router.continuation import (
     fix_usage,
     rank_facts,
     shift_offsets,
+    tool_chat,
 )
 from lbd.router.messages import Response
 from lbd.router.routed import Attempt, Failure
@@ -50,11 +53,12 @@ MAX_EVENT_BYTES = 16 << 20  # one SSE event (a 1M-token prompt's ids are about 7
 class Move:
     """One request's stream as the client has it, and its moves."""
 
-    path = COMPLETIONS  # where a continuation goes, chat or not
     closing = DONE  # the one [DONE] the client gets: the ranks' are held back, a stream without one broke
 
     def __init__(self, kind: str, data: dict[str, Any], client_ids: bool, impossible: str | None) -> None:
         self.kind, self.data, self.client_ids, self.impossible = kind, data, client_ids, impossible
+        # where a continuation goes: completions, but a tool chat goes on as a chat (continuation.tool_chat)
+        self.path = CHAT if tool_chat(kind, data) else COMPLETIONS
         # the usual event (one choice's ids, nothing else to rewrite) has its ids cut out of the bytes, not
         # parsed and written again; ``chars`` is then not counted (only completions logprobs' offsets need it)
         self.fast = not client_ids and not data.get("logprobs")
@@ -264,7 +268,8 @@ class Move:
             changed = changed or (p is not None and not keep) or (ids is not None and not self.client_ids)
             if self.resuming:
                 if self.kind == "chat":
-                    choices[i] = c = as_chat_choice(c, self.top_n)
+                    if self.path != CHAT:  # (a chat continuation's choices are chat choices already)
+                        choices[i] = c = as_chat_choice(c, self.top_n)
                 else:
                     shift_offsets(c.get("logprobs"), self.base_chars)
             text = choice_text(self.kind, c)

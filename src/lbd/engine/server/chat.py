@@ -1,4 +1,14 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions.
+
+A stream that lbd's router resumes here after its rank failed (``lbd.router.continuation``) comes as the same
+chat request with ``lbd_resumed_output_token_ids``: the output tokens the client already has. The prompt is
+the rendered messages followed by them; they count as output (penalties, and the request's grammar starts
+past them: tool_choice "required" or named, response_format, structured outputs); the answer's formatter
+reads their text first without sending anything (``ChatFormatter``'s ``prior``), so its tool-call parser is
+where the broken stream's was: an announced call is not announced again (no second id or name), its
+arguments go on where they stopped, and the finish reason is the one the whole answer earns. The stream
+starts without the role delta the client had already.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,7 @@ from lbd.engine.server.errors import bad_request
 from lbd.engine.server.fields import Fields
 from lbd.engine.server.generate import Generation, PromptInput
 from lbd.engine.server.logprobs import chat_entries
-from lbd.engine.server.openai_protocol import header_priority, parse_chat, plan_tokens
+from lbd.engine.server.openai_protocol import CommonParams, header_priority, parse_chat, plan_tokens
 from lbd.engine.server.request_io import checked_state, read_json
 from lbd.engine.server.sequence import Delta, Sequence
 from lbd.engine.server.state import FrontendState
@@ -19,7 +29,7 @@ from lbd.engine.server.streaming import respond
 from lbd.engine.server.token_ids import EmittedIds
 from lbd.engine.server.tool_choice import ForcedTools, ToolCallStream, auto_parser, tool_calls
 from lbd.engine.server.tool_parsers import PARSERS, ToolParser
-from lbd.engine.tokenizer import ChatTemplateError
+from lbd.engine.tokenizer import ChatTemplateError, IncrementalDetokenizer
 from lbd.wire.core_messages import TokenLogprobs
 
 
@@ -37,12 +47,43 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.tools, req.template_kwargs)
 
+    prior = resumed_output(fields, req.common, state.limits.vocab_size)
     ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
+    prior_text = resumed_text(state, ids, prior, req.common)
+    ids = ids + prior
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     fmt = ChatFormatter(gen, model, req.forced_tools, PARSERS[auto] if auto else None,
-                        fields.bool("parallel_tool_calls", True))
+                        fields.bool("parallel_tool_calls", True), prior_text)
     return await respond(request, gen, fmt)
+
+
+RESUMED_IDS = "lbd_resumed_output_token_ids"  # (lbd.router.continuation's RESUMED_IDS_FIELD)
+
+
+def resumed_output(f: Fields, common: CommonParams, vocab_size: int) -> list[int]:
+    """The output a resumed stream already sent (``RESUMED_IDS``; empty: a new request); they count as output
+    (``prior_output_tokens``). Only a stream of one choice resumes, and not with the completions field too."""
+    if f.raw(RESUMED_IDS) is None:
+        return []
+    prior = f.int_list(RESUMED_IDS, lo=0, hi=vocab_size - 1)
+    if not common.stream or common.n != 1:
+        raise bad_request(f"'{RESUMED_IDS}' resumes a stream of one choice: it needs stream true and n 1",
+                          RESUMED_IDS)
+    if common.sampling.prior_output_tokens:
+        raise bad_request(f"'{RESUMED_IDS}' and 'lbd_resumed_output_tokens' cannot both be set", RESUMED_IDS)
+    common.sampling.prior_output_tokens = len(prior)
+    return prior
+
+
+def resumed_text(state: FrontendState, prompt: list[int], prior: list[int], common: CommonParams) -> str:
+    """The text of ``prior`` as the broken stream's detokenizer made it (after the same prompt)."""
+    if not prior:
+        return ""
+    detok = IncrementalDetokenizer(state.tokenizer, prompt, None, common.skip_special_tokens)
+    for token_id in prior:
+        detok.add(token_id)
+    return detok.text
 
 
 def server_tool_parser(state: FrontendState) -> str | None:
@@ -69,10 +110,16 @@ async def render_prompt_ids(state: FrontendState, messages: list[dict[str, Any]]
 class ChatFormatter:
     """Chat's JSON shapes. The text is content, or tool calls: forced (``tool_choice`` "required" or named,
     server.tool_choice) or read by the server's parser under "auto" (server.tool_parsers); with
-    ``parallel_tool_calls: false`` only the first call goes out, as vLLM does."""
+    ``parallel_tool_calls: false`` only the first call goes out, as vLLM does.
+
+    ``prior``: a resumed stream's text so far (``resumed_output``), read by the parsers and never sent again.
+    With ``return_token_ids`` a token whose text gave the client nothing yet (a tool tag, a call's name being
+    read) goes out with the next chunk that does (``_held``): the ids a chunk carries are those whose text
+    the formatter has read, so a router resuming the stream sends back exactly the tokens the parser had
+    seen when the client's last chunk left."""
 
     def __init__(self, gen: Generation, model: str, forced: ForcedTools | None = None,
-                 auto: ToolParser | None = None, parallel: bool = True) -> None:
+                 auto: ToolParser | None = None, parallel: bool = True, prior: str = "") -> None:
         self.gen = gen
         self.model = model
         self.forced = forced
@@ -88,12 +135,18 @@ class ChatFormatter:
         self._logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self._ids = EmittedIds(n) if gen.common.return_token_ids else None
         self._out_ids: list[list[int]] = [[] for _ in range(n)]
+        self._held: list[list[int]] = [[] for _ in range(n)]
+        self.resumed = bool(prior)
+        for i in range(n) if prior else ():
+            self._delta_body(i, prior, False)  # what it gives went out from the broken stream's rank
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
                 "model": self.model, "choices": [choice]}
 
     def stream_start(self, seq: Sequence) -> dict[str, Any] | None:
+        if self.resumed:  # the client has its role delta (and the router the prompt's ids)
+            return None
         chunk = self._chunk({"index": seq.index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None})
         if self._ids is not None:  # return_token_ids: the prompt's ids with the first chunk (as vLLM)
@@ -107,13 +160,17 @@ class ChatFormatter:
         text, ids, lps, _ = out if out is not None else (delta.text, delta.token_ids, delta.logprobs, None)
         body = self._delta_body(delta.seq.index, text, delta.finished)
         if not body and not delta.finished and not (self.want_logprobs and ids):
+            if out is not None:
+                self._held[delta.seq.index] += ids
             return None
         choice: dict[str, Any] = {"index": delta.seq.index, "delta": body, "logprobs": self._lp(ids, lps),
                                   "finish_reason": self._finish_reason(delta.seq)}
         if delta.finished:
             choice["stop_reason"] = delta.seq.stop_reason
         if out is not None:
-            choice["token_ids"] = ids
+            held = self._held[delta.seq.index]
+            choice["token_ids"] = held + ids if held else ids
+            held.clear()
         return self._chunk(choice)
 
     def _delta_body(self, index: int, text: str, finished: bool) -> dict[str, Any]:
