@@ -27,6 +27,7 @@ from lbd.common.cluster import CLUSTER_TOKEN_ENV
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.tls import client_context, server_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
+from lbd.serve.autoscale import Autoscaler, admin_token
 from lbd.serve.group import Group
 from lbd.serve.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.serve.member import CONNECTING, Membership
@@ -196,6 +197,8 @@ class DeploymentNode:
                 self._tasks += [poll, asyncio.create_task(self._watch_supervisor())]
             if plan.route_argv is not None:
                 self._tasks.append(asyncio.create_task(self._keep_router()))
+            if plan.autoscale is not None and self.local is not None:
+                self._tasks.append(asyncio.create_task(self._autoscaler().run()))
             await self.stop_event.wait()
         finally:
             await self._shutdown()
@@ -248,6 +251,18 @@ class DeploymentNode:
                 return
             log.error("the router exited with code %s; starting it again in %.0f s", code, ROUTER_RESTART_S)
             await asyncio.sleep(ROUTER_RESTART_S)
+
+    def _autoscaler(self) -> Autoscaler:
+        """The built-in planner (--autoscale): the router child's signals, resizes through the supervisor."""
+        plan, local = self.plan, self.local
+        assert plan.autoscale is not None and local is not None and self.health is not None
+        scheme = "https" if plan.ssl_certfile else "http"
+        router = f"{scheme}://{_loopback_of(plan.router_host)}:{plan.router_port}"
+        token = plan.cluster_token or admin_token(plan.supervise_argv)
+        planner = Autoscaler(plan.autoscale, router, local.base, lambda: local.status,
+                             plan.api_keys[0] if plan.api_keys else None, token, local.tls)
+        self.health.autoscale = planner.state
+        return planner
 
     async def _watch_group(self) -> None:
         assert self.registry is not None

@@ -20,6 +20,12 @@ from lbd.common.internal_key import derive_key
 from lbd.common.limits import Limits, limits_from
 from lbd.common.ports import port_in_use
 from lbd.engine.config.args import engine_args_from_namespace, validate
+from lbd.serve.autoscale import (
+    AutoscaleSettings,
+    add_autoscale_arguments,
+    autoscale_settings,
+    check_autoscale_topology,
+)
 from lbd.serve.child_argv import group_argv, route_argv, supervise_argv
 from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import parse_args
@@ -75,6 +81,7 @@ class Plan:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # how the node's parts verify each other (else the system's store)
     insecure_cluster: bool = False  # --insecure-cluster: registration beyond loopback without a token
+    autoscale: AutoscaleSettings | None = None  # --autoscale MIN:MAX (lbd.serve.autoscale)
 
     @property
     def view_is_group(self) -> bool:
@@ -100,6 +107,7 @@ def add_deploy_arguments(parser: argparse.ArgumentParser) -> None:
                         "router, --port on a --headless node)")
     g.add_argument("--route-policy", default=None,
                    help="the router's --policy (default: lbd route's); lbd route --help lists them")
+    add_autoscale_arguments(parser)
 
 
 def make_deploy_parser() -> tuple[OneLineParser, set[str], set[str]]:
@@ -130,12 +138,12 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> None:
 def is_single_rank(ns: argparse.Namespace, parser: argparse.ArgumentParser, own: set[str]) -> bool:
     """One engine (today's `lbd serve`): a rank of an external load balancer, or --data-parallel-size 1."""
     deployment = (ns.headless or ns.data_parallel_hybrid_lb or ns.data_parallel_backend != "mp"
-                  or ns.data_parallel_size_local == 0)
+                  or ns.data_parallel_size_local == 0 or ns.autoscale is not None)
     if ns.data_parallel_rank is not None:
         if deployment:
             flag = ("--headless" if ns.headless else "--data-parallel-hybrid-lb" if ns.data_parallel_hybrid_lb
                     else "--data-parallel-backend" if ns.data_parallel_backend != "mp"
-                    else "--data-parallel-size-local 0")
+                    else "--autoscale" if ns.autoscale is not None else "--data-parallel-size-local 0")
             _fail(parser, f"--data-parallel-rank {ns.data_parallel_rank} starts one rank for an external "
                           f"load balancer; {flag} runs a deployment: drop one of them")
         return True
@@ -282,6 +290,10 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     rank_host = _rank_host(ns, role, one_machine)
     view = n if role == NodeRole.HEAD else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
+    autoscale = autoscale_settings(ns)
+    if autoscale is not None:
+        check_autoscale_topology(ns, local, n, role == NodeRole.HEADLESS)
+        needed = min(needed, autoscale.min_ranks)  # ready at every size it may take
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
     token = cluster_token(ns, env)  # read once: the token file, or $LBD_CLUSTER_TOKEN
     plan = Plan(
@@ -304,7 +316,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
         router_host=ns.host or "0.0.0.0", router_port=ns.port, router_workers=ns.api_server_count,
         api_keys=engine_secrets(ns.api_key, env), internal_key=_internal_key(env, token),
         limits=limits_from(ns), ssl_certfile=ns.ssl_certfile,
-        ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
+        ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs, autoscale=autoscale)
     _validate_children(parser, ns, plan, env)
     check_cluster_auth(address if remote else None, plan.cluster_token, plan.insecure_cluster)
     return plan

@@ -237,6 +237,31 @@ class RouterInfo(msgspec.Struct):
     alive: bool = False
 
 
+class AutoscaleState(msgspec.Struct):
+    """``deployment.autoscale`` of ``lbd serve --autoscale MIN:MAX``: the built-in planner
+    (lbd.serve.autoscale): its bounds and delays, the last signals it read from its router and the rule's
+    recommendation, how long the recommendation has stayed above (below) the size, its last decision."""
+
+    min_ranks: int = 0
+    max_ranks: int = 0
+    interval_s: float = 0.0
+    up_after_s: float = 0.0
+    down_after_s: float = 0.0
+    cooldown_s: float = 0.0
+    recommended_ranks: int | None = None
+    above_for_s: float | None = None
+    below_for_s: float | None = None
+    cooling: bool = False
+    decisions: int = 0
+    last_decision: str | None = None
+    error: str | None = None  # the last read or resize that failed
+    ranks: int | None = None  # the signals (lbd.common.scaling.Signals)
+    saturation: float | None = None
+    token_backlog: int | None = None
+    predicted_ttft_s: float | None = None  # null: no rank serves and work waits
+    ttft_target_s: float | None = None
+
+
 class Deployment(msgspec.Struct):
     """``deployment`` in an ``lbd serve`` node's /status: its role, and the group (head) or its registration
     (member), and its router child."""
@@ -253,6 +278,7 @@ class Deployment(msgspec.Struct):
     rendezvous: RegistryRendezvous | UnsetType = UNSET
     registration: Registration | UnsetType = UNSET
     router: RouterInfo | UnsetType = UNSET
+    autoscale: AutoscaleState | UnsetType = UNSET  # lbd serve --autoscale
 
 
 class SupervisorStatus(msgspec.Struct):
