@@ -5,7 +5,8 @@ engine's /status; its states in ``states``), ``dp`` (the DP group's state, a ran
 coordinator's /status),
 ``dp_messages`` (an MoE DP rank's core <-> the DP coordinator), ``kv_events`` (the KV-event batch in vLLM's
 msgpack format, its encoder and tolerant decoder), ``load_state`` (a rank's load, pushed to routers),
-``events`` (the supervisor's rank lifecycle events), ``roles`` (node and rank roles), ``core_messages``
+``events`` (the supervisor's rank lifecycle events), ``scale`` (a node's resize: POST /scale, /status's
+``scaling``), ``roles`` (node and rank roles), ``core_messages``
 (engine core <-> front end) and ``executor_messages`` (a TP x PP rank's core <-> its workers). Types are
 msgspec Structs or slots dataclasses; their field names are the wire's.
 
