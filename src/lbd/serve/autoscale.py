@@ -106,6 +106,17 @@ def check_autoscale_topology(ns: argparse.Namespace, local: int, n: int, headles
                                  f"{why}: drop --autoscale")
 
 
+def autoscale_plan(ns: argparse.Namespace, local: int, n: int, headless: bool,
+                   needed: int) -> tuple[AutoscaleSettings | None, int]:
+    """The settings and the ready ranks the node needs: with --autoscale, MIN at most (it is ready at every
+    size it may take); SupervisorArgError naming the flag."""
+    settings = autoscale_settings(ns)
+    if settings is None:
+        return None, needed
+    check_autoscale_topology(ns, local, n, headless)
+    return settings, min(needed, settings.min_ranks)
+
+
 def admin_token(supervise_argv: list[str]) -> str | None:
     """The node supervisor's admin token (it takes POST /scale with it): its --admin-token, else the
     environment it inherits."""

@@ -20,12 +20,7 @@ from lbd.common.internal_key import derive_key
 from lbd.common.limits import Limits, limits_from
 from lbd.common.ports import port_in_use
 from lbd.engine.config.args import engine_args_from_namespace, validate
-from lbd.serve.autoscale import (
-    AutoscaleSettings,
-    add_autoscale_arguments,
-    autoscale_settings,
-    check_autoscale_topology,
-)
+from lbd.serve.autoscale import AutoscaleSettings, add_autoscale_arguments, autoscale_plan
 from lbd.serve.child_argv import group_argv, route_argv, supervise_argv
 from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import parse_args
@@ -290,10 +285,7 @@ def _plan(parser: OneLineParser, ns: argparse.Namespace, passed: set[str], env: 
     rank_host = _rank_host(ns, role, one_machine)
     view = n if role == NodeRole.HEAD else local
     needed = _ready_needed(ns.ready_policy, max(view, 1))
-    autoscale = autoscale_settings(ns)
-    if autoscale is not None:
-        check_autoscale_topology(ns, local, n, role == NodeRole.HEADLESS)
-        needed = min(needed, autoscale.min_ranks)  # ready at every size it may take
+    autoscale, needed = autoscale_plan(ns, local, n, role == NodeRole.HEADLESS, needed)
     _check_ports(ns, role, local, rank_port, rank_host, rpc_port if registry else None)
     token = cluster_token(ns, env)  # read once: the token file, or $LBD_CLUSTER_TOKEN
     plan = Plan(
