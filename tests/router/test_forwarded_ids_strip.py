@@ -74,7 +74,7 @@ async def test_client_ids_never_reach_the_rank_nor_turn_forwarding_off(
         # more wrong prompts than the rank verifies up front: had one been taken, forwarding would be off
         attacks = [{FIELD: {"ids": wrong, "tokenizer": fp}},
                    {FIELD: {"ids": wrong, "tokenizer": fp, "sig": "0" * 64}},
-                   {FIELD: {"ids": wrong, "tokenizer": fp}, "tools": [
+                   {FIELD: {"ids": wrong, "tokenizer": fp}, "tool_choice": "none", "tools": [
                        {"type": "function", "function": {"name": "f", "parameters": {}}}]}]
         for n in range(forwarded.VERIFY_FIRST + 2):
             extra = attacks[n % len(attacks)]

@@ -3,7 +3,7 @@
 a ``structured_outputs`` regex (vLLM lets it stand beside "auto") makes it write hermes markup: content, then
 ``<tool_call>{...}</tool_call>``. The parser must turn that into ``tool_calls`` (finish reason
 ``tool_calls``) and content, whole and streamed as OpenAI streams them, with no markup in the content.
-The same markup without the flag (tools, no tool_choice) stays text; "auto" without it is the Responses test
+Without the flags "auto" (given, or on chat absent with tools, as vLLM reads it) is the Responses test
 server's 400 (test_responses.py). The Responses API on the same server: function tools (forced, so the
 grammar writes the calls) as ``function_call`` items, whole and streamed with OpenAI's events, the next turn
 taking the call's output, and ``text.format`` json_schema."""

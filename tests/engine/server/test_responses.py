@@ -120,8 +120,11 @@ def test_chat_tool_choice_auto_without_the_flags_is_vllms_400(server: EngineServ
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert r.json()["error"]["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
                                             "--tool-call-parser to be set")
-    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={  # no tool_choice: the text
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={  # no tool_choice: "auto"
         "model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith('"auto" tool choice requires')
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={  # "none": the text
+        "model": MODEL, "messages": messages, "tools": tools, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 

@@ -126,7 +126,11 @@ def test_auto_parser_rules() -> None:
     assert auto_parser(Fields({}), tools, "hermes") == "hermes"  # tools without tool_choice: auto
     assert auto_parser(Fields({"tool_choice": "none"}), tools, "hermes") is None
     assert auto_parser(Fields({"tool_choice": "required"}), tools, "hermes") is None  # forced, not parsed
-    assert auto_parser(Fields({}), tools, None) is None
+    assert auto_parser(Fields({}), tools, None) is None  # the Responses API: the tools in the prompt, text
+    assert auto_parser(Fields({"tool_choice": "none"}), tools, None, absent_is_auto=True) is None
+    with pytest.raises(APIError) as absent:  # chat: vLLM reads tools without tool_choice as "auto"
+        auto_parser(Fields({}), tools, None, absent_is_auto=True)
+    assert absent.value.status == 400 and absent.value.message == AUTO_NEEDS_FLAGS
     with pytest.raises(APIError) as e:
         auto_parser(Fields({"tool_choice": "auto"}), tools, None)
     assert e.value.status == 400 and e.value.message == AUTO_NEEDS_FLAGS

@@ -41,7 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req.common.priority = header_priority(request.headers, req.common.priority)
     model = state.check_model(req.common.model)
     fields = Fields(body)
-    auto = auto_parser(fields, req.tools, server_tool_parser(state))
+    auto = auto_parser(fields, req.tools, server_tool_parser(state), absent_is_auto=True)
 
     def own() -> Awaitable[list[int]]:
         return render_prompt_ids(state, req.messages, req.add_generation_prompt, req.continue_final_message,

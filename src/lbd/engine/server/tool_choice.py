@@ -11,7 +11,8 @@ Streams carry each call as OpenAI sends one: a first delta with the call's ``id`
 arguments so far, then argument text only (``ToolCallStream``; for ``"required"`` it reads the array as it
 grows). ``"none"`` and ``"auto"`` leave the output unconstrained; under ``"auto"`` the server's tool-call
 parser (``--enable-auto-tool-choice --tool-call-parser NAME``, ``server.tool_parsers``) reads calls out of
-the text (``auto_parser`` says which, or refuses ``"auto"`` without the flags as vLLM does).
+the text (``auto_parser`` says which, or refuses ``"auto"`` without the flags as vLLM does, on chat also
+when ``tool_choice`` is absent: vLLM takes that for ``"auto"``).
 """
 
 from __future__ import annotations
@@ -136,15 +137,17 @@ class ToolCallStream:
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
 
-def auto_parser(f: Fields, tools: list[Any] | None, parser: str | None) -> str | None:
+def auto_parser(f: Fields, tools: list[Any] | None, parser: str | None,
+                absent_is_auto: bool = False) -> str | None:
     """The tool-call parser that reads this answer (``tool_choice`` ``"auto"``, or absent with ``tools``),
     or None. ``parser`` is the server's (``--tool-call-parser`` with ``--enable-auto-tool-choice``; None
-    without): an explicit ``"auto"`` then gets vLLM's 400. Absent ``tool_choice`` with tools and no parser
-    stays unparsed text with the tools in the prompt, and ``"auto"`` without tools is nothing to parse (vLLM
-refuses both; lbd kept answering them)."""
+    without): an explicit ``"auto"`` then gets vLLM's 400, and so does an absent one where it means "auto"
+    (``absent_is_auto``: chat, where vLLM reads tools without ``tool_choice`` as "auto"; the Responses API
+    keeps such a request as text with the tools in the prompt). ``"auto"`` without tools is nothing to
+    parse."""
     choice = f.raw("tool_choice")
     if not tools or choice not in (None, "auto"):
         return None
-    if choice == "auto" and parser is None:
+    if parser is None and (choice == "auto" or absent_is_auto):
         raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
     return parser
