@@ -8,6 +8,9 @@ and the router on one port), and an MoE DP group (two CPU ranks of the tiny Mixt
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,9 +79,10 @@ def test_data_parallel_deployment_serves_when_its_health_says_so(tiny_llama: Pat
         # the router listened before its ranks served, and said why it would not serve yet
         assert reasons and all("no request would be served now" in r for r in reasons), reasons[:3]
         # shrunk through the node's health port (a loopback port, no token: open): readiness follows
-        r = httpx.post(node.health + "/scale", json={"data_parallel_size_local": 1}, timeout=10)
-        assert r.status_code == 202 and r.json()["removing"] == [1], r.text
-        node.wait_for(lambda: (node.status()["scaling"] or {}).get("state") == "done", 60, "the shrink")
+        shrink = subprocess.run([sys.executable, "-m", "lbd", "scale", "--node", node.health,
+                                 "--data-parallel-size", "1", "--wait"], capture_output=True, text=True,
+                                timeout=120, env={k: v for k, v in os.environ.items() if "TOKEN" not in k})
+        assert shrink.returncode == 0 and "2 -> 1 local ranks: done" in shrink.stdout, shrink
         status = node.status()
         assert [r["rank"] for r in status["ranks"]] == [0] and status["data_parallel_size_local"] == 1
         assert node.get(node.health + "/readyz").status_code == 200, status["reason"]

@@ -172,7 +172,8 @@ class Scaler:
             log.warning("resize %d -> %d failed: %s; removing the added ranks", result.previous,
                         result.target, e)
             result.error = str(e)
-            await self._remove(workers)
+            if self.node.phase == RUNNING:  # else the node's shutdown stops them with the others
+                await self._remove(workers)
             self._finish(result, "grow", FAILED)
             return
         self._set_size(result.target)

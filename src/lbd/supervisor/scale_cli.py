@@ -28,6 +28,7 @@ from lbd.wire.scale import RUNNING, ScaleResult, decode_result
 PROG = "lbd scale"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024  # /status of a large node is well under this
 POLL_S = 0.5
+STALE_GRACE_S = 10.0  # lbd serve's /status is its last poll of its supervisor: a resize shows later
 
 
 class NodeError(Exception):
@@ -104,12 +105,14 @@ def describe(r: ScaleResult) -> str:
 
 def wait(ns: argparse.Namespace, begun: ScaleResult) -> ScaleResult:
     """The resize's record from /status once it is no longer running (NodeError after --timeout-s)."""
-    deadline = time.monotonic() + ns.timeout_s
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while time.monotonic() < start + ns.timeout_s:
         time.sleep(POLL_S)
         scaling = json.loads(_call(ns, "GET", "/status")).get("scaling")
         if scaling is None or scaling.get("started_at") != begun.started_at:
-            raise NodeError("the node's /status no longer shows this resize (did it restart?)")
+            if time.monotonic() > start + STALE_GRACE_S:
+                raise NodeError("the node's /status does not show this resize (did it restart?)")
+            continue
         if scaling.get("state") != RUNNING:
             return decode_result(json.dumps(scaling).encode())
     raise NodeError(f"the resize still runs after --timeout-s {ns.timeout_s:g}")
