@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from lbd.supervisor.group import with_size
 from support.node import SupervisorNode
 from support.procs import free_port_run
 
@@ -121,3 +122,9 @@ def test_moe_group_resizes_2_4_2_under_streams_keeping_survivors(tiny_mixtral: P
     finally:
         node.close()
     assert not node.marked_processes()
+
+
+def test_a_member_restarted_after_a_resize_starts_at_the_new_size() -> None:
+    argv = ["python", "-m", "lbd.engine", "--data-parallel-rank", "1", "--data-parallel-size", "2",
+            "--data-parallel-size-local", "2", "--port", "8001"]
+    assert with_size(argv, 4) == [*argv[:6], "4", argv[7], "4", *argv[9:]]

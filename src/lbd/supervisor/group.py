@@ -63,6 +63,16 @@ class Recovery:
                              for_s=round(now - self.at, 3))
 
 
+def with_size(argv: list[str], size: int) -> list[str]:
+    """A member's command line with ``--data-parallel-size`` (and, the group being on this node only,
+    ``--data-parallel-size-local``) set to ``size``."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg in ("--data-parallel-size", "--data-parallel-size-local"):
+            out[i + 1] = str(size)
+    return out
+
+
 class GroupMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.ready = Gauge("lbd_supervisor_group_ready", "1 when the MoE group serves: the coordinator "
@@ -187,6 +197,8 @@ class MoeGroup:
             return problem
         log.info("MoE group: re-forming at %d ranks (was %d)", size, self.spec.size)
         self.spec = spec
+        for w in self.members.values():  # a member that restarts later starts at the new size
+            w.spec.argv = with_size(w.spec.argv, size)
         for rank in range(size):
             self.metrics.joined.labels(rank=str(rank)).set(0)
         return None

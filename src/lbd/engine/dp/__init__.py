@@ -2,7 +2,8 @@
 
 Rooms, with one-way imports (each only imports those above it):
   ``messages``        the timing of the ranks' wire to the coordinator (its types: ``lbd.wire.dp_messages``)
-  ``coordinator``     the process beside rank 0: TCPStore host, rank reports, waves, generations, HTTP
+  ``coordinator_http`` the coordinator's HTTP port: /status, /metrics, member failures, resizes
+  ``coordinator``     the process beside rank 0: TCPStore host, rank reports, waves, generations, resizes
   ``group``           one generation's torch.distributed process group (gloo on CPU, NCCL on CUDA)
   ``expert_parallel`` which experts a member holds and how tokens reach them (dispatch / combine)
   ``elastic``         a member's experts re-placed for a new group size (a resize, in the same process)

@@ -3,8 +3,9 @@
 It hosts the group's TCPStore (``A:P+1``, so the store outlives any rank), a ZMQ ROUTER (``A:P+2``) the
 ranks' cores talk to (``lbd.wire.dp_messages``), and HTTP (``A:P+3`` unless ``--http-port``): ``/status``
 (JSON), ``/metrics`` (Prometheus), ``POST /members/{rank}/failed`` (the supervisor says a member died or
-hangs) and ``POST /resize`` (``{"size": N}``: the group re-forms at N ranks).
-All of it is one asyncio loop that sleeps in epoll between messages: an idle group costs nothing.
+hangs) and ``POST /resize`` (``{"size": N}``: the group re-forms at N ranks), served by
+``lbd.engine.dp.coordinator_http``. All of it is one asyncio loop that sleeps in epoll between messages: an
+idle group costs nothing.
 
 Generations: generation g forms when all N ranks have sent ``join`` (the coordinator then sends ``form g``)
 and is ready once each answered ``joined g``. A failed member (the supervisor's POST, a rank's ``lost``,
@@ -17,8 +18,10 @@ member and waits for N joins of g+1. The members of g leave it together at their
 (a member that is paused starts one), so no collective is cut: those ranked ``>= N`` drain out (their requests
 fail with a retryable 503), the others re-place their experts for N members and join g+1 keeping their
 requests; new members (started with size N) join g+1 as they come up. Reports of g are not answered with an
-abort while it retires. ``Coordinator`` is the state machine (no
-I/O; it returns the messages to send), ``serve`` wires it to the sockets.
+abort while it retires.
+
+``Coordinator`` is the state machine (no I/O; it returns the messages to send), ``serve`` wires it to the
+sockets.
 
 Every socket binds ``--data-parallel-address`` (resolved), never every interface: a group on one machine
 meets on loopback. With ``LBD_CLUSTER_TOKEN`` in the environment (the supervisor hands it over; never a flag)
@@ -32,30 +35,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import msgspec
-
-from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, bearer_ok, is_loopback, secure_zmq_server
+from lbd.common.cluster import CLUSTER_TOKEN_ENV, NO_TOKEN_FIX, is_loopback, secure_zmq_server
 from lbd.engine.dp import HTTP_PORT_OFFSET, STORE_PORT_OFFSET, ZMQ_PORT_OFFSET
+from lbd.engine.dp.coordinator_http import Outgoing
 from lbd.engine.dp.messages import log_unknown_kind
 from lbd.wire import dp_messages as DM
 from lbd.wire.dp import CoordinatorMember, CoordinatorStatus, DPState, Wave
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    pass
 
 logger = logging.getLogger("lbd.engine.dp.coordinator")
-Outgoing = list[tuple[bytes, bytes]]  # (rank identity, message)
 
 
 @dataclass(slots=True)
@@ -228,130 +227,7 @@ class Coordinator:
 
 # ---- the process ------------------------------------------------------------------------------------------
 
-class CoordinatorMetrics:
-    """Prometheus families of /metrics, filled from the state when scraped."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Gauge
-
-        self.registry = CollectorRegistry()
-
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry)
-
-        self.waiting = gauge("lbd_dp_num_requests_waiting", "Waiting requests per rank (last report).",
-                             ("engine",))
-        self.running = gauge("lbd_dp_num_requests_running", "Running requests per rank (last report).",
-                             ("engine",))
-        self.joined = gauge("lbd_dp_member_joined", "1 while the rank is in the current generation.",
-                            ("engine",))
-        self.age = gauge("lbd_dp_member_report_age_seconds", "Seconds since the rank's last report.",
-                         ("engine",))
-        self.generation = gauge("lbd_dp_generation", "The generation being formed or in service.")
-        self.ready = gauge("lbd_dp_group_ready", "1 while every member is in the current generation.")
-        self.wave_active = gauge("lbd_dp_wave_active", "1 while a wave runs.")
-        self.waves = gauge("lbd_dp_waves_total", "Waves started since the coordinator started.")
-        self.aborts = gauge("lbd_dp_generation_aborts_total", "Generations aborted since start.")
-
-    def render(self, c: Coordinator, now: float) -> bytes:
-        from prometheus_client import generate_latest
-
-        for m in c.members:
-            r = str(m.rank)
-            self.waiting.labels(r).set(m.waiting)
-            self.running.labels(r).set(m.running)
-            self.joined.labels(r).set(int(m.joined))
-            self.age.labels(r).set(-1 if m.last_report is None else now - m.last_report)
-        self.generation.set(c.generation)
-        self.ready.set(int(c.state is DPState.READY))
-        self.wave_active.set(int(c.wave_active))
-        self.waves.set(c.waves_total)
-        self.aborts.set(c.aborts)
-        return generate_latest(self.registry)
-
-
 ZMQ_PURPOSE = "lbd-dp-coordinator"  # the CURVE keys' derivation label (the ranks use the same)
-MAX_BODY_BYTES = 4096  # POST /members/{rank}/failed: {"reason": "..."}; POST /resize: {"size": N}
-BODY_READ_S = 5.0
-
-
-def _http_app(coord: Coordinator, metrics: CoordinatorMetrics, send: Callable[[Outgoing], Awaitable[None]],
-              token: str | None) -> web.Application:
-    """/status, /metrics, POST /members/{rank}/failed and POST /resize; the bearer token on each when there is
-    one; a body capped at ``MAX_BODY_BYTES`` and ``BODY_READ_S``."""
-    from aiohttp import web
-
-    from lbd.engine.server.errors import APIError, error_response
-
-    async def read_body(request: web.Request, example: str) -> dict[str, Any]:
-        """The JSON object of a POST (empty: {}); APIError for a body too big, too slow or not an object."""
-        if not request.can_read_body:
-            return {}
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            raise APIError(f"body over {MAX_BODY_BYTES} bytes", 413)
-        try:
-            raw = await asyncio.wait_for(request.content.read(MAX_BODY_BYTES + 1), BODY_READ_S)
-        except TimeoutError:
-            raise APIError(f"body not received within {BODY_READ_S:g} s", 408) from None
-        try:
-            body = json.loads(raw) if len(raw) <= MAX_BODY_BYTES else None
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            raise APIError(f"body must be a JSON object of at most {MAX_BODY_BYTES} bytes: {example}", 400)
-        return body
-
-    async def status(request: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(coord.status(time.monotonic())),
-                            content_type="application/json")
-
-    async def metrics_text(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(coord, time.monotonic()),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def failed(request: web.Request) -> web.Response:
-        try:
-            rank = int(request.match_info["rank"])
-        except ValueError:
-            rank = -1
-        if not 0 <= rank < coord.size:
-            name = request.match_info["rank"]
-            return error_response(APIError(f"no member {name}: ranks are 0..{coord.size - 1}", 404, "rank"))
-        try:
-            body = await read_body(request, '{"reason": "..."}')
-        except APIError as e:
-            return error_response(e)
-        reason = str(body.get("reason") or "reported failed by the supervisor")
-        await send(coord.member_failed(rank, reason))
-        return web.json_response({"generation": coord.generation, "state": coord.state})
-
-    async def resize(request: web.Request) -> web.Response:
-        try:
-            body = await read_body(request, '{"size": N}')
-            size = body.get("size")
-            if not isinstance(size, int) or isinstance(size, bool):
-                raise APIError('body must be {"size": N} with N a whole number of ranks', 400, "size")
-            out = coord.resize(size)
-        except APIError as e:
-            return error_response(e)
-        except ValueError as e:  # not ready, or no ranks: nothing changed
-            return error_response(APIError(f"cannot resize: {e}", 409, "size"))
-        await send(out)
-        return web.json_response({"generation": coord.generation, "state": coord.state, "size": coord.size})
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if token and not bearer_ok(request.headers.get("Authorization"), token):
-            return error_response(APIError("missing or wrong cluster token: start every node with the same "
-                                           f"{CLUSTER_TOKEN_ENV}", 401))
-        return await handler(request)
-
-    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY_BYTES)
-    app.router.add_get("/status", status)
-    app.router.add_get("/metrics", metrics_text)
-    app.router.add_post("/members/{rank}/failed", failed)
-    app.router.add_post("/resize", resize)
-    return app
 
 
 async def serve(size: int, address: str, rpc_port: int, http_host: str, http_port: int,
@@ -360,6 +236,7 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
     import zmq.asyncio
     from aiohttp import web
 
+    from lbd.engine.dp.coordinator_http import CoordinatorMetrics, http_app  # aiohttp: only the process
     from lbd.engine.dp.group import host_store
 
     ip = socket.gethostbyname(address)
@@ -378,7 +255,7 @@ async def serve(size: int, address: str, rpc_port: int, http_host: str, http_por
         for ident, msg in out:
             await sock.send_multipart([ident, msg])
 
-    app = _http_app(coord, metrics, send, token)
+    app = http_app(coord, metrics, send, token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, http_host, http_port).start()

@@ -392,7 +392,15 @@ class MemberServer(CoreServer):
             logger.info("%s: generation %d left for good", why, gen)
         else:
             m.leave(f"re-forming at {size} ranks")
-            done = m.resize(size)
+            try:
+                done = m.resize(size)
+            except ValueError as e:  # its experts do not split for that size (a tensor-parallel slice)
+                why = f"rank {m.rank} cannot hold its experts in a group of {size} ranks: {e}"
+                logger.error("%s: leaving the group for good", why)
+                self._fail_all(why, f"{why}: retry")
+                m.removed = m.status.reason = why
+                self._send_status()
+                return
             logger.info("left generation %d to re-form at %d ranks; %s; %d requests kept", gen, size, done,
                         len(self.core.scheduler.requests))
             m.join_if_due(time.monotonic())
