@@ -6,6 +6,7 @@ stream."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import subprocess
@@ -140,3 +141,33 @@ def test_grow_then_shrink_under_a_stream(node: SupervisorNode, tiny_llama: Path,
         assert metric_value(node.get("/metrics").text, "lbd_supervisor_ranks") == 1
     finally:
         router.close()
+
+
+STANDIN = Path(__file__).parents[1] / "support" / "standin_engine.py"
+
+
+def test_added_ranks_get_the_next_cuda_devices_and_too_few_are_refused(tmp_path: Path) -> None:
+    """Stand-in vLLM ranks (tests/support/standin_engine.py) on two CUDA device ids: a node of 1 grows to 2
+    with device 1 for the new rank, and 3 is refused (the devices do not suffice), the node unchanged. No
+    token is set and the health port is loopback only: the endpoint is open."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} vllm "$@"\n')
+    (bin_dir / "vllm").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LBD_STANDIN_DIR": str(tmp_path),
+           "CUDA_VISIBLE_DEVICES": "0,1", "LBD_ADMIN_TOKEN": "", "LBD_CLUSTER_TOKEN": ""}
+    port = free_port_run(3)
+    node = SupervisorNode("org/some-model", 1, "--port", str(port), "--rank-engine", "vllm", env=env,
+                          engine_flags=["--device", "cuda", "--max-model-len", "512"],
+                          log=tmp_path / "node.log")
+    try:
+        node.wait_ready(60)
+        r = scale(node, {"data_parallel_size_local": 3}, token=None)
+        assert r.status_code == 409 and "needs 3 CUDA devices but 2 are visible" in r.text, r.text
+        assert len(node.status()["ranks"]) == 1 and node.status()["scaling"] is None
+        r = scale(node, {"data_parallel_size_local": 2}, token=None)
+        assert r.status_code == 202 and r.json()["added"] == [1], r.text
+        node.wait_for(lambda: node.status()["scaling"]["state"] == "done", 60, "the grow")
+        assert [(r["port"], r["devices"]) for r in node.status()["ranks"]] == [(port, "0"), (port + 1, "1")]
+    finally:
+        node.close()
