@@ -25,6 +25,9 @@ GET /status   JSON, for routers (``lbd route --upstreams supervisor://host:9256`
       "uptime_s": 73.2,
       "rolling_restart": null,       # or {"state": running|done|failed|cancelled, "started_at",
                                      #     "finished_at", "current_rank", "done_ranks": [0, ...], "error"}
+      "scaling": null,               # the last resize (POST /scale): {"previous", "target", "added": [2],
+                                     #     "removing": [], "state": running|done|failed, "error",
+                                     #     "started_at", "finished_at"}
       "ranks": [
         {
           "rank": 0,                 # global DP rank (what X-data-parallel-rank names)
@@ -93,7 +96,8 @@ GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_r
               group lbd_supervisor_group_ready, _generation, _wave_active, _member_joined{rank},
               _requests_waiting{rank}, _requests_running{rank}, _member_failures_total{rank},
               lbd_supervisor_group_recovery_seconds, lbd_supervisor_coordinator_up,
-              lbd_supervisor_coordinator_restarts.
+              lbd_supervisor_coordinator_restarts; lbd_supervisor_resizes_total{direction,outcome} (POST /scale:
+              grow | shrink | none, done | failed | refused).
 
 Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401 on a missing or wrong
 ``Authorization: Bearer <token>``); each answers 202 with JSON at once and works in the background:
