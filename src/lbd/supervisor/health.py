@@ -96,8 +96,8 @@ GET /metrics  Prometheus text: lbd_supervisor_rank_ready{rank}, lbd_supervisor_r
               group lbd_supervisor_group_ready, _generation, _wave_active, _member_joined{rank},
               _requests_waiting{rank}, _requests_running{rank}, _member_failures_total{rank},
               lbd_supervisor_group_recovery_seconds, lbd_supervisor_coordinator_up,
-              lbd_supervisor_coordinator_restarts; lbd_supervisor_resizes_total{direction,outcome} (POST /scale:
-              grow | shrink | none, done | failed | refused).
+              lbd_supervisor_coordinator_restarts; lbd_supervisor_resizes_total{direction,outcome} (POST
+              /scale: grow | shrink | none, done | failed | refused).
 
 Admin (only with ``--admin-token`` or ``$LBD_ADMIN_TOKEN``; 404 without one, 401 on a missing or wrong
 ``Authorization: Bearer <token>``); each answers 202 with JSON at once and works in the background:
