@@ -32,7 +32,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
@@ -111,8 +112,18 @@ class Scaler:
             result.removing = [w.spec.rank for w in workers]
             self._set_size(target)
             work = self._shrink(result, workers)
-        self._task = asyncio.create_task(work, name="resize")
+        self._task = asyncio.create_task(self._guarded(work, result, direction), name="resize")
         return 202, result
+
+    async def _guarded(self, work: Coroutine[Any, Any, None], result: ScaleResult, direction: str) -> None:
+        """Run the resize; an error nobody foresaw fails it (logged) rather than leave it running forever,
+        which would refuse every later resize."""
+        try:
+            await work
+        except Exception as e:
+            log.exception("resize %d -> %d failed", result.previous, result.target)
+            result.error = f"{type(e).__name__}: {e}"
+            self._finish(result, direction, FAILED)
 
     # ---- checks (nothing changes before they pass) --------------------------------------------------------
     def _check(self, target: int, current: int) -> None:
