@@ -10,6 +10,11 @@ scale-down (KEDA, an HPA, ``kubectl scale``) takes (docker/k8s/base/node.yaml).
    running after that are cut, and the router resumes each one on a rank that stays (lbd.router.migration),
    so the client sees one whole stream.
 
+The drain is the admin one, which restarts a rank once it is idle: a rank that finishes its work and
+starts again within ``--settle-s`` (an engine's start takes longer) would take requests again until SIGTERM,
+and those are finished or resumed like any other; nothing is lost, but a node-wide drain without restart
+(``retire``, as ``POST /scale`` does for the ranks it removes) would be tidier.
+
 The pod's ``terminationGracePeriodSeconds`` must cover settle + ``--shutdown-timeout`` + 5 s (the test of
 the manifests checks it). The hook never fails the pod's termination: a node it cannot reach (already
 stopping) or a refused drain is reported on stderr and it exits 0.
