@@ -110,6 +110,7 @@ class MoeGroup:
         self.last_recovery: LastRecovery | None = None
         self.recoveries = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = False
         for w in workers:
             w.after_stop = self._member_stopped
         for rank in range(spec.size):
@@ -119,6 +120,7 @@ class MoeGroup:
         await self.coordinator.start()
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,8 +164,10 @@ class MoeGroup:
 
     async def grow(self, workers: list[RankWorker], timeout_s: float) -> str | None:
         """Take ``workers`` (started at the new size, ranked after ours) into the group: once each has loaded
-        and waits for its group, re-form at the new size. None once the group serves at it, else why not
-        (the coordinator untold when they never loaded)."""
+        and waits for its group, re-form at the new size. None once the group serves at it, else why not:
+        they did not load in ``timeout_s`` (the coordinator untold). Once told, the group is waited for as
+        long as it takes (a member failing meanwhile is replaced and heals it; taking the new ranks away
+        would leave it waiting for them), or until the node stops."""
         deadline = time.monotonic() + timeout_s
         why = await self._until(lambda: all(w.group_wait is not None or w.state is RankState.READY
                                             for w in workers), deadline, "the new ranks to load")
@@ -174,18 +178,19 @@ class MoeGroup:
         for w in workers:
             self.members[w.spec.rank] = w
             w.after_stop = self._member_stopped
-        return await self._until(lambda: self._serves(size), deadline, f"the group to serve at {size} ranks")
+        return await self._until(lambda: self._serves(size), float("inf"),
+                                 f"the group to serve at {size} ranks")
 
-    async def shrink(self, size: int, timeout_s: float) -> str | None:
+    async def shrink(self, size: int) -> str | None:
         """Re-form at ``size`` members, without the members ranked ``size`` and above (their engines cut
         their streams with a retryable 503; the caller retires them). None once the group serves at ``size``,
-        else why not."""
+        else why not: refused (nothing changed), or the node stopped meanwhile."""
         why = await self._reform(size)
         if why is not None:
             return why
         for rank in [r for r in self.members if r >= size]:
             self.members.pop(rank).after_stop = None
-        return await self._until(lambda: self._serves(size), time.monotonic() + timeout_s,
+        return await self._until(lambda: self._serves(size), float("inf"),
                                  f"the group to serve at {size} ranks")
 
     async def _reform(self, size: int) -> str | None:
@@ -208,8 +213,10 @@ class MoeGroup:
         return status is not None and status.size == size and self.readiness()[0]
 
     async def _until(self, done: Callable[[], bool], deadline: float, what: str) -> str | None:
-        """None once ``done()``, or why not at ``deadline``."""
+        """None once ``done()``, or why not at ``deadline`` or when the node stops."""
         while not done():
+            if self._stopping:
+                return f"the node stopped while waiting for {what}"
             if time.monotonic() >= deadline:
                 return f"timed out waiting for {what}: {self.readiness()[1]}"
             await asyncio.sleep(RESIZE_POLL_S)

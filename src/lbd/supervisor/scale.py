@@ -192,7 +192,7 @@ class Scaler:
 
     async def _shrink(self, result: ScaleResult, workers: list[RankWorker]) -> None:
         group = self.node.group  # MoE: the group re-forms without them first (their streams cut, to resume)
-        why = await group.shrink(self.node.cfg.dp_size, self.node.cfg.startup_timeout_s) if group else None
+        why = await group.shrink(self.node.cfg.dp_size) if group is not None else None
         if why is not None:
             log.warning("resize %d -> %d failed: %s", result.previous, result.target, why)
             result.error = why
