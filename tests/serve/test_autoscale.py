@@ -30,6 +30,14 @@ def test_bad_autoscale_exits_2_naming_the_flag(value: str, says: str, capsys: py
     assert done.value.code == 2 and "--autoscale" in err and says in err, err
 
 
+
+def test_the_ttft_target_reaches_the_router() -> None:
+    plan = parse(["--device", "sim", "--autoscale", "1:3", "--ttft-target-ms", "500",
+                  "--port", str(free_port_run(2))], env={})
+    assert plan is not None and plan.autoscale is not None and plan.autoscale.max_ranks == 3
+    assert plan.route_argv is not None and plan.route_argv[-2:] == ["--ttft-target-ms", "500.0"]
+    assert plan.dp_size_local == 1 and "--min-ready-endpoints" in plan.route_argv
+
 def _load(url: str, stop: threading.Event, codes: list[int]) -> None:
     with httpx.Client(timeout=60) as client:
         while not stop.is_set():

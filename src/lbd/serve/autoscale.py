@@ -67,6 +67,9 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
                    help="remove a rank once the recommendation has stayed below the size this long")
     g.add_argument("--autoscale-cooldown-s", type=float, default=d.cooldown_s,
                    help="decide nothing this long after a resize (its signals settle first)")
+    g.add_argument("--ttft-target-ms", type=float, default=None,
+                   help="the router's --ttft-target-ms (default 2000): the TTFT its recommendation sizes the "
+                        "fleet for (lbd_router_autoscale_*, and --autoscale)")
 
 
 def autoscale_settings(ns: argparse.Namespace) -> AutoscaleSettings | None:
@@ -110,6 +113,9 @@ def autoscale_plan(ns: argparse.Namespace, local: int, n: int, headless: bool,
                    needed: int) -> tuple[AutoscaleSettings | None, int]:
     """The settings and the ready ranks the node needs: with --autoscale, MIN at most (it is ready at every
     size it may take); SupervisorArgError naming the flag."""
+    if ns.ttft_target_ms is not None and headless:
+        raise SupervisorArgError("--ttft-target-ms is the router's and a --headless node runs none: drop it "
+                                 "(give it to the head)")
     settings = autoscale_settings(ns)
     if settings is None:
         return None, needed
