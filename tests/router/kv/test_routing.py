@@ -9,6 +9,8 @@ tokenizer and chat template).
   with two router workers that each follow the events themselves (and read the ranks' JSON /telemetry);
 - each request goes to its rank with the router's token ids (the rank skips its template and tokenizer);
 - a conversation's streamed answer is tokenized before the next turn sends it back (kv.answers);
+- a tool chat's next turn (the assistant's call, the tool's answer, a new question) finds its first turn held
+  (the ranks' template writes the tools and the call in the prompt, as real ones do);
 - after a rank restarts its old prefixes are forgotten: with events (the publisher's disconnection clears
   the view at once) and with the approximate fallback (--kv-events off; the new pid clears it).
 One node for the module (~5 s to start), a router per test; ~40 s in all.
@@ -55,6 +57,23 @@ FAST = (
     "--debug-headers",
 )
 SYSTEM = "You are a careful assistant who answers questions about rivers, lakes and the sea. " * 6
+# the tiny model's ChatML (plain chats render the same) with tools in a system turn and calls as hermes markup
+TOOL_CHATML = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for c in message.tool_calls or [] %}{{ '<tool_call>\\n{\"name\": \"' + c['function']['name'] + "
+    "'\", \"arguments\": ' + c['function']['arguments'] + '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+TOOL_TURN = [{"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 3}'}]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,6 +104,11 @@ def node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "8192",
         "--kv-events-config",
         EVENTS,
+        "--chat-template",
+        TOOL_CHATML,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
         interval=0.3,
         timeout=1.0,
         threshold=3,
@@ -171,6 +195,7 @@ def test_router_tokenizes_like_the_engine(node: SupervisorNode) -> None:
             ],
             "add_generation_prompt": False,
         },
+        {"messages": [{"role": "user", "content": "Weather?"}, *TOOL_TURN], "tools": TOOLS},
         {"prompt": "The capital of France is"},
         {"prompt": "no specials", "add_special_tokens": False},
     ]
@@ -234,6 +259,28 @@ async def test_the_router_sends_the_ranks_its_token_ids(node: SupervisorNode, st
     assert outcome("used") - used == 4
     st = await off.status()
     assert sum(e["kv_events"]["forwarded_ids"] for e in st["endpoints"]) == 0, st
+
+
+async def test_a_tool_chats_next_turn_finds_its_first_turn_held(node: SupervisorNode, start_router) -> None:
+    """Issue 45: the exact view renders a chat with tools as the rank does, so turn 2 (the assistant's call,
+    the tool's answer, a new question) is routed to the rank that computed turn 1, with all of turn 1's
+    prompt blocks held there (the blocks of its prompt; the rank's own answer is not what turn 2 sends)."""
+    r = await router_for(node, start_router)
+    await until(r, exact_everywhere, "exact views")
+    msgs = [{"role": "system", "content": f"Tarn. {SYSTEM}"}, {"role": "user", "content": "Weather in Oslo?"}]
+    body = {"model": MODEL, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 8}
+    async with httpx.AsyncClient(timeout=60) as c:
+        first = await c.post(r.url + "/v1/chat/completions", json={**body, "messages": msgs})
+        assert first.status_code == 200, first.text
+        prompt = first.json()["usage"]["prompt_tokens"]
+        msgs += [*TOOL_TURN, {"role": "user", "content": "And tomorrow?"}]
+        second = await c.post(r.url + "/v1/chat/completions", json={**body, "messages": msgs})
+        assert second.status_code == 200, second.text
+    why = second.headers["x-lbd-route-reason"]
+    assert second.headers["x-lbd-endpoint"] == first.headers["x-lbd-endpoint"], why
+    assert why.startswith("prefix_hit"), why
+    held = int(why.split(" uncached, ")[1].split(" blocks")[0])
+    assert held == prompt // 16 and held > 0, (why, prompt)  # every whole block of turn 1's prompt
 
 
 async def streamed_chat(

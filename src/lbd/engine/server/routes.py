@@ -111,8 +111,10 @@ async def tokenize(request: web.Request) -> web.Response:
         parsed = [parse_message(m, i) for i, m in enumerate(messages)]
         check_prompt_chars(sum(len(m["content"]) for m in parsed), state.limits, "messages")
         try:
+            tools = f.raw("tools")  # (vLLM's /tokenize renders them too, as chat does)
             text = tok.render_chat(parsed, f.bool("add_generation_prompt", True),
-                                   f.bool("continue_final_message", False))
+                                   f.bool("continue_final_message", False),
+                                   tools if isinstance(tools, list) else None)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from e
         ids = await state.offload.encode(text, f.bool("add_special_tokens", False))
