@@ -171,3 +171,33 @@ def test_added_ranks_get_the_next_cuda_devices_and_too_few_are_refused(tmp_path:
         assert [(r["port"], r["devices"]) for r in node.status()["ranks"]] == [(port, "0"), (port + 1, "1")]
     finally:
         node.close()
+
+
+def test_an_added_rank_that_cannot_start_is_removed_again(tmp_path: Path) -> None:
+    """A rank command that starts local rank 0 (a stand-in vLLM) and fails every start of any other: the grow
+    is accepted, its rank fails three starts in a row, the resize fails with the reason and the node is as
+    it was (one rank, its size, no restart of the one that serves)."""
+    script = tmp_path / "rank.sh"
+    script.write_text(f'#!/bin/sh\n[ "$1" = 0 ] || {{ echo "rank $1: no room here" >&2; exit 1; }}\n'
+                      f'exec {sys.executable} {STANDIN} vllm serve "$2" --port "$3"\n')
+    script.chmod(0o755)
+    env = {"LBD_STANDIN_DIR": str(tmp_path), "LBD_ADMIN_TOKEN": "", "LBD_CLUSTER_TOKEN": ""}
+    port = free_port_run(2)
+    node = SupervisorNode("org/some-model", 1, "--port", str(port), "--rank-command",
+                          f"{script} {{local_rank}} {{model}} {{port}}", "--restart-backoff-initial-s", "0.1",
+                          env=env, engine_flags=["--device", "cpu"], log=tmp_path / "node.log")
+    try:
+        node.wait_ready(60)
+        before = node.rank(0)
+        assert scale(node, {"data_parallel_size_local": 2}, token=None).status_code == 202
+        node.wait_for(lambda: node.status()["scaling"]["state"] != "running", 60, "the grow to fail")
+        status = node.status()
+        assert status["scaling"]["state"] == "failed", status["scaling"]
+        assert "failed 3 starts in a row" in status["scaling"]["error"], status["scaling"]
+        assert "no room here" in node.log_text()
+        assert [(r["rank"], r["pid"], r["restarts"]) for r in status["ranks"]] == [(0, before["pid"], 0)]
+        assert status["data_parallel_size_local"] == 1
+        assert metric_value(node.get("/metrics").text, "lbd_supervisor_resizes_total", direction="grow",
+                            outcome="failed") == 1
+    finally:
+        node.close()

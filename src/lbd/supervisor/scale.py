@@ -5,7 +5,8 @@ Growing: the new ranks are numbered after the highest local rank (global rank st
 its own port (``--port`` + local rank) with the devices, or CPU slice, that the start-up placement gives a
 node of the new size (``SupervisorConfig.respec``); they start like the others and show in /status at once,
 so routers following it (``supervisor://``) add them. The resize is done when they are ready; one not ready
-within ``--dp-supervisor-startup-timeout-s`` is removed again and the resize failed (the node as it was).
+within ``--dp-supervisor-startup-timeout-s``, or failing ``GROW_FAILED_STARTS`` starts in a row, is removed
+again with the others added, and the resize failed (the node as it was).
 The ranks already running keep their CPU slices (a node grown on the CPU shares CPUs until they restart).
 
 Shrinking: the highest local ranks leave. Each is ``draining`` at once (routers send it nothing new), for at
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lbd.supervisor")
 READY_POLL_S = 0.2
+GROW_FAILED_STARTS = 3  # an added rank that failed this many starts in a row fails the resize (a crash loop)
 NO_TOKEN = ("POST /scale is off: this health port listens beyond loopback and no token is set; start with "
             "--admin-token (or $LBD_ADMIN_TOKEN) or $LBD_CLUSTER_TOKEN")
 
@@ -173,9 +175,11 @@ class Scaler:
             if why is not None:
                 raise ScaleRefused(why)
             while not all(w.state is RankState.READY for w in workers):
-                if self.node.phase != RUNNING or loop.time() >= deadline:
+                crashing = any(w.attempts >= GROW_FAILED_STARTS for w in workers)
+                if self.node.phase != RUNNING or loop.time() >= deadline or crashing:
                     waiting = "; ".join(w.why_not_ready() for w in workers if w.state is not RankState.READY)
                     why = (f"supervisor is {self.node.phase}" if self.node.phase != RUNNING else
+                           f"an added rank failed {GROW_FAILED_STARTS} starts in a row" if crashing else
                            f"not ready within {self.node.cfg.startup_timeout_s:g} s")
                     raise ScaleRefused(f"{why}: {waiting}")
                 await asyncio.sleep(READY_POLL_S)
