@@ -289,6 +289,8 @@ class MoeGroup:
             if r.rank in self.members:
                 r.routable = bool(r.routable) and ready
                 r.group = 0
+            elif r.rank >= self.spec.size:  # a member a shrink removed, draining out
+                r.routable = False
         status = self.coordinator.fresh_status()
         by_rank = {m.rank: m for m in status.members} if status is not None else {}
         members = []
