@@ -1,105 +1,24 @@
-"""Elastic MoE groups (lbd.engine.dp.elastic and the ``reform`` path of lbd.engine.dp.rank/coordinator): a
-tiny Mixtral group of 2 rank cores grows to 4 and shrinks back to 2 through the coordinator's POST /resize,
-with a long greedy request running on rank 0 across each resize. Its tokens equal one rank serving alone
-(test_parity's near-tie rule), the survivors keep their processes, the new ranks serve, and a request on a
-removed rank ends with a retryable 503. Cost on the 2 shared cores: about 25 CPU-s (five processes). Without
-processes: the coordinator's resize state machine, and an experts layer re-sharded in place.
+"""Elastic MoE groups without processes: the coordinator's resize state machine (lbd.engine.dp.coordinator),
+an experts layer re-sharded in place (FusedExperts.reshard), and a tiny Mixtral's experts re-placed for 4 then
+2 members (lbd.engine.dp.elastic) equal to the model loaded at each size, the kept experts not read again.
+The whole path, rank cores re-forming 2 -> 4 -> 2 under streams, is tests/supervisor/test_moe_resize.py.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-from lbd.engine.core.engine_core import EngineCore
 from lbd.engine.dp.coordinator import Coordinator
+from lbd.engine.dp.elastic import replace_experts
+from lbd.engine.dp.expert_parallel import ExpertDispatcher, ExpertPlan
+from lbd.engine.loader import load_weights
+from lbd.engine.models import build_model
 from lbd.engine.models.config import load_hf_config
 from lbd.engine.models.moe import ExpertShard, FusedExperts
 from lbd.wire.dp_messages import Join, Joined, Report, WaveStarted, decode_from_coordinator
-from support import stop
-from support.dp import CoreConn, Group
-from support.parity import assert_all_close, engine_args, greedy, random_prompts, run_engine
-
-FLAGS = ("--enable-expert-parallel", "--dp-idle-check-steps", "4")
-
-
-def _resize(group: Group, size: int) -> dict:
-    r = httpx.post(group.http + "/resize", json={"size": size}, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def test_group_grows_2_to_4_and_shrinks_back_keeping_survivors_and_their_requests(tiny_mixtral: Path,
-                                                                                 tmp_path: Path) -> None:
-    path = tiny_mixtral
-    prompt = random_prompts(1, (8, 16), load_hf_config(path).vocab_size, seed=61)[0]
-    want = run_engine(EngineCore.from_args(engine_args(path), str(path)), [prompt], [greedy(200)])
-    group = Group(2, tmp_path)
-    with group.coordinator():
-        procs = [group.start_core(path, r, *FLAGS) for r in range(2)]
-        conns = [CoreConn(a) for _, a in procs]
-        try:
-            for c in conns:
-                c.hello()
-                c.wait_dp(lambda d: d["state"] == "ready")
-            # not ready to take a size the experts do not fit: refused, nothing changes
-            assert httpx.post(group.http + "/resize", json={"size": 0}).status_code == 409
-            assert httpx.post(group.http + "/resize", json={"size": "4"}).status_code == 400
-            # the new ranks start (size 4) while the old group serves; their joins wait for the resize
-            group.size = 4
-            procs += [group.start_core(path, r, *FLAGS) for r in (2, 3)]
-            conns += [CoreConn(a) for _, a in procs[2:]]
-            for c in conns[2:]:
-                c.hello()
-            conns[0].add("grow", prompt, greedy(200))
-            conns[0].wait_tokens("grow", 3)
-            t0 = time.monotonic()
-            assert _resize(group, 4) == {"generation": 2, "state": "reforming", "size": 4}
-            for c in conns:
-                c.wait_dp(lambda d: d["state"] == "ready" and d["generation"] == 2, timeout=120)
-            grown = time.monotonic() - t0
-            conns[0].wait_done(["grow"])
-            assert not conns[0].errors
-            assert_all_close([conns[0].runs["grow"]], want)
-            conns[3].add("new", prompt, greedy(12))  # a new rank serves (its experts 3 of 4, the rest remote)
-            conns[3].wait_done(["new"])
-            assert_all_close([conns[3].runs["new"]], [_prefix(want[0], 12)])
-            # shrink: rank 3's stream is cut with a retryable 503; rank 0's goes on in generation 3
-            conns[3].add("cut", prompt, greedy(200))
-            conns[0].add("shrink", prompt, greedy(200))
-            conns[3].wait_tokens("cut", 2)
-            t0 = time.monotonic()
-            assert _resize(group, 2)["generation"] == 3
-            for c in conns[:2]:
-                c.wait_dp(lambda d: d["state"] == "ready" and d["generation"] == 3, timeout=120)
-            shrunk = time.monotonic() - t0
-            conns[3].wait_done(["cut"])
-            status, message = conns[3].errors["cut"]
-            assert status == 503 and "left the data-parallel group" in message and "retry" in message
-            conns[0].wait_done(["shrink"])
-            assert "shrink" not in conns[0].errors
-            assert_all_close([conns[0].runs["shrink"]], want)
-            status = httpx.get(group.http + "/status").json()
-            assert (status["size"], status["generation"], status["state"]) == (2, 3, "ready")
-            assert [m["pid"] for m in status["members"]] == [procs[0][0].pid, procs[1][0].pid]
-            assert [p.poll() for p, _ in procs] == [None] * 4  # removed ranks idle until told to stop
-            print(f"2 -> 4 ranks serving again in {grown:.1f} s, 4 -> 2 in {shrunk:.1f} s")
-        finally:
-            for c in conns:
-                c.close()
-            for p, _ in procs:
-                stop(p)
-
-
-def _prefix(run: object, n: int) -> object:
-    from support.parity import Run
-
-    assert isinstance(run, Run)
-    return Run(run.tokens[:n], run.top[:n], run.chosen[:n])
 
 
 def _sent(out: list[tuple[bytes, bytes]]) -> list[tuple[bytes, str, int]]:
@@ -156,3 +75,25 @@ def test_experts_resharded_keep_what_both_hold_and_name_what_to_load() -> None:
     assert layer.reshard(ExpertShard.even(4, 0, 2)) == [0, 1]  # back to 2 members as rank 0: all new
     assert layer.w13.shape[0] == 2 and layer.expert_map.tolist() == [0, 1, -1, -1]
     assert layer.reshard(ExpertShard.even(4, 0, 1)) == [2, 3] and layer.expert_map is None
+
+
+def _loaded(path: Path, shard: ExpertShard) -> torch.nn.Module:
+    model = build_model(load_hf_config(path), 256, expert_shard=shard)
+    load_weights(model, path)
+    return model
+
+
+def test_experts_re_placed_for_a_new_size_equal_the_model_loaded_at_it(tiny_mixtral: Path) -> None:
+    for rank, steps in ((0, ((4, (0, 1), 2, 0), (2, (0, 2), 2, 2))),  # keeps expert 0, then reads 1
+                        (1, ((4, (1, 2), 0, 2), (2, (2, 4), 0, 4)))):  # 2, 3 -> 1 -> 2, 3: all read
+        plan = ExpertPlan(rank=rank, size=2, expert_parallel=True, backend="alltoall")
+        model = _loaded(tiny_mixtral, plan.shard(4))
+        dispatcher = ExpertDispatcher(plan, plan.shard(4), torch.device("cpu"))
+        for size, held, kept, loaded in steps:
+            done = replace_experts(model, dispatcher, size, tiny_mixtral)  # counts over its 2 MoE layers
+            assert ((done.start, done.stop), done.kept, done.loaded) == (held, kept, loaded), done
+            assert dispatcher._owner.tolist() == [e * size // 4 for e in range(4)]  # expert -> member
+            want = _loaded(tiny_mixtral, ExpertShard.even(4, rank, size)).state_dict()
+            got = model.state_dict()
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
