@@ -180,7 +180,7 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill
         req["prompt"] = PROMPT
     got: dict[str, Any] = {"text": "", "done": 0, "errors": [], "usage": None, "finishes": [], "ids": set(),
                            "chunks": 0, "logprobs": [], "token_ids": [], "after_done": 0, "calls": [],
-                           "shapes": [], "at_kill": None}
+                           "shapes": [], "at_kill": None, "events": 0, "first_call": None}
     url = router + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
     with httpx.stream("POST", url, json=req, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -198,6 +198,7 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill
                 got["errors"].append(ev["error"]["message"])
                 continue
             got["ids"].add(ev["id"])
+            got["events"] += 1
             if ev.get("usage"):
                 got["usage"] = ev["usage"]
             for c in ev["choices"]:
@@ -213,6 +214,8 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill
                 deltas = c["delta"].get("tool_calls") or [] if kind == "chat" else []
                 for d in deltas:
                     gather_call(got, d)
+                if deltas and got["first_call"] is None:
+                    got["first_call"] = got["events"]
                 if text or deltas:
                     got["chunks"] += 1
                     if kill and got["chunks"] == kill_at:
@@ -398,3 +401,23 @@ def test_a_tool_call_stream_cut_mid_call_completes_on_another_rank(router: str, 
     assert not got["shapes"], got["shapes"]
     assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
         (c["name"], c["arguments"]) for c in want["calls"]]
+
+
+def test_an_auto_tool_stream_cut_at_the_edge_of_its_call_is_exact(router: str, ranks: list[Rank]) -> None:
+    """Cuts a kill cannot time: right before the event that announces the call (the rank's parser holds the
+    ``<tool_call>`` tag and the call's head, whose tokens the router does not have yet: the new rank
+    generates them again) and right after it (the call announced, its arguments begun)."""
+    extra = {"max_tokens": 300, "tools": TOOLS, **TOOL_CHOICES["auto"]}
+    want = streamed(router, "chat", ranks, **extra)
+    assert want["first_call"] is not None and want["first_call"] > 2, want
+    for after in (want["first_call"] - 1, want["first_call"]):
+        cut = Cut(after=after)
+        for r in ranks:
+            r.link.arm(cut)
+        before = moves(router)
+        got = streamed(router, "chat", ranks, **extra)
+        assert settled(lambda b=before: delta(b, moves(router)), {"resumed": 1}) == {"resumed": 1}, after
+        assert_exact(got, want)
+        assert not got["shapes"], got["shapes"]
+        assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
+            (c["name"], c["arguments"]) for c in want["calls"]], after
