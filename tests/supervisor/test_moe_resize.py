@@ -144,6 +144,8 @@ def test_moe_group_resizes_2_4_2_under_streams_keeping_survivors(tiny_mixtral: P
         # rank 3's stream: cut with a retryable 503 (an error event), resumed once on a rank that stays (after
         # 503s before the first byte, reason "overloaded", from ranks still re-forming or leaving)
         moves = router.status()["migrations"]["moves"]  # reason -> outcome -> count
+        metrics = node.get("/metrics").text
+        assert 'lbd_supervisor_group_member_joined{rank="1"} 1.0' in metrics and 'rank="3"' not in metrics
         assert "error_event" in moves and sum(by.get("resumed", 0) for by in moves.values()) == 1, moves
         print(f"whole test after the group was ready: {time.monotonic() - t0:.1f} s")
     finally:

@@ -27,6 +27,7 @@ ranks, a size the expert count does not divide, a group not serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -190,6 +191,9 @@ class MoeGroup:
             return why
         for rank in [r for r in self.members if r >= size]:
             self.members.pop(rank).after_stop = None
+            for family in (self.metrics.joined, self.metrics.waiting, self.metrics.running):
+                with contextlib.suppress(KeyError):  # the member leaves /metrics
+                    family.remove(str(rank))
         return await self._until(lambda: self._serves(size), float("inf"),
                                  f"the group to serve at {size} ranks")
 
