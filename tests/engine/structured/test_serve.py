@@ -190,3 +190,50 @@ def test_a_resumed_stream_continues_its_grammar_past_the_output_it_had(server: E
     bad = cont | {"prompt": prompt + out[1:k], "lbd_resumed_output_tokens": k - 1, "stream": True}
     r = httpx.post(url, json=bad, timeout=60)  # JSON does not start past its "{"
     assert r.status_code == 400 and "lbd_resumed_output_tokens" in r.json()["error"]["message"], r.text
+
+
+def chat_chunks(server: EngineServer, body: dict) -> tuple[list[dict], dict]:
+    """A streamed chat's chunks (their choice 0) and its usage."""
+    out, usage = [], {}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                out += chunk["choices"][:1]
+                usage = chunk.get("usage") or usage
+    return out, usage
+
+
+def test_a_resumed_tool_chat_goes_on_where_its_stream_was(server: EngineServer) -> None:
+    """lbd's router resumes a tool chat as the same chat with ``lbd_resumed_output_token_ids`` (the output ids
+    the client has): the forced grammar starts past them and the formatter reads their text first, so the
+    stream goes on with the call's arguments (no role delta, no second id or name) and the deltas before the
+    break and after it are the unbroken stream's. Every token id is in some chunk (a token whose text gave
+    the client nothing yet goes with the next chunk). Output the grammar refuses, or a request that is not
+    one stream, gets a 400."""
+    base = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "stream": True,
+            "parallel_tool_calls": False, "temperature": 0, "max_tokens": 200, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    whole, usage = chat_chunks(server, base)
+    deltas = [(c["token_ids"], c["delta"].get("tool_calls") or []) for c in whole[1:]]  # after the role's
+    ids = [t for chunk_ids, _ in deltas for t in chunk_ids]
+    assert len(ids) == usage["completion_tokens"] > 10, usage
+    cut = next(i for i, (_, calls) in enumerate(deltas) if calls) + 3  # 3 chunks into the arguments
+    sent = [t for chunk_ids, _ in deltas[:cut] for t in chunk_ids]
+    resumed = base | {"lbd_resumed_output_token_ids": sent}
+    rest, _ = chat_chunks(server, resumed | {"max_tokens": 200 - len(sent)})
+    assert "role" not in rest[0]["delta"] and all(not c["delta"].get("content") for c in rest)
+    assert [t for c in rest for t in c["token_ids"]] == ids[len(sent):]
+    later = [d for c in rest for d in c["delta"].get("tool_calls") or []]
+    assert later and all("id" not in d and "name" not in d["function"] for d in later), later
+    args = "".join(d["function"]["arguments"] for _, calls in deltas for d in calls)
+    before = "".join(d["function"]["arguments"] for _, calls in deltas[:cut] for d in calls)
+    assert before + "".join(d["function"]["arguments"] for d in later) == args
+    assert rest[-1]["finish_reason"] == whole[-1]["finish_reason"] == "tool_calls"
+    url = server.base_url + "/v1/chat/completions"
+    for bad, words in ((resumed | {"lbd_resumed_output_token_ids": sent[1:]}, "not output this json grammar"),
+                       (resumed | {"stream": False, "stream_options": None}, "needs stream"),
+                       (resumed | {"lbd_resumed_output_tokens": 2}, "both")):
+        r = httpx.post(url, json=bad, timeout=60)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
