@@ -105,6 +105,41 @@ def test_streamed_token_by_token_and_in_every_piece_size(tok: Tokenizer, name: s
         assert got_content == (content or "")
 
 
+@pytest.mark.parametrize("name, text, content, calls", [("hermes", *c) for c in HERMES]
+                         + [("llama3_json", *c) for c in LLAMA])
+def test_a_stream_resumed_at_any_token_goes_on_as_the_unbroken_one(tok: Tokenizer, name: str, text: str,
+                                                                   content: str | None, calls: list) -> None:
+    """What a chat resumed on another rank relies on (server.chat's ``prior``): the client has the steps of
+    the text up to a token; a new parser fed that text at once, its steps dropped, then the rest token by
+    token, sends what completes the unbroken stream, no call announced twice (checked by ``_stream``'s
+    shapes: the steps are replayed into one parser's accounting)."""
+    pieces = _tokens(tok, text)
+    for j in range(len(pieces) + 1):
+        first = PARSERS[name].stream()
+        steps = [first.feed(piece) for piece in pieces[:j]]
+        again = PARSERS[name].stream()
+        again.feed("".join(pieces[:j]))
+        steps += [again.feed(piece) for piece in pieces[j:]] + [again.finish()]
+        assert again.called == bool(calls), j
+        assert _replayed(steps) == ((content or ""), calls), j
+
+
+def _replayed(steps: list[Any]) -> tuple[str, list[tuple[str, Any]]]:
+    """The client's content and calls from parser steps, with OpenAI's shapes checked (as ``_stream``)."""
+    content, names, args = "", [], []
+    for step in steps:
+        content += step.content
+        for d in step.calls:
+            if d["index"] == len(names):
+                assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                names.append(d["function"]["name"])
+                args.append(d["function"]["arguments"])
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                args[d["index"]] += d["function"]["arguments"]
+    return content, [(n, json.loads(a)) for n, a in zip(names, args, strict=True)]
+
+
 def test_hermes_holds_back_a_tag_in_the_making_and_releases_it_at_the_end() -> None:
     parser = PARSERS["hermes"].stream()
     assert parser.feed("Sure <tool").content == "Sure "
