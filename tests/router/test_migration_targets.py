@@ -52,6 +52,14 @@ async def test_a_continuation_goes_only_where_the_ids_mean_the_same() -> None:
         schema.origin = RankFacts("vllm", "/m", 512, None)  # vLLM cannot advance a grammar over sent tokens
         why, outcome = mig._why_not(schema)
         assert outcome == "impossible" and "response_format json_object" in why and "lbd's engine" in why
+        tools = [{"type": "function", "function": {"name": "f"}}]  # goes on as a chat: lbd ranks only
+        tool = Move("chat", {"model": "m", "messages": [], "tools": tools}, False, None)
+        tool.origin, tool._prompt_ids = RankFacts("lbd", "/m", 512, "f1"), [1, 2]
+        assert mig._unfit(tool, 100) == [upgraded.url, vllm.url, vllm2.url]
+        assert mig._why_not(tool) == (None, "")
+        tool.origin = RankFacts("vllm", "/m", 512, None)
+        why, outcome = mig._why_not(tool)
+        assert outcome == "impossible" and "tools" in why and "lbd's engine" in why
     finally:
         for url in URLS:
             state.remove(url)
