@@ -128,6 +128,7 @@ from lbd.common.auth import KeyRing
 from lbd.common.cluster import is_loopback
 from lbd.common.limits import Limits, PeerReadTooLarge, raise_open_files_limit, read_capped
 from lbd.common.tls import server_context
+from lbd.supervisor.autoscale_signals import NodeSignals
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
 from lbd.supervisor.rank import Command
@@ -195,6 +196,7 @@ class HealthServer(AppServer):
         self._admin = KeyRing.from_secrets([cfg.admin_token]) if cfg.admin_token else KeyRing()
         self._scale_keys = scale_keys(cfg.admin_token, cfg.cluster_token)
         self.scaler = Scaler(sup)
+        self.signals = NodeSignals(sup)  # lbd_supervisor_autoscale_* on /metrics
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz),
