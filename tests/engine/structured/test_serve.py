@@ -231,6 +231,8 @@ def test_a_resumed_tool_chat_goes_on_where_its_stream_was(server: EngineServer) 
     before = "".join(d["function"]["arguments"] for _, calls in deltas[:cut] for d in calls)
     assert before + "".join(d["function"]["arguments"] for d in later) == args
     assert rest[-1]["finish_reason"] == whole[-1]["finish_reason"] == "tool_calls"
+    nothing, _ = chat_chunks(server, base | {"lbd_resumed_output_token_ids": []})  # cut before any token
+    assert "role" not in nothing[0]["delta"] and [t for c in nothing for t in c["token_ids"]] == ids
     url = server.base_url + "/v1/chat/completions"
     for bad, words in ((resumed | {"lbd_resumed_output_token_ids": sent[1:]}, "not output this json grammar"),
                        (resumed | {"stream": False, "stream_options": None}, "needs stream"),

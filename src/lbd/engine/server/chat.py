@@ -49,8 +49,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     prior = resumed_output(fields, req.common, state.limits.vocab_size)
     ids = await (own() if sent is None else state.forwarded.resolve(sent, own))
-    prior_text = resumed_text(state, ids, prior, req.common)
-    ids = ids + prior
+    prior_text = None if prior is None else resumed_text(state, ids, prior, req.common)
+    ids = ids + (prior or [])
     max_tokens = plan_tokens(ids, req.common.max_tokens, state.limits, "messages")
     gen = Generation(state, "chatcmpl", [PromptInput(ids, max_tokens)], req.common)
     fmt = ChatFormatter(gen, model, req.forced_tools, PARSERS[auto] if auto else None,
@@ -61,11 +61,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 RESUMED_IDS = "lbd_resumed_output_token_ids"  # (lbd.router.continuation's RESUMED_IDS_FIELD)
 
 
-def resumed_output(f: Fields, common: CommonParams, vocab_size: int) -> list[int]:
-    """The output a resumed stream already sent (``RESUMED_IDS``; empty: a new request); they count as output
+def resumed_output(f: Fields, common: CommonParams, vocab_size: int) -> list[int] | None:
+    """The output a resumed stream already sent (``RESUMED_IDS``; None: a new request); they count as output
     (``prior_output_tokens``). Only a stream of one choice resumes, and not with the completions field too."""
     if f.raw(RESUMED_IDS) is None:
-        return []
+        return None
     prior = f.int_list(RESUMED_IDS, lo=0, hi=vocab_size - 1)
     if not common.stream or common.n != 1:
         raise bad_request(f"'{RESUMED_IDS}' resumes a stream of one choice: it needs stream true and n 1",
@@ -78,8 +78,6 @@ def resumed_output(f: Fields, common: CommonParams, vocab_size: int) -> list[int
 
 def resumed_text(state: FrontendState, prompt: list[int], prior: list[int], common: CommonParams) -> str:
     """The text of ``prior`` as the broken stream's detokenizer made it (after the same prompt)."""
-    if not prior:
-        return ""
     detok = IncrementalDetokenizer(state.tokenizer, prompt, None, common.skip_special_tokens)
     for token_id in prior:
         detok.add(token_id)
@@ -112,14 +110,15 @@ class ChatFormatter:
     server.tool_choice) or read by the server's parser under "auto" (server.tool_parsers); with
     ``parallel_tool_calls: false`` only the first call goes out, as vLLM does.
 
-    ``prior``: a resumed stream's text so far (``resumed_output``), read by the parsers and never sent again.
+    ``prior``: a resumed stream's text so far (``resumed_output``; None: not resumed), read by the parsers and
+    never sent again.
     With ``return_token_ids`` a token whose text gave the client nothing yet (a tool tag, a call's name being
     read) goes out with the next chunk that does (``_held``): the ids a chunk carries are those whose text
     the formatter has read, so a router resuming the stream sends back exactly the tokens the parser had
     seen when the client's last chunk left."""
 
     def __init__(self, gen: Generation, model: str, forced: ForcedTools | None = None,
-                 auto: ToolParser | None = None, parallel: bool = True, prior: str = "") -> None:
+                 auto: ToolParser | None = None, parallel: bool = True, prior: str | None = None) -> None:
         self.gen = gen
         self.model = model
         self.forced = forced
@@ -136,9 +135,9 @@ class ChatFormatter:
         self._ids = EmittedIds(n) if gen.common.return_token_ids else None
         self._out_ids: list[list[int]] = [[] for _ in range(n)]
         self._held: list[list[int]] = [[] for _ in range(n)]
-        self.resumed = bool(prior)
-        for i in range(n) if prior else ():
-            self._delta_body(i, prior, False)  # what it gives went out from the broken stream's rank
+        self.resumed = prior is not None  # (even with no text yet: the client has its role delta)
+        for i in range(n if prior else 0):  # what it gives went out from the broken stream's rank
+            self._delta_body(i, prior or "", False)
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.gen.id, "object": "chat.completion.chunk", "created": self.gen.created,
