@@ -1,16 +1,16 @@
 """The pure parts of resuming a stream on another rank (``lbd.router.migration``): whether a request can be
 resumed, the continuation request, and the continuation's chunks rewritten as the original stream's.
 
-The continuation is always a completions request with a token prompt: the prompt's ids followed by the output
-ids the client already has, ``min_tokens`` reduced by them, every other field of the original kept as it was
-(temperature, seed, stop strings, stop_token_ids, the engines' extras). Its ``max_tokens`` is what the
-unbroken run had left (``left``): the original's limit less the tokens sent; with no limit, what the engines
-default to (lbd's engine and vLLM alike): 16 for a completion, and for a chat the context length of the rank
-that served it less prompt and output (both engines refuse a request whose prompt + ``max_tokens`` passes the
-context, so "up to the context" must be sent as a number). A chat is resumed the same way, its prompt as the
-rank rendered it (the ``prompt_token_ids`` it returned): the completions chunks are turned back into chat
-chunks (``delta.content``) and completions logprobs into chat logprobs (the original's ``top_logprobs``
-alternatives, none for 0).
+The continuation is a completions request with a token prompt (a tool chat's aside: below): the prompt's ids
+followed by the output ids the client already has, ``min_tokens`` reduced by them, every other field of the
+original kept as it was (temperature, seed, stop strings, stop_token_ids, the engines' extras). Its
+``max_tokens`` is what the unbroken run had left (``left``): the original's limit less the tokens sent; with
+no limit, what the engines default to (lbd's engine and vLLM alike): 16 for a completion, and for a chat the
+context length of the rank that served it less prompt and output (both engines refuse a request whose prompt +
+``max_tokens`` passes the context, so "up to the context" must be sent as a number). A chat is resumed the
+same way, its prompt as the rank rendered it (the ``prompt_token_ids`` it returned): the completions chunks
+are turned back into chat chunks (``delta.content``) and completions logprobs into chat logprobs (the
+original's ``top_logprobs`` alternatives, none for 0).
 
 Frequency and presence penalties count output tokens only: after a move the sent tokens are prompt tokens, so
 the continuation tells lbd's engine that its prompt's last n tokens are output (``RESUMED_FIELD``); an engine
