@@ -86,6 +86,11 @@ def test_data_parallel_deployment_serves_when_its_health_says_so(tiny_llama: Pat
         status = node.status()
         assert [r["rank"] for r in status["ranks"]] == [0] and status["data_parallel_size_local"] == 1
         assert node.get(node.health + "/readyz").status_code == 200, status["reason"]
+        # and the API port's (its router started with --min-ready-endpoints 2): ready with the one rank left
+        deadline = time.monotonic() + 30
+        while (api := node.get(node.api + "/readyz")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert api.status_code == 200, api.text
     finally:
         node.close()
 

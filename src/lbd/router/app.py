@@ -166,7 +166,7 @@ class RouterApp:
         if self.state.ready():
             out.send(200, _JSON, b'{"ready":true}')
         else:
-            have, need = self.state.ready_count(), self.cfg.min_ready_endpoints
+            have, need = self.state.ready_count(), self.state.ready_needed()
             why = "no endpoint is ready" if need == 1 else f"{have}/{need} endpoints ready"
             send_error(out, 503, why, "ServiceUnavailableError")
 

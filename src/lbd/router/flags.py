@@ -119,7 +119,8 @@ def make_parser() -> OneLineParser:
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds open requests get to finish after SIGTERM (the port closes at once)")
     g.add_argument("--min-ready-endpoints", type=int, default=1,
-                   help="/readyz is 200 once this many endpoints take traffic")
+                   help="/readyz is 200 once this many endpoints take traffic (at most as many as the router "
+                   "knows: a fleet scaled down below it is ready when all it has are)")
     g = p.add_argument_group("admission (over every endpoint together, as vLLM's internal load balancer)")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="answer 503 when this many requests are already in flight through the router")

@@ -102,9 +102,14 @@ class RouterState(Fleet):
         """Endpoints that take traffic and have answered us (a scrape or their model list)."""
         return sum(e.takes_traffic() and (e.sample is not None or bool(e.model_cards)) for e in self.order)
 
+    def ready_needed(self) -> int:
+        """--min-ready-endpoints, capped at the endpoints the router knows (at least 1): a fleet resized below
+        the flag (``lbd scale``, ``lbd serve --autoscale``) is ready once every endpoint it still has is."""
+        return max(1, min(self.cfg.min_ready_endpoints, len(self.order)))
+
     def ready(self) -> bool:
-        """At least --min-ready-endpoints endpoints take traffic (/readyz)."""
-        return self.ready_count() >= self.cfg.min_ready_endpoints
+        """At least ``ready_needed()`` endpoints take traffic (/readyz)."""
+        return self.ready_count() >= self.ready_needed()
 
     def not_serving(self) -> str | None:
         """Why a request would not be served now (--serving-health), or None: an endpoint takes traffic and
