@@ -6,6 +6,7 @@ system's trust store)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from dataclasses import dataclass
@@ -97,8 +98,12 @@ class Prober:
 
     async def kv_event_sources(self, base_url: str) -> dict | None:
         """The rank's ``/kv_event_sources`` (vLLM's: publisher config per DP rank); None if unanswered."""
+        return await self._json(base_url + "/kv_event_sources")
+
+    async def _json(self, url: str) -> dict | None:
+        """A JSON object from ``url`` (capped like every peer read), or None when there is none."""
         try:
-            async with self._client().get(base_url + "/kv_event_sources") as resp:
+            async with self._client().get(url) as resp:
                 if resp.status == 200:
                     body = orjson.loads(await read_aiohttp(resp))
                     return body if isinstance(body, dict) else None
@@ -106,48 +111,39 @@ class Prober:
             pass
         return None
 
-    async def in_flight(self, base_url: str) -> int | None:
-        """Requests the rank is still working on: `/load`, else running + waiting from `/metrics` (vLLM's or
-        SGLang's names)."""
-        try:
-            async with self._client().get(base_url + "/load") as resp:
-                if resp.status == 200:
-                    return int(orjson.loads(await read_aiohttp(resp))["server_load"])
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
-                orjson.JSONDecodeError):
-            pass
+    async def _metrics(self, base_url: str) -> str:
+        """The rank's ``/metrics`` text ("" when unanswered)."""
         try:
             async with self._client().get(base_url + "/metrics") as resp:
                 if resp.status == 200:
-                    text = (await read_aiohttp(resp)).decode("utf-8", "replace")
-                    for running, waiting in _IN_FLIGHT:
-                        if running in text:
-                            return int(_metric_sum(text, running) + _metric_sum(text, waiting))
+                    return (await read_aiohttp(resp)).decode("utf-8", "replace")
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             pass
+        return ""
+
+    async def in_flight(self, base_url: str) -> int | None:
+        """Requests the rank is still working on: `/load`, else running + waiting from `/metrics` (vLLM's or
+        SGLang's names)."""
+        body = await self._json(base_url + "/load") or {}
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return int(body["server_load"])
+        text = await self._metrics(base_url)
+        for running, waiting in _IN_FLIGHT:
+            if running in text:
+                return int(_metric_sum(text, running) + _metric_sum(text, waiting))
         return None
 
     async def load(self, base_url: str) -> tuple[float, float] | None:
         """The rank's (waiting requests, KV-cache use 0..1) for the autoscaling signals: lbd's JSON
         `/telemetry` (vLLM's names without the prefix), else `/metrics` (vLLM's or SGLang's names); None when
         it tells neither."""
-        try:
-            async with self._client().get(base_url + "/telemetry") as resp:
-                if resp.status == 200:
-                    data = orjson.loads(await read_aiohttp(resp))
-                    return float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
-                orjson.JSONDecodeError):
-            pass
-        try:
-            async with self._client().get(base_url + "/metrics") as resp:
-                if resp.status == 200:
-                    text = (await read_aiohttp(resp)).decode("utf-8", "replace")
-                    for (_, waiting), kv in zip(_IN_FLIGHT, _KV_USAGE, strict=True):
-                        if waiting in text:
-                            return _metric_sum(text, waiting), _metric_sum(text, kv)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            pass
+        data = await self._json(base_url + "/telemetry") or {}
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
+        text = await self._metrics(base_url)
+        for (_, waiting), kv in zip(_IN_FLIGHT, _KV_USAGE, strict=True):
+            if waiting in text:
+                return _metric_sum(text, waiting), _metric_sum(text, kv)
         return None
 
     async def close(self) -> None:
