@@ -153,9 +153,9 @@ def test_a_listener_without_the_key_is_never_read_from() -> None:
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A producer with a small cache (256 blocks of 16 tokens) and a consumer, default caps."""
+    """A producer with a small cache (128 blocks of 16 tokens) and a consumer, default caps."""
     logs = tmp_path_factory.mktemp("pd-trust")
-    producer = start(tiny_llama, "kv_producer", logs / "p.log", "--kv-cache-memory-bytes", "2MiB")
+    producer = start(tiny_llama, "kv_producer", logs / "p.log", "--kv-cache-memory-bytes", "1MiB")
     try:
         consumer = start(tiny_llama, "kv_consumer", logs / "d.log")
         try:
@@ -243,12 +243,12 @@ def test_the_decode_runs_on_the_moved_bytes(pair) -> None:
     assert (hits, computed) == (64, 6)
 
 
-FLOOD = 200
+FLOOD = 60  # 180 blocks against a 128-block cache: enough to pass both the lease cap and the cache
 
 
 def test_a_flood_of_remote_decode_prefills_leaves_the_cache_usable(pair) -> None:
-    """200 prefills with do_remote_decode straight at the producer (3 blocks each, 600 blocks in all against
-    a 256-block cache): leases stop at the cap (half the cache), the rest are refused and counted, and a
+    """60 prefills with do_remote_decode straight at the producer (3 blocks each, 180 blocks in all against
+    a 128-block cache): leases stop at the cap (half the cache), the rest are refused and counted, and a
     normal request of 300 prompt tokens still runs at once."""
     producer, _ = pair
     refused0 = metric(producer, "lbd:kv_transfer_lease_refusals_total")
@@ -276,5 +276,5 @@ def test_a_flood_of_remote_decode_prefills_leaves_the_cache_usable(pair) -> None
           f"in {normal_s:.2f} s: {r.status_code}")
     assert codes == [200] * FLOOD
     assert r.status_code == 200, r.text
-    assert held_blocks <= 128 and held + refused == FLOOD
+    assert held_blocks <= 64 and held + refused == FLOOD
     assert refused > 0 and usage <= 0.6
