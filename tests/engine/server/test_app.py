@@ -224,10 +224,13 @@ def test_stop_strings(client: openai.OpenAI, http: httpx.Client) -> None:
     assert kept.choices[0].text == expected + stop
 
 
-def test_stream_chunks_are_not_buffered(slower_llama: Path, tmp_path: Path) -> None:
+def test_stream_chunks_are_not_buffered(tiny_llama: Path, tmp_path: Path) -> None:
     """The first token reaches the client while the request still generates: nothing waits for the end. (On
-    the slower model: the 2-layer one can write all 400 tokens between two of a loaded client's reads.)"""
-    srv = start_server(slower_llama, tmp_path / "server.log", "--served-model-name", MODEL)
+    a sim rank, the same front end and core loop: its decode steps sleep ~6.5 ms each whatever the host's
+    load, so the 400 tokens take seconds; the 2-layer model can write them all between two of a loaded
+    client's reads, and a slower real model costs a checkpoint and a torch start-up.)"""
+    srv = start_server(tiny_llama, tmp_path / "server.log", "--served-model-name", MODEL, "--device", "sim",
+                       "--kv-cache-memory-bytes", "1GiB", "--max-model-len", "512")  # 8B-sized KV blocks
     body = {"model": MODEL, "prompt": "unbuffered", "stream": True, **LONG}
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60) as c, c.stream("POST", "/v1/completions",
