@@ -8,9 +8,12 @@ tool calls (``tool_choice`` "required", a named function, "auto" read by the ``h
 on as a chat on the new rank, whose parser (and forced grammar) picks up where the first one stopped.
 
 Two real engine ranks of an 8-layer tiny Llama behind one `lbd route`, each behind an ``SseCut`` link. The
-serving rank is SIGKILLed when the client has ``BREAK_AT`` chunks with text (it is started again in the
-background), or its link is cut at an exact event. Each answer is compared with the unbroken run's: its
-text, one finish reason, one ``[DONE]``, no error event, its usage; each test counts its own moves. The ranks
+serving rank's link is cut (a TCP reset) right after an exact event: for the mid-answer cases the one that
+brings the client's ``BREAK_AT``-th chunk with text, found in the unbroken run (the router excludes the failed
+rank, so the stream goes on on the other rank, as after a kill; SIGKILLs of a rank and of its core mid-answer,
+cmpl and chat, are test_migration.py's: a kill here cost a rank restart per test). Each answer is compared
+with the unbroken run's: its text, one finish reason, one ``[DONE]``, no error event, its usage; each test
+counts its own moves. The ranks
 write compact JSON (--structured-outputs-config.disable_any_whitespace: random weights would otherwise spend
 their tokens on whitespace).
 """
@@ -18,8 +21,6 @@ their tokens on whitespace).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -49,7 +50,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
                                    "items": {"type": "integer", "minimum": -40, "maximum": 50}},
                          "sunny": {"type": "boolean"}}}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
-KILL_IN_CALL = 20  # chunks with a delta: well inside the call's arguments (the tool tests)
+CUT_IN_CALL = 20  # chunks with a delta: well inside the call's arguments (the tool tests)
 ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "temps"],
         "properties": {"city": {"type": "string", "maxLength": 12}, "temps": SCHEMA["properties"]["temps"]}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
@@ -69,7 +70,7 @@ FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--
 
 
 class Rank:
-    """One `python -m lbd.engine` on a fixed port (it starts again on the same one), behind an SseCut."""
+    """One `python -m lbd.engine` behind an SseCut."""
 
     def __init__(self, model: Path, log: Path, number: int) -> None:
         self.model, self.log, self.number = model, log, number
@@ -89,13 +90,6 @@ class Rank:
         wait_http(f"http://127.0.0.1:{self.port}/health", timeout=180, proc=self.proc)
         self.ready.set()
 
-    def kill_and_restart(self) -> None:
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        time.sleep(0.2)
-        stop(self.proc, timeout=5)
-        threading.Thread(target=self.start, daemon=True).start()
-
     def close(self) -> None:
         self.link.close()
         if self.proc is not None:
@@ -104,7 +98,7 @@ class Rank:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
-    # 8 layers, 512 wide: slow enough that a kill after 40 tokens meets a rank still generating
+    # 8 layers, 512 wide: a cut after 40 tokens meets a rank still generating
     model = make_tiny_llama(tmp_path_factory.mktemp("model"), layers=8, hidden=512, heads=8, kv_heads=2,
                             intermediate=2048, max_pos=1024)
     logs = tmp_path_factory.mktemp("ranks")
@@ -138,9 +132,7 @@ def router(ranks: list[Rank], tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(autouse=True)
 def all_ranks_serving(ranks: list[Rank], router: str) -> Iterator[None]:
-    """Both ranks up (a killed one was started again), known to the router, links disarmed after."""
-    for r in ranks:
-        assert r.ready.wait(180), f"rank {r.port} did not come back"
+    """Both ranks up and known to the router (ready again after a cut), links disarmed after."""
     deadline = time.monotonic() + 30
     while True:
         eps = httpx.get(router + "/router/status", timeout=5).json()["endpoints"]
@@ -151,6 +143,21 @@ def all_ranks_serving(ranks: list[Rank], router: str) -> Iterator[None]:
     yield
     for r in ranks:
         r.link.disarm()
+
+
+@pytest.fixture(scope="module")
+def tool_runs(router: str, ranks: list[Rank]) -> Any:
+    """The unbroken greedy tool chat for a tool choice, streamed once per module (two tests compare with
+    "auto"'s)."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(choice: str) -> dict[str, Any]:
+        if choice not in runs:
+            runs[choice] = streamed(router, "chat", ranks, max_tokens=300, tools=TOOLS,
+                                    **TOOL_CHOICES[choice])
+        return runs[choice]
+
+    return run
 
 
 def moves(router: str) -> dict[str, int]:
@@ -166,12 +173,13 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
 
 
-def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill_at: int = BREAK_AT,
+def streamed(router: str, kind: str, ranks: list[Rank], mark_at: int = BREAK_AT,
              **extra: Any) -> dict[str, Any]:
-    """One streamed request (greedy, usage asked); ``kill``: SIGKILL its rank at ``kill_at`` chunks with text
-    or tool-call deltas. A chat's tool-call deltas are gathered into ``calls`` as OpenAI's SDK does, and any
-    that is not OpenAI's shape (a first delta without id, type and name; a later one with them) is noted in
-    ``shapes``; ``at_kill``: the calls' arguments the client had when the rank was killed."""
+    """One streamed request (greedy, usage asked). A chat's tool-call deltas are gathered into ``calls`` as
+    OpenAI's SDK does, and any that is not OpenAI's shape (a first delta without id, type and name; a later
+    one with them) is noted in ``shapes``; ``event_at``: the event (counted as ``Cut`` counts them) of each
+    chunk with text or tool-call deltas; ``at_mark``: the calls' arguments the client had at chunk
+    ``mark_at``."""
     req: dict[str, Any] = {"model": MODEL, "temperature": 0, "stream": True,
                            "stream_options": {"include_usage": True}, **extra}
     if kind == "chat":
@@ -180,11 +188,10 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill
         req["prompt"] = PROMPT
     got: dict[str, Any] = {"text": "", "done": 0, "errors": [], "usage": None, "finishes": [], "ids": set(),
                            "chunks": 0, "logprobs": [], "token_ids": [], "after_done": 0, "calls": [],
-                           "shapes": [], "at_kill": None, "events": 0, "first_call": None}
+                           "shapes": [], "at_mark": None, "events": 0, "first_call": None, "event_at": []}
     url = router + ("/v1/chat/completions" if kind == "chat" else "/v1/completions")
     with httpx.stream("POST", url, json=req, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        endpoint = r.headers["x-lbd-endpoint"]
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -218,10 +225,19 @@ def streamed(router: str, kind: str, ranks: list[Rank], kill: bool = False, kill
                     got["first_call"] = got["events"]
                 if text or deltas:
                     got["chunks"] += 1
-                    if kill and got["chunks"] == kill_at:
-                        got["at_kill"] = [call["arguments"] for call in got["calls"]]
-                        next(x for x in ranks if endpoint.endswith(f":{x.link.port}")).kill_and_restart()
+                    got["event_at"].append(got["events"])
+                    if got["chunks"] == mark_at:
+                        got["at_mark"] = [call["arguments"] for call in got["calls"]]
     return got
+
+
+def cut_mid_answer(ranks: list[Rank], want: dict[str, Any], at: int = BREAK_AT) -> None:
+    """Arm a cut of the next stream right after the event that brings its ``at``-th chunk with text or
+    tool-call deltas (where the greedy ``want`` had it): the client has ``at`` chunks, the rank goes on."""
+    assert len(want["event_at"]) > at, f"the unbroken answer has {len(want['event_at'])} chunks"
+    cut = Cut(after=want["event_at"][at - 1])
+    for r in ranks:
+        r.link.arm(cut)
 
 
 def gather_call(got: dict[str, Any], d: dict[str, Any]) -> None:
@@ -257,8 +273,9 @@ def test_a_chat_with_no_max_tokens_ends_where_the_unbroken_one_does(router: str,
         assert want["finishes"] == ["length"] and want["usage"]["total_tokens"] == CONTEXT
     else:
         assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] > BREAK_AT + 16
+    cut_mid_answer(ranks, want)
     before = moves(router)
-    got = streamed(router, "chat", ranks, kill=True, **extra)
+    got = streamed(router, "chat", ranks, **extra)
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     print(f"chat, no max_tokens, ends by {end}: {got['usage']['completion_tokens']} tokens after a move, "
           f"{want['usage']['completion_tokens']} unbroken")
@@ -272,8 +289,9 @@ def test_a_chat_that_ends_on_its_stop_token_after_a_move_ends_there(router: str,
     stop_id = next(t for i, t in enumerate(ids) if i >= BREAK_AT + 60 and t not in ids[:i])
     want = streamed(router, "chat", ranks, stop_token_ids=[stop_id])
     assert want["finishes"] == ["stop"] and want["usage"]["completion_tokens"] == ids.index(stop_id) + 1
+    cut_mid_answer(ranks, want)
     before = moves(router)
-    got = streamed(router, "chat", ranks, kill=True, stop_token_ids=[stop_id])
+    got = streamed(router, "chat", ranks, stop_token_ids=[stop_id])
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     assert_exact(got, want)
 
@@ -282,8 +300,9 @@ def test_a_greedy_stream_with_a_frequency_penalty_is_exact_after_a_move(router: 
                                                                          ranks: list[Rank]) -> None:
     extra = {"max_tokens": 300, "frequency_penalty": 1.0}
     want = streamed(router, "cmpl", ranks, **extra)
+    cut_mid_answer(ranks, want)
     before = moves(router)
-    got = streamed(router, "cmpl", ranks, kill=True, **extra)
+    got = streamed(router, "cmpl", ranks, **extra)
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     print(f"frequency_penalty 1.0: {len(got['text'])} characters resumed, {len(want['text'])} unbroken, "
           f"{want['usage']['completion_tokens']} tokens, {want['finishes']}")
@@ -354,8 +373,9 @@ def test_a_json_schema_chat_cut_mid_answer_completes_on_another_rank(router: str
     want = streamed(router, "chat", ranks, **extra)
     assert want["finishes"] == ["stop"] and want["chunks"] > BREAK_AT + 10, want
     jsonschema.validate(json.loads(want["text"], strict=False), SCHEMA)
+    cut_mid_answer(ranks, want)
     before = moves(router)
-    got = streamed(router, "chat", ranks, kill=True, **extra)
+    got = streamed(router, "chat", ranks, **extra)
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
     print(f"json_schema chat: {want['usage']['completion_tokens']} tokens, cut after {BREAK_AT}")
     assert_exact(got, want)
@@ -377,25 +397,26 @@ def test_a_vllm_guided_field_is_resumed_with_its_grammar(router: str, ranks: lis
 
 @pytest.mark.parametrize("choice", list(TOOL_CHOICES))
 def test_a_tool_call_stream_cut_mid_call_completes_on_another_rank(router: str, ranks: list[Rank],
-                                                                   choice: str) -> None:
-    """The rank is SIGKILLed inside the call's arguments; the chat goes on as a chat on the other rank
+                                                                   tool_runs: Any, choice: str) -> None:
+    """The rank's stream is cut inside the call's arguments; the chat goes on as a chat on the other rank
     (``lbd_resumed_output_token_ids``), whose parser reads the text sent first: the client's call is the
     unbroken greedy run's, announced once, its arguments going on where they stopped, one finish reason
     (``tool_calls``; ``stop`` for a named function, as OpenAI says)."""
     extra = {"max_tokens": 300, "tools": TOOLS, **TOOL_CHOICES[choice]}
-    want = streamed(router, "chat", ranks, **extra)
+    want = tool_runs(choice)
     assert want["finishes"] == ["stop" if choice == "named" else "tool_calls"], want
-    assert want["chunks"] > KILL_IN_CALL + 10 and not want["shapes"], want
+    assert want["chunks"] > CUT_IN_CALL + 10 and not want["shapes"], want
     assert [c["name"] for c in want["calls"]] == ["get_weather"], want["calls"]
     args = json.loads(want["calls"][0]["arguments"])
     if choice != "auto":  # (the regex, not the tool's schema, wrote "auto"'s call)
         jsonschema.validate(args, ARGS)
+    cut_mid_answer(ranks, want, CUT_IN_CALL)
     before = moves(router)
-    got = streamed(router, "chat", ranks, kill=True, kill_at=KILL_IN_CALL, **extra)
+    got = streamed(router, "chat", ranks, mark_at=CUT_IN_CALL, **extra)
     assert settled(lambda: delta(before, moves(router)), {"resumed": 1}) == {"resumed": 1}
-    cut = got["at_kill"]
-    assert cut and 0 < len(cut[0]) < len(want["calls"][0]["arguments"]), cut  # killed inside the arguments
-    print(f"{choice}: {want['usage']['completion_tokens']} tokens, killed with {len(cut[0])} characters of "
+    cut = got["at_mark"]
+    assert cut and 0 < len(cut[0]) < len(want["calls"][0]["arguments"]), cut  # cut inside the arguments
+    print(f"{choice}: {want['usage']['completion_tokens']} tokens, cut with {len(cut[0])} characters of "
           f"arguments sent")
     assert_exact(got, want)  # the content ("auto": "Hi..."), one finish reason, one [DONE], the usage
     assert not got["shapes"], got["shapes"]
@@ -403,12 +424,13 @@ def test_a_tool_call_stream_cut_mid_call_completes_on_another_rank(router: str, 
         (c["name"], c["arguments"]) for c in want["calls"]]
 
 
-def test_an_auto_tool_stream_cut_at_the_edge_of_its_call_is_exact(router: str, ranks: list[Rank]) -> None:
+def test_an_auto_tool_stream_cut_at_the_edge_of_its_call_is_exact(router: str, ranks: list[Rank],
+                                                                  tool_runs: Any) -> None:
     """Cuts a kill cannot time: right before the event that announces the call (the rank's parser holds the
     ``<tool_call>`` tag and the call's head, whose tokens the router does not have yet: the new rank
     generates them again) and right after it (the call announced, its arguments begun)."""
     extra = {"max_tokens": 300, "tools": TOOLS, **TOOL_CHOICES["auto"]}
-    want = streamed(router, "chat", ranks, **extra)
+    want = tool_runs("auto")
     assert want["first_call"] is not None and want["first_call"] > 2, want
     for after in (want["first_call"] - 1, want["first_call"]):
         cut = Cut(after=after)
