@@ -1,6 +1,9 @@
 """Joining a group on one machine (loopback): a headless node waits for a head that is not there yet (a named
 reason, not an error), a router-only head (`--data-parallel-size-local 0`) serves it, and nodes that do not
-fit the group are refused with exit 2 and the head's message."""
+fit the group are refused with exit 2 and the head's message. Once the group serves, its listening sockets:
+a group that meets at 127.0.0.1 is on one machine, so registration, the health ports and the worker's ranks
+stay on loopback without a token; the head's router port is the one the user asked for (the listeners check
+of tests/serve/test_listeners.py, on this group rather than a second one)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 from support import free_port_run
 from support.deploy_harness import SIM_FLAGS, ServeNode, complete
+from support.listeners import assert_closed, listeners
 
 
 def test_head_late_router_only_head_and_refused_nodes(tiny_llama: Path, tmp_path: Path) -> None:
@@ -37,6 +41,10 @@ def test_head_late_router_only_head_and_refused_nodes(tiny_llama: Path, tmp_path
         assert [r["rank"] for r in head.status()["ranks"]] == [0, 1]
         head.wait_for(lambda: head.get(head.api + "/readyz").status_code == 200, 30, "router ready")
         assert complete(head.api).status_code == 200
+        found = listeners(head.proc.pid, worker.proc.pid)
+        # head: router, health, registration; worker: health, 2 ranks
+        assert_closed(found, {base + 2}, expect=6)
+        assert ("127.0.0.1", int(rpc)) in {(ip, port) for ip, port, _ in found}  # the registration port
 
         for i, flags, needle in (
             (1, ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank",

@@ -4,10 +4,13 @@ succeeds (a vLLM server's meaning of /health). The node's health port keeps its 
 
 Topologies: one engine (`lbd serve` with no DP flags), `--data-parallel-size 2` (a supervisor, two sim ranks
 and the router on one port), and an MoE DP group (two CPU ranks of the tiny Mixtral sharing their experts).
+The DP and MoE deployments are also walked for their listening sockets once they serve (what
+tests/serve/test_listeners.py checks of the other topologies): one start of each checks both.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,9 +21,11 @@ import httpx
 import pytest
 
 from support import free_port_run
-from support.deploy_harness import SIM_FLAGS, ServeNode
+from support.deploy_harness import SIM_FLAGS, ServeNode, complete
+from support.listeners import assert_closed, listeners, loopback
 
 pytestmark = pytest.mark.slow
+KV_EVENTS = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True})]  # the default endpoint
 
 
 def poll_then_complete(node: ServeNode, timeout: float = 180.0) -> list[str]:
@@ -69,15 +74,24 @@ def test_one_engine_serves_when_its_health_says_so(tiny_llama: Path, tmp_path: P
 
 
 def test_data_parallel_deployment_serves_when_its_health_says_so(tiny_llama: Path, tmp_path: Path) -> None:
+    """No --host: the router's --port listens on every interface, and only it; the ranks, the health port and
+    the ranks' KV events stay on loopback (the listeners check of `lbd serve --data-parallel-size 2`)."""
     base = free_port_run(4)
-    node = ServeNode(["--model", str(tiny_llama), *SIM_FLAGS, "--data-parallel-size", "2", "--host",
-                      "127.0.0.1", "--port", str(base), "--rank-port", str(base + 1),
+    node = ServeNode(["--model", str(tiny_llama), *SIM_FLAGS, *KV_EVENTS, "--data-parallel-size", "2",
+                      "--port", str(base), "--rank-port", str(base + 1),
                       "--data-parallel-supervisor-port", str(base + 3)],
                      tmp_path / "serve.log", port=base, health_port=base + 3)
     try:
         reasons = poll_then_complete(node)
         # the router listened before its ranks served, and said why it would not serve yet
         assert reasons and all("no request would be served now" in r for r in reasons), reasons[:3]
+        node.wait_ready(60)
+        found = listeners(node.proc.pid)
+        # router, health, 2 ranks, the supervisor's internal port, 2 KV-event publishers at least
+        assert_closed(found, {base}, expect=7)
+        kv = {port for ip, port, _ in found if port in (5557, 5558)}
+        assert kv == {5557, 5558} and all(loopback(ip) for ip, p, _ in found if p in kv)
+        assert complete(node.api).status_code == 200
         # shrunk through the node's health port (a loopback port, no token: open): readiness follows
         shrink = subprocess.run([sys.executable, "-m", "lbd", "scale", "--node", node.health,
                                  "--data-parallel-size", "1", "--wait"], capture_output=True, text=True,
@@ -96,14 +110,30 @@ def test_data_parallel_deployment_serves_when_its_health_says_so(tiny_llama: Pat
 
 
 def test_moe_group_serves_when_its_health_says_so(tiny_mixtral: Path, tmp_path: Path) -> None:
+    """Then its listening sockets: the coordinator's store, ZMQ and HTTP ports and gloo's pair sockets on
+    loopback. With a cluster token (optional on one machine) the members join over CURVE and HTTP asks for
+    it."""
     base = free_port_run(4)
+    token = "listeners-FZW1zopkpp8h2T8H10iLUhOjb3b9tRgzvmmAWOjfgU8"
     node = ServeNode(["--model", str(tiny_mixtral), "--device", "cpu", "--data-parallel-size", "2",
                       "--enable-expert-parallel", "--max-model-len", "256", "--log-level", "warning",
-                      "--host", "127.0.0.1", "--port", str(base), "--rank-port", str(base + 1),
+                      "--port", str(base), "--rank-port", str(base + 1),
                       "--data-parallel-supervisor-port", str(base + 3)],
-                     tmp_path / "serve.log", port=base, health_port=base + 3)
+                     tmp_path / "serve.log", port=base, health_port=base + 3,
+                     env={"LBD_CLUSTER_TOKEN": token})
     try:
         reasons = poll_then_complete(node, timeout=300.0)
         assert reasons, "the router served before its group formed?"
+        node.wait_ready(60)
+        found = listeners(node.proc.pid)
+        coordinator = [(ip, port) for ip, port, name in found if "coordinator" in name]
+        assert len(coordinator) == 3, found  # store, ZMQ, HTTP
+        assert_closed(found, {base}, expect=9)  # + router, health, supervisor, 2 ranks, gloo's
+        (group,) = node.status()["groups"]
+        url = group["coordinator"]["url"]
+        assert httpx.get(url + "/status", timeout=5).status_code == 401
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(url + "/status", headers=auth, timeout=5).json()["state"] == "ready"
+        assert token not in node.log_text() and token not in node.get(node.health + "/status").text
     finally:
         node.close()
