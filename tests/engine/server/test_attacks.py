@@ -1,6 +1,7 @@
 """Holes found by trying the engine as an attacker would, each fixed and tested by name: a 30 MB prompt that
 stalled /health, inputs that made the engine answer 500, and an X-data-parallel-rank rule that differed from
-the router's. One real engine (tiny model, rank 1 of 2, an API key) and a real router in front of it."""
+the router's. One real engine (a sim rank of the tiny model, rank 1 of 2, an API key) and a real router in
+front of it."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ RANK = 1
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
     log = tmp_path_factory.mktemp("attacks") / "engine.log"
-    srv = EngineServer(tiny_llama, "--kv-cache-memory-bytes", "32MiB", "--data-parallel-rank", str(RANK),
-                       "--data-parallel-size", "2", "--api-key", KEY, log=log)
+    # a sim rank: every hole here is in the front end (which validates before the core sees a request), and
+    # it starts without torch; 1GiB holds its profile's (Llama-3-8B) KV blocks for 512 tokens
+    sim = ("--device", "sim", "--kv-cache-memory-bytes", "1GiB", "--max-model-len", "512")
+    srv = EngineServer(tiny_llama, *sim, "--data-parallel-rank", str(RANK), "--data-parallel-size", "2",
+                       "--api-key", KEY, log=log)
     try:
         yield srv
     finally:
