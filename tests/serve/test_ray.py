@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from support.deploy_harness import SIM_FLAGS, ServeNode, complete, rank_urls, successes
 from support.netns import Namespaces, unavailable
-from support.ray_cluster import GCS_PORT, alive, cmdline, ray_cluster  # noqa: F401, F811 (the fixture)
+from support.ray_cluster import GCS_PORT, alive_after, cmdline, ray_cluster  # noqa: F401, F811 (the fixture)
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'lbd[ray]')")
 pytestmark = [pytest.mark.slow,
@@ -74,8 +73,8 @@ def test_four_ranks_on_ray_behind_one_port(ray_cluster: tuple[Namespaces, str], 
     finally:
         code = node.close(60)
     assert code == 0, node.log_text()[-4000:]
-    time.sleep(2)  # Ray reaps the job's actors once its driver (the supervisor) is gone
-    assert alive(tree) == [], "lbd processes survived SIGTERM"
-    assert alive(actors) == [], "the job's Ray actors (and their engines) survived SIGTERM"
+    # Ray reaps the job's actors once its driver (the supervisor) is gone: within 2 s (was a fixed 2 s sleep)
+    assert alive_after(tree, 2.0) == [], "lbd processes survived SIGTERM"
+    assert alive_after(actors, 2.0) == [], "the job's Ray actors (and their engines) survived SIGTERM"
 
 

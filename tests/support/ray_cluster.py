@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -30,6 +31,14 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+def alive_after(pids: list[int], within_s: float) -> list[int]:
+    """The pids still running ``within_s`` seconds from now; returns as soon as none is."""
+    deadline = time.monotonic() + within_s
+    while (left := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 @pytest.fixture
 def ray_cluster(tmp_path: Path) -> Iterator[tuple[Namespaces, str]]:
     """A one-node Ray cluster (4 CPUs) in a network namespace of its own; no Ray process may outlive it."""
@@ -54,10 +63,10 @@ def ray_cluster(tmp_path: Path) -> Iterator[tuple[Namespaces, str]]:
         yield nets, ns
         group = [p.pid for p in psutil.process_iter() if pgid(p.pid) == head.pid]
         os.killpg(head.pid, signal.SIGTERM)
-        time.sleep(3)
-        os.killpg(head.pid, signal.SIGKILL)
-        time.sleep(1)
-        assert alive(group) == [], "Ray processes survived the cluster's teardown"
+        alive_after(group, 3.0)  # a graceful stop first (it was a fixed 3 s, then 1 s: 4 s a test)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        assert alive_after(group, 1.0) == [], "Ray processes survived the cluster's teardown"
     finally:
         nets.close()
         shutil.rmtree(temp, ignore_errors=True)
