@@ -1,4 +1,5 @@
-"""`lbd supervise` with real engine ranks on the tiny model: readiness, hangs, crashes, drain, shutdown.
+"""`lbd supervise` with real engine ranks on the tiny model: readiness, hangs, crashes, drain, a rolling
+restart under load through `lbd route`, shutdown.
 
 One supervised node of two ranks is shared by the tests of this module, in order; each test leaves it with
 both ranks ready, and the last one shuts it down with SIGTERM.
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from support import metric_value
+from support import RouterServer, metric_value
 from support.node import SupervisorNode, gone_within
 
 TOKEN = "t0ken"
@@ -213,28 +214,90 @@ def test_drain_lets_in_flight_requests_finish(node: SupervisorNode, tiny_llama: 
                   "rank 0 back after the drain")
 
 
+class Load:
+    """Streaming and plain completions through a router, back to back until stopped; every one must succeed
+    whole (12 tokens, [DONE] and no error event for a stream)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.failures: list[str] = []
+        self.counts = {"stream": 0, "plain": 0}
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True)
+                        for s in (True, False, True, False)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, stream: bool) -> None:
+        body = {"model": self.model, "prompt": "Hello there", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        with httpx.Client(base_url=self.url, timeout=60) as c:
+            while not self.done.is_set():
+                try:
+                    if stream:
+                        with c.stream("POST", "/v1/completions", json=body) as r:
+                            text = "".join(r.iter_text())
+                        ok = r.status_code == 200 and text.endswith("data: [DONE]\n\n") and \
+                            '"error"' not in text
+                    else:
+                        r = c.post("/v1/completions", json=body)
+                        text = r.text
+                        ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+                    if ok:
+                        self.counts["stream" if stream else "plain"] += 1
+                    else:
+                        self.failures.append(f"{r.status_code}: {text[:200]}")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+
+    def stop(self) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join(60)
+
+
 @pytest.mark.slow
-def test_rolling_restart_one_rank_at_a_time(node: SupervisorNode) -> None:
+def test_rolling_restart_one_rank_at_a_time_under_load_fails_no_request(
+        node: SupervisorNode, tiny_llama: Path, tmp_path: Path) -> None:
+    """A rolling restart under load through a router loses no request: the supervisor marks each rank
+    draining in /status first, the router (following it) stops sending there, in-flight requests finish,
+    then the rank restarts, never both at once. (Was two tests, this one and test_rolling_restart_load.py's,
+    each on its own node: one node and one rolling restart now check both.)"""
     node.wait_ready()
-    before = [r["restarts"] for r in node.status()["ranks"]]
-    r = node.post("/rolling-restart", token=TOKEN)
-    assert r.status_code == 202, r.text
-    assert node.post("/rolling-restart", token=TOKEN).status_code == 409
-    max_down = 0
+    router = RouterServer("--upstreams", f"supervisor://127.0.0.1:{node.sport}", "--policy", "least_load",
+                          log=tmp_path / "router.log").wait_ready()
+    load = Load(router.url, str(tiny_llama))
+    try:
+        node.wait_for(lambda: min(load.counts.values()) >= 2, 60, "the load to flow")
+        before = [r["restarts"] for r in node.status()["ranks"]]
+        r = node.post("/rolling-restart", token=TOKEN)
+        assert r.status_code == 202, r.text
+        assert node.post("/rolling-restart", token=TOKEN).status_code == 409
+        max_down = 0
+        saw_draining: set[int] = set()
 
-    def finished() -> bool:
-        nonlocal max_down
+        def finished() -> bool:
+            nonlocal max_down
+            status = node.status()
+            max_down = max(max_down, sum(r["state"] != "ready" for r in status["ranks"]))
+            saw_draining.update(r["rank"] for r in status["ranks"] if r["state"] == "draining")
+            return status["rolling_restart"]["state"] != "running"
+
+        node.wait_for(finished, 240, "rolling restart")
         status = node.status()
-        max_down = max(max_down, sum(r["state"] != "ready" for r in status["ranks"]))
-        return status["rolling_restart"]["state"] != "running"
-
-    node.wait_for(finished, 240, "rolling restart")
-    status = node.status()
-    assert status["rolling_restart"]["state"] == "done", status["rolling_restart"]
-    assert status["rolling_restart"]["done_ranks"] == [0, 1]
-    assert [r["restarts"] for r in status["ranks"]] == [b + 1 for b in before]
-    assert max_down == 1  # never both at once
-    assert node.get("/readyz").status_code == 200
+        assert status["rolling_restart"]["state"] == "done", status["rolling_restart"]
+        assert status["rolling_restart"]["done_ranks"] == [0, 1]
+        assert [r["restarts"] for r in status["ranks"]] == [b + 1 for b in before]
+        assert max_down == 1  # never both at once
+        assert saw_draining == {0, 1}  # each was draining (and seen so) before it stopped
+        assert node.get("/readyz").status_code == 200
+        mid = dict(load.counts)  # and both kinds are served again through the router
+        node.wait_for(lambda: all(load.counts[k] > mid[k] for k in mid), 30, "requests after the restart")
+    finally:
+        load.stop()
+        router.close()
+    assert not load.failures, load.failures[:5]
+    assert load.counts["stream"] >= 10 and load.counts["plain"] >= 10, load.counts
 
 
 def test_prestop_and_sigterm_let_streams_finish_and_stop_everything(node: SupervisorNode,
