@@ -1,7 +1,7 @@
 """Elastic MoE groups without processes: the coordinator's resize state machine (lbd.engine.dp.coordinator),
 an experts layer re-sharded in place (FusedExperts.reshard), and a tiny Mixtral's experts re-placed for 4 then
 2 members (lbd.engine.dp.elastic) equal to the model loaded at each size, the kept experts not read again.
-The whole path, rank cores re-forming 2 -> 4 -> 2 under streams, is tests/supervisor/test_moe_resize.py.
+The whole path, rank cores re-forming 2 -> 4 -> 2 under streams, is tests/supervisor/test_moe_group.py.
 """
 
 from __future__ import annotations
