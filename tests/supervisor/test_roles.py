@@ -45,10 +45,23 @@ def test_roles_become_each_ranks_kv_transfer_config() -> None:
     (["--prefill-ranks", "0", "--kv-transfer-config",
       '{"kv_connector": "LbdConnector", "kv_role": "kv_both"}'], "drop --kv-transfer-config"),
 ])
-def test_bad_role_flags_exit_2(flags: list[str], needle: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "lbd", "supervise", "--data-parallel-size", "2", *flags],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and needle in out.stderr, out.stderr
+def test_bad_role_flags_exit_2(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Parsed in this process (the CLI's own parse_args: a subprocess per case cost ~2 s each on a loaded
+    host); test_bad_role_flags_exit_2_from_the_cli runs `lbd supervise` itself once."""
+    with pytest.raises(SystemExit) as e:
+        base = free_port_run(3)
+        parse_args(["--port", str(base), "--data-parallel-supervisor-port", str(base + 2),
+                    "--data-parallel-size", "2", *flags], env={})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+
+
+def test_bad_role_flags_exit_2_from_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "lbd", "supervise", "--data-parallel-size", "2",
+                          "--prefill-ranks", "0", "--decode-ranks", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "both" in out.stderr, out.stderr
 
 
 @pytest.fixture(scope="module")
