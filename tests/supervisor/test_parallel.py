@@ -104,7 +104,8 @@ def _kill_and_expect_restart(node: SupervisorNode, rank: int, sig: signal.Signal
 
 def test_tp2_ranks_list_workers_and_restart_whole(slower_llama: Path, tmp_path: Path) -> None:
     node = SupervisorNode(slower_llama, 2, "--tensor-parallel-size", "2", "--max-model-len", "1024",
-                          "--distributed-timeout-s", str(TIMEOUT_S), log=tmp_path / "supervisor.log")
+                          "--distributed-timeout-s", str(TIMEOUT_S), "--restart-backoff-initial-s", "0",
+                          log=tmp_path / "supervisor.log")
     try:
         node.wait_ready(300)
         status = node.status()
