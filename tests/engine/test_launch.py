@@ -140,8 +140,9 @@ def test_two_front_ends_share_one_core_and_sigkill_leaves_no_orphan(tiny_llama: 
 
 
 def _one_running_one_waiting(url: str, tries: int = 3) -> tuple[Stream, Stream]:
-    """A 600-token stream running (~1.2 s here) and a second one queued behind it (--max-num-seqs 1). On a
-    loaded machine the second may arrive only after the first ended; then both end and it is tried again."""
+    """A 600-token stream running (~4 s on the sim rank) and a second one queued behind it (--max-num-seqs
+    1). On a loaded machine the second may arrive only after the first ended; then both end and it is tried
+    again."""
     for _ in range(tries):
         first = Stream(url, max_tokens=600)
         first.start()
@@ -156,8 +157,14 @@ def _one_running_one_waiting(url: str, tries: int = 3) -> tuple[Stream, Stream]:
     raise AssertionError(f"the second request never waited behind the first in {tries} tries")
 
 
-def test_admission_503_and_sigterm_drains_in_flight_streams(slower_llama: Path, tmp_path: Path) -> None:
-    srv = start(slower_llama, tmp_path, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
+# A sim rank for the launcher's own behaviour (admission, drain, a dead core): the same launcher, front end
+# and core process, whose decode steps sleep ~6.5 ms whatever the host's load (a 600-token stream runs ~4 s),
+# and which starts without torch. 2GiB holds its profile's (Llama-3-8B) KV blocks for 8192 tokens.
+SIM = ("--device", "sim", "--kv-cache-memory-bytes", "2GiB")
+
+
+def test_admission_503_and_sigterm_drains_in_flight_streams(tiny_llama: Path, tmp_path: Path) -> None:
+    srv = start(tiny_llama, tmp_path, *SIM, "--max-num-seqs", "1", "--max-num-queued-reqs", "1",
                 "--shutdown-timeout", "60")
     try:
         first, second = _one_running_one_waiting(srv.base_url)
@@ -190,8 +197,8 @@ def _until_running(url: str, n: int, stream: Stream) -> None:
         time.sleep(0.01)
 
 
-def test_dead_core_fails_in_flight_requests_and_health(slower_llama: Path, tmp_path: Path) -> None:
-    srv = start(slower_llama, tmp_path)  # 900 tokens take ~2 s: both requests are in flight at the kill
+def test_dead_core_fails_in_flight_requests_and_health(tiny_llama: Path, tmp_path: Path) -> None:
+    srv = start(tiny_llama, tmp_path, *SIM)  # 900 tokens take ~6 s: both requests are in flight at the kill
     try:
         stream = Stream(srv.base_url, max_tokens=900)
         stream.start()
