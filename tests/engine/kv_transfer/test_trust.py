@@ -198,9 +198,11 @@ def test_a_name_in_params_is_refused_at_once(pair) -> None:
 
 def test_a_producer_of_another_key_is_not_pulled_from(pair, tiny_llama: Path, tmp_path: Path) -> None:
     """A producer of another user (another local key) signs its params with its key: this consumer cannot
-    verify them, pulls nothing and recomputes."""
+    verify them, pulls nothing and recomputes. (The stranger is a sim rank: it signs as any producer does and
+    starts without torch; its params are refused as untrusted before anything else is looked at.)"""
     producer, consumer = pair
     stranger = EngineServer(tiny_llama, *COMMON, "--kv-transfer-config", kv_config("kv_producer"),
+                            "--device", "sim", "--kv-cache-memory-bytes", "1GiB",
                             env={"XDG_RUNTIME_DIR": str(tmp_path)}, log=tmp_path / "s.log")
     try:
         base = prompt_ids(70, 808)
