@@ -87,7 +87,7 @@ def test_group_tokens_equal_one_rank(kind: str, flags: list[str], request: pytes
                 assert status["wave"]["count"] >= 2 and all(m["joined"] for m in status["members"])
                 pids = [p.pid for p, _ in procs]
                 before, t0 = tree_usage(*pids)[0], time.monotonic()
-                time.sleep(5)
+                time.sleep(3)  # 0.3 CPU-s allowed: far above the clock ticks' resolution
                 used = (tree_usage(*pids)[0] - before) / (time.monotonic() - t0)
                 assert used < 0.05 * 2, f"two idle ranks used {used:.1%} of a core"
                 # a restarted coordinator: the ranks leave the group it does not know and form generation 2
