@@ -33,11 +33,12 @@ def engine(model: Path, role: str, log: Path) -> EngineServer:
 @pytest.fixture(scope="module")
 def pd(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     logs = tmp_path_factory.mktemp("route-pd")
-    producer = engine(tiny_llama, "kv_producer", logs / "p.log")
-    consumer = None
     routers: list[RouterServer] = []
+    with ThreadPoolExecutor(2) as pool:  # started side by side: each waits for its own /health
+        futures = [pool.submit(engine, tiny_llama, role, logs / f"{name}.log")
+                   for role, name in (("kv_producer", "p"), ("kv_consumer", "d"))]
     try:
-        consumer = engine(tiny_llama, "kv_consumer", logs / "d.log")
+        producer, consumer = (f.result() for f in futures)
         both = RouterServer("--prefill", producer.base_url, "--decode", consumer.base_url,
                             "--pd-min-prompt-tokens", "32", "--debug-headers", *FAST,
                             log=logs / "route.log").wait_ready()
@@ -49,9 +50,9 @@ def pd(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     finally:
         for r in routers:
             r.close()
-        if consumer is not None:
-            consumer.close()
-        producer.close()
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
 
 
 def ask(url: str, prompt: str, stream: bool) -> tuple[str, str]:
@@ -138,12 +139,12 @@ def test_concurrent_long_prompts_spread_over_prefill_ranks(tiny_llama: Path, tmp
           json.dumps({"kv_connector": "LbdConnector", "kv_role": "kv_producer",
                       "kv_connector_extra_config": {"max_lease_bytes": 1}}),
           json.dumps({"kv_connector": "LbdConnector", "kv_role": "kv_consumer"})]
-    ranks: list[EngineServer] = []
     router = None
+    with ThreadPoolExecutor(3) as pool:  # started side by side: each waits for its own /health
+        futures = [pool.submit(EngineServer, tiny_llama, *sim, "--kv-transfer-config", role,
+                               log=tmp_path / f"{i}.log") for i, role in enumerate(kv)]
     try:
-        for i, role in enumerate(kv):
-            log = tmp_path / f"{i}.log"
-            ranks.append(EngineServer(tiny_llama, *sim, "--kv-transfer-config", role, log=log))
+        ranks = [f.result() for f in futures]
         router = RouterServer("--prefill", ranks[0].base_url, "--prefill", ranks[1].base_url, "--decode",
                               ranks[2].base_url, "--pd-min-prompt-tokens", "32", "--debug-headers", *FAST,
                               log=tmp_path / "route.log").wait_ready()
@@ -157,8 +158,9 @@ def test_concurrent_long_prompts_spread_over_prefill_ranks(tiny_llama: Path, tmp
     finally:
         if router is not None:
             router.close()
-        for r in ranks:
-            r.close()
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
 
 
 @pytest.mark.parametrize("params", [

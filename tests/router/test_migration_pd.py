@@ -11,6 +11,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -33,12 +34,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineServ
     model = make_tiny_llama(tmp_path_factory.mktemp("model"), layers=8, hidden=512, heads=8, kv_heads=2,
                             intermediate=2048, max_pos=1024)
     logs = tmp_path_factory.mktemp("pd-move")
-    ranks: list[EngineServer] = []
     router = None
+    with ThreadPoolExecutor(3) as pool:  # started side by side: each waits for its own /health
+        futures = [pool.submit(EngineServer, model, *COMMON, "--kv-cache-memory-bytes", "64MiB",
+                               "--kv-transfer-config", kv_config(role), log=logs / f"{name}.log")
+                   for role, name in (("kv_producer", "p"), ("kv_consumer", "d1"), ("kv_consumer", "d2"))]
     try:
-        for role, name in (("kv_producer", "p"), ("kv_consumer", "d1"), ("kv_consumer", "d2")):
-            ranks.append(EngineServer(model, *COMMON, "--kv-cache-memory-bytes", "64MiB",
-                                      "--kv-transfer-config", kv_config(role), log=logs / f"{name}.log"))
+        ranks = [f.result() for f in futures]
         router = RouterServer("--prefill", ranks[0].base_url, "--decode", ranks[1].base_url, "--decode",
                               ranks[2].base_url, "--pd-min-prompt-tokens", "16", *FAST,
                               log=logs / "route.log").wait_ready()
@@ -46,8 +48,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineServ
     finally:
         if router is not None:
             router.close()
-        for r in ranks:
-            r.close()
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
 
 
 def stream(url: str, prompt: str, kill: dict[str, EngineServer] | None = None) -> dict[str, Any]:
