@@ -26,6 +26,7 @@ from support.procs import free_port_run
 STANDIN = Path(__file__).parents[1] / "support" / "standin_engine.py"
 MODEL = "org/some-model"
 TOKEN = "t0ken"
+NO_BACKOFF = ["--restart-backoff-initial-s", "0"]  # a killed rank is started again at once (default 1 s)
 FLAGS = ["--device", "cuda", "--tensor-parallel-size", "2", "--max-model-len", "512", "--max-num-seqs", "8"]
 
 
@@ -112,7 +113,8 @@ def _restart_and_drain(node: SupervisorNode, records: Path, engine: str) -> None
 async def test_vllm_ranks(standin_path: tuple[Path, Path], tmp_path: Path, start_router) -> None:
     bin_dir, records = standin_path
     node = SupervisorNode(MODEL, 2, "--rank-engine", "vllm", "--admin-token", TOKEN, "--served-model-name",
-                          "served", log=tmp_path / "vllm.log", env=_env(bin_dir, records), engine_flags=FLAGS)
+                          "served", *NO_BACKOFF, log=tmp_path / "vllm.log", env=_env(bin_dir, records),
+                          engine_flags=FLAGS)
     try:
         node.wait_ready(60)
         recs = _records(records, "vllm")
@@ -134,7 +136,7 @@ async def test_vllm_ranks(standin_path: tuple[Path, Path], tmp_path: Path, start
 async def test_sglang_ranks(standin_path: tuple[Path, Path], tmp_path: Path, start_router) -> None:
     bin_dir, records = standin_path
     node = SupervisorNode(MODEL, 2, "--rank-engine", "sglang", "--admin-token", TOKEN, "--block-size", "32",
-                          "--no-enable-prefix-caching", log=tmp_path / "sglang.log",
+                          "--no-enable-prefix-caching", *NO_BACKOFF, log=tmp_path / "sglang.log",
                           env=_env(bin_dir, records), engine_flags=FLAGS)
     try:
         node.wait_ready(60)
