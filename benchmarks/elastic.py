@@ -234,7 +234,7 @@ class Resizer(threading.Thread):
     def resize(self, size: int, action: str) -> None:
         busy = self.busy_leaving() if size == 1 else None
         began = time.monotonic()
-        moved = self.migrations()
+        moved = self.migrations()  # the router counts a move when the resumed stream ends: a cycle's moves
         r = self.node.client.post("/scale", json={"data_parallel_size_local": size},
                                   headers={"Authorization": f"Bearer {TOKEN}"})
         if r.status_code != 202:
@@ -246,7 +246,7 @@ class Resizer(threading.Thread):
         self.node.wait_for(lambda: sum(e["state"] == "ready" for e in self.router.status()["endpoints"])
                            == size, 120, f"{action}: the router routing to {size}")
         self.log.append({"t": round(began - self.t0, 2), "action": action,
-                         "took_s": round(time.monotonic() - began, 1), "resumed": self.migrations() - moved,
+                         "took_s": round(time.monotonic() - began, 1), "resumed_before": moved,
                          "leaving_rank_in_flight": busy})
         print(f"[{began - self.t0:7.1f} s] {action} in {time.monotonic() - began:.1f} s", flush=True)
 
@@ -295,6 +295,7 @@ def run_chaos(args: argparse.Namespace, out: Path) -> dict:
         asyncio.run(drive(load, resizer.done, t0))
         load1.append(os.getloadavg()[0])
         migrations = router.status().get("migrations")
+        resumed = resizer.migrations()
     finally:
         if router is not None:
             router.close()
@@ -313,7 +314,8 @@ def run_chaos(args: argparse.Namespace, out: Path) -> dict:
               "broken": sum(x["outcome"] == "broken_stream" for x in o),
               "wrong": sum(x["outcome"] == "wrong" for x in o), "failed_by_reason": failed,
               "failed_by_resize": blame(o, resizer.log), "migrations": migrations,
-              "resumed_per_scale_down": [a["resumed"] for a in shrinks],
+              "resumed_per_cycle": [b["resumed_before"] - a["resumed_before"] for a, b in
+                                    zip(shrinks, [*shrinks[1:], {"resumed_before": resumed}], strict=True)],
               "leaving_rank_in_flight": [a["leaving_rank_in_flight"] for a in shrinks],
               "resize_s": {"shrink": [a["took_s"] for a in shrinks],
                            "grow": [a["took_s"] for a in resizer.log if a["action"].startswith("grow")]},
@@ -378,10 +380,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-layers", type=int, default=8,
                    help="the CPU ranks' tiny Llama's layers (hidden 512): slow enough that streams run at a "
                         "scale-down")
-    p.add_argument("--chaos-max-num-seqs", type=int, default=4,
-                   help="the CPU ranks' --max-num-seqs: small, so requests queue (in flight at SIGTERM)")
-    p.add_argument("--chaos-rate", type=float, default=3.0, help="requests per second of the chaos mix")
-    p.add_argument("--chaos-max-tokens", type=int, default=64, help="the chaos mix's base answer length")
+    p.add_argument("--chaos-max-num-seqs", type=int, default=8,
+                   help="the CPU ranks' --max-num-seqs")
+    p.add_argument("--chaos-rate", type=float, default=1.5, help="requests per second of the chaos mix")
+    p.add_argument("--chaos-max-tokens", type=int, default=128, help="the chaos mix's base answer length")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
