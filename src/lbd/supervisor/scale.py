@@ -112,6 +112,8 @@ class Scaler:
         else:
             workers = [w for w in self.node.workers if w.spec.local_rank >= target]
             result.removing = [w.spec.rank for w in workers]
+            for w in workers if self.node.group is None else ():  # (MoE: the group re-forms first)
+                w.mark_leaving()
             self._set_size(target)
             work = self._shrink(result, workers)
         self._task = asyncio.create_task(self._guarded(work, result, direction), name="resize")
@@ -200,6 +202,8 @@ class Scaler:
         if why is not None:
             log.warning("resize %d -> %d failed: %s", result.previous, result.target, why)
             result.error = why
+            for w in workers:
+                w.mark_leaving(False)
             self._set_size(result.previous)
             self._finish(result, "shrink", FAILED)
             return
