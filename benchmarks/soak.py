@@ -272,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                 now = time.monotonic()
                 sampler.sample(now - t0)
                 if now >= next_chaos and now - t0 < args.duration_s - 5:
-                    if wait_for(chaos.ready, 60):  # every rank ready (and routed) first
+                    # every rank ready (and routed) first; not once the load is over: an action then loses
+                    # nothing by construction, and the final readiness check could pass before the
+                    # supervisor saw it (a late kill failed the run's last prefill, connection refused)
+                    if wait_for(chaos.ready, 60) and not stop.is_set():
                         record = chaos.act(time.monotonic() - t0)
                         print(f"[{record['t']:7.1f} s] {record['action']} rank {record['rank']}: "
                               f"{record['detail']}", flush=True)
