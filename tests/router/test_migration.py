@@ -1,9 +1,9 @@
 """`lbd route` resumes a request on another rank when its rank fails mid-answer (lbd.router.migration).
 
 Two real engine ranks of the slower tiny Llama, each behind a stand-in for a flaky link (``LinkCut``), behind
-one `lbd route`. A greedy 200-token answer is broken after about 50 tokens by a rank SIGKILL, a link reset or
+one `lbd route`. A greedy 120-token answer is broken after 40 tokens by a rank SIGKILL, a link reset or
 a SIGKILL of the rank's core alone; the client's answer must equal the unbroken run's, with one ``[DONE]``,
-one ``id`` and ``usage.completion_tokens`` 200. A killed rank is started again on its port in the background
+one ``id`` and ``usage.completion_tokens`` 120. A killed rank is started again on its port in the background
 while the next test runs.
 """
 
@@ -30,8 +30,8 @@ from support.procs import free_port, spawn, stop, wait_http
 from support.tiny import make_tiny_llama
 
 MODEL = "tiny"
-TOKENS = 200
-BREAK_AT = 50
+TOKENS = 120
+BREAK_AT = 40
 PROMPT = "def add(a, b): return a + b # numbers 0123456789 and symbols"
 MESSAGES = [{"role": "user", "content": "Count the numbers 0123456789 and add them."}]
 FAST = ("--health-check-interval-s", "0.3", "--health-check-timeout-s", "1", "--health-failure-threshold",
@@ -82,8 +82,8 @@ class Rank:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Rank]]:
-    # 8 layers, 512 wide: a 200-token answer takes about a second, so a fault after 50 tokens meets a rank
-    # that is still generating (the 2-layer Llama would have finished)
+    # 8 layers, 512 wide: a 120-token answer takes about 0.6 s unloaded, so a fault after 40 tokens meets a
+    # rank that is still generating (the 2-layer Llama would have finished)
     model = make_tiny_llama(tmp_path_factory.mktemp("model"), layers=8, hidden=512, heads=8, kv_heads=2,
                             intermediate=2048, max_pos=1024)
     logs = tmp_path_factory.mktemp("ranks")
@@ -312,7 +312,7 @@ def test_migration_limit_0_ends_the_stream_as_before(ranks: list[Rank], tmp_path
 def test_a_stop_string_after_the_move_ends_the_answer_as_unbroken(router: str, ranks: list[Rank],
                                                                    unbroken: dict) -> None:
     text = unbroken["cmpl"]["text"]
-    # a stop string well after the break (the chunk of token 50 is at most a few characters a token in)
+    # a stop string well after the break (the chunk of token 40 is at most a few characters a token in)
     at = next(i for i in range(len(text) * 2 // 3, len(text) - 3) if text.find(text[i:i + 3]) == i)
     stop = text[at:at + 3]
     want = streamed(router, "cmpl", stop=[stop])
