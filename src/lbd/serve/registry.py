@@ -103,6 +103,8 @@ class Registry(AppServer):
                                        f"{self.limits.body_read_timeout_s:g} s")
         except PeerReadTooLarge:  # a chunked body has no length to check first
             return error_response(413, f"registration body over {cap} bytes")
+        except ConnectionError:  # the link dropped mid-body (a stale heartbeat): nobody reads the answer
+            return error_response(400, "registration body cut off: the connection was reset")
 
     async def _body(self, request: web.Request, decode: Callable[[bytes], Body]) -> Body | web.Response:
         raw = await self._raw(request)
