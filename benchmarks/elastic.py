@@ -26,11 +26,13 @@ with POST /scale between points), ``--sweep-s`` each, counting requests after ``
 the smallest size meeting the SLO (a level starts at the size the level below it needed). The autoscaled
 run's mean ranks per level are then set against it (the issue: within 15%).
 
-**Scale-downs under the chaos mix** (``--chaos-scale-downs N``): `lbd supervise` with 2 CPU ranks of a tiny
-random Llama behind `lbd route`, the chaos soak's open-loop mix (``soak.Load``, ``soak_mix.kinds``: every
-answer held to the unbroken one's text, finish reason and token count); N times: shrink 2 -> 1 (the leaving
-rank's streams resumed elsewhere), grow back to 2 and wait until the router routes to it. Reported: sent,
-lost, broken, wrong (0, 0, 0 is the acceptance), failures by the resize they followed, streams resumed.
+**Scale-downs under the chaos mix** (``--chaos-scale-downs N``): `lbd supervise` with 2 CPU ranks of a random
+8-layer Llama (hidden 512; slow enough that streams run at a scale-down) behind `lbd route --workers 1`, the
+chaos soak's open-loop mix (``soak.Load``, ``soak_mix.kinds``: every answer held to the unbroken one's text,
+finish reason and token count); N times: wait until the leaving rank has requests in flight, shrink 2 -> 1
+(drain 0 s, ``--chaos-shutdown-timeout`` 0 s: what still runs is cut and must be resumed elsewhere), grow back
+to 2 and wait until the router routes to it. Reported: sent, lost, broken, wrong (0, 0, 0 is the acceptance),
+failures by the resize they followed, streams the router resumed per cycle.
 
     .venv/bin/python benchmarks/elastic.py [--sweep] [--no-steps] [--chaos-scale-downs 20] [--out DIR]
 
