@@ -90,14 +90,18 @@ def test_planner_scales_up_after_up_after_s_and_then_cools_down() -> None:
     assert p2.observe(_hot(1), 1, 4.5) == 2
 
 
-def test_planner_jumps_up_but_steps_down() -> None:
+def test_planner_jumps_up_and_comes_down_to_the_window_s_highest_recommendation() -> None:
     p = Planner(1, 8, up_after_s=0.0, down_after_s=10.0, cooldown_s=0.0)
     assert p.observe(Signals(2, 1.0, 64000, 8.0, 2.0), 2, 0.0) == 8
-    assert p.observe(_idle(8), 8, 1.0) is None
+    assert p.observe(Signals(8, 0.35, 0, 0.0), 8, 1.0) is None  # recommends 4
+    assert p.observe(_idle(8), 8, 5.0) is None  # recommends 1: the window still holds the 4
     assert p.observe(_idle(8), 8, 10.9) is None
-    assert p.observe(_idle(8), 8, 11.0) == 7  # one step, after down_after_s below
-    assert p.observe(_idle(7), 7, 12.0) is None  # the trend starts again at the new size
-    assert p.observe(_idle(7), 7, 22.0) == 6
+    assert p.observe(_idle(8), 8, 11.0) == 4  # after down_after_s below: the highest seen meanwhile
+    assert p.observe(_idle(4), 4, 12.0) is None  # the trend starts again at the new size
+    assert p.observe(Signals(4, 0.7, 0, 0.0), 4, 13.0) is None  # at the size (4): the trend is broken
+    assert p.observe(_idle(4), 4, 14.0) is None
+    assert p.observe(_idle(4), 4, 23.9) is None
+    assert p.observe(_idle(4), 4, 24.0) == 1
     assert p.decisions == 3
 
 

@@ -33,6 +33,8 @@ LBD = [sys.executable, "-m", "lbd", "route"]
         (["--upstreams", "http://h:1", "--bogus"], "--bogus"),
         (["--upstreams", "http://h:1", "--kv-events", "maybe"], "--kv-events"),
         (["--upstreams", "http://h:1", "--evict-weight", "-1"], "--evict-weight"),
+        (["--upstreams", "http://h:1", "--autoscale-target-utilization", "0"],
+         "--autoscale-target-utilization"),
         (["--upstreams", "http://h:1", "--tokenizer", "/nonexistent"], "--tokenizer"),
         (["--upstreams", "http://h:1", "--kv-events", "off", "--forward-prompt-ids"], "--forward-prompt-ids"),
         (["--upstreams", "http://h:1", "--forward-prompt-ids"], "LBD_INTERNAL_KEY"),  # nothing to sign with

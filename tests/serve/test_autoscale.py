@@ -21,22 +21,27 @@ SIM = ["--device", "sim", "--sim-profile", "a100-llama3-8b", "--max-model-len", 
 CLIENTS = 6
 
 
-@pytest.mark.parametrize(("value", "says"), [("2:1", "1 <= MIN <= MAX"), ("0:2", "1 <= MIN <= MAX"),
-                                             ("3", "MIN:MAX")])
-def test_bad_autoscale_exits_2_naming_the_flag(value: str, says: str, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(("args", "says"), [
+    (["--autoscale", "2:1"], "1 <= MIN <= MAX"), (["--autoscale", "0:2"], "1 <= MIN <= MAX"),
+    (["--autoscale", "3"], "MIN:MAX"),
+    (["--autoscale", "1:2", "--autoscale-target-utilization", "1.5"], "--autoscale-target-utilization")])
+def test_bad_autoscale_exits_2_naming_the_flag(args: list[str], says: str,
+                                               capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as done:
-        parse(["--device", "sim", "--autoscale", value], env={})
+        parse(["--device", "sim", *args], env={})
     err = capsys.readouterr().err
     assert done.value.code == 2 and "--autoscale" in err and says in err, err
 
 
-
-def test_the_ttft_target_reaches_the_router() -> None:
+def test_the_ttft_target_and_the_utilization_reach_the_router_and_the_planner() -> None:
     plan = parse(["--device", "sim", "--autoscale", "1:3", "--ttft-target-ms", "500",
-                  "--port", str(free_port_run(2))], env={})
+                  "--autoscale-target-utilization", "0.85", "--port", str(free_port_run(2))], env={})
     assert plan is not None and plan.autoscale is not None and plan.autoscale.max_ranks == 3
-    assert plan.route_argv is not None and plan.route_argv[-2:] == ["--ttft-target-ms", "500.0"]
+    assert plan.autoscale.target_utilization == 0.85
+    assert plan.route_argv is not None
+    assert plan.route_argv[-4:] == ["--ttft-target-ms", "500.0", "--autoscale-target-utilization", "0.85"]
     assert plan.dp_size_local == 1 and "--min-ready-endpoints" in plan.route_argv
+
 
 def _load(url: str, stop: threading.Event, codes: list[int]) -> None:
     with httpx.Client(timeout=60) as client:

@@ -32,7 +32,8 @@ from lbd.router.flow.settings import FlowSettings
 
 
 def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s: float, held_tokens: float,
-                  ttft_target_s: float, policy: Any) -> AutoscaleReport:
+                  ttft_target_s: float, policy: Any, target_utilization: float = scaling.TARGET_UTILIZATION
+                  ) -> AutoscaleReport:
     """The fleet's signals and the rule's recommendation (at least 1 rank; no upper bound: the
     autoscaler's own bounds apply)."""
     avg_prompt = _learned(policy, "avg_prompt_tokens", scaling.TOKENS_PER_WAITING_REQUEST)
@@ -47,7 +48,7 @@ def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s
         backlog += max(snap.unstarted_tokens, snap.waiting * avg_prompt if fresh else 0.0)
     rate = _learned(policy, "rate", scaling.PREFILL_TOKENS_PER_S)
     signals = scaling.fleet_signals(loads, round(backlog), ttft_target_s, rate)
-    return scaling.report(signals)
+    return scaling.report(signals, target_utilization=target_utilization)
 
 
 def held_tokens(rows: Iterable[Any]) -> float:

@@ -155,6 +155,7 @@ class RouterConfig:
     routing_config: Path | None = None  # the file the policy's profile was composed from
     flow: FlowSettings = field(default_factory=FlowSettings)  # flow control (lbd.router.flow)
     ttft_target_s: float = 2.0  # the autoscaling signals' TTFT target (lbd.router.autoscale_signals)
+    autoscale_target_utilization: float = 0.7  # the busy fraction the recommendation aims for
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -329,7 +330,8 @@ def _config(ns: argparse.Namespace, upstreams: list[Upstream], limits: Limits) -
         max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_queued_tokens=ns.max_num_queued_tokens,
         shutdown_timeout_s=ns.shutdown_timeout, routing_config=ns.routing_config, flow=ns.flow,
-        ttft_target_s=ns.ttft_target_ms / 1000, **_pd_settings(ns), **_kv_index_settings(ns),
+        ttft_target_s=ns.ttft_target_ms / 1000, autoscale_target_utilization=ns.autoscale_target_utilization,
+        **_pd_settings(ns), **_kv_index_settings(ns),
     )
 
 
@@ -372,6 +374,8 @@ def _check_numbers(p: OneLineParser, ns: argparse.Namespace) -> None:
                         "--max-num-queued-tokens": ns.max_num_queued_tokens}.items():
         if value is not None:
             positive[flag] = value
+    if not 0 < ns.autoscale_target_utilization <= 1:
+        p.error(f"--autoscale-target-utilization must be in (0, 1], got {ns.autoscale_target_utilization}")
     if ns.stale_after_ms is not None:
         positive["--stale-after-ms"] = ns.stale_after_ms
     if ns.kv_index_max_blocks_per_endpoint is not None:

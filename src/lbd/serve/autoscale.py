@@ -31,7 +31,7 @@ import aiohttp
 import msgspec
 
 from lbd.common.limits import read_aiohttp
-from lbd.common.scaling import AutoscaleReport, Planner, Signals
+from lbd.common.scaling import TARGET_UTILIZATION, AutoscaleReport, Planner, Signals
 from lbd.supervisor.flags import ADMIN_TOKEN_ENV, SupervisorArgError
 from lbd.wire import scale as wire_scale
 from lbd.wire.status import AutoscaleState, SupervisorStatus
@@ -49,6 +49,7 @@ class AutoscaleSettings:
     up_after_s: float = 10.0
     down_after_s: float = 120.0
     cooldown_s: float = 30.0
+    target_utilization: float = TARGET_UTILIZATION
 
 
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,8 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
                    help="resize this node between MIN and MAX ranks by the router's recommendation "
                         "(lbd_router_autoscale_recommended_ranks): up once it stays above the size for "
                         "--autoscale-up-after-s, down one rank once it stays below for "
-                        "--autoscale-down-after-s; --data-parallel-size is the starting size")
+                        "--autoscale-down-after-s (to the highest recommendation of that time); "
+                        "--data-parallel-size is the starting size")
     g.add_argument("--autoscale-interval-s", type=float, default=d.interval_s,
                    help="how often the planner reads the router's signals")
     g.add_argument("--autoscale-up-after-s", type=float, default=d.up_after_s,
@@ -67,6 +69,9 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
                    help="remove a rank once the recommendation has stayed below the size this long")
     g.add_argument("--autoscale-cooldown-s", type=float, default=d.cooldown_s,
                    help="decide nothing this long after a resize (its signals settle first)")
+    g.add_argument("--autoscale-target-utilization", type=float, default=None,
+                   help=f"the router's --autoscale-target-utilization (default {TARGET_UTILIZATION}): the "
+                        "busy fraction the recommendation aims for, in (0, 1]")
     g.add_argument("--ttft-target-ms", type=float, default=None,
                    help="the router's --ttft-target-ms (default 2000): the TTFT its recommendation sizes the "
                         "fleet for (lbd_router_autoscale_*, and --autoscale)")
@@ -74,6 +79,10 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
 
 def autoscale_settings(ns: argparse.Namespace) -> AutoscaleSettings | None:
     """The checked settings (None without --autoscale); SupervisorArgError naming the flag (exit 2)."""
+    target = ns.autoscale_target_utilization
+    target = TARGET_UTILIZATION if target is None else target
+    if not 0 < target <= 1:
+        raise SupervisorArgError(f"--autoscale-target-utilization must be in (0, 1], got {target}")
     if ns.autoscale is None:
         for flag in ("interval_s", "up_after_s", "down_after_s", "cooldown_s"):
             if getattr(ns, f"autoscale_{flag}") != getattr(AutoscaleSettings(1, 1), flag):
@@ -95,7 +104,7 @@ def autoscale_settings(ns: argparse.Namespace) -> AutoscaleSettings | None:
             raise SupervisorArgError(f"--autoscale-{flag.replace('_', '-')} must be >= 0, got "
                                      f"{getattr(ns, f'autoscale_{flag}')}")
     return AutoscaleSettings(lo, hi, ns.autoscale_interval_s, ns.autoscale_up_after_s,
-                             ns.autoscale_down_after_s, ns.autoscale_cooldown_s)
+                             ns.autoscale_down_after_s, ns.autoscale_cooldown_s, target)
 
 
 def check_autoscale_topology(ns: argparse.Namespace, local: int, n: int, headless: bool) -> None:
@@ -146,7 +155,7 @@ class Autoscaler:
         self.status = status  # () -> the node supervisor's last SupervisorStatus, or None
         self.router_key, self.scale_token, self.tls = router_key, scale_token, tls
         self.planner = Planner(settings.min_ranks, settings.max_ranks, settings.up_after_s,
-                               settings.down_after_s, settings.cooldown_s)
+                               settings.down_after_s, settings.cooldown_s, settings.target_utilization)
         self.last_decision: str | None = None
         self.error: str | None = None
         self._session: aiohttp.ClientSession | None = None

@@ -67,6 +67,8 @@ def route_argv(ns: argparse.Namespace, role: NodeRole, needed: int) -> list[str]
         argv += ["--max-num-queued-tokens", str(ns.max_num_queued_tokens)]
     if ns.ttft_target_ms is not None:  # the autoscaling signals' target (lbd.serve.autoscale)
         argv += ["--ttft-target-ms", str(ns.ttft_target_ms)]
+    if ns.autoscale_target_utilization is not None:
+        argv += ["--autoscale-target-utilization", str(ns.autoscale_target_utilization)]
     if getattr(ns, "otlp_traces_endpoint", None):  # the router's span is the engine span's parent
         argv += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
     if getattr(ns, "prefill_ranks", None) or getattr(ns, "decode_ranks", None):  # a P/D node: two stages
