@@ -91,24 +91,6 @@ def http_app(coord: Machine, metrics: CoordinatorMetrics, send: Callable[[Outgoi
 
     from lbd.engine.server.errors import APIError, error_response
 
-    async def read_body(request: web.Request, example: str) -> dict[str, Any]:
-        """The JSON object of a POST (empty: {}); APIError for a body too big, too slow or not an object."""
-        if not request.can_read_body:
-            return {}
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            raise APIError(f"body over {MAX_BODY_BYTES} bytes", 413)
-        try:
-            raw = await asyncio.wait_for(request.content.read(MAX_BODY_BYTES + 1), BODY_READ_S)
-        except TimeoutError:
-            raise APIError(f"body not received within {BODY_READ_S:g} s", 408) from None
-        try:
-            body = json.loads(raw) if len(raw) <= MAX_BODY_BYTES else None
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            raise APIError(f"body must be a JSON object of at most {MAX_BODY_BYTES} bytes: {example}", 400)
-        return body
-
     async def status(request: web.Request) -> web.Response:
         return web.Response(body=msgspec.json.encode(coord.status(time.monotonic())),
                             content_type="application/json")
@@ -126,7 +108,7 @@ def http_app(coord: Machine, metrics: CoordinatorMetrics, send: Callable[[Outgoi
             name = request.match_info["rank"]
             return error_response(APIError(f"no member {name}: ranks are 0..{coord.size - 1}", 404, "rank"))
         try:
-            body = await read_body(request, '{"reason": "..."}')
+            body = await _read_body(request, '{"reason": "..."}')
         except APIError as e:
             return error_response(e)
         reason = str(body.get("reason") or "reported failed by the supervisor")
@@ -135,7 +117,7 @@ def http_app(coord: Machine, metrics: CoordinatorMetrics, send: Callable[[Outgoi
 
     async def resize(request: web.Request) -> web.Response:
         try:
-            body = await read_body(request, '{"size": N}')
+            body = await _read_body(request, '{"size": N}')
             size = body.get("size")
             if not isinstance(size, int) or isinstance(size, bool):
                 raise APIError('body must be {"size": N} with N a whole number of ranks', 400, "size")
@@ -147,14 +129,7 @@ def http_app(coord: Machine, metrics: CoordinatorMetrics, send: Callable[[Outgoi
         await send(out)
         return web.json_response({"generation": coord.generation, "state": coord.state, "size": coord.size})
 
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if token and not bearer_ok(request.headers.get("Authorization"), token):
-            return error_response(APIError("missing or wrong cluster token: start every node with the same "
-                                           f"{CLUSTER_TOKEN_ENV}", 401))
-        return await handler(request)
-
-    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_auth(token)], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics_text)
     app.router.add_post("/members/{rank}/failed", failed)
@@ -162,3 +137,38 @@ def http_app(coord: Machine, metrics: CoordinatorMetrics, send: Callable[[Outgoi
     return app
 
 
+async def _read_body(request: web.Request, example: str) -> dict[str, Any]:
+    """The JSON object of a POST (empty: {}); APIError for a body too big, too slow or not an object."""
+    from lbd.engine.server.errors import APIError
+
+    if not request.can_read_body:
+        return {}
+    if (request.content_length or 0) > MAX_BODY_BYTES:
+        raise APIError(f"body over {MAX_BODY_BYTES} bytes", 413)
+    try:
+        raw = await asyncio.wait_for(request.content.read(MAX_BODY_BYTES + 1), BODY_READ_S)
+    except TimeoutError:
+        raise APIError(f"body not received within {BODY_READ_S:g} s", 408) from None
+    try:
+        body = json.loads(raw) if len(raw) <= MAX_BODY_BYTES else None
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise APIError(f"body must be a JSON object of at most {MAX_BODY_BYTES} bytes: {example}", 400)
+    return body
+
+
+def _auth(token: str | None) -> Any:
+    """The bearer-token middleware (a no-op without a token)."""
+    from aiohttp import web
+
+    from lbd.engine.server.errors import APIError, error_response
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and not bearer_ok(request.headers.get("Authorization"), token):
+            return error_response(APIError("missing or wrong cluster token: start every node with the same "
+                                           f"{CLUSTER_TOKEN_ENV}", 401))
+        return await handler(request)
+
+    return auth
