@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import ssl
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import msgspec
 
 from lbd.common.limits import read_aiohttp
 from lbd.common.scaling import TARGET_UTILIZATION, AutoscaleReport, Planner, Signals
-from lbd.supervisor.flags import ADMIN_TOKEN_ENV, SupervisorArgError
+from lbd.supervisor.flags import SupervisorArgError
 from lbd.wire import scale as wire_scale
 from lbd.wire.status import AutoscaleState, SupervisorStatus
 
@@ -130,17 +129,6 @@ def autoscale_plan(ns: argparse.Namespace, local: int, n: int, headless: bool,
         return None, needed
     check_autoscale_topology(ns, local, n, headless)
     return settings, min(needed, settings.min_ranks)
-
-
-def admin_token(supervise_argv: list[str]) -> str | None:
-    """The node supervisor's admin token (it takes POST /scale with it): its --admin-token, else the
-    environment it inherits."""
-    for i, arg in enumerate(supervise_argv):
-        if arg.startswith("--admin-token="):
-            return arg.split("=", 1)[1]
-        if arg == "--admin-token" and i + 1 < len(supervise_argv):
-            return supervise_argv[i + 1]
-    return os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
 class Autoscaler:

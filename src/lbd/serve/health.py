@@ -38,7 +38,6 @@ from lbd.common.tls import server_context
 from lbd.serve.group import Group, rendezvous, span
 from lbd.serve.member import REGISTERED, Membership, url_host
 from lbd.serve.plan import Plan
-from lbd.supervisor.flags import ADMIN_TOKEN_ENV
 from lbd.supervisor.health import AppServer, error_response, json_errors
 from lbd.supervisor.scale import scale_denied, scale_keys
 from lbd.wire import scale as wire_scale
@@ -131,7 +130,7 @@ class NodeHealth(AppServer):
         self.failure: str | None = None
         self.started = time.monotonic()
         self.autoscale: Callable[[], AutoscaleState] | None = None  # --autoscale's planner state (node.py)
-        self._scale_keys = scale_keys(_admin_token(plan.supervise_argv), plan.cluster_token)
+        self._scale_keys = scale_keys(plan.admin_token, plan.cluster_token)
         self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/readyz", self.readyz), web.get("/status", self.status),
@@ -306,16 +305,6 @@ class NodeHealth(AppServer):
             return error_response(404, "this node runs no ranks (--data-parallel-size-local 0)")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         return await self.local.forward("POST", request.path, headers)
-
-
-def _admin_token(supervise_argv: list[str]) -> str | None:
-    """The supervisor child's admin token: its --admin-token, else $LBD_ADMIN_TOKEN (which it inherits)."""
-    for i, arg in enumerate(supervise_argv):
-        if arg.startswith("--admin-token="):
-            return arg.split("=", 1)[1] or None
-        if arg == "--admin-token" and i + 1 < len(supervise_argv):
-            return supervise_argv[i + 1]
-    return os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
 def _serving(rank: RankStatus) -> bool:

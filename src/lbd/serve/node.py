@@ -27,7 +27,7 @@ from lbd.common.cluster import CLUSTER_TOKEN_ENV
 from lbd.common.internal_key import INTERNAL_KEY_ENV
 from lbd.common.tls import client_context, server_context
 from lbd.router.auth import ROUTER_KEYS_ENV, UPSTREAM_KEY_ENV
-from lbd.serve.autoscale import Autoscaler, admin_token
+from lbd.serve.autoscale import Autoscaler
 from lbd.serve.group import Group
 from lbd.serve.health import FAILED, RUNNING, STOPPING, LocalSupervisor, NodeHealth
 from lbd.serve.member import CONNECTING, Membership
@@ -258,7 +258,7 @@ class DeploymentNode:
         assert plan.autoscale is not None and local is not None and self.health is not None
         scheme = "https" if plan.ssl_certfile else "http"
         router = f"{scheme}://{_loopback_of(plan.router_host)}:{plan.router_port}"
-        token = plan.cluster_token or admin_token(plan.supervise_argv)
+        token = plan.cluster_token or plan.admin_token
         planner = Autoscaler(plan.autoscale, router, local.base, lambda: local.status,
                              plan.api_keys[0] if plan.api_keys else None, token, local.tls)
         self.health.autoscale = planner.state

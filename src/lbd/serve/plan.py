@@ -25,6 +25,7 @@ from lbd.serve.child_argv import group_argv, route_argv, supervise_argv
 from lbd.serve.security import check_cluster_auth, check_tls, cluster_token
 from lbd.supervisor.config import parse_args
 from lbd.supervisor.flags import (
+    ADMIN_TOKEN_ENV,
     OneLineParser,
     SupervisorArgError,
     add_supervisor_arguments,
@@ -77,6 +78,18 @@ class Plan:
     ssl_ca_certs: str | None = None  # how the node's parts verify each other (else the system's store)
     insecure_cluster: bool = False  # --insecure-cluster: registration beyond loopback without a token
     autoscale: AutoscaleSettings | None = None  # --autoscale MIN:MAX (lbd.serve.autoscale)
+
+    @property
+    def admin_token(self) -> str | None:
+        """The supervisor child's admin token (it takes POST /scale and the admin endpoints with it): its
+        --admin-token, else $LBD_ADMIN_TOKEN, which it inherits."""
+        argv = self.supervise_argv
+        for i, arg in enumerate(argv):
+            if arg.startswith("--admin-token="):
+                return arg.split("=", 1)[1] or None
+            if arg == "--admin-token" and i + 1 < len(argv):
+                return argv[i + 1]
+        return os.environ.get(ADMIN_TOKEN_ENV) or None
 
     @property
     def view_is_group(self) -> bool:

@@ -164,14 +164,12 @@ class RankWorker:
             self._set_state(RankState.STOPPED)
         await self._stop_process(grace_s)
 
-    def mark_leaving(self, leaving: bool = True) -> None:
-        """The node shrinks past this rank (lbd.supervisor.scale): ``draining`` now, so routers stop sending
-        it new requests the moment the resize is accepted, before ``retire`` runs; ``False`` undoes it when
-        the resize fails before the rank was retired."""
-        if leaving and self.state is RankState.READY:
+    def mark_leaving(self) -> None:
+        """The node shrinks past this dense rank (lbd.supervisor.scale): ``draining`` now, so routers stop
+        sending it new requests the moment the resize is accepted, before ``retire`` runs (a dense shrink
+        cannot fail after that; an MoE group's can, so its members are not marked)."""
+        if self.state is RankState.READY:
             self._set_state(RankState.DRAINING)
-        elif not leaving and self.state is RankState.DRAINING and not self._stopping:
-            self._set_state(RankState.READY)
 
     async def retire(self, drain_timeout_s: float, grace_s: float) -> None:
         """Leave for good (the node shrinks, lbd.supervisor.scale). The lifecycle ends first, so no failure

@@ -202,8 +202,6 @@ class Scaler:
         if why is not None:
             log.warning("resize %d -> %d failed: %s", result.previous, result.target, why)
             result.error = why
-            for w in workers:
-                w.mark_leaving(False)
             self._set_size(result.previous)
             self._finish(result, "shrink", FAILED)
             return
