@@ -10,7 +10,7 @@ import pytest
 
 from lbd.engine.config.args import make_parser
 from lbd.supervisor.config import parse_args, visible_cuda_devices
-from lbd.supervisor.rank import Backoff
+from lbd.supervisor.rank_types import Backoff
 from support import free_port_run
 
 

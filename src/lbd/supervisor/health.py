@@ -131,7 +131,7 @@ from lbd.common.tls import server_context
 from lbd.supervisor.autoscale_signals import NodeSignals
 from lbd.supervisor.config import WILDCARD_HOSTS
 from lbd.supervisor.node import PHASES, Supervisor  # one way: the node never imports this module
-from lbd.supervisor.rank import Command
+from lbd.supervisor.rank_types import Command
 from lbd.supervisor.scale import Scaler, ScaleRefused, scale_denied, scale_keys
 from lbd.wire import scale as wire_scale
 

@@ -16,7 +16,8 @@ from lbd.supervisor.config import SupervisorConfig
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import Prober
 from lbd.supervisor.process import RankProcess
-from lbd.supervisor.rank import Command, FailureAction, RankWorker, StartRank
+from lbd.supervisor.rank import RankWorker
+from lbd.supervisor.rank_types import Command, FailureAction, StartRank
 from lbd.wire.states import NodePhase, RankState, RollingState
 
 if TYPE_CHECKING:

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from lbd.common.redact import redact_argv
 from lbd.supervisor.config import RankSpec, SupervisorConfig
+from lbd.supervisor.drain import until_idle
 from lbd.supervisor.metrics import SupervisorMetrics
 from lbd.supervisor.probe import CORE_DEAD, GROUP_WAIT, Prober, ProbeResult
 from lbd.supervisor.process import RankProcess
+from lbd.supervisor.rank_types import (
+    SUPERVISED_STATES,
+    Backoff,
+    Command,
+    FailureAction,
+    RankHandle,
+    StartRank,
+)
 from lbd.wire.events import RankEvent, RankEventKind
 from lbd.wire.roles import RankRole
 from lbd.wire.states import RankState
@@ -34,60 +41,6 @@ log = logging.getLogger("lbd.supervisor")
 
 STARTUP_PROBE_INTERVAL_S = 0.25  # while starting, probe this often (connection refused costs nothing)
 FAILED_STOP_GRACE_S = 3.0  # a hung or dead rank gets this long to exit on SIGTERM before SIGKILL
-DRAIN_POLL_S = 0.2  # how often a draining rank's in-flight count is read
-DRAIN_SETTLE_S = 1.0  # least time in `draining`, so routers polling /status see it before the restart
-
-
-class RankHandle(Protocol):
-    """A started rank, wherever it runs: a local process (RankProcess) or one Ray placed (ray_rank). A handle
-    may also keep ``stderr_tail`` (last lines, redacted) and ``error_line()`` for /status; a local process
-    does."""
-
-    pid: int
-
-    async def wait(self) -> int: ...
-    async def stop(self, grace_s: float) -> int | None: ...
-    async def kill_tree(self) -> None: ...
-
-
-StartRank = Callable[[RankSpec], Awaitable[RankHandle]]
-
-
-# the states a supervisor puts its ranks in (lbd.wire.status.RankState also names lbd serve's placeholders)
-SUPERVISED_STATES = (RankState.STARTING, RankState.READY, RankState.UNHEALTHY, RankState.RESTARTING,
-                     RankState.DRAINING, RankState.STOPPED, RankState.FAILED)
-
-
-class FailureAction(enum.StrEnum):
-    """What the node decides when a rank fails (see Supervisor.on_rank_failure)."""
-
-    RESTART_RANK = "restart"  # this rank alone, after its backoff; the others keep serving
-    EXIT = "exit"  # the node shuts down and exits non-zero (vLLM's behaviour)
-    # A member of an MoE group: SIGKILLed at once (its peers wait on it), the group told (``after_stop``),
-    # then started again after its backoff while the survivors re-join a new process group (.group).
-    REPLACE_MEMBER = "replace_member"
-
-
-class Command(enum.StrEnum):
-    RESTART = "restart"  # graceful stop (SIGTERM; the engine finishes its requests), then start again
-    DRAIN = "drain"  # routers stop sending, wait for zero in-flight requests, then restart
-
-
-@dataclass(slots=True)
-class Backoff:
-    """Restart delays: initial, doubling up to maximum; back to initial after `reset_after` s of health."""
-
-    initial: float
-    maximum: float
-    reset_after: float
-    _next: float = -1.0
-
-    def next_delay(self, healthy_for_s: float) -> float:
-        if self._next < 0 or healthy_for_s >= self.reset_after:
-            self._next = self.initial
-        delay = self._next
-        self._next = min(max(self._next * 2, self.initial), self.maximum)
-        return min(delay, self.maximum)
 
 
 class RankWorker:
@@ -173,20 +126,13 @@ class RankWorker:
 
     async def retire(self, drain_timeout_s: float, grace_s: float) -> None:
         """Leave for good (the node shrinks, lbd.supervisor.scale). The lifecycle ends first, so no failure
-        policy restarts it; state draining (routers stop sending) for at least DRAIN_SETTLE_S and until no
-        request is in flight or ``drain_timeout_s``; then SIGTERM (the engine gives what still runs its
-        --shutdown-timeout, then cuts it), SIGKILL of the tree after ``grace_s``; state stopped."""
+        policy restarts it; state draining (routers stop sending) until it is idle (lbd.supervisor.drain) or
+        ``drain_timeout_s``; then SIGTERM (the engine gives what still runs its --shutdown-timeout, then cuts
+        it), SIGKILL of the tree after ``grace_s``; state stopped."""
         await self._halt()
         if self._proc is not None:
             self._set_state(RankState.DRAINING)
-            loop = asyncio.get_running_loop()
-            settle = loop.time() + DRAIN_SETTLE_S
-            deadline = loop.time() + max(drain_timeout_s, DRAIN_SETTLE_S)
-            while loop.time() < deadline:
-                busy = await self.prober.in_flight(self.spec.probe_url)  # None: gone, or tells no count
-                if loop.time() >= settle and not busy:
-                    break
-                await asyncio.sleep(DRAIN_POLL_S)
+            await until_idle(self.prober, self.spec.probe_url, drain_timeout_s)
         await self._stop_process(grace_s)
         self._set_state(RankState.STOPPED)
 
@@ -342,18 +288,15 @@ class RankWorker:
     async def _drain(self, gen: int) -> None:
         """Routers stop sending (state draining); wait until the rank has no request in flight."""
         self._set_state(RankState.DRAINING)
-        loop = asyncio.get_running_loop()
-        settle = loop.time() + DRAIN_SETTLE_S
-        deadline = loop.time() + max(self.cfg.drain_timeout_s, DRAIN_SETTLE_S)
-        while loop.time() < deadline:
-            n = await self.prober.in_flight(self.spec.probe_url)
-            if loop.time() >= settle and (n is None or n == 0):
-                # n is None: the rank tells no count; its graceful SIGTERM still lets requests finish.
-                return
+
+        async def gone_within(wait_s: float) -> bool:
             with contextlib.suppress(TimeoutError):
-                ev = await asyncio.wait_for(self._events.get(), DRAIN_POLL_S)
-                if ev.generation == gen and ev.kind in (RankEventKind.EXITED, RankEventKind.UNHEALTHY):
-                    return
+                ev = await asyncio.wait_for(self._events.get(), wait_s)
+                return ev.generation == gen and ev.kind in (RankEventKind.EXITED, RankEventKind.UNHEALTHY)
+            return False
+
+        if await until_idle(self.prober, self.spec.probe_url, self.cfg.drain_timeout_s, gone_within):
+            return
         log.warning("rank %d: still busy after the %.0f s drain timeout; restarting anyway", self.spec.rank,
                     self.cfg.drain_timeout_s)
 

@@ -9,8 +9,8 @@ within ``--dp-supervisor-startup-timeout-s``, or failing ``GROW_FAILED_STARTS`` 
 again with the others added, and the resize failed (the node as it was).
 The ranks already running keep their CPU slices (a node grown on the CPU shares CPUs until they restart).
 
-Shrinking: the highest local ranks leave. Each is ``draining`` at once (routers send it nothing new), for at
-least ``DRAIN_SETTLE_S`` and until its in-flight requests finish or ``--scale-down-drain-timeout-s``; then
+Shrinking: the highest local ranks leave. Each is ``draining`` at once (routers send it nothing new) until its
+in-flight requests finish (lbd.supervisor.drain) or ``--scale-down-drain-timeout-s``; then
 SIGTERM: the engine gives what still runs its ``--shutdown-timeout``, then cuts those streams, and a router
 resumes each on a rank that stays (lbd.router.migration), so its client sees one whole stream. The rank is
 never restarted (its lifecycle ends before it drains) and leaves /status once its process is gone.
@@ -42,7 +42,8 @@ from lbd.common.auth import KeyRing
 from lbd.common.ports import port_in_use
 from lbd.supervisor.flags import SupervisorArgError
 from lbd.supervisor.node import RUNNING, SHUTDOWN_EXTRA_S, Supervisor
-from lbd.supervisor.rank import SUPERVISED_STATES, RankWorker
+from lbd.supervisor.rank import RankWorker
+from lbd.supervisor.rank_types import SUPERVISED_STATES
 from lbd.wire.scale import DONE, FAILED, ScaleResult
 from lbd.wire.states import RankState, RollingState
 
