@@ -5,7 +5,8 @@ status.
 either lets it through at once (nothing of its band or a more important one is held, here or in another
 worker, and the pool has room: ``lbd.router.flow.saturation``) or holds it (``lbd.router.flow.bands``)
 until the dispatcher releases it. Instead of holding, it answers:
-- 503 + Retry-After: a sheddable class (priority below 0) while the pool is saturated;
+- 503 + Retry-After: a sheddable class (``--flow-sheddable-priority`` N: N or a higher number) while the
+  pool is saturated;
 - 503 + Retry-After: a ``x-lbd-ttft-deadline-ms`` the wait cannot meet (estimated from the queue ahead and
   the recent release rate; at once when the estimate says so, else when the deadline comes while held),
   and a request held ``--flow-max-wait-s``;
@@ -112,10 +113,11 @@ class FlowControl:
 
     def _refusal(self, rr: RoutedRequest, who: Who, slot: int, why: str) -> Refused | None:
         """The answer instead of holding, if any: sheddable, a deadline it cannot meet, a full queue."""
-        if who.sheddable:
+        if self.s.sheddable(who.priority):
             self.table.add(slot, T.SHED)
             return Refused(503, f"the pool is saturated ({why}) and priority {who.priority} is sheddable "
-                           "(below 0): retry later", _UNAVAILABLE, None, rr.reply_headers + _AFTER_1)
+                           f"(--flow-sheddable-priority {self.s.sheddable_priority}): retry later",
+                           _UNAVAILABLE, None, rr.reply_headers + _AFTER_1)
         if who.deadline_s is not None:
             left = rr.t0 + who.deadline_s - self.loop.time()
             if self._wait_estimate(who.priority) > left:

@@ -6,8 +6,11 @@
   tenant is ``default``.
 - Class: vLLM's ``priority`` (an integer, lower is more important, default 0), read as the engine reads it:
   vLLM's ``X-Vllm-Priority`` header when it is an integer, else the body's ``priority``; else the router-only
-  header ``x-lbd-priority`` (for clients that cannot set body fields: the engine does not see it). A class
-  below 0 is sheddable: never held, answered 503 at once while the pool is saturated.
+  header ``x-lbd-priority`` (for clients that cannot set body fields: the engine does not see it). Every
+  one of them is numbered as vLLM numbers it: a negative class is more urgent than 0, never "sheddable".
+  Which classes are sheddable is the operator's (``--flow-sheddable-priority N``: N and higher numbers,
+  the least important; ``FlowSettings.sheddable``), not a second meaning of the client's number: llm-d's
+  "below 0 is sheddable" would shed exactly the requests a vLLM client marked most urgent.
 - A key's ``max_priority`` bounds the class it may ask for: a more important one is refused (403), not
   clamped, because the engine would still read the body's value; a request of that key that asks none is
   of class ``max_priority`` (when above 0) in the router.
@@ -40,10 +43,6 @@ class Who:
     priority: int
     weight: float = 1.0
     deadline_s: float | None = None
-
-    @property
-    def sheddable(self) -> bool:
-        return self.priority < 0
 
 
 def _bad(message: str, param: str) -> Refused:

@@ -21,6 +21,11 @@ class FlowSettings:
     max_wait_s: float = 60.0
     poll_s: float = 0.005
     engine_preemption: bool = False
+    sheddable_priority: int | None = None  # this class and less important ones (higher numbers) are sheddable
+
+    def sheddable(self, priority: int) -> bool:
+        """A request of class ``priority`` is answered 503 at once while the pool is saturated, not held."""
+        return self.sheddable_priority is not None and priority >= self.sheddable_priority
 
 
 def add_flow_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +47,10 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
                    help="the ranks run --scheduling-policy priority (a more important request preempts a "
                         "less important one): a request is not held while requests of a less important class "
                         "run, since its engine makes room for it; with FCFS ranks leave it off")
+    g.add_argument("--flow-sheddable-priority", type=int, default=d.sheddable_priority, metavar="N",
+                   help="requests of class N or a less important one (a number >= N, in vLLM's order: lower "
+                        "is more important) are sheddable: while the pool is saturated they are answered 503 "
+                        "at once instead of held; default none (a negative class is vLLM's: more urgent)")
     g.add_argument("--flow-max-queued", type=int, default=d.max_queued,
                    help="requests held in the router (all workers, all tenants); one more is answered 429 "
                         "with Retry-After")
@@ -68,4 +77,5 @@ def flow_settings(ns: argparse.Namespace) -> FlowSettings | str:
         return f"--flow-max-kv-usage must be in (0, 1], got {ns.flow_max_kv_usage}"
     return FlowSettings(ns.flow_control, ns.flow_max_prefill_tokens_per_rank, ns.flow_max_waiting_per_rank,
                         ns.flow_max_kv_usage, ns.flow_max_queued, ns.flow_max_queued_per_tenant,
-                        ns.flow_max_wait_s, ns.flow_poll_ms / 1000, ns.flow_engine_preemption)
+                        ns.flow_max_wait_s, ns.flow_poll_ms / 1000, ns.flow_engine_preemption,
+                        ns.flow_sheddable_priority)
