@@ -5,6 +5,7 @@ Core -> every worker, one PUB broadcast each (``ToWorker``):
   ``config``    WorkerConfig: everything a worker needs to join the group and load its shard (once, first)
   ``kv``        KVSize: the rank's block count, after every worker said what it can hold
   ``step``      Step: one step's batch, the requests to sample, new requests and finished ones
+  ``lora``      LoraSlot: an adapter's tensors for a device slot (``--enable-lora``), before the step using it
   ``profile``   Profile: answered by every worker with its counters
   ``shutdown``  Shutdown
 Worker -> core, PUSH to one PULL (``FromWorker``: every one carries the worker's world ``rank``):
@@ -69,6 +70,15 @@ class Step(ToWorker, tag="step"):
     # lbd.engine.structured.mask.TokenMask.to_wire)
     mask_rows: list[int] = msgspec.field(default_factory=list)
     mask: bytes = b""
+    lora_slots: list[int] = msgspec.field(default_factory=list)  # per sequence (-1 base); empty: no LoRA
+
+
+class LoraSlot(ToWorker, tag="lora"):
+    """Slot ``slot`` := the adapter in ``tensors`` (``lbd.engine.lora.remote.pack``: safetensors bytes, every
+    (layer, projection)'s A and B, scaling folded in B); each worker keeps its own shard of it."""
+
+    slot: int
+    tensors: bytes
 
 
 class Profile(ToWorker, tag="profile"):
@@ -112,7 +122,7 @@ class WorkerError(FromWorker, tag="error"):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_TO_WORKER = msgspec.msgpack.Decoder(WorkerConfig | KVSize | Step | Profile | Shutdown)
+_TO_WORKER = msgspec.msgpack.Decoder(WorkerConfig | KVSize | Step | LoraSlot | Profile | Shutdown)
 _FROM_WORKER = msgspec.msgpack.Decoder(Blocks | Ready | Out | Counters | WorkerError)
 
 

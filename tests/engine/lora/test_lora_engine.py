@@ -12,10 +12,11 @@ import pytest
 
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
 from lbd.engine.kv_events.recorder import EventRecorder
+from lbd.engine.rank_core import build_core
 from lbd.wire.core_messages import EngineCoreRequest, LoraCommand
 from support.lora import ATTENTION, MLP, make_adapter, make_tiny_qwen2, merged_checkpoint
 from support.parity import Run, assert_all_close, engine_args, greedy, hf_greedy
-from support.tiny import make_tiny_qwen3
+from support.tiny import make_tiny_llama, make_tiny_qwen3
 
 ADAPTERS = {"attn": dict(rank=4, alpha=8, targets=("q_proj", "v_proj")),
             "full": dict(rank=8, alpha=16, targets=ATTENTION + MLP),
@@ -28,9 +29,10 @@ def _adapters(base: Path, root: Path) -> dict[str, Path]:
 
 
 def _core(base: Path, adapters: dict[str, Path], **kw: object) -> EngineCore:
+    """An in-process core; with tensor_parallel_size > 1 a TP rank (real worker processes, gloo)."""
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    return EngineCore.from_args(engine_args(base, enable_lora=True, lora_modules=modules, max_lora_rank=16,
-                                            **kw), str(base))
+    return build_core(engine_args(base, enable_lora=True, lora_modules=modules, max_lora_rank=16, **kw),
+                      str(base))
 
 
 def _run(core: EngineCore, jobs: list[tuple[str | None, list[int]]], n: int, prefix: str = "r") -> list[Run]:
@@ -44,7 +46,7 @@ def _run(core: EngineCore, jobs: list[tuple[str | None, list[int]]], n: int, pre
         if not core.has_work():
             break
         outs = core.step()
-        step = core.runner.lora.ctx.step
+        step = core.runner.lora.ctx.step if hasattr(core.runner, "lora") else None  # (TP: in the workers)
         if step is not None:
             core.most_slots_in_a_step = max(core.most_slots_in_a_step, len(step.groups))
         for out in outs:
@@ -99,6 +101,19 @@ def test_qwen2_with_fewer_slots_than_adapters(tmp_path: Path) -> None:
     core = _check_against_merged(base, tmp_path, max_loras=2)
     assert core.most_slots_in_a_step == 2
     assert not core.loras.users and not core.loras.refs  # every pin and hold was given back
+    core.close()
+
+
+@pytest.mark.parametrize("model", ["llama-mqa", "qwen2"])
+def test_tp2_three_adapters_and_base(model: str, tmp_path: Path) -> None:
+    """TP=2 (two worker processes, gloo): each worker holds its shard of every slot (q/k/v and gate/up: its
+    rows of B; o and down: its columns of A, the delta joining the all-reduce). Llama with one KV head
+    (replicated on both workers: both take the same rows of k/v's B) and Qwen2 (q/k/v biases)."""
+    base = (make_tiny_llama(tmp_path / "llama", kv_heads=1) if model == "llama-mqa"
+            else make_tiny_qwen2(tmp_path / "qwen2"))
+    core = _check_against_merged(base, tmp_path, max_loras=2, tensor_parallel_size=2)
+    assert len(core.runner.worker_pids()) == 2
+    assert not core.loras.users and not core.loras.refs and core.stats().lora.free_slots == 0
     core.close()
 
 

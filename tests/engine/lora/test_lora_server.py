@@ -103,7 +103,7 @@ def test_telemetry_and_metrics(server: str) -> None:
     (["--enable-lora", "--max-loras", "0"], "--max-loras must be a positive number"),
     (["--enable-lora", "--max-lora-rank", "12"], "--max-lora-rank must be one of"),
     (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras (2) must be >="),
-    (["--enable-lora", "--tensor-parallel-size", "2"], "--enable-lora runs on one device per rank"),
+    (["--enable-lora", "--pipeline-parallel-size", "2"], "--enable-lora runs on one pipeline stage"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags: list[str], words: str,
                                           capsys: pytest.CaptureFixture) -> None:

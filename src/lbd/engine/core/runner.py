@@ -351,18 +351,12 @@ class ModelRunner:
         """Give the model ``flags.max_loras`` adapter slots and return the rank's adapter manager. The fused
         one-call CPU decoder has no LoRA hook: a step with adapted tokens runs layer by layer (steps of the
         base model alone keep it). The decode CUDA graphs are turned off (their step would need the slots as
-        inputs): every CUDA step runs eagerly."""
+        inputs): every CUDA step runs eagerly. (TP workers: ``MultiprocExecutor.enable_lora``.)"""
         from lbd.engine.lora import slots
         from lbd.engine.lora.manager import LoraManager
 
-        if self.parallel.tp_size * self.parallel.pp_size > 1:
-            raise ValueError("--enable-lora is not supported with tensor or pipeline parallelism")
-        device = slots.attach(self.model, flags.max_loras, flags.max_lora_rank, self.torch_dtype,
-                              self.torch_device)
-        self.model.lora_ctx = device.ctx
-        self.graphs = None
-        self.lora = device
-        return LoraManager(flags, device, slots.module_shapes(self.model), self.model.cfg.num_layers,
+        device = slots.attach_runner(self, flags)
+        return LoraManager(flags, device, slots.module_shapes(self.model.cfg), self.model.cfg.num_layers,
                            self.torch_dtype)
 
     def _forward(self, batch: StepBatch, kv_caches: list) -> torch.Tensor | None:

@@ -80,6 +80,8 @@ class MultiprocExecutor:
         self._next_seq = 0
         self._watchdog: Watchdog | None = None
         self._closed = False
+        self.model_path = model_path
+        self.lora_enabled = False
         self._ctx = zmq.Context(io_threads=1)
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -211,8 +213,24 @@ class MultiprocExecutor:
         host = HostBatch.from_seqs(out.seqs, self.block_size)
         rids = [r.request_id for r in sampling]
         rows, mask = self._grammar_mask(sampling)
-        self._broadcast(X.Step(seq, host.to_wire(), rids, new, out.finished_ids, rows, mask))
+        lora = [s.request.lora_slot for s in out.seqs] if self.lora_enabled else []
+        self._broadcast(X.Step(seq, host.to_wire(), rids, new, out.finished_ids, rows, mask, lora))
         return seq, rids
+
+    def enable_lora(self, flags: object) -> object:  # LoraFlags -> LoraManager
+        """--enable-lora on a TP rank: the adapters' manager lives here, the slots in the workers (which
+        attached them at start-up, from the same flags): lbd.engine.lora.remote."""
+        import torch
+
+        from lbd.engine.lora.manager import LoraManager
+        from lbd.engine.lora.remote import BroadcastDevice
+        from lbd.engine.lora.slots import module_shapes
+        from lbd.engine.models.config import arch_config
+
+        cfg = arch_config(load_hf_config(self.model_path))
+        self.lora_enabled = True
+        return LoraManager(flags, BroadcastDevice(self._broadcast), module_shapes(cfg), cfg.num_layers,
+                           getattr(torch, self.dtype))
 
     def _grammar_mask(self, sampling: list[Request]) -> tuple[list[int], bytes]:
         """The structured-output rows' token bitmask, filled here where the matchers are (the core), for

@@ -76,6 +76,7 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     from lbd.engine.distributed.context import ParallelContext
     from lbd.engine.distributed.groups import init_process_groups
     from lbd.engine.executor.stage import StageRunner
+    from lbd.engine.lora import remote, slots
 
     cfg = ch.recv()
     assert isinstance(cfg, X.WorkerConfig), cfg
@@ -100,15 +101,21 @@ def serve(ch: Channels, ns: argparse.Namespace) -> None:
     kv = ch.recv()
     assert isinstance(kv, X.KVSize), kv
     runner.allocate_kv(kv.num_blocks)
+    if config.lora.enable_lora:  # the slots; the core's manager fills them (lbd.engine.lora.remote)
+        slots.attach_runner(runner, config.lora)
     freeze_startup_heap()
     ch.send(X.Ready(ns.rank, os.getpid()))
     while True:
         msg = ch.recv()
         if isinstance(msg, X.Step):
-            result = runner.step(HostBatch.from_wire(msg.batch), msg.sample_ids, msg.new, msg.finished,
-                                 (msg.mask_rows, msg.mask))
+            host = HostBatch.from_wire(msg.batch)
+            if runner.lora is not None:
+                remote.set_step(runner.lora, msg.lora_slots, host.query_lens, runner.torch_device)
+            result = runner.step(host, msg.sample_ids, msg.new, msg.finished, (msg.mask_rows, msg.mask))
             if result is not None:
                 ch.send(X.Out(ns.rank, msg.seq, *result))
+        elif isinstance(msg, X.LoraSlot):
+            remote.write_slot(runner.lora, msg)
         elif isinstance(msg, X.Profile):
             ch.send(X.Counters(ns.rank, runner.profile(msg.reset)))
         elif isinstance(msg, X.Shutdown):

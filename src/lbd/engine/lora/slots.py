@@ -8,6 +8,12 @@ rows: B is block diagonal, so one shrink and one expand serve the fused matmul (
 work of separate ones, which at ranks of 8..64 costs less than more calls). Scaling is folded into B when a
 slot is written.
 
+Under tensor parallelism each worker holds its shard of every slot: a column-parallel projection (q/k/v,
+gate/up) keeps A whole and its own output rows of B; a row-parallel one (o, down) keeps its own input
+columns of A and B whole, and its delta is added to the partial output before the all-reduce (the sum over
+ranks of (x_r A_r) B is (x A) B; ``RowParallelLinear.forward``). The slicing happens when a slot is written
+(``ProjectionLora.rows``/``cols``, from the projection's ``sources``/``first_column``).
+
 A step's ``LoraStep`` (from the scheduled sequences: their slots and token counts) is set on the shared
 ``LoraContext`` before the forward; ``Linear.forward`` (``lbd.engine.models.layers``) then calls
 ``ProjectionLora.add(x, y)``, which adds the adapters' deltas in place (``lbd.engine.lora.compute``).
@@ -16,6 +22,7 @@ A step's ``LoraStep`` (from the scheduled sequences: their slots and token count
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,10 +81,13 @@ class ProjectionLora(nn.Module):
     """The slots' A/B of one fused projection; ``add`` is called by the projection's forward."""
 
     def __init__(self, ctx: LoraContext, fan_in: int, outs: list[int], slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, rows: list[tuple[int, int]] | None = None,
+                 cols: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.ctx = ctx
         self.max_rank = max_rank
+        self.rows = rows  # TP column-parallel: (first row, rows) of each sub-projection's B this rank holds
+        self.cols = cols  # TP row-parallel: (first column, columns) of A this rank holds
         self.offsets = [sum(outs[:j]) for j in range(len(outs))]
         self.outs = outs
         width = 1 << (len(outs) * max_rank - 1).bit_length()
@@ -95,6 +105,10 @@ class ProjectionLora(nn.Module):
             if part is None:
                 continue
             pa, pb = part
+            if self.rows is not None:
+                pb = pb[self.rows[j][0]: self.rows[j][0] + self.rows[j][1]]
+            if self.cols is not None:
+                pa = pa[:, self.cols[0]: self.cols[0] + self.cols[1]]
             r, off = pa.shape[0], self.offsets[j]
             a[:, j * big_r: j * big_r + r].copy_(pa.t())
             b[j * big_r: j * big_r + r, off: off + self.outs[j]].copy_(pb.t())
@@ -114,7 +128,10 @@ class LoraDevice:
     layers: list[dict[str, ProjectionLora]] = field(default_factory=list)
 
     def write(self, slot: int, weights: AdapterWeights) -> None:
-        t = weights.tensors
+        self.write_tensors(slot, weights.tensors)
+
+    def write_tensors(self, slot: int, t: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot ``slot`` := (layer, projection) -> (A [r, in], B [out, r]) (absent: not adapted)."""
         for i, projections in enumerate(self.layers):
             for fused, proj in projections.items():
                 proj.write(slot, [t.get((i, m)) for m in FUSED[fused]])
@@ -135,16 +152,13 @@ def dense_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def module_shapes(model: nn.Module) -> ModuleShapes:
-    """Each PEFT target module's (in, out) in the base model."""
-    layer = dense_layers(model)[0]
-    shapes: ModuleShapes = {}
-    for fused, owner in (("qkv_proj", layer.self_attn), ("o_proj", layer.self_attn),
-                         ("gate_up_proj", layer.mlp), ("down_proj", layer.mlp)):
-        lin = getattr(owner, fused)
-        for name, out in zip(FUSED[fused], lin.shard_sizes, strict=True):
-            shapes[name] = (lin.in_features, out)
-    return shapes
+def module_shapes(cfg: Any) -> ModuleShapes:
+    """Each PEFT target module's (in, out) in the whole base model (an ``ArchConfig``: under TP a rank's
+    projections are shards, the adapter's tensors are not)."""
+    hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
 def attach(model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype,
@@ -156,10 +170,22 @@ def attach(model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype,
         for fused, owner in (("qkv_proj", layer.self_attn), ("o_proj", layer.self_attn),
                              ("gate_up_proj", layer.mlp), ("down_proj", layer.mlp)):
             lin = getattr(owner, fused)
+            cols = (lin.first_column, lin.in_features) if hasattr(lin, "first_column") else None
             proj = ProjectionLora(lora.ctx, lin.in_features, list(lin.shard_sizes), slots, max_rank, dtype,
-                                  device)
+                                  device, rows=getattr(lin, "sources", None), cols=cols)
             # a plain attribute: in nn.Module's registry the class's ``Linear.lora = None`` would hide it
             lin.__dict__["lora"] = proj
             projections[fused] = proj
         lora.layers.append(projections)
     return lora
+
+
+def attach_runner(runner: Any, flags: Any) -> LoraDevice:
+    """Give a model runner's model ``flags.max_loras`` slots (``LoraFlags``): the runner's ``lora``, the
+    model's ``lora_ctx``; CUDA graphs off (their step would need the slots as inputs: every step is eager)."""
+    device = attach(runner.model, flags.max_loras, flags.max_lora_rank, runner.torch_dtype,
+                    runner.torch_device)
+    runner.model.lora_ctx = device.ctx
+    runner.graphs = None
+    runner.lora = device
+    return device

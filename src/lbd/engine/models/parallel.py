@@ -79,7 +79,10 @@ class RowParallelLinear(Linear):
         return (1, self.first_column, self.weight.shape[1]) if leaf == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.groups.tp_all_reduce(ops.linear(x, self.weight))
+        y = ops.linear(x, self.weight)
+        if self.lora is not None:  # LoRA's partial delta (this rank's columns of A) joins the same all-reduce
+            y = self.lora.add(x, y)
+        y = self.groups.tp_all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
 
