@@ -6,7 +6,9 @@ ranks (two slots each, load time modelled by lbd.engine.core.sim_lora).
   adapter is invisible (the view says it is inexact).
 - An adapter request goes to the rank holding it on device, and ``x-lbd-route-reason`` names the adapter
   scorer; a cold adapter's second request follows its first; a base-model request is not the scorer's.
-- On demand (``lbd route --lora-modules``, lbd.router.adapter_loader): a burst for an adapter no rank lists
+- On demand (``lbd route --lora-modules``, lbd.router.adapter_loader): the router's /v1/models lists those
+  adapters (``parent`` the ranks' base model, ``root`` the path) before any rank has them, once after one
+  has; a burst for an adapter no rank lists
   shares one load on the rank the adapter scorer picks, which then lists it; an adapter nobody knows is still
   a 404; a rank without runtime loading (the third rank: no ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) answers the
   load with 404, and the client gets a 502 with that reason.
@@ -144,6 +146,12 @@ def test_an_adapter_no_rank_lists_is_loaded_on_demand(ranks: list[EngineServer],
                           log=tmp_path / "router.log")
     try:
         router.wait_ready()
+        base = httpx.get(urls[0] + "/v1/models", timeout=5).json()["data"][0]["id"]
+        _until(lambda: {"x", "y"} <= _models(router.url), 10)  # listed before any rank has them
+        cards = {c["id"]: c for c in httpx.get(router.url + "/v1/models", timeout=5).json()["data"]}
+        assert (cards["x"]["parent"], cards["x"]["root"], cards["y"]["root"]) == (base, "/adapters/x",
+                                                                                  "/adapters/y")
+        assert cards[base]["parent"] is None and cards["a"]["parent"] == base
         assert httpx.post(router.url + "/v1/completions", json={"model": "nope", "prompt": "hi"},
                           timeout=10).status_code == 404  # known to no rank and not to the router
         with ThreadPoolExecutor(4) as pool:  # a burst for a cold adapter: one load, all on one rank
@@ -156,6 +164,8 @@ def test_an_adapter_no_rank_lists_is_loaded_on_demand(ranks: list[EngineServer],
         assert any(r.startswith(loaded) for r in reasons), reasons
         assert _loads(router) == {(home, "loaded"): 1.0}
         assert "x" in _models(home)
+        listed = [c["id"] for c in httpx.get(router.url + "/v1/models", timeout=5).json()["data"]]
+        assert listed.count("x") == 1 and listed.count("y") == 1  # never twice, loaded or not
         again = _complete(router.url, "x", prompt="and again " * 8)  # now resident: no second load
         assert again.headers["x-lbd-endpoint"] == home and _loads(router) == {(home, "loaded"): 1.0}
     finally:

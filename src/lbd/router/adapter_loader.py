@@ -21,6 +21,13 @@ the fleet may load (the engine's syntax, ``lbd.common.lora_modules``; each path 
   or until the rank restarts or leaves, the router remembers its own loads there and does not load again. A
   rank that restarts forgets what the router loaded (the supervisor restores only the node's adapters,
   ``lbd.supervisor.adapters``); the next request for it loads it again.
+- **Listing** (``cards``, the router's ``/v1/models``). vLLM lists a loaded adapter with ``parent``; the
+  router also lists each ``--lora-modules`` adapter no rank lists yet, the same way: ``root`` its path as
+  the ranks see it, ``parent`` its ``base_model_name`` or else the base model of a LoRA rank. It is listed
+  while at least one rank that takes traffic serves LoRA (reports slots), since a request for it may then
+  be served; once a rank has it loaded, that rank's own card is listed instead (never twice). Whether a
+  rank allows runtime loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is not visible from outside: a listed
+  adapter whose load the rank refuses answers 502 with the rank's reason.
 - ``lbd_router_adapter_loads_total{endpoint, outcome}`` counts the loads (of every worker): ``loaded``,
   ``held`` (the rank had it already), ``failed``.
 """
@@ -28,6 +35,7 @@ the fleet may load (the engine's syntax, ``lbd.common.lora_modules``; each path 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -85,6 +93,23 @@ class AdapterLoader:
             models = e.models | {name} if e.models else e.models
             out.append(replace(e, models=models, lora=replace(view, known=view.known | {name})))
         return out
+
+    # ---- /v1/models ----------------------------------------------------------------------------------------
+    def cards(self, listed: list[dict[str, object]]) -> list[dict[str, object]]:
+        """Model cards of the adapters the router may load that ``listed`` (the ranks' cards) lacks; none
+        while no rank that takes traffic serves LoRA (see the module's docstring)."""
+        base = None
+        for ep in self.state.order:
+            view = self.state.snapshot(ep).lora
+            if ep.takes_traffic() and view is not None and view.max_loras > 0:
+                base = next((str(c["id"]) for c in ep.model_cards if c.get("parent") is None), None)
+                break
+        else:
+            return []
+        have = {c.get("id") for c in listed}
+        return [{"id": m.name, "object": "model", "created": int(time.time()), "owned_by": "lbd",
+                 "root": m.path, "parent": m.base_model_name or base, "max_model_len": None, "permission": []}
+                for m in self.catalog.values() if m.name not in have]
 
     # ---- between the decision and the attempt --------------------------------------------------------------
     async def prepare(self, rr: RoutedRequest, d: Decision) -> Failure | None:

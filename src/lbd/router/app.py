@@ -172,7 +172,10 @@ class RouterApp:
 
     async def models(self, request: Request, out: Response) -> None:
         if not self._refused_not_serving(out):
-            out.send(200, _JSON, orjson.dumps({"object": "list", "data": self.state.models()}))
+            data = self.state.models()
+            if self.proxy.adapters is not None:  # --lora-modules: adapters loaded on demand, listed too
+                data += self.proxy.adapters.cards(data)
+            out.send(200, _JSON, orjson.dumps({"object": "list", "data": data}))
 
     async def metrics(self, request: Request, out: Response) -> None:
         out.send(200, _TEXT_METRICS, self.state.metrics.render())
