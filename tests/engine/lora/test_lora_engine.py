@@ -122,6 +122,33 @@ def test_qwen3_three_adapters_and_base(tmp_path: Path) -> None:
     _check_against_merged(base, tmp_path, max_loras=3).close()
 
 
+def test_a_resumed_stream_continues_under_its_adapter(tiny_llama: Path, tmp_path: Path) -> None:
+    """A stream cut after 5 tokens and resumed on another rank (lbd.router's resume: prompt + the tokens
+    sent, ``prior_output_tokens``; the same ``model``) ends as the unbroken one did; on that rank the
+    adapter sits in another slot under another id. The base model's continuation differs (the adapter is
+    applied to the resumed request, not dropped)."""
+    adapters = _adapters(tiny_llama, tmp_path / "adapters")
+    prompt = [random.Random(9).randrange(3, 300) for _ in range(21)]
+    first = _core(tiny_llama, {"full": adapters["full"]})
+    whole = _run(first, [("full", prompt)], 12)[0]
+    first.close()
+    other = _core(tiny_llama, {"attn": adapters["attn"], "full": adapters["full"]}, max_loras=2)
+    resumed, base = Run(), Run()
+    for rid, lora, run in (("res", "full", resumed), ("base", None, base)):
+        other.add_request(EngineCoreRequest(rid, prompt + whole.tokens[:5], greedy(7, prior_output_tokens=5),
+                                            None, 0.0, lora_name=lora))
+        while other.has_work():
+            for out in other.step():
+                run.tokens += out.new_token_ids
+                for lp in out.new_logprobs or []:
+                    run.top.append(dict(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                    run.chosen.append(lp.token_logprob)
+    assert other.loras.lookup("full").lora_id != 1
+    assert_all_close([resumed], [Run(whole.tokens[5:], whole.top[5:], whole.chosen[5:])])
+    assert base.tokens != resumed.tokens
+    other.close()
+
+
 def test_prefix_cache_and_kv_events_are_per_adapter(tiny_llama: Path, tmp_path: Path) -> None:
     adapters = _adapters(tiny_llama, tmp_path / "adapters")
     core = _core(tiny_llama, adapters, max_loras=2, max_cpu_loras=3)
