@@ -13,10 +13,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from lbd.engine.config.args import EngineArgs
+from lbd.engine.config.structured import StructuredOutputsConfig
 from lbd.engine.core.engine_core import EngineCore, RequestRejected
+from lbd.engine.structured import mask as token_mask
+from lbd.engine.structured.compiler import load_backend
+from lbd.engine.tokenizer import _byte_decoder
 from lbd.wire.core_messages import EngineCoreOutput, EngineCoreRequest, SamplingParams, StructuredOutputs
 
 BLOCK_BYTES = 8192  # tiny Llama: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B x 16 tokens
@@ -152,6 +157,18 @@ def test_a_grammar_that_admits_any_text_changes_nothing(tiny_llama: Path, tokeni
     text = {rid: prompts[rid] for rid, ids in plain.items() if utf8(tokenizer, ids)}
     assert len(text) >= 2, "too few prompts whose greedy answer is text"
     assert run(StructuredOutputs("regex", r"[\s\S]*"), text) == {rid: plain[rid] for rid in text}
+    # a JSON schema that admits any string, its opening quote already output (a resumed answer's prior
+    # token): greedy text inside the string is the plain greedy text where that text may stand in a string
+    (quote,) = tokenizer.encode('"')
+    quoted = {rid: p + [quote] for rid, p in prompts.items()}
+    plain = run(None, quoted)
+    bare = {rid: quoted[rid] for rid, ids in plain.items() if len(ids) == 8 and utf8(tokenizer, ids)
+            and not re.search(r'["\\\x00-\x1f]', tokenizer.decode(ids))}
+    assert len(bare) >= 2, "too few prompts whose greedy answer may stand in a JSON string"
+    params = SamplingParams(temperature=0.0, max_tokens=8, prior_output_tokens=1,
+                            structured=StructuredOutputs("json", '{"type": "string"}'))
+    got = drive(core, [EngineCoreRequest(rid, p, params, None, time.time()) for rid, p in bare.items()])[0]
+    assert got == {rid: plain[rid] for rid in bare}
     # a batch of greedy rows whose argmax the grammar mostly refuses (the sampler's masked argmax)
     reqs = [EngineCoreRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=200,
                                                          structured=json_spec(SCHEMA)), None, time.time())
@@ -183,3 +200,41 @@ def test_json_object_takes_any_object_and_strict_schemas_only_theirs(tiny_llama:
     assert not takes(StructuredOutputs("json", schema), '{"a": 1, "b": 2}')
     assert takes(StructuredOutputs("json", schema, strict=False), '{"a": 1, "b": 2}')
     core.close()
+
+
+BROKEN = {"surrogate ED A0 80": b"\xed\xa0\x80", "surrogate ED BF BF": b"\xed\xbf\xbf",
+          "overlong C0 80": b"\xc0\x80", "overlong E0 80 80": b"\xe0\x80\x80",
+          "past U+10FFFF": b"\xf4\x90\x80\x80", "stray continuation": b"\x80", "F5": b"\xf5"}
+WHOLE = {"U+D7FF": b"\xed\x9f\xbf", "U+4E00": b"\xe4\xb8\x80", "U+10FFFF": b"\xf4\x8f\xbf\xbf"}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_json_string_takes_whole_utf8_characters_only(tokenizer, backend: str) -> None:
+    """Written byte by byte (the tiny tokenizer has a token for every byte), a JSON string takes only UTF-8:
+    the matcher refuses the first byte that breaks it and the mask it fills leaves that byte's token out.
+    xgrammar alone took the encoded surrogates (U+D800-U+DFFF): random weights put them into strings, which
+    the client decoded as U+FFFD characters, past the schema's maxLength (now: the guard, structured.utf8)."""
+    vocab = len(tokenizer)
+    lib = load_backend(StructuredOutputsConfig(backend=backend), tokenizer, vocab, tokenizer.eos_token_id)
+    compiled = lib.compile("json", json.dumps({"type": "string", "maxLength": 4}), True, True)
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _byte_decoder().items()}
+
+    def refused_at(data: bytes) -> int | None:
+        """The index of the first byte of '"' + data the matcher refuses (its mask must refuse it too)."""
+        m = lib.matcher(compiled)
+        for i, b in enumerate(b'"' + data):
+            bitmask = torch.full((1, token_mask.words(vocab)), -1, dtype=torch.int32)
+            m.fill(bitmask, 0)
+            t = byte_token[b]
+            masked = not (int(bitmask[0, t >> 5]) >> (t & 31)) & 1
+            took = m.accept(t)
+            assert took != masked, (data, i)
+            if not took:
+                return i
+        return None
+
+    for name, data in BROKEN.items():
+        assert refused_at(data) is not None, name
+    assert refused_at(b"\xed\xa0\x80") == 2  # at the byte that makes it a surrogate
+    for name, data in WHOLE.items():
+        assert refused_at(data + b'"') is None, name

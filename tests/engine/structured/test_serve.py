@@ -60,6 +60,30 @@ def test_json_schema_on_random_weights_is_valid_json(client: openai.OpenAI) -> N
         jsonschema.validate(parsed(choice.message.content), SCHEMA)
 
 
+NOTES = {"type": "object", "required": ["notes"],
+         "properties": {"notes": {"type": "array", "minItems": 4, "maxItems": 4,
+                                  "items": {"type": "string", "maxLength": 8}}}}
+
+
+def test_strings_are_whole_utf8_and_hold_max_length_streamed_or_not(client: openai.OpenAI) -> None:
+    """Random weights write strings byte by byte: the text is UTF-8 without U+FFFD (the grammar emits none)
+    and each string holds maxLength counted in characters, the same text streamed and not. Before the UTF-8
+    guard (structured.utf8), choice 3 of this seed carried an encoded surrogate xgrammar let through: three
+    U+FFFD in the client's text, 10 characters in an 8-character string."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Notes, as JSON."}], "n": 4, "seed": 20,
+            "temperature": 1.0, "max_tokens": 300, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES, "strict": True}}}
+    whole = [c.message.content for c in client.chat.completions.create(**body).choices]
+    streamed = [""] * 4
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == whole
+    for text in whole:
+        assert "\ufffd" not in text, text
+        jsonschema.validate(parsed(text), NOTES)
+
+
 def test_regex_choice_grammar_and_json_object_on_every_field(client: openai.OpenAI) -> None:
     regex = r"[a-z]{3}-\d{2}"
     r = client.completions.create(model="tiny", prompt="code:", max_tokens=50, temperature=1.0, seed=1,

@@ -1,4 +1,5 @@
-"""xgrammar (the default backend): grammars compiled against the tokenizer, one GrammarMatcher per request."""
+"""xgrammar (the default backend): grammars compiled against the tokenizer, one GrammarMatcher per request,
+kept to valid UTF-8 by ``utf8.Utf8Table`` (xgrammar lets encoded surrogates through)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import xgrammar as xgr
 
 from lbd.engine.structured.backends import GrammarError, library_message
+from lbd.engine.structured.utf8 import ACCEPT, Utf8Table
 
 if TYPE_CHECKING:
     import torch
@@ -24,16 +26,26 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 class XGrammarMatcher:
-    __slots__ = ("m",)
+    """xgrammar's matcher and the request's UTF-8 state: a token the grammar takes but that would break the
+    text's UTF-8 is refused, and masked out of the rows it fills."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    __slots__ = ("m", "utf8", "state")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, utf8: Utf8Table) -> None:
         self.m = xgr.GrammarMatcher(compiled)
+        self.utf8 = utf8
+        self.state = ACCEPT
 
     def accept(self, token_id: int) -> bool:
-        return self.m.accept_token(token_id)
+        after = self.utf8.step(self.state, token_id)
+        if after < 0 or not self.m.accept_token(token_id):
+            return False
+        self.state = after
+        return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
+        self.utf8.restrict(self.state, bitmask, row)
 
     def is_terminated(self) -> bool:
         return self.m.is_terminated()
@@ -50,6 +62,7 @@ class XGrammarBackend:
         threads = min(8, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.compact = config.disable_any_whitespace
+        self.utf8 = Utf8Table(info.decoded_vocab, [*info.special_token_ids, *info.stop_token_ids], vocab_size)
 
     def compile(self, kind: str, spec: str, strict: bool, compact: bool) -> xgr.CompiledGrammar:
         try:
@@ -72,4 +85,4 @@ class XGrammarBackend:
         raise GrammarError(f"unknown structured output kind {kind!r}")
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(compiled)
+        return XGrammarMatcher(compiled, self.utf8)
