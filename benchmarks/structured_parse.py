@@ -1,7 +1,11 @@
 """Issue 45's first checks against `lbd serve` with the default model, N times each: the openai SDK's
 ``chat.completions.parse`` with a pydantic model (bounded string and list fields, as real schemas are), and
 streamed tool calls with ``tool_choice="required"`` (every call of a declared tool, its arguments valid
-against the tool's schema); prints each answer's time and finish reason, how many passed, and the mask's
+against the tool's schema), ``tool_choice="auto"`` read by the ``hermes`` parser (the server runs with
+``--enable-auto-tool-choice --tool-call-parser hermes``; SmolLM2's template does not render ``tools``, so a
+system message states them in Hermes' words with one worked example: how many answers the model wrote calls
+in, and that each became ``tool_calls`` with no markup left in the content) and a bad schema (a 400 naming
+it); prints each answer's time and finish reason, how many passed, and the mask's
 cost at one and 32 rows (xgrammar's CPU kernel on the default model's vocabulary). ``--through-router``
 asks the same of ``lbd serve --data-parallel-size 2`` (two engine ranks behind ``lbd route``) and prints the
 router's request and decision counters (its /metrics): every answer went through it.
@@ -88,13 +92,57 @@ def run_tools(client: openai.OpenAI, n: int) -> None:
     print(f"streamed tool calls valid {good} of {n}")
 
 
+HERMES_SYSTEM = (
+    "You are a function calling AI model. You may call one or more functions to assist with the user query. "
+    f"Here are the available tools: <tools>{orjson.dumps([WEATHER, TIME]).decode()}</tools> "
+    "For each function call return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+EXAMPLE = [{"role": "user", "content": "What is the weather in Rome for the next 2 days?"},
+           {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                            '{"city": "Rome", "days": 2}}\n</tool_call>'}]
+
+
+def run_auto(client: openai.OpenAI, n: int) -> None:
+    """``tool_choice="auto"`` answers: calls where the model wrote hermes markup, and no markup left over."""
+    called = valid = leftover = 0
+    for i in range(n):
+        question = f"What is the weather in {CITIES[i % len(CITIES)]} for the next {1 + i % 7} days?"
+        messages = [{"role": "system", "content": HERMES_SYSTEM}, *EXAMPLE,
+                    {"role": "user", "content": question}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                           tool_choice="auto", max_tokens=120, temperature=0.7, seed=i)
+        msg = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        ok = valid_calls(calls)
+        called += bool(calls)
+        valid += ok
+        leftover += "<tool_call>" in (msg.content or "")
+        what = ("calls valid" if ok else "calls INVALID") if calls else "text"
+        print(f"{i:3d} {r.choices[0].finish_reason:10s} {what} "
+              f"{[name for name, _ in calls] or repr((msg.content or '')[:60])}")
+    print(f"auto (hermes): calls in {called} of {n} answers ({valid} calling only declared tools with valid "
+          f"arguments); tool markup left in the content of {leftover}")
+
+
+def bad_schema(client: openai.OpenAI) -> None:
+    try:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+        print("bad schema: ACCEPTED (no 400)")
+    except openai.BadRequestError as e:
+        print(f"bad schema: {e.status_code} {e.body.get('message') if isinstance(e.body, dict) else e.body}")
+
+
 def start_engine(through_router: bool) -> tuple[subprocess.Popen, str]:
     """`python -m lbd.engine`, or `lbd serve --data-parallel-size 2` (the router in front of two ranks);
     ready once a chat answer comes back (the router's /health may answer before its ranks do)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    where = ["--host", "127.0.0.1", "--port", str(port)]
+    where = ["--host", "127.0.0.1", "--port", str(port), "--enable-auto-tool-choice", "--tool-call-parser",
+             "hermes"]
     argv = ([sys.executable, "-m", "lbd", "serve", "--data-parallel-size", "2", *where] if through_router
             else [sys.executable, "-m", "lbd.engine", *where])
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -159,6 +207,8 @@ def main() -> None:
                   f"{'parsed' if ok else 'NOT PARSED'} {r.usage.completion_tokens} tokens")
         print(f"parsed {parsed} of {args.n}")
         run_tools(client, args.n)
+        run_auto(client, args.n)
+        bad_schema(client)
         if args.through_router:
             print(f"router counters: {router_counters(url)}")
     finally:
