@@ -36,17 +36,22 @@ ONE_AT_A_TIME = ("--flow-max-prefill-tokens-per-rank", "1", "--kv-events", "off"
 
 
 class Fleet:
-    def __init__(self, tmp: Path) -> None:
-        self.base = free_port_run(2)
-        self.proc = spawn([sys.executable, str(STANDIN), "--ranks", "1", "--base-port", str(self.base),
-                           "--control-port", str(self.base + 1)], log=tmp / "fleet.log")
-        wait_http(f"http://127.0.0.1:{self.base}/health", 30, self.proc)
-        self.url = f"http://127.0.0.1:{self.base}"
+    """Two stand-in ranks: most tests route to rank 0 alone (``url``), the placement test to both."""
 
-    def waiting(self, n: int | None) -> None:
+    def __init__(self, tmp: Path) -> None:
+        self.base = free_port_run(3)
+        self.proc = spawn([sys.executable, str(STANDIN), "--ranks", "2", "--base-port", str(self.base),
+                           "--control-port", str(self.base + 2)], log=tmp / "fleet.log")
+        self.urls = [f"http://127.0.0.1:{self.base + i}" for i in range(2)]
+        for u in self.urls:
+            wait_http(u + "/health", 30, self.proc)
+        self.url = self.urls[0]
+
+    def waiting(self, n: int | None, rank: int = 0) -> None:
         """The rank reports ``n`` waiting requests (None: its own numbers again)."""
         body = {} if n is None else {"waiting": n}
-        httpx.post(f"http://127.0.0.1:{self.base + 1}/standin/0/set", json=body, timeout=5).raise_for_status()
+        httpx.post(f"http://127.0.0.1:{self.base + 2}/standin/{rank}/set", json=body,
+                   timeout=5).raise_for_status()
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +97,11 @@ def _flow(r: RouterServer) -> dict:
     return r.status()["flow"]
 
 
-def _send_raw(port: int, tenant: str) -> socket.socket:
+def _send_raw(port: int, tenant: str, extra: bytes = b"", **fields: object) -> socket.socket:
     """A client that sent a completion request and reads nothing (the test closes it: a vanished client)."""
-    body = json.dumps({"model": "standin-model", "prompt": PROMPT, "max_tokens": 8}).encode()
+    body = json.dumps({"model": "standin-model", "prompt": PROMPT, "max_tokens": 8, **fields}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + extra
     sock.sendall(head + b"%s: %s\r\nContent-Length: %d\r\n\r\n%s" % (TENANT.encode(), tenant.encode(),
                                                                          len(body), body))
     return sock
@@ -329,3 +334,38 @@ def test_off_passes_everything_straight_through(fleet: Fleet, tmp_path: Path) ->
         assert done["heavy"] / done["light"] >= 2.5, done
     finally:
         r.close()
+
+
+def test_a_preempting_class_goes_where_its_peers_do_not_fill_the_seats(fleet: Fleet, tmp_path: Path) -> None:
+    """--flow-engine-preemption, every rank saturated: a class-0 request is let through (its engine preempts
+    a class-2 one), and goes to the rank with the fewest class-0 requests in flight, where a class-2 one holds
+    a seat; the policy alone (blind to classes) sends them all to one rank (here the one holding the prompt's
+    prefix). Every request is long (none ends during the test): the ranks' running counts say where each
+    went. (The module's last test: its requests are cut when it ends.)"""
+    r = RouterServer("--upstreams", ",".join(fleet.urls), "--workers", "1", "--flow-control", "on",
+                     "--flow-engine-preemption", "--kv-events", "off", log=tmp_path / "router.log")
+    held: list[socket.socket] = []
+    try:
+        r.wait_ready()
+        # three long class-2 requests on rank 0 (pinned, before the ranks are saturated: let through)
+        held = [_send_raw(r.port, "bulk", b"X-data-parallel-rank: 0\r\n", priority=2, max_tokens=4000)
+                for _ in range(3)]
+        _wait_for(lambda: sum(f["dispatched"] for f in _flow(r)["flows"] if f["tenant"] == "bulk") == 3,
+                  "three class-2 requests sent")
+        for i in range(2):
+            fleet.waiting(99, i)
+        _wait_for(lambda: _flow(r)["saturated"] == "waiting_requests", "both ranks saturated")
+        for n in range(1, 5):  # one after another, each in flight when the next is decided
+            held.append(_send_raw(r.port, "live", priority=0, max_tokens=4000))
+            _wait_for(lambda n=n: sum(f["dispatched"] for f in _flow(r)["flows"]
+                                      if f["tenant"] == "live") == n, "class 0 let through")
+        running = lambda: [metric_value(httpx.get(u + "/metrics", timeout=5).text,  # noqa: E731
+                                        "vllm:num_requests_running") for u in fleet.urls]
+        _wait_for(lambda: sum(running()) == 7, "seven requests running")
+        assert running() == [3 + 2, 2], running()  # (the policy alone: [3 + 4, 0])
+    finally:
+        for sock in held:
+            sock.close()
+        r.close()
+        for i in range(2):
+            fleet.waiting(None, i)

@@ -245,9 +245,11 @@ class Proxy:
             decision: Decision | Refusal = Decision(state.snapshot(trial),
                                                     "half_open_trial", plugin="outlier")
         else:
-            exclude = [*full, *rr.exclude] if n else full
+            exclude = [*full, *rr.exclude] if n else [*full, *rr.avoid] if rr.avoid else full
             decision = route(state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback, gate)
             if n == 0:
+                if isinstance(decision, Refusal) and rr.avoid:  # flow control's preference cannot be met
+                    decision = route(state.policy, rr.facts, snaps, full, self.cfg.pin_fallback, gate)
                 if isinstance(decision, Refusal) and len(snaps) < len(state.order):
                     # the sample could not serve it: decide over every endpoint
                     snaps = state.snapshots()
@@ -259,6 +261,7 @@ class Proxy:
             return None if retrying else self._refusal(rr, decision)
         if rr.trace is not None:
             rr.trace.decided(self.cfg.policy, decision)
+        rr.sent_to = decision.endpoint.key
         return decision
 
     def _refusal(self, rr: RoutedRequest, refusal: Refusal) -> Refused:

@@ -37,7 +37,7 @@ from lbd.policies import EndpointSnapshot
 from lbd.router import shared_flows as T
 from lbd.router.flow.bands import Bands, Held
 from lbd.router.flow.identity import DEADLINE_HEADER, Who, classify
-from lbd.router.flow.saturation import saturated
+from lbd.router.flow.saturation import crowded, saturated
 from lbd.router.flow.settings import FlowSettings
 from lbd.router.gc_policy import handler_cancelled
 from lbd.router.messages import Response
@@ -60,6 +60,8 @@ class Ticket:
     weight: float
     tokens: int  # its prompt's
     meter: Meter | None
+    priority: int = 0
+    rr: RoutedRequest | None = None  # (where it went: ``rr.sent_to``)
     charged_out: int = 0  # output tokens charged to the flow's counter so far
 
 
@@ -101,9 +103,13 @@ class FlowControl:
             return None
         tokens = max(1, rr.facts.prompt_tokens)
         if not self.bands.holds_before(who.priority) and not self._held_elsewhere(who.priority, True):
-            why = self._saturated_for(who.priority)
+            why = self._saturated()
             if why is None:
-                return self._let(slot, who, tokens, out)
+                return self._let(slot, who, tokens, out, rr)
+            if self._preempts(who.priority):  # its engine makes room: not to a rank full of its peers
+                if rr.facts.pinned_rank is None:
+                    rr.avoid = crowded(self.snapshots(), self._placed(who.priority))
+                return self._let(slot, who, tokens, out, rr)
         else:
             why = "requests ahead are held"
         refused = self._refusal(rr, who, slot, why)
@@ -165,7 +171,7 @@ class FlowControl:
                 self._drop(h)
             h.task = h.out = None  # (no cycle through a cancelled task's traceback: freed at once)
         if released:
-            return self._let(slot, who, tokens, out)
+            return self._let(slot, who, tokens, out, rr)
         self.table.add(slot, T.LATE)
         if who.deadline_s is not None and self.loop.time() >= rr.t0 + who.deadline_s - 1e-3:
             return self._late(rr, who, "passed while it was held (the pool stayed saturated)")
@@ -183,14 +189,14 @@ class FlowControl:
             self.table.add(h.slot, T.DEQUEUED)
             self.table.add(h.slot, T.WAIT_US, int((self.loop.time() - h.since) * 1e6))
 
-    def _let(self, slot: int, who: Who, tokens: int, out: Response) -> Ticket:
+    def _let(self, slot: int, who: Who, tokens: int, out: Response, rr: RoutedRequest) -> Ticket:
         t = self.table
         t.add(slot, T.DISPATCHED)
         t.add(slot, T.DISPATCHED_TOKENS, tokens)
         t.add(slot, T.VIRTUAL, round(tokens * 1000 / who.weight))
         if out.meter is None:
             out.meter = Meter()  # counts the output that reaches the client (lbd.router.metering)
-        ticket = Ticket(slot, who.weight, tokens, out.meter)  # type: ignore[arg-type]
+        ticket = Ticket(slot, who.weight, tokens, out.meter, who.priority, rr)  # type: ignore[arg-type]
         self._active.add(ticket)
         return ticket
 
@@ -218,13 +224,19 @@ class FlowControl:
         return saturated(self.snapshots(), self.s, self.stale_s)
 
     def _saturated_for(self, priority: int) -> str | None:
-        """Why a request of ``priority`` must wait, or None. With --flow-engine-preemption a request is not
-        held while less important ones run (every worker's): its engine preempts one of them for it."""
+        """Why a request of ``priority`` must wait, or None."""
         why = self._saturated()
-        if why is not None and self.s.engine_preemption:
-            if any(p > priority and self.table.inflight(i) > 0 for i, (_, p) in self._flows().items()):
-                return None
-        return why
+        return None if why is not None and self._preempts(priority) else why
+
+    def _preempts(self, priority: int) -> bool:
+        """With --flow-engine-preemption a request is not held while less important ones run (every
+        worker's): its engine preempts one of them for it."""
+        return self.s.engine_preemption and any(p > priority and self.table.inflight(i) > 0
+                                                for i, (_, p) in self._flows().items())
+
+    def _placed(self, priority: int) -> list[str | None]:
+        """Where this worker's requests of class ``priority`` or a more important one in flight went."""
+        return [t.rr.sent_to for t in self._active if t.priority <= priority and t.rr is not None]
 
     # ---- flows --------------------------------------------------------------------------------------------
     def engaged(self) -> bool:

@@ -10,10 +10,17 @@ The engine's numbers count only while fresh (``--stale-after-ms``); stale, the r
 The pool is saturated while no endpoint has room (an empty pool is not: decide answers that request).
 The router's count moves the moment a request is dispatched, so a burst cannot overshoot by the telemetry's
 age; the engine's numbers catch what the router cannot see (other routers, long prompts in prefill).
+
+Saturated, a request let through because its engine preempts a less important one for it
+(--flow-engine-preemption) must reach an endpoint where a less important request holds a seat: at one whose
+seats its peers fill (its class or more important ones) it waits like any other. The policy cannot tell
+(every saturated endpoint looks alike to it), so ``crowded`` names the endpoints it should pass over: those
+with more requests of its class or a more important one in flight than the least such one.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from lbd.policies import EndpointSnapshot
@@ -44,3 +51,14 @@ def saturated(snaps: Iterable[EndpointSnapshot], s: FlowSettings, stale_s: float
             return None
         why = why or reason
     return why
+
+
+def crowded(snaps: Iterable[EndpointSnapshot], placed: Iterable[str | None]) -> list[str]:
+    """The endpoints that take traffic and hold more of ``placed`` (the endpoint of each request in flight
+    of the class or a more important one) than the one that holds fewest."""
+    keys = [snap.key for snap in snaps if snap.healthy and not snap.draining]
+    if not keys:
+        return []
+    counts = Counter(placed)
+    low = min(counts[k] for k in keys)
+    return [k for k in keys if counts[k] > low]
