@@ -9,9 +9,10 @@ llguidance refuses them (no guard there).
 
 ``Utf8Table`` walks every token's bytes through the UTF-8 automaton once (on the grammar thread, when the
 backend loads) from each of its states: where the token leaves it, or that it breaks the text. A matcher
-keeps its request's state; the rows of a state that some token breaks are AND-ed with that state's mask
-after the grammar fills them. Between whole characters (the usual state) most vocabularies have no such
-token, so the guard costs nothing there.
+keeps its request's state and refuses a token that breaks it. The rows it fills are AND-ed with the state's
+mask only in the states where some token breaks the text by a surrogate alone (``xgrammar_lenient``: every
+other break xgrammar refuses itself, which test_engine_core checks byte by byte): for most vocabularies
+that is only the state after an ``ED`` lead byte, so between whole characters the guard costs nothing.
 """
 
 from __future__ import annotations
@@ -40,20 +41,22 @@ _CONTINUATIONS = (  # (state, continuation bytes it takes, state after)
     (AFTER_F4, range(0x80, 0x90), NEED2))
 
 
-def _transitions() -> np.ndarray:
-    """[STATES + 1, 256] next state by (state, byte); ``_BROKEN`` is absorbing."""
+def transitions(xgrammar_lenient: bool = False) -> np.ndarray:
+    """[STATES + 1, 256] next state by (state, byte); ``_BROKEN`` is absorbing. ``xgrammar_lenient``: what
+    xgrammar 0.2 takes, i.e. UTF-8 plus the surrogates (``ED`` followed by any continuation byte)."""
     table = np.full((STATES + 1, 256), _BROKEN, dtype=np.int8)
     for span, state in _LEADS:
         table[ACCEPT, span.start:span.stop] = state
     for state, span, after in _CONTINUATIONS:
         table[state, span.start:span.stop] = after
+    if xgrammar_lenient:
+        table[AFTER_ED, 0x80:0xC0] = NEED1
     return table
 
 
-def token_steps(vocab: Sequence[bytes], no_bytes: Iterable[int]) -> np.ndarray:
-    """[len(vocab), STATES] the state each token leaves each state in (``_BROKEN``: it breaks the text).
-    ``no_bytes``: tokens that are no text (end of sequence, padding): they leave every state as it was."""
-    table = _transitions()
+def token_steps(vocab: Sequence[bytes], no_bytes: Iterable[int], table: np.ndarray) -> np.ndarray:
+    """[len(vocab), STATES] the state each token leaves each state in by ``table`` (``_BROKEN``: it breaks
+    the text). ``no_bytes``: tokens that are no text (end of sequence, padding): they change no state."""
     steps = np.tile(np.arange(STATES, dtype=np.int8), (len(vocab), 1))
     lengths = np.array([len(b) for b in vocab], dtype=np.int64)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
@@ -67,18 +70,21 @@ def token_steps(vocab: Sequence[bytes], no_bytes: Iterable[int]) -> np.ndarray:
 
 
 class Utf8Table:
-    """Per UTF-8 state: the state each token leads to, and (where some token breaks the text) a bitmask row
-    of the tokens that do not (xgrammar's layout; tokens past ``vocab`` are left to the grammar)."""
+    """Per UTF-8 state: the state each token leads to, and (where xgrammar would let a token break the text)
+    a bitmask row of the tokens that do not break it (xgrammar's layout; ids past ``vocab`` are the
+    grammar's)."""
 
     def __init__(self, vocab: Sequence[bytes], no_bytes: Iterable[int], vocab_size: int) -> None:
-        steps = token_steps(vocab, no_bytes)
+        no_bytes = list(no_bytes)
+        steps = token_steps(vocab, no_bytes, transitions())
+        lenient = token_steps(vocab, no_bytes, transitions(xgrammar_lenient=True))
         self.next = [steps[:, s].tolist() for s in range(STATES)]
         words = (vocab_size + 31) // 32
         self.masks: list[np.ndarray | None] = []
         for s in range(STATES):
             ok = np.ones(words * 32, dtype=bool)
             ok[:len(vocab)] = steps[:, s] != _BROKEN
-            if ok.all():
+            if not (~ok[:len(vocab)] & (lenient[:, s] != _BROKEN)).any():  # xgrammar refuses them all
                 self.masks.append(None)
                 continue
             bits = np.packbits(ok.reshape(words, 32), axis=1, bitorder="little")  # bit t % 32 of word t // 32
