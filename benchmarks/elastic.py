@@ -21,7 +21,11 @@ errors and cut streams among the requests it overlapped (a stream is cut unless 
 one finish_reason, usage = max_tokens and as many words as tokens: ``elastic_load.sim_judge``); per step
 up the seconds to the grow decided, its ranks ready, and the router routing to them.
 
-**Sweep** (``--sweep``): the same loads, one level at a time, at fixed sizes 1..8 (one `lbd serve` resized
+**On CPU ranks** (``--device cpu --autoscale-range 1:2``, with shorter ``--phases`` and lower rates): the same
+load steps and sweep on real CPU ranks of the default model (SmolLM2-135M-Instruct; a stream is judged by its
+[DONE], finish reason and usage, its tokens not being words), sizes 1..MAX.
+
+**Sweep** (``--sweep``): the same loads, one level at a time, at fixed sizes 1..MAX (one `lbd serve` resized
 with POST /scale between points), ``--sweep-s`` each, counting requests after ``--sweep-warm-s``; per level
 the smallest size meeting the SLO (a level starts at the size the level below it needed). The autoscaled
 run's mean ranks per level are then set against it (the issue: within 15%).
@@ -57,7 +61,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from elastic_load import Phase, Poller, StepLoad  # noqa: E402
-from elastic_report import attainment, needed, phase_table, resizes, scale_downs, step_ups, ttft_quantile  # noqa: E402
+from elastic_report import (  # noqa: E402
+    attainment,
+    mean_of,
+    needed,
+    phase_table,
+    resizes,
+    scale_downs,
+    step_ups,
+    ttft_quantile,
+)
 from soak import Load, blame  # noqa: E402
 from soak_mix import kinds, reference  # noqa: E402
 from support import RouterServer  # noqa: E402
@@ -66,23 +79,36 @@ from support.procs import exit_on_sigterm, free_port, free_port_run, spawn, stop
 from support.tiny import make_tiny_llama  # noqa: E402
 
 PY = sys.executable
-MAX_RANKS = 8
 TOKEN = "elastic-admin-token"  # pragma: allowlist secret (a throwaway for the benchmark's node)
 
 
-class Serve:
-    """`lbd serve` with sim ranks on free loopback ports (router, ranks' run of MAX_RANKS, health port)."""
+def bounds_of(args: argparse.Namespace) -> tuple[int, int]:
+    """--autoscale-range MIN:MAX as numbers."""
+    low, _, high = args.autoscale_range.partition(":")
+    return int(low), int(high)
 
-    def __init__(self, model: Path, size: int, args: argparse.Namespace, extra: list[str], log: Path) -> None:
-        rank_port, self.port, self.hport = free_port_run(MAX_RANKS), free_port(), free_port()
+
+class Serve:
+    """`lbd serve` with sim ranks (or CPU ranks of the default model: ``--device cpu``) on free loopback
+    ports (router, ranks' run of the range's MAX, health port)."""
+
+    def __init__(self, model: Path | None, size: int, args: argparse.Namespace, extra: list[str],
+                 log: Path) -> None:
+        rank_port, self.port, self.hport = free_port_run(bounds_of(args)[1]), free_port(), free_port()
         self.url, self.health = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.hport}"
-        argv = [PY, "-m", "lbd", "serve", "--model", str(model), "--host", "127.0.0.1", "--port",
+        sim = ["--model", str(model), "--sim-profile", f"h100-llama3-8b*{args.time_scale:g}"]
+        device = ["--device", "sim", *sim] if args.device == "sim" else ["--device", "cpu"]  # default model
+        argv = [PY, "-m", "lbd", "serve", *device, "--host", "127.0.0.1", "--port",
                 str(self.port), "--rank-port", str(rank_port), "--data-parallel-supervisor-port",
-                str(self.hport), "--data-parallel-size", str(size), "--device", "sim", "--sim-profile",
-                f"h100-llama3-8b*{args.time_scale:g}", "--max-model-len", "2048", "--max-num-seqs", "16",
-                "--kv-cache-memory-bytes", "256MiB", "--shutdown-timeout", str(args.shutdown_timeout),
-                "--scale-down-drain-timeout-s", str(args.drain_timeout_s), "--log-level", "warning", *extra]
+                str(self.hport), "--data-parallel-size", str(size), "--max-model-len", "2048",
+                "--max-num-seqs", "16", "--kv-cache-memory-bytes", "256MiB", "--shutdown-timeout",
+                str(args.shutdown_timeout), "--scale-down-drain-timeout-s", str(args.drain_timeout_s),
+                "--log-level", "warning", *extra]
         self.proc = spawn(argv, log=log)
+
+    def model_name(self) -> str:
+        """The model the node serves (its /v1/models' first)."""
+        return str(httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"])
 
     def wait_ready(self, size: int, timeout: float = 300.0) -> None:
         wait_http(self.health + "/readyz", timeout, self.proc)
@@ -120,30 +146,35 @@ def parse_phases(text: str) -> list[Phase]:
     return out
 
 
-def step_load(args: argparse.Namespace, url: str, model: Path, phases: list[Phase], seed: int) -> StepLoad:
-    return StepLoad(url, str(model), phases, args.short_rate, args.long_every_s, seed=seed)
+def step_load(args: argparse.Namespace, url: str, model: str, phases: list[Phase], seed: int) -> StepLoad:
+    return StepLoad(url, model, phases, args.short_rate, args.long_every_s, seed=seed,
+                    words_are_tokens=args.device == "sim")
 
 
-def warm(url: str, model: Path) -> None:
-    body = {"model": str(model), "prompt": "warm up", "max_tokens": 4}
+def warm(url: str, model: str) -> None:
+    body = {"model": model, "prompt": "warm up", "max_tokens": 4}
     for _ in range(4):
         httpx.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
 
 
 # ---- acceptance 1: load steps under the built-in planner -------------------------------------------------
-def run_steps(args: argparse.Namespace, model: Path, out: Path) -> dict:
+def run_steps(args: argparse.Namespace, model: Path | None, out: Path) -> dict:
     phases = parse_phases(args.phases)
-    autoscale = ["--autoscale", "2:8", "--autoscale-interval-s", str(args.autoscale_interval_s),
-                 "--autoscale-up-after-s", str(args.autoscale_up_after_s), "--autoscale-down-after-s",
-                 str(args.autoscale_down_after_s), "--autoscale-cooldown-s", str(args.autoscale_cooldown_s)]
-    serve = Serve(model, 2, args, autoscale, out / "steps-serve.log")
+    autoscale = ["--autoscale", args.autoscale_range,
+                 "--autoscale-interval-s", str(args.autoscale_interval_s),
+                 "--autoscale-up-after-s", str(args.autoscale_up_after_s),
+                 "--autoscale-down-after-s", str(args.autoscale_down_after_s),
+                 "--autoscale-cooldown-s", str(args.autoscale_cooldown_s)]
+    low = bounds_of(args)[0]
+    serve = Serve(model, low, args, autoscale, out / "steps-serve.log")
     try:
-        serve.wait_ready(2)
-        warm(serve.url, model)
+        serve.wait_ready(low)
+        name = serve.model_name()
+        warm(serve.url, name)
         t0 = time.monotonic()
         poller = Poller(serve.health, serve.url, t0)
         poller.start()
-        load = step_load(args, serve.url, model, phases, seed=1)
+        load = step_load(args, serve.url, name, phases, seed=1)
         asyncio.run(load.run(t0))
         poller.stop.set()
         poller.join(30)
@@ -166,27 +197,34 @@ def run_steps(args: argparse.Namespace, model: Path, out: Path) -> dict:
 
 
 # ---- the offline sweep -----------------------------------------------------------------------------------
-def run_sweep(args: argparse.Namespace, model: Path, out: Path) -> list[dict]:
+def run_sweep(args: argparse.Namespace, model: Path | None, out: Path) -> list[dict]:
     levels = sorted({p.level for p in parse_phases(args.phases)})
     serve = Serve(model, 2, args, [], out / "sweep-serve.log")  # a DP deployment; /scale sets the size
     rows: list[dict] = []
     try:
         serve.wait_ready(2)
-        warm(serve.url, model)
+        name = serve.model_name()
+        warm(serve.url, name)
         start = 1
         for level in levels:
-            for size in range(start, MAX_RANKS + 1):
+            for size in range(start, bounds_of(args)[1] + 1):
                 serve.scale(size)
-                load = step_load(args, serve.url, model, [Phase(level, args.sweep_s)], seed=100 + size)
+                load = step_load(args, serve.url, name, [Phase(level, args.sweep_s)], seed=100 + size)
                 t0 = time.monotonic()
                 load1 = os.getloadavg()[0]
+                poller = Poller(serve.health, serve.url, t0)  # the router's signals at this fixed size
+                poller.start()
                 asyncio.run(load.run(t0))
+                poller.stop.set()
+                poller.join(30)
                 counted = [r for r in load.records if r.start >= args.sweep_warm_s]
                 att = attainment(counted, args.slo_s)
                 row = {"level": level, "size": size, "requests": len(counted),
                        "attainment": None if att is None else round(100 * att, 1),
                        "ttft_p50_s": ttft_quantile(counted, 0.5), "ttft_p95_s": ttft_quantile(counted, 0.95),
                        "errors": sum(r.outcome != "ok" for r in load.records),
+                       "saturation": mean_of(poller.rows, "saturation", args.sweep_warm_s, args.sweep_s),
+                       "recommended": mean_of(poller.rows, "recommended", args.sweep_warm_s, args.sweep_s),
                        "load1": round((load1 + os.getloadavg()[0]) / 2, 1)}
                 rows.append(row)
                 print("sweep", row, flush=True)
@@ -363,6 +401,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-scale-downs", type=int, default=0,
                    help="scale-downs under the chaos mix (0: none)")
     p.add_argument("--phases", default="1:120,3:180,1:240", help="LEVEL:SECONDS,... of the load steps")
+    p.add_argument("--device", choices=("sim", "cpu"), default="sim",
+                   help="the ranks of the load steps and the sweep: sim ranks of the tiny Llama, or CPU "
+                        "ranks of the default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--autoscale-range", default="2:8", help="--autoscale MIN:MAX of the load steps; the "
+                   "sweep tries sizes 1..MAX")
     p.add_argument("--short-rate", type=float, default=1.5, help="shorts per second at 1x")
     p.add_argument("--long-every-s", type=float, default=15.0, help="a 500-token stream this often at 1x")
     p.add_argument("--time-scale", type=float, default=10.0, help="K of the sim profile h100-llama3-8b*K")
@@ -397,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     steps = sweep = chaos = None
     if args.steps or args.sweep:
-        model = make_tiny_llama(out / "sim-model", max_pos=2048)
+        model = make_tiny_llama(out / "sim-model", max_pos=2048) if args.device == "sim" else None
         if args.sweep:
             sweep = run_sweep(args, model, out)
             print(json.dumps({"sweep": sweep, "needed": needed(sweep, args.target)}, indent=1), flush=True)

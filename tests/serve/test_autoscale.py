@@ -74,10 +74,10 @@ def test_a_burst_adds_a_rank_and_the_quiet_removes_it(tiny_llama: Path, tmp_path
                                      if e["state"] == "ready") == [0, 1], 60, "the router serving rank 1")
         state = node.status()["deployment"]["autoscale"]
         assert state["decisions"] >= 1 and "1 -> 2 ranks" in state["last_decision"], state
+        t0 = time.monotonic()  # the load stops: the clients send nothing more, their last answers run on
         stop.set()
         for t in threads:
             t.join(60)
-        t0 = time.monotonic()
         node.wait_for(lambda: [r["rank"] for r in node.status()["ranks"]] == [0], 60, "back to one rank")
         assert time.monotonic() - t0 >= 3.0 - 1.0  # not before the down delay (less the last interval)
         assert "2 -> 1 ranks" in node.status()["deployment"]["autoscale"]["last_decision"]

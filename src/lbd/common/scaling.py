@@ -26,6 +26,15 @@ only; ``Signals`` and ``AutoscaleReport`` are dataclasses msgspec and orjson enc
                                                                    TTFT shrinks as 1/ranks)
     the larger of the two, at least 1 while there is any work (backlog or busy ranks), clamped to
     [min_ranks, max_ranks].
+The two terms guard different limits. The backlog term holds the TTFT target where the wait is prefill (a
+queue of prompt tokens). The utilisation term keeps the fleet below flow control's saturation point, where a
+rank stops admitting at once (its KV cache full, its queue at ``max_waiting``; for queued prompts, 8,192
+tokens is ~2 s of prefill at 4,000 tokens/s: the default TTFT target): below it a request waits only for its
+own prefill. So ``target_utilization`` is a margin for the signal's noise and for the seconds added ranks
+take to serve, not for queueing: 0.9 by default. An offline sweep (``benchmarks/elastic.py --sweep``, a 2 s
+TTFT SLO on a KV-bound load) puts the SLO's knee there: at 3x load 4 ranks ran at saturation 0.82 and met it
+(99%), 3 ranks ran at 0.95 and missed it (45%); 0.7, the default before, kept 20-40% more ranks than the
+sweep's need (ceil(4 x 0.82 / 0.7) = 5).
 With no rank serving (``n`` = 0) and work waiting it recommends one rank (then the rule measures again).
 It does not keep a rank for its in-flight streams: a removed rank drains and the router resumes its streams on
 the ranks that stay, so in-flight work needs no rank of its own.
@@ -38,8 +47,8 @@ drop from P ranks cost ``down_after_s`` x (P - 1)(P - 2)/2 rank-seconds, +19% of
 of benchmarks/elastic.py); nothing for ``cooldown_s`` after each change (the new size's signals must settle
 first).
 
-``target_utilization`` (0.7 by default, ``--autoscale-target-utilization`` on ``lbd route`` and ``lbd serve``)
-is the deployment's own trade: higher runs fewer ranks nearer flow control's saturation point.
+``target_utilization`` (0.9 by default, ``--autoscale-target-utilization`` on ``lbd route`` and ``lbd serve``)
+is the deployment's own trade: lower keeps more spare ranks for bursts.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from dataclasses import dataclass, field
 MAX_TOKENS = 8192
 MAX_WAITING = 4.0
 MAX_KV = 0.95
-TARGET_UTILIZATION = 0.7
+TARGET_UTILIZATION = 0.9  # the module docstring says why
 TTFT_TARGET_S = 2.0
 # Prefill tokens per second per rank when nothing better is known (the predicted_ttft policy's starting
 # rate, lbd.policies.ttft.TtftModel; it learns the real one from first bytes and the router uses that).

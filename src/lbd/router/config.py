@@ -155,7 +155,7 @@ class RouterConfig:
     routing_config: Path | None = None  # the file the policy's profile was composed from
     flow: FlowSettings = field(default_factory=FlowSettings)  # flow control (lbd.router.flow)
     ttft_target_s: float = 2.0  # the autoscaling signals' TTFT target (lbd.router.autoscale_signals)
-    autoscale_target_utilization: float = 0.7  # the busy fraction the recommendation aims for
+    autoscale_target_utilization: float = 0.9  # the busy fraction the recommendation aims for
 
 
 def parse_args(argv: list[str]) -> RouterConfig:

@@ -132,9 +132,11 @@ def make_parser() -> OneLineParser:
     g.add_argument("--ttft-target-ms", type=float, default=2000.0,
                    help="the time to first token the fleet is sized for: the scaling rule recommends enough "
                         "ranks to serve the token backlog within it (lbd_router_autoscale_recommended_ranks)")
-    g.add_argument("--autoscale-target-utilization", type=float, default=0.7,
+    g.add_argument("--autoscale-target-utilization", type=float, default=0.9,
                    help="the busy fraction (lbd_router_autoscale_saturation) the recommended rank count aims "
-                        "for, in (0, 1]: higher runs fewer ranks nearer flow control's saturation point")
+                        "for, in (0, 1]: a margin below flow control's saturation point (1.0, where ranks "
+                        "stop admitting at once) for the signal's noise and the time added ranks take; lower "
+                        "keeps more spare ranks (lbd.common.scaling says why 0.9)")
     g = p.add_argument_group("policy")
     g.add_argument(
         "--policy",

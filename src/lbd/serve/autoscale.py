@@ -4,10 +4,11 @@ Every ``--autoscale-interval-s`` it reads its own router child's signals (``GET 
 ``autoscale``: ``lbd.common.scaling.AutoscaleReport``, the same numbers as ``lbd_router_autoscale_*``) and the
 node's size (its supervisor's /status), and feeds them to ``lbd.common.scaling.Planner``: the one rule the
 router's ``recommended_ranks`` gauge and the Kubernetes manifests use, with hysteresis (up at once after
-``--autoscale-up-after-s`` above, down one rank after ``--autoscale-down-after-s`` below, nothing for
-``--autoscale-cooldown-s`` after a change). A decision is a ``POST /scale`` (``lbd.wire.scale.ScaleRequest``)
-to the node's supervisor: added ranks join the router through the health port's /status, removed ranks
-drain and the router resumes their streams elsewhere. Nothing is decided while a resize runs.
+``--autoscale-up-after-s`` above, down after ``--autoscale-down-after-s`` below to the highest recommendation
+of that window, nothing for ``--autoscale-cooldown-s`` after a change). A decision is a ``POST /scale``
+(``lbd.wire.scale.ScaleRequest``) to the node's supervisor: added ranks join the router through the health
+port's /status, removed ranks drain and the router resumes their streams elsewhere. Nothing is decided while
+a resize runs.
 
 Every decision is logged with the signals behind it; ``deployment.autoscale`` in the health port's /status
 is the planner's state (``lbd.wire.status.AutoscaleState``).
@@ -57,20 +58,22 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                    help="resize this node between MIN and MAX ranks by the router's recommendation "
                         "(lbd_router_autoscale_recommended_ranks): up once it stays above the size for "
-                        "--autoscale-up-after-s, down one rank once it stays below for "
-                        "--autoscale-down-after-s (to the highest recommendation of that time); "
+                        "--autoscale-up-after-s, down once it stays below for --autoscale-down-after-s (to "
+                        "the highest recommendation of that time); "
                         "--data-parallel-size is the starting size")
     g.add_argument("--autoscale-interval-s", type=float, default=d.interval_s,
                    help="how often the planner reads the router's signals")
     g.add_argument("--autoscale-up-after-s", type=float, default=d.up_after_s,
                    help="add ranks once the recommendation has stayed above the size this long")
     g.add_argument("--autoscale-down-after-s", type=float, default=d.down_after_s,
-                   help="remove a rank once the recommendation has stayed below the size this long")
+                   help="remove ranks once the recommendation has stayed below the size this long")
     g.add_argument("--autoscale-cooldown-s", type=float, default=d.cooldown_s,
                    help="decide nothing this long after a resize (its signals settle first)")
     g.add_argument("--autoscale-target-utilization", type=float, default=None,
-                   help=f"the router's --autoscale-target-utilization (default {TARGET_UTILIZATION}): the "
-                        "busy fraction the recommendation aims for, in (0, 1]")
+                   help=f"the router's --autoscale-target-utilization (default {TARGET_UTILIZATION}), in "
+                        "(0, 1]: the busy fraction the recommendation aims for, a margin below flow "
+                        "control's saturation point (1.0) for the signal's noise and the time added ranks "
+                        "take; lower keeps more spare ranks")
     g.add_argument("--ttft-target-ms", type=float, default=None,
                    help="the router's --ttft-target-ms (default 2000): the TTFT its recommendation sizes the "
                         "fleet for (lbd_router_autoscale_*, and --autoscale)")
@@ -176,7 +179,8 @@ class Autoscaler:
         target = self.planner.observe(report.signals, current, now)
         if target is None or target == current:
             return
-        self.last_decision = f"{current} -> {target} ranks at {time.strftime('%H:%M:%S')}: {_why(report)}"
+        why = _why(report, self.s.target_utilization)
+        self.last_decision = f"{current} -> {target} ranks at {time.strftime('%H:%M:%S')}: {why}"
         log.info("autoscale: %s", self.last_decision)
         await self._scale(target)
 
@@ -224,8 +228,8 @@ def _finite(x: float) -> float | None:
     return None if x == float("inf") else x
 
 
-def _why(r: AutoscaleReport) -> str:
+def _why(r: AutoscaleReport, target_utilization: float) -> str:
     s = r.signals
-    return (f"recommended {r.recommended_ranks} (saturation {s.saturation:.2f} of {s.ranks} serving ranks, "
-            f"backlog {s.token_backlog} tokens, predicted TTFT {s.predicted_ttft_s:.3f} s against "
-            f"{s.ttft_target_s:g} s)")
+    return (f"recommended {r.recommended_ranks} (saturation {s.saturation:.2f} of {s.ranks} serving ranks "
+            f"against {target_utilization:g}, backlog {s.token_backlog} tokens, predicted TTFT "
+            f"{s.predicted_ttft_s:.3f} s against {s.ttft_target_s:g} s)")
