@@ -165,6 +165,8 @@ def run_steps(args: argparse.Namespace, model: Path | None, out: Path) -> dict:
                  "--autoscale-up-after-s", str(args.autoscale_up_after_s),
                  "--autoscale-down-after-s", str(args.autoscale_down_after_s),
                  "--autoscale-cooldown-s", str(args.autoscale_cooldown_s)]
+    if args.autoscale_target_utilization is not None:  # else lbd serve's default (what a user gets)
+        autoscale += ["--autoscale-target-utilization", str(args.autoscale_target_utilization)]
     low = bounds_of(args)[0]
     serve = Serve(model, low, args, autoscale, out / "steps-serve.log")
     try:
@@ -416,6 +418,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--autoscale-up-after-s", type=float, default=3.0)
     p.add_argument("--autoscale-down-after-s", type=float, default=15.0)
     p.add_argument("--autoscale-cooldown-s", type=float, default=5.0)
+    p.add_argument("--autoscale-target-utilization", type=float, default=None,
+                   help="passed to lbd serve when given (0.7: the rule before 8a8bb7f); default: lbd serve's")
     p.add_argument("--drain-timeout-s", type=float, default=0.0, help="--scale-down-drain-timeout-s")
     p.add_argument("--shutdown-timeout", type=float, default=1.0)
     p.add_argument("--sweep-s", type=float, default=60.0, help="seconds of load per sweep point")
