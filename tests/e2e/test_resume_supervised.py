@@ -3,9 +3,11 @@
 supervisor restarts it, and the client has exactly the unbroken run's answer: its text, one finish reason, one
 ``[DONE]``, its usage. For a chat with no ``max_tokens`` (it runs to the context), a greedy stream with
 ``frequency_penalty`` 1.0, a chat that ends by EOS, a JSON-schema chat (issue 45, acceptance 2: the client's
-text parses against the schema), and a P/D stream (prefilled on rank 0, decoded on rank 1
-or 2, moved to the other decode rank). tests/router/test_migration_exact.py covers the same and more over bare
-ranks with exact cuts; this file shows it through the supervisor.
+text parses against the schema, maxLength counted in characters), a ``tool_choice: "auto"`` chat read by the
+``llama3_json`` parser (its call's arguments cut mid-way: the client's call is the unbroken run's), and a P/D
+stream (prefilled on rank 0, decoded on rank 1 or 2, moved to the other decode rank).
+tests/router/test_migration_exact.py covers the same and more over bare ranks with exact cuts; this file
+shows it through the supervisor.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
                          "temps": {"type": "array", "minItems": 16, "maxItems": 16,
                                    "items": {"type": "integer", "minimum": -40, "maximum": 50}},
                          "sunny": {"type": "boolean"}}}
+# random weights write no calls of their own: under "auto" a regex (vLLM lets it stand beside "auto") makes
+# them write a llama3_json call, which the ranks' parser (--tool-call-parser llama3_json) turns into one
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "temps": SCHEMA["properties"]["temps"]}}}}]
+LLAMA3_CALL = (r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{1,8}", '
+               r'"temps": \[(-?[1-9]?[0-9], ){15}-?[1-9]?[0-9]\]\}\}')
 LONG = " ".join(f"Guest {i} brought a lamp, a map and a bell to the house by the sea." for i in range(4))
 
 
@@ -48,7 +56,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Super
     at = ENGINE_FLAGS.index("--kv-cache-memory-bytes")
     flags = [*ENGINE_FLAGS[:at], "--kv-cache-memory-bytes", "64MiB", *ENGINE_FLAGS[at + 2:]]
     node = SupervisorNode(model, 3, "--prefill-ranks", "0", "--decode-ranks", "1,2", "--served-model-name",
-                          "tiny", engine_flags=flags,
+                          "tiny", engine_flags=[*flags, "--enable-auto-tool-choice", "--tool-call-parser",
+                                                "llama3_json"],
                           interval=0.3, timeout=1.0, threshold=2, log=folder / "node.log")
     port = free_port()
     router = spawn([sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(port),
@@ -85,7 +94,7 @@ def streamed(node: SupervisorNode, url: str, kind: str, kill: bool = False, **ex
     if kind == "chat":
         req.setdefault("messages", MESSAGES)
     got: dict[str, Any] = {"text": "", "done": 0, "after_done": 0, "errors": [], "finishes": [],
-                           "usage": None, "chunks": 0, "disagg": ""}
+                           "usage": None, "chunks": 0, "disagg": "", "calls": {}}
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     with httpx.stream("POST", url + path, json=req, timeout=300) as r:
         assert r.status_code == 200, r.read()
@@ -108,6 +117,12 @@ def streamed(node: SupervisorNode, url: str, kind: str, kill: bool = False, **ex
             for c in ev["choices"]:
                 text = c["text"] if kind == "cmpl" else c["delta"].get("content") or ""
                 got["text"] += text
+                for d in [] if kind == "cmpl" else c["delta"].get("tool_calls") or []:
+                    call = got["calls"].setdefault(d["index"], {"name": "", "arguments": "", "ids": 0})
+                    call["name"] += d["function"].get("name") or ""
+                    call["ids"] += "id" in d
+                    text += d["function"].get("arguments") or ""
+                    call["arguments"] += d["function"].get("arguments") or ""
                 if c.get("finish_reason") is not None:
                     got["finishes"].append(c["finish_reason"])
                 if text:
@@ -128,8 +143,11 @@ CASES = {
     "frequency_penalty": ("cmpl", {"prompt": "def add(a, b): return a + b # numbers 0123456789",
                                    "max_tokens": 200, "frequency_penalty": 1.0}),
     "chat_ends_by_eos": ("chat", {}),
-    "json_schema": ("chat", {"max_tokens": 300, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}}),
+    "json_schema": ("chat", {"max_tokens": 300, "response_format": {  # compact: whitespace would run it long
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}},
+        "structured_outputs": {"disable_any_whitespace": True}}),
+    "llama3_json_auto": ("chat", {"max_tokens": 300, "tools": TOOLS, "tool_choice": "auto",
+                                  "structured_outputs": {"regex": LLAMA3_CALL}}),
     "pd_stream": ("cmpl", {"prompt": LONG, "max_tokens": 120, "ignore_eos": True}),
 }
 
@@ -146,6 +164,9 @@ def test_a_sigkilled_rank_leaves_the_client_the_unbroken_answer(deployment: tupl
         assert want["finishes"] == ["length"] and want["usage"]["total_tokens"] == 512
     if case in ("chat_ends_by_eos", "json_schema"):
         assert want["finishes"] == ["stop"]
+    if case == "llama3_json_auto":  # one call (one id), its arguments the regex's, no content
+        assert want["finishes"] == ["tool_calls"] and want["text"] == "" and list(want["calls"]) == [0]
+        assert want["calls"][0]["name"] == "get_weather" and want["calls"][0]["ids"] == 1
     if case == "pd_stream":
         assert want["disagg"].startswith("pd "), want["disagg"]
     before = resumed(url)
@@ -157,7 +178,7 @@ def test_a_sigkilled_rank_leaves_the_client_the_unbroken_answer(deployment: tupl
     assert got["finishes"] == want["finishes"]
     assert got["done"] == 1 and got["after_done"] == 0
     assert got["usage"] == want["usage"]
-    if case == "json_schema":  # random weights write partial UTF-8 sequences, each decoded as one U+FFFD:
-        # the client counts more characters than the grammar did, so maxLength is not held to here
-        loose = {**SCHEMA, "properties": {**SCHEMA["properties"], "city": {"type": "string"}}}
-        jsonschema.validate(json.loads(got["text"], strict=False), loose)
+    assert got["calls"] == want["calls"]  # announced once (one id), the same name and arguments
+    if case == "json_schema":  # whole UTF-8 characters (structured.utf8): maxLength holds, client-counted
+        assert "\ufffd" not in got["text"]
+        jsonschema.validate(json.loads(got["text"], strict=False), SCHEMA)
