@@ -1,7 +1,8 @@
 """Batched LoRA on the CPU: the grouped path (``lbd.engine.lora.compute.add_grouped``: two matmuls per adapter
 in the step) against torch's gather path (``add_gathered``: A and B gathered per token, two ``torch.bmm``),
 median microseconds of one projection's delta, one thread, fp32, SmolLM2-135M's projection shapes with 4 slots
-(decodes mix 4 adapters and the base model; the prefill is 4 sequences of 64 tokens, one adapter each).
+(decodes mix 4 adapters and the base model, interleaved, or ordered by slot as the scheduler sends them under
+--enable-lora: one slice per adapter; the prefill is 4 sequences of 64 tokens, one adapter each).
 
     .venv/bin/python benchmarks/lora_compute.py
 """
@@ -18,7 +19,9 @@ from lbd.engine.lora.slots import make_step
 SHAPES = {"qkv 576->960 W64": (576, 960, 64), "gate_up 576->3072 W32": (576, 3072, 32),
           "down 1536->576 W16": (1536, 576, 16)}
 CASES = {"1 decode": [(0, 1)], "8 decodes": [(i % 5 - 1, 1) for i in range(8)],
-         "32 decodes": [(i % 5 - 1, 1) for i in range(32)], "4x64 prefill": [(i, 64) for i in range(4)]}
+         "32 decodes": [(i % 5 - 1, 1) for i in range(32)],
+         "32 decodes by slot": sorted((i % 5 - 1, 1) for i in range(32)),  # as the scheduler orders them
+         "4x64 prefill": [(i, 64) for i in range(4)]}
 
 
 def median_us(fn, n: int = 20) -> float:

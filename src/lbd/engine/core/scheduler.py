@@ -205,6 +205,8 @@ class Scheduler:
             budget = self._schedule_waiting(budget, decodes, prefills, seats)
         if not decodes and not prefills:
             return SchedulerOutput()  # freed ids wait for the next batch the runner actually sees
+        if self.loras is not None:  # one contiguous run of rows per adapter: LoRA's matmuls take slices
+            decodes.sort(key=lambda s: (s.num_new_tokens > 1, s.request.lora_slot))
         decodes.extend(prefills)
         out = SchedulerOutput(seqs=decodes, finished_ids=self._finished_ids,
                               scheduled_tokens=self.config.max_num_batched_tokens - budget)

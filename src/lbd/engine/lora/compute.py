@@ -29,8 +29,8 @@ Group = tuple[int, "slice | torch.Tensor"]
 def add_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 groups: list[Group]) -> torch.Tensor:
     for slot, rows in groups:
-        if isinstance(rows, slice):
-            y[rows].add_(torch.mm(torch.mm(x[rows], a[slot]), b[slot]))
+        if isinstance(rows, slice):  # (the scheduler orders a step's decodes by slot: one run per adapter)
+            y[rows].addmm_(torch.mm(x[rows], a[slot]), b[slot])
         else:
             y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a[slot]), b[slot]))
     return y
