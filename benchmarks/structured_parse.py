@@ -135,15 +135,21 @@ def bad_schema(client: openai.OpenAI) -> None:
         print(f"bad schema: {e.status_code} {e.body.get('message') if isinstance(e.body, dict) else e.body}")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_engine(through_router: bool) -> tuple[subprocess.Popen, str]:
     """`python -m lbd.engine`, or `lbd serve --data-parallel-size 2` (the router in front of two ranks);
     ready once a chat answer comes back (the router's /health may answer before its ranks do)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, health = free_port(), free_port()
     where = ["--host", "127.0.0.1", "--port", str(port), "--enable-auto-tool-choice", "--tool-call-parser",
              "hermes"]
-    argv = ([sys.executable, "-m", "lbd", "serve", "--data-parallel-size", "2", *where] if through_router
+    # a free health port: the default (9256) is taken by any other `lbd serve` on the host
+    argv = ([sys.executable, "-m", "lbd", "serve", "--data-parallel-size", "2", *where,
+             "--data-parallel-supervisor-port", str(health)] if through_router
             else [sys.executable, "-m", "lbd.engine", *where])
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
