@@ -21,7 +21,7 @@ Arrivals are Poisson, open loop; at the window's end arrivals stop, the interact
 are awaited (within a grace), every other request is cancelled (its client goes away) and the fleet is left
 to drain before the next target.
 
-    .venv/bin/python benchmarks/flow_control.py [--seconds 20] [--time-scale 5] [--targets ...]
+    .venv/bin/python benchmarks/flow_control.py [--sim-seconds 60] [--time-scale 5] [--targets ...]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import shlex
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,6 +220,7 @@ def overload(args: argparse.Namespace, cap: float, target: str, sup: int, urls: 
         asyncio.run(settle(urls))
         both = Load([("interactive", inter, 0, None), ("batch", batch, 1, None)])
         t0 = asyncio.run(drive(r.url, args, both, args.seconds, args.grace))
+        flows = flow_rows(r.url) if target.startswith("lbd:") else []
     asyncio.run(settle(urls))
     base = [o.ttft for o in alone.outcomes if o.ttft is not None]
     inter_o = [o for o in both.outcomes if o.tenant == "interactive"]
@@ -231,7 +233,15 @@ def overload(args: argparse.Namespace, cap: float, target: str, sup: int, urls: 
             "interactive": len(inter_o), "errors": errors,
             "batch_tokens": batch_tokens, "batch_sent": sum(1 for o in both.outcomes if o.tenant == "batch"),
             "batch_refused": sum(1 for o in both.outcomes if o.tenant == "batch" and o.status in (429, 503)),
-            "load1": os.getloadavg()[0]}
+            "flows": flows, "load1": os.getloadavg()[0]}
+
+
+def flow_rows(url: str) -> list[dict]:
+    """The router's flow counters (/router/status): how long each tenant's requests were held."""
+    with urllib.request.urlopen(url + "/router/status", timeout=10) as r:
+        flow = json.loads(r.read()).get("flow", {})
+    return [{k: f[k] for k in ("tenant", "priority", "dispatched", "wait_s_mean", "shed")}
+            for f in flow.get("flows", [])]
 
 
 def fairness(args: argparse.Namespace, cap: float, target: str, sup: int, urls: list[str],
@@ -290,6 +300,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--seconds", type=float, default=30.0, help="the loaded window (real s)")
+    p.add_argument("--sim-seconds", type=float, default=None,
+                   help="the loaded window in simulated s (issue 43 asks 60): sets --seconds to this times "
+                        "--time-scale")
     p.add_argument("--baseline-seconds", type=float, default=15.0, help="interactive alone (real s)")
     p.add_argument("--calibrate-s", type=float, default=15.0)
     p.add_argument("--grace", type=float, default=30.0, help="s the interactive requests running at the "
@@ -311,6 +324,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None)
     args = p.parse_args(argv)
+    if args.sim_seconds is not None:
+        args.seconds = args.sim_seconds * args.time_scale
     args.fleet_args = (f"--sim-profile h100-llama3-8b*{args.time_scale:g} --served-model-name {args.model} "
                        f"--max-num-seqs {args.max_num_seqs} --scheduling-policy {args.scheduling_policy} "
                        f"{args.fleet_args}")
@@ -335,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         with Router("lbd:off", sup, urls, logs, args) as r:
             cap = asyncio.run(capacity(r.url, args))
         asyncio.run(settle(urls))
-        print(f"capacity {cap:.2f} requests/s ({args.ranks} ranks x {args.max_num_seqs} seats), "
+        print(f"capacity {cap:.2f} requests/s ({args.ranks} ranks x {args.max_num_seqs} seats), windows of "
+              f"{args.seconds:g} s real ({args.seconds / args.time_scale:g} s simulated), "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         for run in range(1, args.runs + 1):
             for target in targets if not args.no_overload else ():
@@ -348,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                     fair.append({**row, "run": run})
                     print(json.dumps(row), flush=True)
             if args.json:
-                Path(args.json).write_text(json.dumps({"capacity": cap, "overload": over, "fairness": fair}))
+                Path(args.json).write_text(json.dumps({"capacity": cap, "args": vars(args), "overload": over,
+                                                   "fairness": fair}))
     finally:
         stop(fleet)
     print(report(over, fair))
