@@ -106,18 +106,19 @@ def test_planner_scales_up_after_up_after_s_and_then_cools_down() -> None:
     assert p2.observe(_hot(1), 1, 4.5) == 2
 
 
-def test_planner_jumps_up_and_comes_down_to_the_window_s_highest_recommendation() -> None:
+def test_planner_jumps_up_and_comes_down_to_the_window_s_mean_demand() -> None:
+    """Down to the mean demand of its last down_after_s, not the highest sample: one-second samples swing
+    around the load (here 4.5 and 2.5 ranks' worth, recommendations 5 and 3, in turn: the highest would hold
+    5, one rank too many), and only once it has a window of samples taken since its last change."""
     p = Planner(1, 8, up_after_s=0.0, down_after_s=10.0, cooldown_s=0.0)
     assert p.observe(Signals(2, 1.0, 64000, 8.0, 2.0), 2, 0.0) == 8
-    assert p.observe(Signals(8, 0.45, 0, 0.0), 8, 1.0) is None  # recommends 4
-    assert p.observe(_idle(8), 8, 5.0) is None  # recommends 1: the window still holds the 4
-    assert p.observe(_idle(8), 8, 10.9) is None
-    assert p.observe(_idle(8), 8, 11.0) == 4  # after down_after_s below: the highest seen meanwhile
-    assert p.observe(_idle(4), 4, 12.0) is None  # the trend starts again at the new size
-    assert p.observe(Signals(4, 0.9, 0, 0.0), 4, 13.0) is None  # at the size (4): the trend is broken
-    assert p.observe(_idle(4), 4, 14.0) is None
-    assert p.observe(_idle(4), 4, 23.9) is None
-    assert p.observe(_idle(4), 4, 24.0) == 1
+    for t in range(1, 11):  # demand 8 x sat / 0.9: 4.5 at odd seconds, 2.5 at even ones
+        assert p.observe(Signals(8, 0.50625 if t % 2 else 0.28125, 0, 0.0), 8, float(t)) is None, t
+    assert p.state(10.0)["below_for_s"] == 9.0  # the window's mean (3.5 and over) recommends 4 since t = 1
+    assert p.observe(Signals(8, 0.50625, 0, 0.0), 8, 11.0) == 4  # mean 3.59 -> 4
+    for t in range(12, 22):  # the window starts again at the new size
+        assert p.observe(_idle(4), 4, float(t)) is None, t
+    assert p.observe(_idle(4), 4, 22.0) == 1
     assert p.decisions == 3
 
 

@@ -40,12 +40,15 @@ It does not keep a rank for its in-flight streams: a removed rank drains and the
 the ranks that stay, so in-flight work needs no rank of its own.
 
 **The planner** (``Planner``) turns recommendations into resizes: up at once to the recommendation once it
-has stayed above the current size for ``up_after_s``; down once it has stayed below for ``down_after_s``
-(longer: capacity is cheap to keep for a minute and slow to bring back), to the highest recommendation seen
-in that time (Kubernetes' HPA stabilises its scale-down over a window the same way: one rank at a time made a
-drop from P ranks cost ``down_after_s`` x (P - 1)(P - 2)/2 rank-seconds, +19% of the ranks over the low phase
-of benchmarks/elastic.py); nothing for ``cooldown_s`` after each change (the new size's signals must settle
-first).
+has stayed above the current size for ``up_after_s``; down once it has ``down_after_s`` of samples since its
+last change (longer: capacity is cheap to keep for a minute and slow to bring back) and the mean demand of
+the last ``down_after_s`` (``demand``: the rule before rounding) recommends fewer ranks, to that many.
+The mean, not the window's highest recommendation: one-second samples of a KV-bound fleet's saturation swing
+by +-0.2 around their mean (one 500-token stream holds a third of a small rank's KV), so the highest sample
+of a window is the top of that noise, not a load to keep ranks for (elastic.py: 5 ranks held through a 3x
+phase the sweep serves with 4, and a descent one rank per window after it); nor one rank at a time, which
+made a drop from P ranks cost ``down_after_s`` x (P - 1)(P - 2)/2 rank-seconds. Nothing for ``cooldown_s``
+after each change (the new size's signals must settle first).
 
 ``target_utilization`` (0.9 by default, ``--autoscale-target-utilization`` on ``lbd route`` and ``lbd serve``)
 is the deployment's own trade: lower keeps more spare ranks for bursts.
@@ -54,6 +57,7 @@ is the deployment's own trade: lower keeps more spare ranks for bursts.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 # Flow control's default saturation thresholds (lbd route --flow-max-prefill-tokens-per-rank,
@@ -120,25 +124,32 @@ def fleet_signals(loads: list[float], token_backlog: int, ttft_target_s: float =
     return Signals(n, round(saturation, 6), max(0, int(token_backlog)), ttft, ttft_target_s)
 
 
+def demand(s: Signals, target_utilization: float = TARGET_UTILIZATION, max_ranks: int = 1 << 16) -> float:
+    """The rule's need in ranks before rounding (module docstring): the larger of the utilisation and the
+    backlog terms, at least 1 while there is work."""
+    busy = s.token_backlog > 0 or s.saturation > 0
+    if s.ranks <= 0:
+        return 1.0 if busy else 0.0
+    for_load = s.ranks * s.saturation / target_utilization if target_utilization > 0 else 0.0
+    if s.predicted_ttft_s <= 0 or s.ttft_target_s <= 0:
+        for_ttft = 0.0
+    elif math.isinf(s.predicted_ttft_s):
+        for_ttft = float(max_ranks)
+    else:
+        for_ttft = s.ranks * s.predicted_ttft_s / s.ttft_target_s
+    need = max(for_load, for_ttft)
+    return max(need, 1.0) if busy else need
+
+
 def recommended_ranks(s: Signals, min_ranks: int = 1, max_ranks: int = 1 << 16,
                       target_utilization: float = TARGET_UTILIZATION) -> int:
     """The rule (module docstring): ranks for the utilisation target, at least enough to serve the backlog
     within the TTFT target, at least 1 while there is work; clamped to [min_ranks, max_ranks]."""
-    busy = s.token_backlog > 0 or s.saturation > 0
-    if s.ranks <= 0:
-        need = 1 if busy else 0
-    else:
-        for_load = s.ranks * s.saturation / target_utilization if target_utilization > 0 else 0.0
-        if s.predicted_ttft_s <= 0 or s.ttft_target_s <= 0:
-            for_ttft = 0.0
-        elif math.isinf(s.predicted_ttft_s):
-            for_ttft = float(max_ranks)
-        else:
-            for_ttft = s.ranks * s.predicted_ttft_s / s.ttft_target_s
-        need = math.ceil(max(for_load, for_ttft) - 1e-9)
-        if busy:
-            need = max(need, 1)
-    return max(min_ranks, min(max_ranks, need))
+    return _ranks(demand(s, target_utilization, max_ranks), min_ranks, max_ranks)
+
+
+def _ranks(need: float, min_ranks: int, max_ranks: int) -> int:
+    return max(min_ranks, min(max_ranks, math.ceil(need - 1e-9)))
 
 
 def report(s: Signals, min_ranks: int = 1, max_ranks: int = 1 << 16,
@@ -159,30 +170,43 @@ class Planner:
     cooldown_s: float = 30.0
     target_utilization: float = TARGET_UTILIZATION
     above_since: float | None = None
-    below_since: float | None = None
-    below_peak: int = 0  # the highest recommendation since below_since
+    below_since: float | None = None  # since when the down window's mean recommends fewer ranks
+    window: deque[tuple[float, float]] = field(default_factory=deque)  # (now, demand), last down_after_s
+    window_from: float | None = None  # the first sample since the last change
     changed_at: float | None = None
     last: AutoscaleReport | None = None
     decisions: int = field(default=0)
 
     def observe(self, s: Signals, current: int, now: float) -> int | None:
-        rec = recommended_ranks(s, self.min_ranks, self.max_ranks, self.target_utilization)
+        need = demand(s, self.target_utilization, self.max_ranks)
+        rec = _ranks(need, self.min_ranks, self.max_ranks)
         self.last = AutoscaleReport(s, rec, self.min_ranks, self.max_ranks)
         self.above_since = _since(self.above_since, now) if rec > current else None
-        self.below_since = _since(self.below_since, now) if rec < current else None
-        self.below_peak = 0 if self.below_since is None else max(rec, self.below_peak)
+        settled = self._settled(need, now)
+        self.below_since = _since(self.below_since, now) if settled < current else None
         if self.changed_at is not None and now - self.changed_at < self.cooldown_s:
             return None
         if current < self.min_ranks or current > self.max_ranks:  # outside the bounds: back in at once
             return self._change(max(self.min_ranks, min(self.max_ranks, current)), now)
         if self.above_since is not None and now - self.above_since >= self.up_after_s:
             return self._change(rec, now)
-        if self.below_since is not None and now - self.below_since >= self.down_after_s:
-            return self._change(self.below_peak, now)
+        full = self.window_from is not None and now - self.window_from >= self.down_after_s
+        if full and settled < current:
+            return self._change(settled, now)
         return None
 
+    def _settled(self, need: float, now: float) -> int:
+        """The recommendation of the down window's mean demand (samples since the last change, the last
+        ``down_after_s`` of them)."""
+        self.window.append((now, need))
+        self.window_from = now if self.window_from is None else self.window_from
+        while self.window[0][0] < now - self.down_after_s:
+            self.window.popleft()
+        return _ranks(sum(d for _, d in self.window) / len(self.window), self.min_ranks, self.max_ranks)
+
     def _change(self, size: int, now: float) -> int:
-        self.changed_at, self.above_since, self.below_since, self.below_peak = now, None, None, 0
+        self.changed_at, self.above_since, self.below_since, self.window_from = now, None, None, None
+        self.window.clear()
         self.decisions += 1
         return size
 

@@ -4,11 +4,11 @@ Every ``--autoscale-interval-s`` it reads its own router child's signals (``GET 
 ``autoscale``: ``lbd.common.scaling.AutoscaleReport``, the same numbers as ``lbd_router_autoscale_*``) and the
 node's size (its supervisor's /status), and feeds them to ``lbd.common.scaling.Planner``: the one rule the
 router's ``recommended_ranks`` gauge and the Kubernetes manifests use, with hysteresis (up at once after
-``--autoscale-up-after-s`` above, down after ``--autoscale-down-after-s`` below to the highest recommendation
-of that window, nothing for ``--autoscale-cooldown-s`` after a change). A decision is a ``POST /scale``
-(``lbd.wire.scale.ScaleRequest``) to the node's supervisor: added ranks join the router through the health
-port's /status, removed ranks drain and the router resumes their streams elsewhere. Nothing is decided while
-a resize runs.
+``--autoscale-up-after-s`` above, down once the mean demand of the last ``--autoscale-down-after-s``
+recommends fewer ranks, nothing for ``--autoscale-cooldown-s`` after a change). A decision is a
+``POST /scale`` (``lbd.wire.scale.ScaleRequest``) to the node's supervisor: added ranks join the router
+through the health port's /status, removed ranks drain and the router resumes their streams elsewhere.
+Nothing is decided while a resize runs.
 
 Every decision is logged with the signals behind it; ``deployment.autoscale`` in the health port's /status
 is the planner's state (``lbd.wire.status.AutoscaleState``).
@@ -58,15 +58,16 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                    help="resize this node between MIN and MAX ranks by the router's recommendation "
                         "(lbd_router_autoscale_recommended_ranks): up once it stays above the size for "
-                        "--autoscale-up-after-s, down once it stays below for --autoscale-down-after-s (to "
-                        "the highest recommendation of that time); "
+                        "--autoscale-up-after-s, down once the mean demand of the last "
+                        "--autoscale-down-after-s recommends fewer ranks (to that many); "
                         "--data-parallel-size is the starting size")
     g.add_argument("--autoscale-interval-s", type=float, default=d.interval_s,
                    help="how often the planner reads the router's signals")
     g.add_argument("--autoscale-up-after-s", type=float, default=d.up_after_s,
                    help="add ranks once the recommendation has stayed above the size this long")
     g.add_argument("--autoscale-down-after-s", type=float, default=d.down_after_s,
-                   help="remove ranks once the recommendation has stayed below the size this long")
+                   help="remove ranks once the mean demand of this long (since the last resize) recommends "
+                        "fewer")
     g.add_argument("--autoscale-cooldown-s", type=float, default=d.cooldown_s,
                    help="decide nothing this long after a resize (its signals settle first)")
     g.add_argument("--autoscale-target-utilization", type=float, default=None,
