@@ -114,10 +114,10 @@ def trace(index: int) -> list[dict[str, Any]]:
 def digest(steps: list[dict[str, Any]]) -> str:
     """A fingerprint of the trace's inputs (the fixture is only valid for the trace it was recorded on). A
     snapshot field added after the recording is left out at its default (``role``, P/D's: every endpoint of
-    the trace is ``mixed``; a request's ``pending_tokens``: none pending in the trace; ``lora``: no adapters),
-    so the fingerprint is still the recorded trace's."""
+    the trace is ``mixed``; a request's ``pending_tokens``: none pending in the trace; ``lora``: no adapters;
+    a request's ``avoid``: nothing to avoid), so the fingerprint is still the recorded trace's."""
     text = repr(steps).replace(", lora=None)", ")").replace(", role='mixed')", ")")
-    text = text.replace(", pending_tokens=None", "")
+    text = text.replace(", pending_tokens=None", "").replace(", avoid=frozenset()", "")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

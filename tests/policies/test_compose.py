@@ -192,3 +192,12 @@ def test_every_decision_names_the_plugin_that_decided() -> None:
         assert d.plugin == plugin_name and d.line().startswith(f"{d.reason} ({plugin_name})"), (name, d)
     pinned = route(make_policy("least_load"), RequestFacts(pinned_rank=1), eps)
     assert (pinned.plugin, pinned.reason) == ("pinned_rank", "pinned")
+
+
+def test_the_gate_passes_over_what_a_request_should_avoid_while_another_is_left() -> None:
+    policy = make_policy("least_load")
+    eps = [EndpointSnapshot(key=f"e{i}", running=i, age_s=0) for i in range(3)]
+    assert route(policy, RequestFacts(), eps).endpoint.key == "e0"
+    assert route(policy, RequestFacts(avoid=frozenset({"e0"})), eps).endpoint.key == "e1"
+    # avoiding every endpoint is a preference that cannot be met, not a refusal
+    assert route(policy, RequestFacts(avoid=frozenset({"e0", "e1", "e2"})), eps).endpoint.key == "e0"

@@ -31,6 +31,9 @@ class RequestFacts:
     pending_tokens: dict[str, int] | None = None
     block_keys: dict[int, list[int]] | None = None  # the prompt's KV block chain per block size (exact view)
     chain_partial: bool = False  # block_keys is only the head of the chain (routed on its head: kv.cold)
+    # endpoints to pass over while another is left (the gate's ``avoid``): the ranks flow control finds
+    # crowded with this request's class when it lets it through to preempt (lbd.router.flow)
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, frozen=True)

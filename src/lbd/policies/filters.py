@@ -1,8 +1,9 @@
 """Filters: the router's gate (in front of every profile) and the load filters profiles use.
 
 The gate (``GATE``, run by ``select.route`` in this order) keeps the endpoints that serve the model, honours
-a pin (it settles the request, or refuses it), keeps the ready ones (healthy, not draining) and drops those
-that already failed this request. When one leaves nothing it refuses, saying why. A profile's filters
+a pin (it settles the request, or refuses it), keeps the ready ones (healthy, not draining), drops those
+that already failed this request and passes over those it should avoid. When one leaves nothing it refuses,
+saying why (``avoid`` never does). A profile's filters
 (``load_gap``, ``kv_room``, and the affinity ones) narrow a preference instead: none refuses.
 """
 
@@ -93,8 +94,24 @@ class NotExcluded(Filter):
         return out or Refusal(503, "every other endpoint already failed this request", "retries_exhausted")
 
 
+@plugin
+class Avoid(Filter):
+    """Pass over the endpoints the request's facts ask it to avoid (``RequestFacts.avoid``), unless that
+    leaves none: a preference, never a refusal."""
+
+    name = "avoid"
+    help = "pass over the endpoints the request should avoid (flow control's crowded ranks) while any is left"
+    uses_load = False
+
+    def filter(self, ctx: Context, kept: list[int]) -> list[int]:
+        avoid, pool = ctx.facts.avoid, ctx.pool
+        if not avoid:
+            return kept
+        return [i for i in kept if pool[i].key not in avoid] or kept
+
+
 _ENV = Env()
-GATE: tuple[Filter, ...] = (ServesModel(_ENV), PinnedRank(_ENV), Ready(_ENV), NotExcluded(_ENV))
+GATE: tuple[Filter, ...] = (ServesModel(_ENV), PinnedRank(_ENV), Ready(_ENV), NotExcluded(_ENV), Avoid(_ENV))
 
 
 @plugin

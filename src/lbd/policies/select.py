@@ -29,7 +29,8 @@ def route(
     if not endpoints:
         return Refusal(503, "no upstream endpoints are configured or discovered yet", "no_endpoints")
     ctx = Context(facts, endpoints, policy.stale_s, exclude, pin_fallback)
-    if gate is not GATE or facts.pinned_rank is not None or exclude or not _all_pass(endpoints, facts.model):
+    if (gate is not GATE or facts.pinned_rank is not None or exclude or facts.avoid
+            or not _all_pass(endpoints, facts.model)):
         kept = list(range(len(endpoints)))
         for rule in gate:
             out = rule.filter(ctx, kept)

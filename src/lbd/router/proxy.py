@@ -245,11 +245,9 @@ class Proxy:
             decision: Decision | Refusal = Decision(state.snapshot(trial),
                                                     "half_open_trial", plugin="outlier")
         else:
-            exclude = [*full, *rr.exclude] if n else [*full, *rr.avoid] if rr.avoid else full
+            exclude = [*full, *rr.exclude] if n else full
             decision = route(state.policy, rr.facts, snaps, exclude, self.cfg.pin_fallback, gate)
             if n == 0:
-                if isinstance(decision, Refusal) and rr.avoid:  # flow control's preference cannot be met
-                    decision = route(state.policy, rr.facts, snaps, full, self.cfg.pin_fallback, gate)
                 if isinstance(decision, Refusal) and len(snaps) < len(state.order):
                     # the sample could not serve it: decide over every endpoint
                     snaps = state.snapshots()

@@ -65,7 +65,6 @@ class RoutedRequest:
     move: Any = None  # a stream that may move to another rank mid-stream (lbd.router.migration.Move)
     ids_body: bytes | None = None  # the migrator's: ``body`` asking for the answer's token ids (for a move)
     pd: PdStage | None = None  # the P/D stage's outcome (lbd.router.disagg); None: not a P/D router's
-    avoid: Sequence[str] = ()  # endpoints the first try passes over if it can (lbd.router.flow sets it)
     sent_to: str | None = None  # the endpoint its latest try went to (``decide``)
     # set once by ``decide`` on the first try (plain fields, not an object: this runs on every request)
     snaps: list[EndpointSnapshot] = field(init=False)  # what it chose among (a sample of a large fleet)

@@ -108,7 +108,7 @@ class FlowControl:
                 return self._let(slot, who, tokens, out, rr)
             if self._preempts(who.priority):  # its engine makes room: not to a rank full of its peers
                 if rr.facts.pinned_rank is None:
-                    rr.avoid = crowded(self.snapshots(), self._placed(who.priority))
+                    rr.facts.avoid = frozenset(crowded(self.snapshots(), self._placed(who.priority)))
                 return self._let(slot, who, tokens, out, rr)
         else:
             why = "requests ahead are held"
