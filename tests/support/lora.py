@@ -10,14 +10,16 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def make_tiny_qwen2(path: Path, *, layers: int = 2, seed: int = 0, max_pos: int = 512) -> Path:
-    """Qwen2: biases on q/k/v, hidden 64, 4 heads (2 KV)."""
+def make_tiny_qwen2(
+    path: Path, *, layers: int = 2, seed: int = 0, max_pos: int = 512, kv_heads: int = 2
+) -> Path:
+    """Qwen2: biases on q/k/v, hidden 64, 4 heads (``kv_heads`` of them KV)."""
     from transformers import Qwen2Config
 
     from support.tiny import _common, _save_tiny
 
     return _save_tiny(path, lambda tok: Qwen2Config(
-        **_common(tok, layers, 64, 4, max_pos), num_key_value_heads=2, intermediate_size=128,
+        **_common(tok, layers, 64, 4, max_pos), num_key_value_heads=kv_heads, intermediate_size=128,
         use_sliding_window=False), "Qwen2ForCausalLM", seed)
 
 

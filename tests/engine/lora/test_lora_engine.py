@@ -16,7 +16,7 @@ from lbd.engine.rank_core import build_core
 from lbd.wire.core_messages import EngineCoreRequest, LoraCommand
 from support.lora import ATTENTION, MLP, make_adapter, make_tiny_qwen2, merged_checkpoint
 from support.parity import Run, assert_all_close, engine_args, greedy, hf_greedy
-from support.tiny import make_tiny_llama, make_tiny_qwen3
+from support.tiny import make_tiny_qwen3
 
 ADAPTERS = {"attn": dict(rank=4, alpha=8, targets=("q_proj", "v_proj")),
             "full": dict(rank=8, alpha=16, targets=ATTENTION + MLP),
@@ -104,13 +104,11 @@ def test_qwen2_with_fewer_slots_than_adapters(tmp_path: Path) -> None:
     core.close()
 
 
-@pytest.mark.parametrize("model", ["llama-mqa", "qwen2"])
-def test_tp2_three_adapters_and_base(model: str, tmp_path: Path) -> None:
+def test_tp2_three_adapters_and_base(tmp_path: Path) -> None:
     """TP=2 (two worker processes, gloo): each worker holds its shard of every slot (q/k/v and gate/up: its
-    rows of B; o and down: its columns of A, the delta joining the all-reduce). Llama with one KV head
-    (replicated on both workers: both take the same rows of k/v's B) and Qwen2 (q/k/v biases)."""
-    base = (make_tiny_llama(tmp_path / "llama", kv_heads=1) if model == "llama-mqa"
-            else make_tiny_qwen2(tmp_path / "qwen2"))
+    rows of B; o and down: its columns of A, the delta joining the all-reduce). Qwen2 (q/k/v biases) with
+    one KV head (replicated on both workers: both take the same rows of k/v's B)."""
+    base = make_tiny_qwen2(tmp_path / "qwen2", kv_heads=1)
     core = _check_against_merged(base, tmp_path, max_loras=2, tensor_parallel_size=2)
     assert len(core.runner.worker_pids()) == 2
     assert not core.loras.users and not core.loras.refs and core.stats().lora.free_slots == 0
