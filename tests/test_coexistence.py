@@ -67,7 +67,9 @@ def test_wheel_beside_supervisord_kernels_and_newest_transformers(tmp_path: Path
 
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {"LBD_CACHE_DIR": str(tmp_path / "cache"), "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    # the user's lbd cache, as every other test's: a fresh one would convert the default model and build the
+    # CPU kernels again (26 s of this test on a quiet host), which tests/engine/test_loader.py covers
+    env = {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
     server = spawn([str(venv / "bin" / "lbd"), "serve", "--host", "127.0.0.1", "--port", str(port),
                     "--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB"],
                    env=env, log=log, cwd=outside)
