@@ -4,8 +4,9 @@ supervisor restarts it, and the client has exactly the unbroken run's answer: it
 ``[DONE]``, its usage. For a chat with no ``max_tokens`` (it runs to the context), a greedy stream with
 ``frequency_penalty`` 1.0, a chat that ends by EOS, a JSON-schema chat (issue 45, acceptance 2: the client's
 text parses against the schema, maxLength counted in characters), a ``tool_choice: "auto"`` chat read by the
-``llama3_json`` parser (its call's arguments cut mid-way: the client's call is the unbroken run's), and a P/D
-stream (prefilled on rank 0, decoded on rank 1 or 2, moved to the other decode rank).
+``llama3_json`` parser (its call's arguments cut mid-way: the client's call is the unbroken run's), a P/D
+stream (prefilled on rank 0, decoded on rank 1 or 2, moved to the other decode rank), and a completion under a
+LoRA adapter every rank serves (issue 44, acceptance 1: resumed under the same adapter, the same greedy text).
 tests/router/test_migration_exact.py covers the same and more over bare ranks with exact cuts; this file
 shows it through the supervisor.
 """
@@ -24,6 +25,7 @@ import jsonschema
 import pytest
 
 from support import settled
+from support.lora import make_adapter
 from support.node import ENGINE_FLAGS, SupervisorNode
 from support.procs import free_port, spawn, stop, wait_http
 from support.tiny import make_tiny_llama
@@ -53,11 +55,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Super
     # the model of tests/router/test_migration_exact.py: its greedy chat answer to MESSAGES ends by EOS
     model = make_tiny_llama(folder / "model", layers=8, hidden=512, heads=8, kv_heads=2, intermediate=2048,
                             max_pos=1024)
+    adapter = make_adapter(folder / "adapter", model, rank=8, seed=44)
     at = ENGINE_FLAGS.index("--kv-cache-memory-bytes")
     flags = [*ENGINE_FLAGS[:at], "--kv-cache-memory-bytes", "64MiB", *ENGINE_FLAGS[at + 2:]]
     node = SupervisorNode(model, 3, "--prefill-ranks", "0", "--decode-ranks", "1,2", "--served-model-name",
                           "tiny", engine_flags=[*flags, "--enable-auto-tool-choice", "--tool-call-parser",
-                                                "llama3_json"],
+                                                "llama3_json", "--enable-lora", "--max-loras", "1",
+                                                "--max-lora-rank", "8", "--lora-modules",
+                                                f"adapted={adapter}"],
                           interval=0.3, timeout=1.0, threshold=2, log=folder / "node.log")
     port = free_port()
     router = spawn([sys.executable, "-m", "lbd", "route", "--host", "127.0.0.1", "--port", str(port),
@@ -94,7 +99,7 @@ def streamed(node: SupervisorNode, url: str, kind: str, kill: bool = False, **ex
     if kind == "chat":
         req.setdefault("messages", MESSAGES)
     got: dict[str, Any] = {"text": "", "done": 0, "after_done": 0, "errors": [], "finishes": [],
-                           "usage": None, "chunks": 0, "disagg": "", "calls": {}}
+                           "usage": None, "chunks": 0, "disagg": "", "calls": {}, "models": set()}
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     with httpx.stream("POST", url + path, json=req, timeout=300) as r:
         assert r.status_code == 200, r.read()
@@ -114,6 +119,7 @@ def streamed(node: SupervisorNode, url: str, kind: str, kill: bool = False, **ex
                 continue
             if ev.get("usage"):
                 got["usage"] = ev["usage"]
+            got["models"].add(ev.get("model"))
             for c in ev["choices"]:
                 text = c["text"] if kind == "cmpl" else c["delta"].get("content") or ""
                 got["text"] += text
@@ -149,6 +155,8 @@ CASES = {
     "llama3_json_auto": ("chat", {"max_tokens": 300, "tools": TOOLS, "tool_choice": "auto",
                                   "structured_outputs": {"regex": LLAMA3_CALL}}),
     "pd_stream": ("cmpl", {"prompt": LONG, "max_tokens": 120, "ignore_eos": True}),
+    "lora_adapter": ("cmpl", {"model": "adapted", "prompt": "The numbers 0123456789 and", "max_tokens": 120,
+                              "ignore_eos": True}),
 }
 
 
@@ -169,6 +177,9 @@ def test_a_sigkilled_rank_leaves_the_client_the_unbroken_answer(deployment: tupl
         assert want["calls"][0]["name"] == "get_weather" and want["calls"][0]["ids"] == 1
     if case == "pd_stream":
         assert want["disagg"].startswith("pd "), want["disagg"]
+    if case == "lora_adapter":  # under the adapter: its name on every chunk, another text than the base's
+        assert want["models"] == {"adapted"}
+        assert streamed(node, url, kind, **{**extra, "model": "tiny"})["text"] != want["text"]
     before = resumed(url)
     got = streamed(node, url, kind, kill=True, **extra)
     assert got.get("killed") in (1, 2), got  # a decode rank served it, and was killed
@@ -179,6 +190,7 @@ def test_a_sigkilled_rank_leaves_the_client_the_unbroken_answer(deployment: tupl
     assert got["done"] == 1 and got["after_done"] == 0
     assert got["usage"] == want["usage"]
     assert got["calls"] == want["calls"]  # announced once (one id), the same name and arguments
+    assert got["models"] == want["models"]  # a resumed adapter stream stays under its adapter
     if case == "json_schema":  # whole UTF-8 characters (structured.utf8): maxLength holds, client-counted
         assert "\ufffd" not in got["text"]
         jsonschema.validate(json.loads(got["text"], strict=False), SCHEMA)

@@ -151,7 +151,8 @@ class LoraMetrics:
     ``running_lora_adapters``: comma-joined names; the value is the time it was set, so the newest series is
     the current one, as in vLLM) and what it lacks, which an adapter-aware router needs: ``lbd:lora_resident``
     (1 per adapter and place, ``device`` or ``cpu``; 0 once it left), ``lbd:lora_free_slots`` and
-    ``lbd:lora_load_seconds`` (each adapter's last load)."""
+    ``lbd:lora_load_seconds`` (each adapter's last load), ``lbd:lora_reads_total`` (adapters read from disk)
+    and ``lbd:lora_slot_fills_total`` (adapters copied into a device slot: slot misses)."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
@@ -166,7 +167,12 @@ class LoraMetrics:
         self.load_seconds = Gauge("lbd:lora_load_seconds", "Seconds the last load of each LoRA adapter took "
                                   "(read, check, build tensors).", (*LABELS, "lora_name"),
                                   multiprocess_mode="mostrecent")
+        self.reads = Counter("lbd:lora_reads", "LoRA adapters read from disk into host memory.",
+                             LABELS).labels(**labels)
+        self.slot_fills = Counter("lbd:lora_slot_fills", "LoRA adapters copied into a device slot (a request "
+                                  "found its adapter in no slot).", LABELS).labels(**labels)
         self._where: set[tuple[str, str]] = set()
+        self._counted = (0, 0)  # (reads, slot fills) already added to the counters
 
     def update(self, s: object) -> None:
         self.info.labels(max_lora=str(s.max_lora), waiting_lora_adapters=",".join(s.waiting),
@@ -179,6 +185,10 @@ class LoraMetrics:
         self.free_slots.set(s.free_slots)
         for name, seconds in s.load_seconds.items():
             self.load_seconds.labels(**self.labels, lora_name=name).set(seconds)
+        reads, fills = self._counted
+        self.reads.inc(max(0, s.reads - reads))
+        self.slot_fills.inc(max(0, s.slot_fills - fills))
+        self._counted = (max(reads, s.reads), max(fills, s.slot_fills))
 
 
 class FrontendMetrics:

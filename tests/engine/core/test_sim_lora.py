@@ -1,8 +1,10 @@
 """The sim device's adapter slots (lbd.engine.core.sim_lora): LRU among idle slots, a running adapter's slot
-never taken, a miss owed to the step at the load time (a copy when the CPU cache holds it), telemetry."""
+never taken, a miss owed to the step (a copy when the CPU cache holds it, else a read), telemetry; and a read
+from disk off the step loop: the request waits for it, the step is not charged."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from lbd.engine.config.lora import LoraFlags
@@ -29,5 +31,23 @@ def test_slots_lru_pins_and_load_time() -> None:
                                                                           ["b", "c"])
     loras.unpin(b)
     assert loras.acquire(a) and loras.take_owed() == 0.004  # back from the CPU cache: a copy
-    assert (loras.loads, loras.copies) == (3, 1)
+    assert (loras.reads, loras.copies, loras.fills) == (3, 1, 4)
     assert loras.acquire(a) and loras.take_owed() == 0.0  # resident: free
+
+
+def test_a_read_from_disk_keeps_the_request_waiting_not_the_step() -> None:
+    flags = LoraFlags(enable_lora=True, max_loras=1, max_cpu_loras=1, lora_modules=["a=/x/a", "b=/x/b"])
+    loras = SimLoras(flags, load_s=0.05, copy_s=0.004)
+    a, b = _req(loras, "a"), _req(loras, "b")
+    for req in (a, b):
+        loras.hold(req)
+        assert loras.needs_wait(req)
+        loras.waiting.append(req)
+    assert loras.take_ready(idle=False) == ([], []) and loras.reads == 2  # both reads under way
+    assert loras.unwait(b) and loras.take_ready(idle=False) == ([], [])  # b's client went away
+    time.sleep(0.06)
+    assert loras.take_ready(idle=True) == ([a], []) and not loras.waiting
+    assert loras.acquire(a) and loras.take_owed() == 0.004  # the step pays the copy only
+    assert loras.state([a], []).load_seconds["a"] == 0.05
+    loras.hold(a)  # in host memory now: no second read
+    assert not loras.needs_wait(a) and loras.reads == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support import metric_value, settled
 from support.lora import ATTENTION, MLP, make_adapter
 from support.procs import engine_server
 
@@ -90,6 +91,10 @@ def test_telemetry_and_metrics(server: str) -> None:
     lora = httpx.get(server + "/telemetry").json()["lora"]
     assert lora["max_lora"] == 2 and "full" in lora["device"] and "full" in lora["cpu"]
     assert lora["free_slots"] in (0, 1) and lora["load_seconds"]["full"] >= 0
+    assert lora["reads"] >= 1 and lora["slot_fills"] >= 1  # at least "full"'s read and its copy into a slot
+    for name, want in (("lbd:lora_reads_total", lora["reads"]),
+                       ("lbd:lora_slot_fills_total", lora["slot_fills"])):
+        assert settled(lambda n=name: metric_value(httpx.get(server + "/metrics").text, n), want) == want
     text = httpx.get(server + "/metrics").text
     assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in text
     assert 'lbd:lora_resident{' in text and 'lora_name="full"' in text and 'where="device"' in text

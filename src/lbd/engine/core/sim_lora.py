@@ -3,20 +3,25 @@ without weights, so adapter placement can be measured on many sim ranks (benchma
 
 The same interface as ``lbd.engine.lora.manager.LoraManager`` (the core and scheduler call it alike), and the
 same telemetry (``LoraState``: device, cpu, free slots, load seconds), so routers see a sim rank's adapters as
-they see a real one's. What it models:
+they see a real one's. What it models, as lbd's engine does it:
 - ``--max-loras`` device slots, least recently used taken over (never one a running request uses: the request
   waits, as on a real rank);
-- a CPU cache of ``--max-cpu-loras`` adapters (LRU; an adapter in a slot stays in it);
-- the cost of a slot miss, charged to the step that admits the request (``SimRunner.execute`` sleeps it):
-  ``SimProfile.lora_copy_s`` when the adapter is in the CPU cache, else ``lora_load_s`` (a read from disk).
-  vLLM loads a missing adapter inside its step too, so the whole batch waits for it.
+- a CPU cache of ``--max-cpu-loras`` adapters (LRU; an adapter in a slot stays in it, and so does one that
+  requests wait for);
+- a read from disk off the step loop: a request whose adapter is not in the CPU cache waits
+  ``SimProfile.lora_load_s`` in ``waiting`` while the other requests run (the real manager reads in a
+  thread), then joins the queue;
+- the copy into a slot, charged to the step that admits the request (``SimRunner.execute`` sleeps it):
+  ``SimProfile.lora_copy_s`` (``lora_load_s`` if the adapter left the CPU cache in between).
 Adapters named by ``--lora-modules`` or loaded at run time are registered by name; their folders are not read.
-Each modelled load is logged at INFO (``sim lora: load``): the benchmark counts loads from the ranks' logs.
+Each read and each copy is logged at INFO (``sim lora: read``, ``sim lora: copy``): the benchmark counts them
+from the ranks' logs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +51,10 @@ class SimLoras(SlotBook):
         self.adapters: dict[str, SimAdapter] = {}
         self._next_id = 1
         self.cpu: OrderedDict[int, None] = OrderedDict()  # lora_id, least recently used first
-        self.waiting: list[Any] = []  # never used: loads are charged to a step, not waited for
+        self.waiting: list[Any] = []  # requests whose adapter is being read (the scheduler's gate)
+        self.reading: dict[int, float] = {}  # lora_id -> when its read from disk is done (monotonic)
         self.owed_s = 0.0  # load time the next step sleeps
-        self.loads = self.copies = 0
+        self.copies = 0
         self._answers: list[tuple[Any, int, str]] = []
         for module in flags.modules:
             self._register(module)
@@ -78,6 +84,7 @@ class SimLoras(SlotBook):
         if adapter is None:
             return False
         self.cpu.pop(adapter.lora_id, None)
+        self.reading.pop(adapter.lora_id, None)
         if not self.users[adapter.lora_id]:
             slot = self.slot_lru.pop(adapter.lora_id, None)
             if slot is not None:
@@ -94,18 +101,50 @@ class SimLoras(SlotBook):
 
     # ---- the scheduler's gate ---------------------------------------------------------------------------
     def hold(self, req: Any) -> None:
-        pass
+        """A request of this adapter entered the core: start its read if it is not in host memory."""
+        lora_id = req.lora_id
+        adapter = self._by_id(lora_id)
+        if lora_id not in self.cpu and lora_id not in self.reading and adapter is not None:
+            self.reading[lora_id] = time.monotonic() + self.load_s
+            self.reads += 1
+            logger.info("sim lora: read %s from disk (%.3f s, off the step loop; %d reads)", adapter.name,
+                        self.load_s, self.reads)
 
     def drop(self, req: Any) -> None:
         pass
 
     def needs_wait(self, req: Any) -> bool:
-        return False
+        return req.lora_id not in self.cpu
 
     def take_ready(self, idle: bool) -> tuple[list[Any], list[tuple[Any, str, int]]]:
-        return [], []
+        """Waiting requests whose adapter's read is done, and those whose adapter was unloaded meanwhile
+        (request, message, status). ``idle``: nothing else to run, so wait a moment rather than spin."""
+        now = time.monotonic()
+        if idle and self.reading:
+            time.sleep(min(0.005, max(0.0, min(self.reading.values()) - now)))
+            now = time.monotonic()
+        for lora_id, done_at in list(self.reading.items()):
+            if done_at <= now:
+                del self.reading[lora_id]
+                self._cache(lora_id)
+                adapter = self._by_id(lora_id)
+                if adapter is not None:
+                    adapter.load_seconds = self.load_s
+        ready, failed, still = [], [], []
+        for req in self.waiting:
+            if req.lora_id in self.cpu:
+                ready.append(req)
+            elif req.lora_id in self.reading:
+                still.append(req)
+            else:
+                failed.append((req, "LoRA adapter could not be loaded: the adapter was unloaded", 404))
+        self.waiting = still
+        return ready, failed
 
     def unwait(self, req: Any) -> bool:
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return True
         return False
 
     def acquire(self, req: Any) -> bool:
@@ -121,26 +160,38 @@ class SimLoras(SlotBook):
         return True
 
     def _fill(self, slot: int, lora_id: int) -> None:
+        """Put ``lora_id`` into ``slot``: a copy from host memory, owed to this step (a read too if it left
+        the CPU cache since its requests were let in)."""
         adapter = self._by_id(lora_id)
         name = adapter.name if adapter is not None else str(lora_id)
-        cost, how = (self.copy_s, "copy") if lora_id in self.cpu else (self.load_s, "read")
-        self.owed_s += cost
-        if adapter is not None:
-            adapter.load_seconds = cost
-        if how == "copy":
+        if lora_id in self.cpu:
+            cost = self.copy_s
             self.copies += 1
+            logger.info("sim lora: copy %s into slot %d (%.3f s in the step; %d copies)", name, slot, cost,
+                        self.copies)
         else:
-            self.loads += 1
-        logger.info("sim lora: load %s into slot %d (%s, %.3f s; %d reads, %d copies)", name, slot, how, cost,
-                    self.loads, self.copies)
+            cost = self.load_s
+            self.reads += 1
+            if adapter is not None:
+                adapter.load_seconds = cost
+            logger.info("sim lora: read %s into slot %d (%.3f s in the step; %d reads)", name, slot, cost,
+                        self.reads)
+        self.owed_s += cost
+        self.fills += 1
         self.slots[slot] = lora_id
         self.slot_lru[lora_id] = slot
+        self._cache(lora_id)
+
+    def _cache(self, lora_id: int) -> None:
+        """``lora_id`` is in host memory (most recently used); the least recently used adapters leave it past
+        ``--max-cpu-loras``, except those in a slot or waited for."""
         self.cpu[lora_id] = None
         self.cpu.move_to_end(lora_id)
+        wanted = {r.lora_id for r in self.waiting}
         for old in list(self.cpu):
             if len(self.cpu) <= max(self.flags.cpu_slots, len(self.slot_lru)):
                 break
-            if old not in self.slot_lru:
+            if old not in self.slot_lru and old not in wanted:
                 del self.cpu[old]
 
     def take_owed(self) -> float:

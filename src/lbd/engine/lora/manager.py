@@ -144,6 +144,7 @@ class LoraManager(SlotBook):
                 exc = AdapterError("the adapter was unloaded while it was loading", 404)
             if exc is None:
                 adapter.load_seconds = time.monotonic() - load.start
+                self.reads += 1
                 self._store(adapter, load.future.result())
                 self._failed.pop(lora_id, None)
                 if load.token is not None:
@@ -230,6 +231,7 @@ class LoraManager(SlotBook):
             if weights is None:
                 return False
             self.device.write(slot, weights)
+            self.fills += 1
             self.slots[slot] = lora_id
             self.slot_lru[lora_id] = slot
         self.slot_lru.move_to_end(lora_id)

@@ -17,6 +17,8 @@ class SlotBook:
         self.slots: list[int | None] = [None] * max_loras  # slot -> lora_id
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
         self.users: Counter[int] = Counter()  # running requests per adapter
+        self.reads = 0  # adapters read from disk into host memory, since the rank started
+        self.fills = 0  # adapters copied into a device slot (slot misses), since the rank started
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used one no running request uses (emptied), else None."""
@@ -56,4 +58,5 @@ class SlotBook:
             device=sorted(names[i] for i in self.slot_lru if i in names),
             cpu=sorted(names[i] for i in cpu if i in names),
             free_slots=sum(1 for s in self.slots if s is None),
-            load_seconds={a.name: round(a.load_seconds, 6) for a in adapters if a.load_seconds is not None})
+            load_seconds={a.name: round(a.load_seconds, 6) for a in adapters if a.load_seconds is not None},
+            reads=self.reads, slot_fills=self.fills)
