@@ -85,7 +85,9 @@ def http(server: EngineServer) -> Iterator[httpx.Client]:
         yield c
 
 
-LOW = {"prompt": "a long answer of low importance", "max_tokens": 300, "priority": 5, **GREEDY}
+# ~0.7 s for 300 tokens on a quiet host: on a loaded one the chat sent after its first token sometimes came
+# in after the last one (the test failed with nothing preempted), so the window is made ~2.7x as long
+LOW = {"prompt": "a long answer of low importance", "max_tokens": 800, "priority": 5, **GREEDY}
 HIGH = {"messages": [{"role": "user", "content": "me first"}], "max_tokens": 8, **GREEDY}
 
 
@@ -127,7 +129,7 @@ def test_a_high_priority_request_displaces_the_running_one(server: EngineServer,
     stream = Stream(server.base_url, LOW)
     stream.start()
     assert stream.started.wait(30)
-    # one seat (--max-num-seqs 1), held by the low stream: under fcfs the chat would wait for 300 tokens
+    # one seat (--max-num-seqs 1), held by the low stream: under fcfs the chat would wait for 800 tokens
     if how == "body":
         r = http.post("/v1/chat/completions", json={**HIGH, "priority": 0})
     else:  # vLLM's header overrides the body's field
