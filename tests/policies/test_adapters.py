@@ -29,13 +29,24 @@ def _facts(model: str) -> RequestFacts:
 
 def test_tiers_device_then_cpu_then_free_slot_then_eviction() -> None:
     p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
-    pool = [_ep(0, device=("x",)), _ep(1, cpu=("lora3",)), _ep(2, free=1), _ep(3, device=("lora3",))]
+    pool = [_ep(0, device=("x",)), _ep(1, cpu=("lora3",), free=1), _ep(2, free=1), _ep(3, device=("lora3",))]
     expected = [(3, "adapter_resident"), (1, "adapter_cpu"), (2, "adapter_free_slot")]
     for rank, reason in expected:  # (the last one left is the only choice: no plugin decided it)
         d = p.choose(_facts("lora3"), pool)
         assert (d.endpoint.rank, d.reason, d.plugin) == (rank, reason, "adapter"), d.line()
         assert "adapter lora3" in d.explain()
         pool = [e for e in pool if e.rank != rank]
+
+
+def test_a_copy_into_full_slots_pays_for_the_adapter_it_evicts() -> None:
+    """A copy from the CPU cache into a rank with every slot taken evicts an adapter whose next request loads
+    it again: a rank with the adapter in CPU and a free slot wins, whichever of the two is the adapter's
+    rendezvous home."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    for roomy in (1, 2):
+        pool = [_ep(i, cpu=("lora3",), free=1 if i == roomy else 0) for i in (1, 2)]
+        d = p.choose(_facts("lora3"), pool)
+        assert (d.endpoint.rank, d.reason) == (roomy, "adapter_cpu"), d.line()
 
 
 def test_a_cold_adapter_has_one_home_whatever_the_order_and_adapters_spread() -> None:

@@ -7,7 +7,8 @@ in prefill-token equivalents, the unit of the ``ttft`` scorer it is summed with 
 rank holding the adapter wins until its queue costs more than a load elsewhere, and the exact prefix view and
 load still count (they are other scorers of the same sum). A load is priced at the rank's own reported load
 time (``LoraView.load_s``) times the profile's prefill rate (``TtftModel``, learned from first bytes) when
-both are known, never under ``load_tokens``; taking a slot charges the evicted adapter's next load too.
+both are known, never under ``load_tokens``; taking a slot from another adapter (by a load, or by a copy
+from the CPU cache into a rank with no free slot) charges the evicted adapter's next load too.
 
 - **Rendezvous home.** Among ranks of one tier, each adapter prefers its own order of ranks: highest-random-
   weight hashing of (adapter, endpoint key), so a cold adapter goes to the same rank from every router
@@ -143,11 +144,16 @@ class Adapter(Scorer):
         return out
 
     def cost(self, t: int, view: LoraView | None) -> float:
-        """Tier ``t``'s charge on a rank: a load there at its own load time when it reports one."""
-        if t < 2 or view is None or view.load_s <= 0.0 or self._ttft is None:
+        """Tier ``t``'s charge on a rank: a load there at its own load time when it reports one; a copy from
+        the CPU cache into a rank whose slots are all taken also pays the evicted adapter's next load."""
+        if t == 0 or view is None:
             return self.costs[t]
-        load = max(self.costs[2], view.load_s * self._ttft.rate)
-        return load if t == 2 else load + max(self.costs[3] - self.costs[2], load)
+        known = view.load_s > 0.0 and self._ttft is not None
+        load = max(self.costs[2], view.load_s * self._ttft.rate) if known else self.costs[2]
+        evicted = max(self.costs[3] - self.costs[2], load) if known else self.costs[3] - self.costs[2]
+        if t == 1:
+            return self.costs[1] + (evicted if view.free_slots == 0 else 0.0)
+        return load if t == 2 else load + evicted
 
     def reason(self, ctx: Context, pick: int) -> str | None:
         memo = ctx.memo.get(_MEMO)
