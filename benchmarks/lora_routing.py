@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 from lbd.engine.config.model_files import converted_path, default_gguf  # noqa: E402
 from peers import lbd_route_argv, peer_argv, peer_installed  # noqa: E402
-from policy_tail import _metric_sum, cache_counters, rank_urls, reset_caches  # noqa: E402
+from policy_tail import cache_counters, metric_sums, rank_urls, reset_caches  # noqa: E402
 from support.procs import exit_on_sigterm, free_port, free_port_run, spawn, stop, wait_http  # noqa: E402
 
 PY = sys.executable
@@ -96,11 +96,7 @@ def workload(args: argparse.Namespace, base_model: str) -> list[tuple[float, str
 
 def lora_counts(ranks: list[str]) -> tuple[float, float]:
     """(adapters read from disk, adapters copied into a slot) summed over the ranks' /metrics."""
-    reads = fills = 0.0
-    for url in ranks:
-        text = httpx.get(url + "/metrics", timeout=10).text
-        reads += _metric_sum(text, "lbd:lora_reads_total")
-        fills += _metric_sum(text, "lbd:lora_slot_fills_total")
+    reads, fills = metric_sums(ranks, "lbd:lora_reads_total", "lbd:lora_slot_fills_total")
     return reads, fills
 
 

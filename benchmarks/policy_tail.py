@@ -148,13 +148,19 @@ def _metric_sum(text: str, name: str) -> float:
     return total
 
 
-def cache_counters(urls: list[str]) -> tuple[float, float]:
-    """(prefix-cache queries, hits) summed over the ranks."""
-    q = h = 0.0
+def metric_sums(urls: list[str], *names: str) -> tuple[float, ...]:
+    """Each metric of ``names`` summed over the ranks' /metrics."""
+    totals = [0.0] * len(names)
     for url in urls:
         text = httpx.get(url + "/metrics", timeout=10).text
-        q += _metric_sum(text, "vllm:prefix_cache_queries_total")
-        h += _metric_sum(text, "vllm:prefix_cache_hits_total")
+        for i, name in enumerate(names):
+            totals[i] += _metric_sum(text, name)
+    return tuple(totals)
+
+
+def cache_counters(urls: list[str]) -> tuple[float, float]:
+    """(prefix-cache queries, hits) summed over the ranks."""
+    q, h = metric_sums(urls, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
     return q, h
 
 
