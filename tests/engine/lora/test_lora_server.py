@@ -151,12 +151,12 @@ def test_load_unload_storm_breaks_nothing_else(server: str, tiny_llama: Path,
     deadline = time.monotonic() + 5  # /telemetry is the core's last stats: at most ~100 ms behind
     while True:
         lora = httpx.get(server + "/telemetry").json()["lora"]
-        settled = (lora["device"], lora["free_slots"]) == (["full"], 1) and "storm" not in lora["cpu"]
-        if settled or time.monotonic() > deadline:
+        back = (lora["device"], lora["free_slots"]) == (["full"], 1) and "storm" not in lora["cpu"]
+        if back or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     # two slots: "full" holds one, the other is free again; "storm" is gone everywhere
-    assert settled, (lora, results)
+    assert back, (lora, results)
 
 
 @pytest.mark.parametrize("value,served", [(None, False), ("0", False), ("1", True), ("True", True)])
