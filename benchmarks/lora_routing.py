@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, target: str, ranks: list[str], stream: list, b
         stream = [(t, base_model, p) for t, _, p in stream]
     port = free_port()
     argv, ready = router_argv(target, port, ranks)
-    router = spawn(argv, log=tmp / f"{target.replace(' ', '_')}-{rnd}.log")
+    router = spawn(argv, log=tmp / f"{target.replace(' ', '_').replace('/', '_')}-{rnd}.log")
     try:
         wait_http(f"http://127.0.0.1:{port}{ready}", timeout=120, proc=router)
         time.sleep(2.0)  # the router's first view of every rank
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--adapter-share", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=44)
-    p.add_argument("--targets", default="", help="comma-separated subset of the targets (default: all)")
+    p.add_argument("--targets", default="", help="comma-separated targets (default: all of them), or any "
+                   "'lbd route <flags>' (e.g. --routing-config FILE)")
     args = p.parse_args(argv)
     exit_on_sigterm()
     tmp = Path(tempfile.mkdtemp(prefix="lbd-lora-routing-"))
@@ -218,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     targets += ["sglang-router cache_aware"] if peer_installed("sglang-router") else []
     targets += ["vllm-router round_robin"] if peer_installed("vllm-router") else []
     if args.targets:
-        targets = [t for t in targets if t in args.targets.split(",")]
+        wanted = args.targets.split(",")
+        unknown = [t for t in wanted if t not in targets and not t.startswith("lbd route ")]
+        if unknown:
+            p.error(f"--targets: unknown {unknown}; known: {targets}, or any 'lbd route <flags>'")
+        targets = wanted
     log = tmp / "supervise.log"
     fleet, ranks = start_fleet(args, model, adapter_modules(args, model, tmp), log)
     rows = []
