@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -137,6 +138,12 @@ async def drive(url: str, stream: list[tuple[float, str, str]], warmup: int, ran
     return list(got), at_warmup[0]
 
 
+def ranks_per(pairs: Iterable[tuple[object, str]]) -> float:
+    """Distinct (key, endpoint) pairs per distinct key: how many ranks each key was sent to on average."""
+    placed = set(pairs)
+    return len(placed) / len({k for k, _ in placed}) if placed else math.nan
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return math.nan
@@ -176,15 +183,12 @@ def run(args: argparse.Namespace, target: str, ranks: list[str], stream: list, b
     ada = [t * 1e3 for m, t, _, _ in measured if t is not None and m != base_model]
     base = [t * 1e3 for m, t, _, _ in measured if t is not None and m == base_model]
     reasons = Counter(r.split(" ")[0].split(":")[0] for m, _, r, _ in measured if r and m != base_model)
-    homes = {(m, e) for m, _, _, e in measured if e and m != base_model}
-    systems = [(m, p.partition("\n")[0]) for (_, _, p), (m, _, _, _) in zip(stream, got, strict=True)]
-    placed = {(*sy, e) for sy, (_, _, _, e) in zip(systems, got, strict=True) if e}
-    copies_per_prompt = len(placed) / len({sy for sy, (_, _, _, e) in zip(systems, got, strict=True) if e}) \
-        if placed else math.nan  # ranks each shared system prompt was sent to (each computes it once)
-    spread = len(homes) / len({m for m, _ in homes}) if homes else math.nan  # ranks an adapter was sent to
+    spread = ranks_per((m, e) for m, _, _, e in measured if e and m != base_model)  # ranks an adapter went to
+    prompt_ranks = ranks_per(((m, p.partition("\n")[0]), e)  # ranks each shared system prompt went to
+                             for (_, _, p), (m, _, _, e) in zip(stream, got, strict=True) if e)
     return {"target": target, "round": rnd, "loads": int(loads), "copies": int(copies),
             "failed": sum(t is None for _, t, _, _ in got),
-            "reasons": dict(reasons.most_common()), "spread": spread, "prompt_ranks": copies_per_prompt,
+            "reasons": dict(reasons.most_common()), "spread": spread, "prompt_ranks": prompt_ranks,
             "ada_p50": pct(ada, 50), "ada_p99": pct(ada, 99), "base_p50": pct(base, 50),
             "base_p99": pct(base, 99), "hit": (h1 - h0) / (q1 - q0) if q1 > q0 else math.nan,
             "load1": os.getloadavg()[0]}
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['ada_p50']:.1f} / {r['ada_p99']:.1f} | {r['base_p50']:.1f} / "
                       f"{r['base_p99']:.1f} | {ratio:.2f} | "
                       f"{r['hit']:.1%} | {r['load1']:.1f} |", flush=True)
-                if r["reasons"] or r["prompt_ranks"] == r["prompt_ranks"]:
+                if not math.isnan(r["prompt_ranks"]):
                     print(f"  adapter requests: route reasons {r['reasons']}; ranks per adapter "
                           f"{r['spread']:.2f}; ranks per system prompt (whole run) {r['prompt_ranks']:.2f}",
                           file=sys.stderr, flush=True)

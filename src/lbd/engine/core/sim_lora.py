@@ -14,8 +14,8 @@ they see a real one's. What it models, as lbd's engine does it:
 - the copy into a slot, charged to the step that admits the request (``SimRunner.execute`` sleeps it):
   ``SimProfile.lora_copy_s`` (``lora_load_s`` if the adapter left the CPU cache in between).
 Adapters named by ``--lora-modules`` or loaded at run time are registered by name; their folders are not read.
-Each read and each copy is logged at INFO (``sim lora: read``, ``sim lora: copy``): the benchmark counts them
-from the ranks' logs.
+Each read and each copy is logged at INFO (``sim lora: read``, ``sim lora: copy``) and counted like a real
+rank's (``reads``, ``fills``: ``lbd:lora_reads_total``, ``lbd:lora_slot_fills_total``).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class SimLoras(SlotBook):
         SlotBook.__init__(self, flags.max_loras)
         self.flags, self.load_s, self.copy_s = flags, load_s, copy_s
         self.adapters: dict[str, SimAdapter] = {}
+        self.by_id: dict[int, SimAdapter] = {}
         self._next_id = 1
         self.cpu: OrderedDict[int, None] = OrderedDict()  # lora_id, least recently used first
-        self.waiting: list[Any] = []  # requests whose adapter is being read (the scheduler's gate)
         self.reading: dict[int, float] = {}  # lora_id -> when its read from disk is done (monotonic)
         self.owed_s = 0.0  # load time the next step sleeps
         self.copies = 0
@@ -62,11 +62,8 @@ class SimLoras(SlotBook):
     def _register(self, module: LoraModule) -> SimAdapter:
         adapter = SimAdapter(module.name, self._next_id, module.path, module.base_model_name)
         self._next_id += 1
-        self.adapters[adapter.name] = adapter
+        self.adapters[adapter.name] = self.by_id[adapter.lora_id] = adapter
         return adapter
-
-    def _by_id(self, lora_id: int) -> SimAdapter | None:
-        return next((a for a in self.adapters.values() if a.lora_id == lora_id), None)
 
     # ---- the registry (/v1/load_lora_adapter, /v1/unload_lora_adapter) ----------------------------------
     def lookup(self, name: str) -> SimAdapter | None:
@@ -83,6 +80,7 @@ class SimLoras(SlotBook):
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             return False
+        self.by_id.pop(adapter.lora_id, None)
         self.cpu.pop(adapter.lora_id, None)
         self.reading.pop(adapter.lora_id, None)
         if not self.users[adapter.lora_id]:
@@ -103,7 +101,7 @@ class SimLoras(SlotBook):
     def hold(self, req: Any) -> None:
         """A request of this adapter entered the core: start its read if it is not in host memory."""
         lora_id = req.lora_id
-        adapter = self._by_id(lora_id)
+        adapter = self.by_id.get(lora_id)
         if lora_id not in self.cpu and lora_id not in self.reading and adapter is not None:
             self.reading[lora_id] = time.monotonic() + self.load_s
             self.reads += 1
@@ -127,25 +125,10 @@ class SimLoras(SlotBook):
             if done_at <= now:
                 del self.reading[lora_id]
                 self._cache(lora_id)
-                adapter = self._by_id(lora_id)
+                adapter = self.by_id.get(lora_id)
                 if adapter is not None:
                     adapter.load_seconds = self.load_s
-        ready, failed, still = [], [], []
-        for req in self.waiting:
-            if req.lora_id in self.cpu:
-                ready.append(req)
-            elif req.lora_id in self.reading:
-                still.append(req)
-            else:
-                failed.append((req, "LoRA adapter could not be loaded: the adapter was unloaded", 404))
-        self.waiting = still
-        return ready, failed
-
-    def unwait(self, req: Any) -> bool:
-        if req in self.waiting:
-            self.waiting.remove(req)
-            return True
-        return False
+        return self._split_waiting(self.cpu, self.reading, _unloaded)
 
     def acquire(self, req: Any) -> bool:
         """A slot for the request's adapter: held, free, or the least recently used idle one (its load time
@@ -162,7 +145,7 @@ class SimLoras(SlotBook):
     def _fill(self, slot: int, lora_id: int) -> None:
         """Put ``lora_id`` into ``slot``: a copy from host memory, owed to this step (a read too if it left
         the CPU cache since its requests were let in)."""
-        adapter = self._by_id(lora_id)
+        adapter = self.by_id.get(lora_id)
         name = adapter.name if adapter is not None else str(lora_id)
         if lora_id in self.cpu:
             cost = self.copy_s
@@ -205,3 +188,7 @@ class SimLoras(SlotBook):
 
     def close(self) -> None:
         pass
+
+
+def _unloaded(lora_id: int) -> tuple[str, int]:
+    return "LoRA adapter could not be loaded: the adapter was unloaded", 404

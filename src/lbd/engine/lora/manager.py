@@ -67,7 +67,6 @@ class LoraManager(SlotBook):
         self._next_id = 1
         self.cpu: OrderedDict[int, AdapterWeights] = OrderedDict()  # lora_id -> weights, LRU first
         self.refs: Counter[int] = Counter()  # requests in the core per adapter
-        self.waiting: list[Any] = []  # requests waiting for their adapter's load
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._loading: dict[int, _Load] = {}
         self._failed: dict[int, AdapterError] = {}
@@ -200,23 +199,11 @@ class LoraManager(SlotBook):
         if idle and self._loading:
             self._wake.wait(0.005)
         self.poll()
-        ready, failed, still = [], [], []
-        for req in self.waiting:
-            if req.lora_id in self.cpu:
-                ready.append(req)
-            elif req.lora_id in self._loading:
-                still.append(req)
-            else:
-                err = self._failed.get(req.lora_id) or AdapterError("the adapter was unloaded", 404)
-                failed.append((req, f"LoRA adapter could not be loaded: {err.message}", err.status))
-        self.waiting = still
-        return ready, failed
+        return self._split_waiting(self.cpu, self._loading, self._failure)
 
-    def unwait(self, req: Any) -> bool:
-        if req in self.waiting:
-            self.waiting.remove(req)
-            return True
-        return False
+    def _failure(self, lora_id: int) -> tuple[str, int]:
+        err = self._failed.get(lora_id) or AdapterError("the adapter was unloaded", 404)
+        return f"LoRA adapter could not be loaded: {err.message}", err.status
 
     def acquire(self, req: Any) -> bool:
         """A device slot for a waiting request's adapter (reused, free, or the least recently used one no

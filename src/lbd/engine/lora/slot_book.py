@@ -1,12 +1,13 @@
 """The bookkeeping of a rank's device slots for adapters, shared by the real adapters (``manager``) and the
 simulated ones (``lbd.engine.core.sim_lora``), so both evict alike: which adapter holds each slot, the slots
 in least recently used order, and how many running requests use each adapter (a slot in use is never taken
-over). Requests are duck-typed (``lora_id``, ``lora_slot``)."""
+over), and the requests waiting for their adapter to reach host memory (the scheduler's gate). Requests are
+duck-typed (``lora_id``, ``lora_slot``)."""
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from lbd.wire.core_messages import LoraState
@@ -17,6 +18,7 @@ class SlotBook:
         self.slots: list[int | None] = [None] * max_loras  # slot -> lora_id
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
         self.users: Counter[int] = Counter()  # running requests per adapter
+        self.waiting: list[Any] = []  # requests waiting for their adapter to reach host memory
         self.reads = 0  # adapters read from disk into host memory, since the rank started
         self.fills = 0  # adapters copied into a device slot (slot misses), since the rank started
 
@@ -31,6 +33,29 @@ class SlotBook:
                 self.slots[slot] = None
                 return slot
         return None
+
+    def unwait(self, req: Any) -> bool:
+        """Take a waiting request out (its client went away); False if it was not waiting here."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return True
+        return False
+
+    def _split_waiting(self, in_memory: Container[int], loading: Container[int],
+                       failure: Callable[[int], tuple[str, int]]
+                       ) -> tuple[list[Any], list[tuple[Any, str, int]]]:
+        """The waiting requests whose adapter is ``in_memory`` (ready) and those whose adapter is neither
+        there nor ``loading`` (request, ``failure(lora_id)``'s message and status); the rest keep waiting."""
+        ready, failed, still = [], [], []
+        for req in self.waiting:
+            if req.lora_id in in_memory:
+                ready.append(req)
+            elif req.lora_id in loading:
+                still.append(req)
+            else:
+                failed.append((req, *failure(req.lora_id)))
+        self.waiting = still
+        return ready, failed
 
     def pin(self, req: Any) -> None:
         """The request runs: its adapter keeps its slot until ``unpin``."""
