@@ -191,7 +191,16 @@ def run(args: argparse.Namespace, target: str, ranks: list[str], stream: list, b
             "reasons": dict(reasons.most_common()), "spread": spread, "prompt_ranks": prompt_ranks,
             "ada_p50": pct(ada, 50), "ada_p99": pct(ada, 99), "base_p50": pct(base, 50),
             "base_p99": pct(base, 99), "hit": (h1 - h0) / (q1 - q0) if q1 > q0 else math.nan,
-            "load1": os.getloadavg()[0]}
+            "load1": os.getloadavg()[0],
+            "tail": slowest(measured, stream[args.warmup:], base_model, args.tail)}
+
+
+def slowest(measured: list, sent: list, base_model: str, n: int) -> list[str]:
+    """The ``n`` slowest adapter requests: send time, adapter, TTFT, endpoint and route reason."""
+    rows = [(t, when, m, e, r) for (m, t, r, e), (when, _, _) in zip(measured, sent, strict=True)
+            if t is not None and m != base_model]
+    return [f"{when:7.2f}s {m:7} {t * 1e3:6.0f} ms {e} {r}" for t, when, m, e, r in sorted(rows)[-n:]] \
+        if n > 0 else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--adapter-share", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=44)
+    p.add_argument("--tail", type=int, default=0, help="print the N slowest adapter requests of each run")
     p.add_argument("--targets", default="", help="comma-separated targets (default: all of them), or any "
                    "'lbd route <flags>' (e.g. --routing-config FILE)")
     args = p.parse_args(argv)
@@ -250,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  adapter requests: route reasons {r['reasons']}; ranks per adapter "
                           f"{r['spread']:.2f}; ranks per system prompt (whole run) {r['prompt_ranks']:.2f}",
                           file=sys.stderr, flush=True)
+                for line in r["tail"]:
+                    print("   ", line, file=sys.stderr, flush=True)
     finally:
         stop(fleet, timeout=30)
     print(f"\nlogs in {tmp}")

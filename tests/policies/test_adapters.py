@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -16,9 +17,10 @@ ADAPTERS = frozenset(f"lora{i}" for i in range(32))
 
 
 def _ep(i: int, device: tuple[str, ...] = (), cpu: tuple[str, ...] = (), free: int = 0, waiting: float = 0.0,
-        lora: bool = True, load_s: float = 0.0) -> EndpointSnapshot:
+        lora: bool = True, load_s: float = 0.0, evicts: str | None = None,
+        busy: tuple[str, ...] = ()) -> EndpointSnapshot:
     view = LoraView(device=frozenset(device), cpu=frozenset(cpu), free_slots=free, max_loras=4,
-                    known=ADAPTERS, load_s=load_s) if lora else None
+                    known=ADAPTERS, load_s=load_s, evicts=evicts, busy=frozenset(busy)) if lora else None
     return EndpointSnapshot(key=f"http://r{i}", rank=i, age_s=0.0, num_blocks=1000, waiting=waiting,
                             lora=view)
 
@@ -105,6 +107,58 @@ def test_a_placement_the_telemetry_has_not_shown_yet_is_followed() -> None:
     assert (d.endpoint.key, d.reason) == (other.key, "adapter_cpu")
     p.forget(other.key)
     assert p.choose(_facts("lora7"), pool).endpoint.key == home.key
+
+
+def test_a_dispatch_mark_yields_to_a_newer_exact_view() -> None:
+    """lbd's ranks report every resident adapter: once two samples came after the dispatch (the first may
+    have left before the request arrived), a rank that no longer shows the adapter does not hold it; an
+    adapter being read there (a waiting request names it) still counts as on its way."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    pool = [_ep(i, free=1) for i in range(4)]
+    home = max(pool, key=lambda e: hrw_weight("lora7", e.key))
+    other = next(e for e in pool if e is not home)
+    p.choose(_facts("lora7"), pool)
+    p.on_dispatch(_facts("lora7"), other.key)
+    other.telemetry_seq += 1
+    assert p.choose(_facts("lora7"), pool).endpoint.key == other.key  # one sample since: maybe older
+    other.telemetry_seq += 1
+    assert p.choose(_facts("lora7"), pool).endpoint.key == home.key  # it does not show lora7: gone
+    other.lora = replace(other.lora, busy=frozenset({"lora7"}))
+    d = p.choose(_facts("lora7"), pool)
+    assert (d.endpoint.key, d.reason) == (other.key, "adapter_cpu")  # being read there
+
+
+def test_a_load_into_a_full_fleet_evicts_a_spare_replica_before_an_only_copy() -> None:
+    """Every slot is taken: the rank whose next eviction is a replica held elsewhere wins, wherever the cold
+    adapter's rendezvous home is; where no rank names its victim, the home wins as before."""
+    for home_first in (True, False):
+        pool = [_ep(0, device=("lora1", "lora2"), evicts="lora2"), _ep(1, device=("lora1", "lora3"),
+                evicts="lora1"), _ep(2, device=("lora4", "lora5"), evicts="lora5")]
+        names = sorted(ADAPTERS - {"lora1", "lora2", "lora3", "lora4", "lora5"})
+        cold = next(n for n in names if (max(pool, key=lambda e: hrw_weight(n, e.key)).rank == 1) !=
+                    home_first)
+        p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+        d = p.choose(_facts(cold), pool)
+        assert (d.endpoint.rank, d.reason) == (1, "adapter_evict"), d.line()
+        blind = [replace(e, lora=replace(e.lora, evicts=None)) for e in pool]
+        home = max(blind, key=lambda e: hrw_weight(cold, e.key))
+        assert p.choose(_facts(cold), blind).endpoint.rank == home.rank
+
+
+def test_a_spare_replica_in_a_full_fleet_serves_only_when_the_home_is_much_busier() -> None:
+    """Every slot taken: a second holder of the adapter is charged a slot's worth, so a little queue at the
+    adapter's first holder keeps its requests there (the replica goes idle, and a load takes its slot); with
+    a free slot anywhere, the less loaded holder wins as before."""
+    p = make_policy("predicted_ttft", prefill_tokens_per_s=4000.0)
+    pool = [_ep(i, device=("lora5", f"x{i}")) for i in range(3)]
+    home, spare = sorted(pool[:2], key=lambda e: hrw_weight("lora5", e.key), reverse=True)
+    home.unstarted, home.unstarted_tokens = 1, 400  # 0.1 s of prefill queued there
+    assert p.choose(_facts("lora5"), pool).endpoint.key == home.key
+    pool[2].lora = replace(pool[2].lora, free_slots=1)
+    assert p.choose(_facts("lora5"), pool).endpoint.key == spare.key
+    pool[2].lora = replace(pool[2].lora, free_slots=0)
+    home.unstarted_tokens = 8000  # 2 s: the replica earns its slot
+    assert p.choose(_facts("lora5"), pool).endpoint.key == spare.key
 
 
 def test_base_model_decisions_are_the_same_with_and_without_the_scorer() -> None:

@@ -2,7 +2,7 @@
 ranks (two slots each, load time modelled by lbd.engine.core.sim_lora).
 
 - Residency parsing on a real rank: its /telemetry ``lora`` section and its /metrics (lbd's resident and
-  free-slot gauges: exact) give the same view; with only vLLM's ``lora_requests_info`` an idle resident
+  free-slot gauges: exact) give the same view, down to the adapter the next load would evict; with only vLLM's ``lora_requests_info`` an idle resident
   adapter is invisible (the view says it is inexact).
 - An adapter request goes to the rank holding it on device, and ``x-lbd-route-reason`` names the adapter
   scorer; a cold adapter's second request follows its first; a base-model request is not the scorer's.
@@ -69,12 +69,13 @@ def _until(check, timeout: float) -> None:
 
 
 def test_the_pushed_state_carries_residency_and_older_peers_still_decode() -> None:
-    lora = LoraState(max_lora=4, running=["a"], device=["a", "b"], cpu=["a", "b", "c"], free_slots=2,
-                     load_seconds={"a": 0.1, "b": 0.1, "c": 0.2})
+    lora = LoraState(max_lora=4, running=["a"], waiting=["c"], device=["a", "b"], cpu=["a", "b", "c"],
+                     free_slots=0, load_seconds={"a": 0.1, "b": 0.1, "c": 0.2}, evicts="b")
     got = decode_state(encode_state(LoadState("i", 1, 0.0, lora=lora)))
     view = lora_view(msgspec.to_builtins(got.lora))
-    assert (view.device, view.cpu, view.free_slots, view.max_loras) == ({"a", "b"}, {"a", "b", "c"}, 2, 4)
+    assert (view.device, view.cpu, view.free_slots, view.max_loras) == ({"a", "b"}, {"a", "b", "c"}, 0, 4)
     assert view.known == {"a", "b", "c"} and view.exact
+    assert (view.busy, view.evicts) == ({"a", "c"}, "b")
     older = msgspec.msgpack.encode(list(msgspec.msgpack.decode(encode_state(LoadState("i", 2, 0.0))))[:-1])
     assert decode_state(older).lora is None  # a publisher from before the field: no adapters reported
     assert lora_view({"device": "not a list", "free_slots": -3}) == type(view)()  # junk: nothing resident
@@ -88,6 +89,11 @@ def test_residency_from_telemetry_and_metrics(ranks: list[EngineServer]) -> None
     assert (view.cpu, view.free_slots, view.max_loras, view.exact) == ({"b"}, 1, 2, True)
     assert view.known >= {"b"}
     _until(lambda: parse_metrics(httpx.get(rank + "/metrics", timeout=5).text).lora == view, 5)
+    _complete(rank, "c")  # both slots taken, none in use: the next load evicts b (least recently used)
+    _until(lambda: parse_telemetry(httpx.get(rank + "/telemetry", timeout=5).content).lora.evicts == "b", 5)
+    full = parse_telemetry(httpx.get(rank + "/telemetry", timeout=5).content).lora
+    assert (full.device, full.free_slots) == ({"b", "c"}, 0)
+    _until(lambda: parse_metrics(httpx.get(rank + "/metrics", timeout=5).text).lora == full, 5)
 
     def vllm_only() -> LoraView | None:  # the idle rank's /metrics without lbd's gauges
         text = httpx.get(rank + "/metrics", timeout=5).text

@@ -150,7 +150,8 @@ class LoraMetrics:
     """vLLM's ``vllm:lora_requests_info`` (labels ``max_lora``, ``waiting_lora_adapters``,
     ``running_lora_adapters``: comma-joined names; the value is the time it was set, so the newest series is
     the current one, as in vLLM) and what it lacks, which an adapter-aware router needs: ``lbd:lora_resident``
-    (1 per adapter and place, ``device`` or ``cpu``; 0 once it left), ``lbd:lora_free_slots`` and
+    (1 per adapter and place, ``device`` or ``cpu``; 0 once it left), ``lbd:lora_free_slots``,
+    ``lbd:lora_next_evicted`` (1 for the adapter a load would take a slot from, 0 once it is not) and
     ``lbd:lora_load_seconds`` (each adapter's last load), ``lbd:lora_reads_total`` (adapters read from disk)
     and ``lbd:lora_slot_fills_total`` (adapters copied into a device slot: slot misses)."""
 
@@ -164,6 +165,10 @@ class LoraMetrics:
                               multiprocess_mode="mostrecent")
         self.free_slots = _gauge("lbd:lora_free_slots",
                                  "Device LoRA slots holding no adapter.").labels(**labels)
+        self.next_evicted = Gauge("lbd:lora_next_evicted", "The LoRA adapter a load would take a device "
+                                  "slot from (the least recently used one no running request uses): 1 "
+                                  "while it is.",
+                                  (*LABELS, "lora_name"), multiprocess_mode="mostrecent")
         self.load_seconds = Gauge("lbd:lora_load_seconds", "Seconds the last load of each LoRA adapter took "
                                   "(read, check, build tensors).", (*LABELS, "lora_name"),
                                   multiprocess_mode="mostrecent")
@@ -172,6 +177,7 @@ class LoraMetrics:
         self.slot_fills = Counter("lbd:lora_slot_fills", "LoRA adapters copied into a device slot (a request "
                                   "found its adapter in no slot).", LABELS).labels(**labels)
         self._where: set[tuple[str, str]] = set()
+        self._evicts = ""
         self._counted = (0, 0)  # (reads, slot fills) already added to the counters
 
     def update(self, s: object) -> None:
@@ -183,6 +189,12 @@ class LoraMetrics:
                 1 if (name, where) in now else 0)
         self._where = now
         self.free_slots.set(s.free_slots)
+        if self._evicts != s.evicts:
+            if self._evicts:
+                self.next_evicted.labels(**self.labels, lora_name=self._evicts).set(0)
+            if s.evicts:
+                self.next_evicted.labels(**self.labels, lora_name=s.evicts).set(1)
+            self._evicts = s.evicts
         for name, seconds in s.load_seconds.items():
             self.load_seconds.labels(**self.labels, lora_name=name).set(seconds)
         reads, fills = self._counted

@@ -8,7 +8,14 @@ rank holding the adapter wins until its queue costs more than a load elsewhere, 
 load still count (they are other scorers of the same sum). A load is priced at the rank's own reported load
 time (``LoraView.load_s``) times the profile's prefill rate (``TtftModel``, learned from first bytes) when
 both are known, never under ``load_tokens``; taking a slot from another adapter (by a load, or by a copy
-from the CPU cache into a rank with no free slot) charges the evicted adapter's next load too.
+from the CPU cache into a rank with no free slot) charges the evicted adapter's next load too, unless the
+rank names the adapter it would evict (``LoraView.evicts``: its least recently used idle slot) and another
+rank holds that one on device: then its next request goes there and nothing is lost. So where every slot of
+the fleet is taken, a load evicts a spare replica before an adapter's only copy (an only copy evicted makes
+its next request a load that evicts another: one slot short, the fleet reloads on and on). For the same
+reason, while every slot is taken, an adapter's holders after the first in its rendezvous order are charged
+``evict_tokens``: a replica serves only while the adapter's first holder is that much busier, and otherwise
+goes idle until a load takes its slot (a hot replica is never its rank's least recently used slot).
 
 - **Rendezvous home.** Among ranks of one tier, each adapter prefers its own order of ranks: highest-random-
   weight hashing of (adapter, endpoint key), so a cold adapter goes to the same rank from every router
@@ -19,7 +26,11 @@ from the CPU cache into a rank with no free slot) charges the evicted adapter's 
   not take a slot on every rank (evicting every other adapter) unless its holders are far more loaded.
 - **Placements not yet seen.** The router learns where an adapter went from telemetry a moment later; until
   then its own recent dispatches of that adapter (``Placements``: the last ``recent`` adapter requests)
-  count as a copy in the CPU cache there, so a burst for a cold adapter follows its first request.
+  count as a copy in the CPU cache there, so a burst for a cold adapter follows its first request. A rank
+  with an exact view (lbd's engines) names the adapters of its running and waiting requests (``busy``: there
+  or being read); once two of its telemetry samples came after the dispatch, its view is what counts (a
+  dispatch mark outliving an eviction kept sending a rank adapters it no longer held, each one a load that
+  evicted the next).
 
 A request for the base model (or any model no rank lists as an adapter) gets zeros: the sum, the pick and the
 decider are what they are without this scorer. Ranks report residency in ``EndpointSnapshot.lora``; a vLLM
@@ -30,7 +41,7 @@ there scores as a load.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from lbd.policies.base import EndpointSnapshot, LoraView, RequestFacts
 from lbd.policies.plugin import Context, Detail, Env, Learned, Scorer
@@ -45,12 +56,14 @@ class Placements(Learned):
     """The endpoints the router sent each adapter's last requests to (the last ``recent`` adapter requests),
     until telemetry shows where the adapter is."""
 
-    __slots__ = ("recent", "sent", "adapters")
+    __slots__ = ("recent", "sent", "adapters", "seq")
 
     def __init__(self, recent: int = 32) -> None:
         self.recent = recent
-        self.sent: OrderedDict[tuple[str, str], None] = OrderedDict()  # (adapter, endpoint key), oldest first
+        # (adapter, endpoint key) -> the endpoint's telemetry_seq when it was sent there, oldest first
+        self.sent: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.adapters: set[str] = set()  # models some endpoint listed as adapters (the scorer adds them)
+        self.seq: dict[str, int] = {}  # endpoint key -> its telemetry_seq at the last adapter decision
 
     def saw_adapter(self, name: str) -> None:
         if name not in self.adapters:
@@ -62,7 +75,7 @@ class Placements(Learned):
         if facts.model not in self.adapters or self.recent <= 0:
             return
         pair = (facts.model, key)
-        self.sent[pair] = None
+        self.sent[pair] = self.seq.get(key, 0)
         self.sent.move_to_end(pair)
         while len(self.sent) > self.recent:
             self.sent.popitem(last=False)
@@ -70,10 +83,21 @@ class Placements(Learned):
     def forget(self, key: str) -> None:
         for pair in [p for p in self.sent if p[1] == key]:
             del self.sent[pair]
+        self.seq.pop(key, None)
 
     def reset(self) -> None:
         self.sent.clear()
         self.adapters.clear()
+        self.seq.clear()
+
+    def unseen(self, adapter: str, e: EndpointSnapshot) -> bool:
+        """Whether ``adapter`` was sent to ``e`` lately and ``e``'s view may not show it yet: a view that
+        names only busy adapters (vLLM's) never does; an exact one does after its second sample since."""
+        at = self.sent.get((adapter, e.key))
+        if at is None:
+            return False
+        view = e.lora
+        return view is None or not view.exact or e.telemetry_seq <= at + 1
 
 
 def is_adapter(model: str | None, pool: list[EndpointSnapshot]) -> bool:
@@ -87,6 +111,21 @@ def is_adapter(model: str | None, pool: list[EndpointSnapshot]) -> bool:
     return False
 
 
+def full(pool: list[EndpointSnapshot]) -> bool:
+    """Whether every slot of the ranks that report their adapters exactly is taken."""
+    views = [e.lora for e in pool if e.lora is not None and e.lora.exact]
+    return bool(views) and all(v.free_slots == 0 for v in views)
+
+
+def on_device(pool: list[EndpointSnapshot]) -> Counter[str]:
+    """How many endpoints of ``pool`` hold each adapter in a device slot."""
+    copies: Counter[str] = Counter()
+    for e in pool:
+        if e.lora is not None:
+            copies.update(e.lora.device)
+    return copies
+
+
 def hrw_weight(adapter: str, key: str) -> int:
     """The rendezvous weight of ``key`` for ``adapter`` (stable across processes and runs)."""
     digest = hashlib.blake2b(f"{adapter}\x00{key}".encode(), digest_size=8).digest()
@@ -94,10 +133,11 @@ def hrw_weight(adapter: str, key: str) -> int:
 
 
 def tier(view: LoraView | None, adapter: str, sent: bool) -> int:
-    """0 on device, 1 in the CPU cache (or just sent there), 2 a free slot, 3 a slot to take over."""
+    """0 on device, 1 in the CPU cache (or being read there, or just sent there), 2 a free slot, 3 a slot to
+    take over."""
     if view is not None and adapter in view.device:
         return 0
-    if sent or view is not None and adapter in view.cpu:
+    if sent or view is not None and (adapter in view.cpu or adapter in view.busy):
         return 1
     if view is not None and view.free_slots > 0:
         return 2
@@ -129,28 +169,39 @@ class Adapter(Scorer):
         pool, adapter = ctx.pool, ctx.facts.model
         if not is_adapter(adapter, pool):
             return [0.0] * len(pool)
-        self.placements.saw_adapter(adapter)
-        sent = self.placements.sent
-        tiers = [tier(e.lora, adapter, (adapter, e.key) in sent) for e in pool]
+        placements = self.placements
+        placements.saw_adapter(adapter)
+        for e in pool:
+            placements.seq[e.key] = e.telemetry_seq
+        tiers = [tier(e.lora, adapter, placements.unseen(adapter, e)) for e in pool]
+        copies = on_device(pool) if 1 in tiers or 3 in tiers else Counter()
         holders = tiers.count(0)
         capped = 0 < self.max_replicas <= holders
+        spare = self.costs[3] - self.costs[2] if holders > 1 and full(pool) else 0.0
         order = sorted(range(len(pool)), key=lambda i: hrw_weight(adapter, pool[i].key), reverse=True)
         step = self.home_tokens / max(1, len(pool) - 1)
         out = [0.0] * len(pool)
+        home = True  # the first holder in the adapter's order
         for place, i in enumerate(order):
             t = tiers[i]
-            out[i] = self.cost(t, pool[i].lora) + place * step + (self.cap_tokens if capped and t else 0.0)
+            extra = self.cap_tokens if capped and t else 0.0
+            if t == 0:
+                extra, home = (0.0 if home else spare), False
+            out[i] = self.cost(t, pool[i].lora, copies) + place * step + extra
         ctx.memo[_MEMO] = (tiers, holders, capped)
         return out
 
-    def cost(self, t: int, view: LoraView | None) -> float:
+    def cost(self, t: int, view: LoraView | None, copies: Counter[str]) -> float:
         """Tier ``t``'s charge on a rank: a load there at its own load time when it reports one; a copy from
-        the CPU cache into a rank whose slots are all taken also pays the evicted adapter's next load."""
+        the CPU cache into a rank whose slots are all taken also pays the evicted adapter's next load, unless
+        another rank holds that adapter on device (``copies``: device copies per adapter in the pool)."""
         if t == 0 or view is None:
             return self.costs[t]
         known = view.load_s > 0.0 and self._ttft is not None
         load = max(self.costs[2], view.load_s * self._ttft.rate) if known else self.costs[2]
         evicted = max(self.costs[3] - self.costs[2], load) if known else self.costs[3] - self.costs[2]
+        if view.evicts and copies[view.evicts] > 1:
+            evicted = 0.0  # a spare replica: its requests go to the other copies
         if t == 1:
             return self.costs[1] + (evicted if view.free_slots == 0 else 0.0)
         return load if t == 2 else load + evicted

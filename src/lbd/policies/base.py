@@ -43,7 +43,10 @@ class LoraView:
     every resident adapter; vLLM's ``lora_requests_info`` names only adapters with running or waiting
     requests, so an idle resident adapter looks absent there and ``free_slots`` is only a bound). ``known``:
     every adapter the rank serves (its /v1/models cards with a ``parent``, and what its telemetry names).
-    ``load_s``: the rank's mean adapter load time in seconds, as it reports it (0: not reported)."""
+    ``load_s``: the rank's mean adapter load time in seconds, as it reports it (0: not reported). ``busy``:
+    adapters with running or waiting requests there (in a slot, or on their way to one). ``evicts``: the
+    adapter a load there would take a slot from ("" none: a slot is free or every one is in use; None: not
+    reported, as on vLLM)."""
 
     device: frozenset[str] = frozenset()
     cpu: frozenset[str] = frozenset()
@@ -52,6 +55,8 @@ class LoraView:
     exact: bool = True
     known: frozenset[str] = frozenset()
     load_s: float = 0.0
+    busy: frozenset[str] = frozenset()
+    evicts: str | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +85,7 @@ class EndpointSnapshot:
     block_size: int = 16
     num_blocks: int = 0
     age_s: float = math.inf
+    telemetry_seq: int = 0  # telemetry samples taken in from it (scrapes or pushes): which view is newer
     role: str = "mixed"  # prefill, decode or mixed (P/D: --prefill/--decode, or a supervisor's /status)
     lora: LoraView | None = None  # its adapters (--enable-lora ranks' telemetry); None: none reported
 

@@ -85,6 +85,7 @@ class Endpoint:
     # telemetry
     sample: Sample | None = None
     sample_at: float = -math.inf  # loop time the sampled scrape began
+    samples: int = 0  # samples taken in (the snapshot's telemetry_seq)
     base_dispatched: int = 0  # shared totals when that scrape began (delta accounting)
     base_finished: int = 0
     prefix_hit_rate: float = 0.0
@@ -215,6 +216,7 @@ class Fleet:
         snap.healthy, snap.draining = ep.healthy and ep.routable, ep.draining
         s = ep.sample
         snap.lora = with_cards(s.lora if s is not None else None, ep.model_cards)
+        snap.telemetry_seq = ep.samples
         if s is not None:
             snap.running, snap.waiting, snap.kv_usage = s.running, s.waiting, s.kv_usage
             snap.prefix_hit_rate, snap.block_size, snap.num_blocks = ep.prefix_hit_rate, s.block_size or 16, \
@@ -339,6 +341,7 @@ class Fleet:
                 rate = max(0.0, min(1.0, (sample.prefix_hits - prev.prefix_hits) / dq))
                 ep.prefix_hit_rate += 0.3 * (rate - ep.prefix_hit_rate)
         ep.sample, ep.sample_at = sample, began_at
+        ep.samples += 1
         ep.base_dispatched, ep.base_finished = totals.dispatched, totals.finished
         ep.new_process = False
         if sample.models and not ep.model_cards:

@@ -176,14 +176,17 @@ def _metrics_lora(text: str) -> LoraView | None:
     free = _samples(family_lines(text, "lbd:lora_free_slots"))
     if not free:
         return LoraView(device=busy, free_slots=max(0, max_loras - len(busy)), max_loras=max_loras,
-                        exact=False, known=busy)
+                        exact=False, known=busy, busy=busy)
     device = frozenset(lv[0].get("lora_name", "") for lv in resident if lv[1] > 0 and lv[0].get("where") ==
                        "device") - {""}
     cpu = frozenset(lv[0].get("lora_name", "") for lv in resident if lv[1] > 0 and lv[0].get("where") ==
                     "cpu") - {""}
     loads = _samples(family_lines(text, "lbd:lora_load_seconds"))
+    evicts = [lv[0].get("lora_name", "") for lv in _samples(family_lines(text, "lbd:lora_next_evicted"))
+              if lv[1] > 0]
     return LoraView(device=device, cpu=cpu, free_slots=int(sum(v for _, v in free)), max_loras=max_loras,
-                    known=device | cpu | busy, load_s=_mean_load(v for _, v in loads))
+                    known=device | cpu | busy, load_s=_mean_load(v for _, v in loads), busy=busy,
+                    evicts=evicts[0] if evicts else "")
 
 
 def with_cards(view: LoraView | None, cards: list[dict]) -> LoraView | None:
@@ -210,12 +213,14 @@ def lora_view(data: object) -> LoraView | None:
         value = data.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
-    device, cpu = names("device"), names("cpu")
+    device, cpu, busy = names("device"), names("cpu"), names("running") | names("waiting")
     loaded = data.get("load_seconds")
     loaded = loaded if isinstance(loaded, dict) else {}
+    evicts = data.get("evicts")
     return LoraView(device=device, cpu=cpu, free_slots=count("free_slots"), max_loras=count("max_lora"),
-                    known=frozenset(map(str, loaded)) | device | cpu | names("running") | names("waiting"),
-                    load_s=_mean_load(loaded.values()))
+                    known=frozenset(map(str, loaded)) | device | cpu | busy,
+                    load_s=_mean_load(loaded.values()), busy=busy,
+                    evicts=evicts if isinstance(evicts, str) else None)
 
 
 def _mean_load(values: object) -> float:

@@ -144,7 +144,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
 class LoraState(msgspec.Struct):
     """A rank's LoRA adapters: vLLM's ``lora_requests_info`` (adapters with running or waiting requests,
     ``max_lora``) and what it lacks: where each loaded adapter is (``device`` slots, ``cpu`` cache, an adapter
-    in a slot is in both), the free slots and each adapter's last load time in seconds; and, cumulative since
+    in a slot is in both), the free slots, the adapter a load would take a slot from (``evicts``: the least
+    recently used slot no running request uses; empty while a slot is free or every slot is in use) and each
+    adapter's last load time in seconds; and, cumulative since
     the rank started, adapters read from disk into host memory (``reads``) and copied into a device slot
     (``slot_fills``: slot misses)."""
 
@@ -157,6 +159,7 @@ class LoraState(msgspec.Struct):
     load_seconds: dict[str, float] = msgspec.field(default_factory=dict)
     reads: int = 0
     slot_fills: int = 0
+    evicts: str = ""
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

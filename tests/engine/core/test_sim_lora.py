@@ -1,5 +1,6 @@
 """The sim device's adapter slots (lbd.engine.core.sim_lora): LRU among idle slots, a running adapter's slot
-never taken, a miss owed to the step (a copy when the CPU cache holds it, else a read), telemetry; and a read
+never taken, a miss owed to the step (a copy when the CPU cache holds it, else a read), telemetry (which
+adapter a load would evict); and a read
 from disk off the step loop: the request waits for it, the step is not charged."""
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ def test_slots_lru_pins_and_load_time() -> None:
     loras = SimLoras(flags, load_s=0.08, copy_s=0.004)
     a, b, c = (_req(loras, n) for n in "abc")
     assert loras.acquire(a) and loras.acquire(b) and loras.take_owed() == 0.16  # two reads
+    assert loras.state([], []).evicts == "a"  # the next load takes the least recently used idle slot
     loras.pin(a)
     loras.pin(b)
+    assert loras.state([a, b], []).evicts == ""  # every slot in use
     assert not loras.acquire(c)  # both slots run: c waits
     loras.unpin(a)
     assert loras.acquire(c) and loras.take_owed() == 0.08  # a's idle slot taken
     state = loras.state([b, c], [])
     assert (state.device, state.cpu, state.free_slots, state.running) == (["b", "c"], ["a", "b", "c"], 0,
                                                                           ["b", "c"])
+    assert state.evicts == "c"  # b runs: its slot is not taken
     loras.unpin(b)
     assert loras.acquire(a) and loras.take_owed() == 0.004  # back from the CPU cache: a copy
     assert (loras.reads, loras.copies, loras.fills) == (3, 1, 4)

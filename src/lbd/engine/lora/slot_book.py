@@ -34,6 +34,13 @@ class SlotBook:
                 return slot
         return None
 
+    def victim(self) -> int | None:
+        """The adapter the next load would take a slot from: the least recently used one no running request
+        uses; None when a slot is free or every slot is in use."""
+        if None in self.slots:
+            return None
+        return next((lora_id for lora_id in self.slot_lru if not self.users[lora_id]), None)
+
     def unwait(self, req: Any) -> bool:
         """Take a waiting request out (its client went away); False if it was not waiting here."""
         if req in self.waiting:
@@ -83,5 +90,6 @@ class SlotBook:
             device=sorted(names[i] for i in self.slot_lru if i in names),
             cpu=sorted(names[i] for i in cpu if i in names),
             free_slots=sum(1 for s in self.slots if s is None),
+            evicts=names.get(self.victim(), ""),
             load_seconds={a.name: round(a.load_seconds, 6) for a in adapters if a.load_seconds is not None},
             reads=self.reads, slot_fills=self.fills)

@@ -125,5 +125,6 @@ class LoadPublisher:
 def _key(s: SchedulerStats) -> tuple[object, ...]:
     """What routers weigh: a change of it is sent (the load, and where the adapters are)."""
     lora = s.lora
-    where = (tuple(lora.device), tuple(lora.cpu), lora.free_slots) if lora is not None else None
+    where = (tuple(lora.device), tuple(lora.cpu), lora.free_slots, lora.evicts, tuple(lora.running),
+             tuple(lora.waiting)) if lora is not None else None
     return (s.num_running, s.num_waiting, s.kv_cache_usage, s.num_blocks, where)
