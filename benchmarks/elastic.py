@@ -23,7 +23,10 @@ up the seconds to the grow decided, its ranks ready, and the router routing to t
 
 **On CPU ranks** (``--device cpu --autoscale-range 1:2``, with shorter ``--phases`` and lower rates): the same
 load steps and sweep on real CPU ranks of the default model (SmolLM2-135M-Instruct; a stream is judged by its
-[DONE], finish reason and usage, its tokens not being words), sizes 1..MAX.
+[DONE], finish reason and usage, its tokens not being words), sizes 1..MAX. A node splits its CPUs among the
+ranks it starts with and a rank keeps its slice (``lbd.supervisor.scale``), so both the sweep and the load
+steps start at MAX ranks and shrink (the steps: the idle planner, before the load): a rank has the CPUs of
+one MAX-th of the machine at every size, and a rank added is capacity added, not a share of rank 0's CPUs.
 
 **Sweep** (``--sweep``): the same loads, one level at a time, at fixed sizes 1..MAX (one `lbd serve` resized
 with POST /scale between points), ``--sweep-s`` each, counting requests after ``--sweep-warm-s``; per level
@@ -167,10 +170,14 @@ def run_steps(args: argparse.Namespace, model: Path | None, out: Path) -> dict:
                  "--autoscale-cooldown-s", str(args.autoscale_cooldown_s)]
     if args.autoscale_target_utilization is not None:  # else lbd serve's default (what a user gets)
         autoscale += ["--autoscale-target-utilization", str(args.autoscale_target_utilization)]
-    low = bounds_of(args)[0]
-    serve = Serve(model, low, args, autoscale, out / "steps-serve.log")
+    low, high = bounds_of(args)
+    # CPU ranks: start at the largest size and let the idle planner shrink the node, so every rank holds the
+    # CPU slice of the largest size, as in the sweep (a grown node's first rank would keep every CPU)
+    start = high if args.device == "cpu" else low
+    serve = Serve(model, start, args, autoscale, out / "steps-serve.log")
     try:
-        serve.wait_ready(low)
+        serve.wait_ready(start)
+        serve.wait_routed(low, timeout=120 + 4 * args.autoscale_down_after_s)
         name = serve.model_name()
         warm(serve.url, name)
         t0 = time.monotonic()

@@ -2,8 +2,8 @@
 ranks (two slots each, load time modelled by lbd.engine.core.sim_lora).
 
 - Residency parsing on a real rank: its /telemetry ``lora`` section and its /metrics (lbd's resident and
-  free-slot gauges: exact) give the same view, down to the adapter the next load would evict; with only vLLM's ``lora_requests_info`` an idle resident
-  adapter is invisible (the view says it is inexact).
+  free-slot gauges: exact) give the same view, down to the adapter the next load would evict; with only
+  vLLM's ``lora_requests_info`` an idle resident adapter is invisible (the view says it is inexact).
 - An adapter request goes to the rank holding it on device, and ``x-lbd-route-reason`` names the adapter
   scorer; a cold adapter's second request follows its first; a base-model request is not the scorer's.
 - On demand (``lbd route --lora-modules``, lbd.router.adapter_loader): the router's /v1/models lists those

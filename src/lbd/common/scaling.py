@@ -9,7 +9,10 @@ only; ``Signals`` and ``AutoscaleReport`` are dataclasses msgspec and orjson enc
 **A rank's load** (``rank_load``) is measured against flow control's saturation thresholds
 (``lbd route --flow-max-*``; ``lbd.router.flow.saturation``): the largest of its queued prefill tokens over
 ``max_tokens``, its engine's waiting requests over ``max_waiting`` and its KV-cache use over ``max_kv``.
-1.0 is the point where flow control calls the rank saturated and starts holding requests.
+1.0 is the point where flow control calls the rank saturated and starts holding requests. Where the router
+knows it, also its token throughput over what a saturated rank of the fleet served
+(``lbd.router.throughput``): a compute-bound rank (a CPU rank decoding many streams) runs slow with no
+queue and little KV in use, and only its throughput says how close it is to its limit.
 
 **The signals** (``Signals``):
 - ``ranks``: ranks that take traffic now (healthy, not draining);
@@ -18,7 +21,9 @@ only; ``Signals`` and ``AutoscaleReport`` are dataclasses msgspec and orjson enc
 - ``token_backlog``: prompt tokens waiting for a first token: queued in the engines plus held in the router;
 - ``predicted_ttft_s``: how long a request arriving now waits for its first token if the backlog is shared
   evenly: ``token_backlog / (ranks x prefill tokens per second per rank)``;
-- ``ttft_target_s``: the TTFT the deployment aims for (``--ttft-target-ms``).
+- ``ttft_target_s``: the TTFT the deployment aims for (``--ttft-target-ms``);
+- ``capacity_tokens_per_s``: the tokens per second a saturated rank served, which a rank's throughput is
+  measured against (0 until the router saw one: ``lbd.router.throughput``).
 
 **The rule** (``recommended_ranks``), with ``n`` = ``ranks``:
     for utilisation  ceil(n x saturation / target_utilization)   (saturation falls to the target)
@@ -83,6 +88,7 @@ class Signals:
     token_backlog: int
     predicted_ttft_s: float
     ttft_target_s: float = TTFT_TARGET_S
+    capacity_tokens_per_s: float = 0.0  # a saturated rank's throughput behind ``saturation`` (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +104,17 @@ class AutoscaleReport:
 
 def rank_load(queued_tokens: float, waiting: float, kv_usage: float, fresh: bool = True, *,
               max_tokens: float = MAX_TOKENS, max_waiting: float = MAX_WAITING,
-              max_kv: float = MAX_KV) -> float:
+              max_kv: float = MAX_KV, busy: float = 0.0) -> float:
     """One rank's load, 1.0 at flow control's saturation point; the engine's numbers count only when
-    ``fresh`` (stale telemetry: only the router's own queued tokens)."""
+    ``fresh`` (stale telemetry: only the router's own queued tokens). ``busy``: its token throughput over a
+    saturated rank's (``lbd.router.throughput``; 0 where unknown), which sees a compute-bound rank."""
     load = queued_tokens / max_tokens if max_tokens > 0 else 0.0
     if fresh:
         if max_waiting > 0:
             load = max(load, waiting / max_waiting)
         if max_kv > 0:
             load = max(load, kv_usage / max_kv)
+        load = max(load, busy)
     return max(0.0, load)
 
 

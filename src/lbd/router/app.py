@@ -203,7 +203,8 @@ class RouterApp:
         flow = self.proxy.flow
         held = held_tokens(flow.rows()) if flow is not None else 0.0
         return router_report(self.state.snapshots(), self.cfg.flow, self.cfg.stale_after_s, held,
-                             self.cfg.ttft_target_s, self.state.policy, self.cfg.autoscale_target_utilization)
+                             self.cfg.ttft_target_s, self.state.policy, self.cfg.autoscale_target_utilization,
+                             self.state.capacity)
 
 
 async def serve(cfg: RouterConfig, shared: SharedCounters) -> None:

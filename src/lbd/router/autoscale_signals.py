@@ -5,7 +5,8 @@ path).
 Per endpoint that takes traffic (healthy, not draining), from the same snapshot flow control decides by:
 - its load (``lbd.common.scaling.rank_load``) against flow control's thresholds (``--flow-max-*``): queued
   prefill tokens (the router's requests there without a first byte, every worker's), the engine's waiting
-  requests and KV use (while fresh);
+  requests and KV use (while fresh), and its token throughput against a saturated rank's
+  (``lbd.router.throughput``: the busy measure of a compute-bound rank, once some rank was seen saturated);
 - its queued prompt tokens: the larger of the router's own count and the engine's waiting requests times the
   average prompt (other routers' requests are seen too, the router's own are not counted twice).
 Plus the requests held in the router's flow queues (every worker's) times their flows' mean dispatched
@@ -20,6 +21,7 @@ the same telemetry; only a learned prefill rate is each worker's own (learned fr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -29,25 +31,29 @@ from lbd.common import scaling
 from lbd.common.scaling import AutoscaleReport, rank_load
 from lbd.policies import EndpointSnapshot
 from lbd.router.flow.settings import FlowSettings
+from lbd.router.throughput import Capacity
 
 
 def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s: float, held_tokens: float,
-                  ttft_target_s: float, policy: Any, target_utilization: float = scaling.TARGET_UTILIZATION
-                  ) -> AutoscaleReport:
+                  ttft_target_s: float, policy: Any, target_utilization: float = scaling.TARGET_UTILIZATION,
+                  capacity: Capacity | None = None) -> AutoscaleReport:
     """The fleet's signals and the rule's recommendation (at least 1 rank; no upper bound: the
-    autoscaler's own bounds apply)."""
+    autoscaler's own bounds apply). ``capacity``: a saturated rank's token rate, learned from telemetry."""
     avg_prompt = _learned(policy, "avg_prompt_tokens", scaling.TOKENS_PER_WAITING_REQUEST)
     loads, backlog = [], held_tokens
     for snap in snaps:
         if not snap.healthy or snap.draining:
             continue
         fresh = snap.fresh(stale_s)
+        busy = capacity.busy(snap.tokens_per_s) if capacity is not None else 0.0
         loads.append(rank_load(snap.unstarted_tokens, snap.waiting, snap.kv_usage, fresh,
                                max_tokens=flow.max_prefill_tokens_per_rank,
-                               max_waiting=flow.max_waiting_per_rank, max_kv=flow.max_kv_usage))
+                               max_waiting=flow.max_waiting_per_rank, max_kv=flow.max_kv_usage, busy=busy))
         backlog += max(snap.unstarted_tokens, snap.waiting * avg_prompt if fresh else 0.0)
     rate = _learned(policy, "rate", scaling.PREFILL_TOKENS_PER_S)
     signals = scaling.fleet_signals(loads, round(backlog), ttft_target_s, rate)
+    if capacity is not None and capacity.tokens_per_s > 0:
+        signals = replace(signals, capacity_tokens_per_s=round(capacity.tokens_per_s, 3))
     return scaling.report(signals, target_utilization=target_utilization)
 
 
@@ -91,6 +97,9 @@ class AutoscaleCollector(Collector):
              "arriving now waits for its first token.", ttft),
             ("ttft_target_seconds", "The TTFT target (--ttft-target-ms).", s.ttft_target_s),
             ("ranks", "Ranks taking traffic (healthy, not draining).", s.ranks),
+            ("capacity_tokens_per_second", "Prompt + generated tokens per second a saturated rank served, "
+             "which each rank's throughput counts against in saturation (0 until one was seen).",
+             s.capacity_tokens_per_s),
             ("recommended_ranks", "Ranks the scaling rule recommends (lbd.common.scaling).",
              r.recommended_ranks),
         ):

@@ -1,0 +1,83 @@
+"""How busy a rank is by what it serves (issue 46): its token throughput against the most it was seen to
+serve while requests queued in its engine.
+
+Flow control's thresholds (queued prompt tokens, waiting requests, KV use) see a rank that runs out of KV or
+queues prefill, but not one that is compute-bound: a CPU rank decoding ten streams has no queue and little KV
+in use, yet one more rank's load would slow every stream past the TTFT target. Throughput sees it: a rank
+that serves ``rate`` tokens per second, where a saturated rank of the fleet served ``capacity``, is
+``rate / capacity`` busy, whatever bound it (compute, KV, prefill).
+
+- ``TokenRate``: a rank's prompt plus generated tokens per second, an exponential average (time constant
+  ``tau_s``) over its telemetry's cumulative counters (scraped or pushed); a counter that goes down (a
+  restarted rank) starts it over.
+- ``Capacity``: such a rate of a rank whose engine has had waiting requests for two time constants (it
+  could go no faster), for the fleet (its ranks alike: one model, one device kind); the latest such reading.
+  Unknown (0) until some rank has been saturated that long: then this signal says nothing and the others
+  decide. It is the rate under the fleet's own mix of prompt and generated tokens, so a lasting change of
+  the mix moves it (at the next saturation).
+"""
+
+from __future__ import annotations
+
+import math
+
+TAU_S = 5.0
+
+
+class TokenRate:
+    """One rank's tokens per second (prompt + generated), averaged over ``tau_s``, and since when its engine
+    has had waiting requests in every reading (``saturated_since``; None: not now)."""
+
+    __slots__ = ("tau_s", "rate", "saturated_since", "_tokens", "_at", "_primed")
+
+    def __init__(self, tau_s: float = TAU_S) -> None:
+        self.tau_s = tau_s
+        self.rate = 0.0
+        self.saturated_since: float | None = None
+        self._tokens: float | None = None
+        self._at = 0.0
+        self._primed = False  # a rate was measured over one interval at least
+
+    def update(self, tokens: float, at: float, waiting: bool = False) -> float:
+        """The counters read ``tokens`` at time ``at`` (seconds, any monotonic origin), with requests
+        ``waiting`` in the engine or not; the new rate."""
+        if not waiting:
+            self.saturated_since = None
+        elif self.saturated_since is None:
+            self.saturated_since = at
+        last, self._tokens = self._tokens, tokens
+        if last is None or tokens < last:  # the first reading, or a new process: start over
+            self._at, self.rate, self.saturated_since, self._primed = at, 0.0, None, False
+            return self.rate
+        dt = at - self._at
+        if dt <= 0.0:
+            self._tokens = last  # the same instant: keep the older reading for the next interval
+            return self.rate
+        # the first interval is all it knows; later ones weigh by their length
+        weight = 1.0 - math.exp(-dt / self.tau_s) if self._primed else 1.0
+        self._at, self._primed = at, True
+        self.rate += weight * ((tokens - last) / dt - self.rate)
+        return self.rate
+
+    def saturated(self, at: float) -> bool:
+        """Saturated long enough (two time constants) for the average to be the saturated rate."""
+        return self.saturated_since is not None and at - self.saturated_since >= 2.0 * self.tau_s
+
+
+class Capacity:
+    """The fleet's tokens per second of a saturated rank (0: not seen yet): the rate of the last rank read
+    after two time constants of saturation, so a start-up burst (a rank slow while it warms) or a moment's
+    queue is not taken for the limit, and a later saturation corrects an old reading either way."""
+
+    __slots__ = ("tokens_per_s",)
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+
+    def observe(self, rate: TokenRate, at: float) -> None:
+        if rate.saturated(at) and rate.rate > 0.0:
+            self.tokens_per_s = rate.rate
+
+    def busy(self, rate: float) -> float:
+        """``rate`` as a fraction of the capacity (0 while it is unknown)."""
+        return rate / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
