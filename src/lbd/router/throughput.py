@@ -10,11 +10,11 @@ that serves ``rate`` tokens per second, where a saturated rank of the fleet serv
 - ``TokenRate``: a rank's prompt plus generated tokens per second, an exponential average (time constant
   ``tau_s``) over its telemetry's cumulative counters (scraped or pushed); a counter that goes down (a
   restarted rank) starts it over.
-- ``Capacity``: such a rate of a rank whose engine has had waiting requests for two time constants (it
-  could go no faster), for the fleet (its ranks alike: one model, one device kind); the latest such reading.
-  Unknown (0) until some rank has been saturated that long: then this signal says nothing and the others
-  decide. It is the rate under the fleet's own mix of prompt and generated tokens, so a lasting change of
-  the mix moves it (at the next saturation).
+- ``Capacity``: the highest such rate of a rank whose engine had waiting requests for two time constants
+  (it could go no faster), for the fleet (its ranks alike: one model, one device kind). Unknown (0) until
+  some rank has been saturated that long: then this signal says nothing and the others decide. It is a rate
+  under the fleet's own mix of prompt and generated tokens; a mix that serves more tokens a second raises
+  it, one that serves fewer does not lower it (the signal then reads low, as queue and KV alone do).
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ class TokenRate:
 
 
 class Capacity:
-    """The fleet's tokens per second of a saturated rank (0: not seen yet): the rate of the last rank read
+    """The fleet's tokens per second of a saturated rank (0: not seen yet): the highest rate of a rank read
     after two time constants of saturation, so a start-up burst (a rank slow while it warms) or a moment's
-    queue is not taken for the limit, and a later saturation corrects an old reading either way."""
+    queue is not taken for the limit. The highest, not the latest: a rank can saturate at a low token rate
+    (its KV cache full of long streams, which decode few tokens a second), and that reading would make
+    every rank look busy (sim ranks: 5.7 ranks kept where 4 serve the load, and flapping at 1x)."""
 
     __slots__ = ("tokens_per_s",)
 
@@ -75,7 +77,7 @@ class Capacity:
         self.tokens_per_s = 0.0
 
     def observe(self, rate: TokenRate, at: float) -> None:
-        if rate.saturated(at) and rate.rate > 0.0:
+        if rate.saturated(at) and rate.rate > self.tokens_per_s:
             self.tokens_per_s = rate.rate
 
     def busy(self, rate: float) -> float:
