@@ -176,25 +176,27 @@ class LoraMetrics:
                              LABELS).labels(**labels)
         self.slot_fills = Counter("lbd:lora_slot_fills", "LoRA adapters copied into a device slot (a request "
                                   "found its adapter in no slot).", LABELS).labels(**labels)
-        self._where: set[tuple[str, str]] = set()
-        self._evicts = ""
+        self._where: set[tuple[str, ...]] = set()  # (lora_name, where) flagged 1 on lbd:lora_resident
+        self._evicts: set[tuple[str, ...]] = set()  # (lora_name,) flagged 1 on lbd:lora_next_evicted
         self._counted = (0, 0)  # (reads, slot fills) already added to the counters
+
+    def _flags(self, gauge: Gauge, names: tuple[str, ...], before: set[tuple[str, ...]],
+               now: set[tuple[str, ...]]) -> set[tuple[str, ...]]:
+        """Set ``gauge`` to 1 for the label values in ``now`` and to 0 for those flagged ``before`` but not
+        now; returns ``now``."""
+        for values in before | now:
+            labels = dict(zip(names, values, strict=True))
+            gauge.labels(**self.labels, **labels).set(1 if values in now else 0)
+        return now
 
     def update(self, s: object) -> None:
         self.info.labels(max_lora=str(s.max_lora), waiting_lora_adapters=",".join(s.waiting),
                          running_lora_adapters=",".join(s.running)).set_to_current_time()
         now = {(name, "device") for name in s.device} | {(name, "cpu") for name in s.cpu}
-        for name, where in self._where | now:
-            self.resident.labels(**self.labels, lora_name=name, where=where).set(
-                1 if (name, where) in now else 0)
-        self._where = now
+        self._where = self._flags(self.resident, ("lora_name", "where"), self._where, now)
         self.free_slots.set(s.free_slots)
-        if self._evicts != s.evicts:
-            if self._evicts:
-                self.next_evicted.labels(**self.labels, lora_name=self._evicts).set(0)
-            if s.evicts:
-                self.next_evicted.labels(**self.labels, lora_name=s.evicts).set(1)
-            self._evicts = s.evicts
+        self._evicts = self._flags(self.next_evicted, ("lora_name",), self._evicts,
+                                   {(s.evicts,)} if s.evicts else set())
         for name, seconds in s.load_seconds.items():
             self.load_seconds.labels(**self.labels, lora_name=name).set(seconds)
         reads, fills = self._counted

@@ -180,13 +180,11 @@ class Adapter(Scorer):
         spare = self.costs[3] - self.costs[2] if holders > 1 and full(pool) else 0.0
         order = sorted(range(len(pool)), key=lambda i: hrw_weight(adapter, pool[i].key), reverse=True)
         step = self.home_tokens / max(1, len(pool) - 1)
+        first = next((i for i in order if tiers[i] == 0), None)  # the holder a replica is spare to
         out = [0.0] * len(pool)
-        home = True  # the first holder in the adapter's order
         for place, i in enumerate(order):
             t = tiers[i]
-            extra = self.cap_tokens if capped and t else 0.0
-            if t == 0:
-                extra, home = (0.0 if home else spare), False
+            extra = (spare if i != first else 0.0) if t == 0 else (self.cap_tokens if capped else 0.0)
             out[i] = self.cost(t, pool[i].lora, copies) + place * step + extra
         ctx.memo[_MEMO] = (tiers, holders, capped)
         return out
