@@ -173,13 +173,14 @@ class Poller(threading.Thread):
         if scaling and scaling.get("started_at"):
             self.resizes[scaling["started_at"]] = scaling
         auto = router.get("autoscale") or {}
+        signals = auto.get("signals") or {}
         self.rows.append({"t": round(time.monotonic() - self.t0, 2), "ranks": len(node["ranks"]),
                           "size": node["data_parallel_size_local"], "ready": node["ready_ranks"],
                           "routed": states.count("ready"), "draining": states.count("draining"),
                           "recommended": auto.get("recommended_ranks"),
-                          "saturation": (auto.get("signals") or {}).get("saturation"),
-                          "backlog": (auto.get("signals") or {}).get("token_backlog"),
-                          "load1": os.getloadavg()[0]})
+                          "saturation": signals.get("saturation"), "backlog": signals.get("token_backlog"),
+                          "served": signals.get("served_tokens_per_s"),
+                          "offered": signals.get("offered_tokens_per_s"), "load1": os.getloadavg()[0]})
 
     def rel(self, unix: float | None) -> float | None:
         """A unix time as seconds since t0."""

@@ -115,11 +115,12 @@ def digest(steps: list[dict[str, Any]]) -> str:
     """A fingerprint of the trace's inputs (the fixture is only valid for the trace it was recorded on). A
     snapshot field added after the recording is left out at its default (``role``, P/D's: every endpoint of
     the trace is ``mixed``; a request's ``pending_tokens``: none pending in the trace; ``lora``: no adapters;
-    a request's ``avoid``: nothing to avoid; ``telemetry_seq`` and ``tokens_per_s``: not counted), so the
+    a request's ``avoid``: nothing to avoid; ``telemetry_seq``, ``tokens_per_s`` and ``offered_tokens_per_s``:
+    not counted), so the
     fingerprint is still the recorded trace's."""
     text = repr(steps).replace(", lora=None)", ")").replace(", role='mixed')", ")")
     text = text.replace(", pending_tokens=None", "").replace(", avoid=frozenset()", "")
-    text = text.replace(", telemetry_seq=0, tokens_per_s=0.0", "")
+    text = text.replace(", telemetry_seq=0, tokens_per_s=0.0, offered_tokens_per_s=None", "")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lbd.common import scaling
-from lbd.router.throughput import Capacity, TokenRate
+from lbd.router.throughput import Capacity, Offered, OutputSize, TokenRate
 
 
 def _feed(rate: TokenRate, per_s: float, seconds: float, start: float = 0.0, tokens: float = 0.0,
@@ -105,6 +105,102 @@ def test_the_router_learns_capacity_from_telemetry_and_the_rule_sees_a_compute_b
             assert report.recommended_ranks == 2
             blind = router_report(snaps, cfg.flow, 1e9, 0.0, 2.0, None)  # without the throughput measure
             assert blind.signals.saturation < 0.3 and blind.recommended_ranks == 1
+        finally:
+            for u in urls:
+                state.remove(u)
+
+    asyncio.run(run())
+
+
+def test_output_size_is_generated_tokens_per_finished_request_over_a_minute() -> None:
+    """Tokens count as generated, requests as they end: a mix of 32- and 500-token answers (one long in
+    ten) reads its mean, 78.8 tokens a request; unknown before five requests ended."""
+    out = OutputSize()
+    out.observe(400.0, 2.0, 0.0)
+    assert out.per_request == 0.0  # two requests: not known yet
+    for i in range(1, 121):  # 2 requests/s for 60 s: 1.8 of 32 tokens, 0.2 of 500
+        out.observe(1.8 * 32 + 0.2 * 500, 2.0, 0.5 * i)
+    assert out.per_request == pytest.approx(0.9 * 32 + 0.1 * 500, rel=0.05)
+
+
+def test_offered_reads_served_in_a_steady_load_and_drops_at_once_when_the_load_drops() -> None:
+    """A rank taking 2 requests/s (100 prompt tokens, 50 out each) offers and serves 300 tokens/s. When the
+    arrivals stop, the offered rate falls within seconds while 500-token streams still decode; counters
+    that go down (a new process) add nothing."""
+    out, offered = OutputSize(), Offered()
+    prompt = generated = 0.0
+    sent = finished = 0
+    t = 0.0
+    for _ in range(240):  # 60 s steady
+        t += 0.25
+        prompt, generated, sent, finished = prompt + 50, generated + 25, sent + 0.5, finished + 0.5
+        offered.update(prompt, generated, int(sent), int(finished), t, out)
+    assert out.per_request == pytest.approx(50.0, rel=0.05)
+    assert offered.tokens_per_s() == pytest.approx(300.0, rel=0.1)
+    for _ in range(40):  # 10 s: nothing new arrives, the old streams decode on at 250 tokens/s
+        t += 0.25
+        generated += 62.5
+        offered.update(prompt, generated, int(sent), int(finished), t, out)
+    assert offered.tokens_per_s() < 0.15 * 300.0
+    before = offered.total
+    offered.update(0.0, 0.0, int(sent) + 5, int(finished), t + 0.25, out)  # a restarted engine
+    assert offered.total == before
+
+
+def test_offered_is_unknown_until_the_output_size_is() -> None:
+    out, offered = OutputSize(), Offered()
+    for i in range(8):
+        offered.update(100.0 * i, 0.0, i, 0, 0.25 * i, out)
+    assert offered.tokens_per_s() is None
+
+
+def test_the_rule_lets_a_rank_go_while_the_streams_of_a_passed_load_decode() -> None:
+    """Through the router's record and report: two ranks at 250 tokens/s each (2 requests/s, 100 prompt
+    tokens and 25 out each) against a 400 tokens/s capacity keep two ranks. The arrivals then drop to a
+    third while the passed load's streams decode on (150 tokens/s): served tokens alone would still ask for
+    two ranks; counted in the share still arriving, the fleet reads one rank's worth within 10 s."""
+    import asyncio
+
+    from lbd.router.autoscale_signals import router_report
+    from lbd.router.config import parse_args
+    from lbd.router.shared import SharedCounters
+    from lbd.router.state import RouterState
+    from lbd.router.telemetry import Sample
+
+    async def run() -> None:
+        urls = ["http://a:1", "http://b:1"]
+        cfg = parse_args(["--upstreams", ",".join(urls), "--kv-events", "off"])
+        state = RouterState(cfg, SharedCounters(1, 8))
+        eps = [state.add(u, "static") for u in urls]
+        counters = {ep.url: [0.0, 0.0] for ep in eps}  # prompt, generated tokens
+        try:
+            state.capacity.tokens_per_s = 400.0  # as if learned (the test above learns one)
+
+            def step(i: int, arrivals_every: int) -> None:
+                for ep in eps:
+                    c = counters[ep.url]
+                    if i % arrivals_every == 0:  # a request arrives: 100 prompt tokens in
+                        state.shared.dispatch(ep.slot, 100)
+                        state.shared.start(ep.slot, 100)
+                        c[0] += 100
+                    if i % 2 == 0:  # one ends (the steady rate), its 50 tokens made over its life
+                        state.shared.finish(ep.slot)
+                    c[1] += 12.5 if arrivals_every == 2 else 37.5  # decode: 50, then 150 tokens/s
+                    sample = Sample(running=8, kv_usage=0.2, prompt_tokens=c[0], generation_tokens=c[1])
+                    state.observe(ep, sample, began_at=0.25 * i)
+
+            for i in range(240):  # 60 s at 2 requests/s a rank: 200 prompt + 50 generated tokens/s
+                step(i, 2)
+            report = router_report(state.snapshots(), cfg.flow, 1e9, 0.0, 2.0, None, capacity=state.capacity)
+            assert report.signals.offered_tokens_per_s == pytest.approx(2 * 250.0, rel=0.15)
+            assert report.recommended_ranks == 2
+            for i in range(240, 280):  # 10 s: a third of the arrivals; the old streams decode on
+                step(i, 6)
+            snaps = state.snapshots()
+            report = router_report(snaps, cfg.flow, 1e9, 0.0, 2.0, None, capacity=state.capacity)
+            assert report.recommended_ranks == 1
+            served_only = scaling.fleet_signals([s.tokens_per_s / 400.0 for s in snaps], 0)
+            assert scaling.recommended_ranks(served_only) == 2
         finally:
             for u in urls:
                 state.remove(u)

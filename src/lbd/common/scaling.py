@@ -24,6 +24,10 @@ queue and little KV in use, and only its throughput says how close it is to its 
 - ``ttft_target_s``: the TTFT the deployment aims for (``--ttft-target-ms``);
 - ``capacity_tokens_per_s``: the tokens per second a saturated rank served, which a rank's throughput is
   measured against (0 until the router saw one: ``lbd.router.throughput``).
+- ``served_tokens_per_s``, ``offered_tokens_per_s``: the tokens per second the ranks serve and those of the
+  work arriving at them (``lbd.router.throughput``); a rank's throughput counts in ``saturation`` only in the
+  share the offered make of the served (after a drop in load, the passed load's streams are served, not
+  offered: they resume on the ranks that stay when a rank leaves, so they need no rank of their own).
 
 **The rule** (``recommended_ranks``), with ``n`` = ``ranks``:
     for utilisation  ceil(n x saturation / target_utilization)   (saturation falls to the target)
@@ -89,6 +93,8 @@ class Signals:
     predicted_ttft_s: float
     ttft_target_s: float = TTFT_TARGET_S
     capacity_tokens_per_s: float = 0.0  # a saturated rank's throughput behind ``saturation`` (0: unknown)
+    served_tokens_per_s: float = 0.0  # what the ranks serve (the router's view; 0: not known)
+    offered_tokens_per_s: float | None = None  # of the work arriving at them (None: not known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,10 @@ Per endpoint that takes traffic (healthy, not draining), from the same snapshot 
 - its load (``lbd.common.scaling.rank_load``) against flow control's thresholds (``--flow-max-*``): queued
   prefill tokens (the router's requests there without a first byte, every worker's), the engine's waiting
   requests and KV use (while fresh), and its token throughput against a saturated rank's
-  (``lbd.router.throughput``: the busy measure of a compute-bound rank, once some rank was seen saturated);
+  (``lbd.router.throughput``: the busy measure of a compute-bound rank, once some rank was seen saturated),
+  counted in the share of the fleet's served tokens that its offered tokens make (at most all of them):
+  after the load drops, the streams of the passed load still decode and need no rank of their own (a removed
+  rank's streams resume elsewhere);
 - its queued prompt tokens: the larger of the router's own count and the engine's waiting requests times the
   average prompt (other routers' requests are seen too, the router's own are not counted twice).
 Plus the requests held in the router's flow queues (every worker's) times their flows' mean dispatched
@@ -40,21 +43,31 @@ def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s
     """The fleet's signals and the rule's recommendation (at least 1 rank; no upper bound: the
     autoscaler's own bounds apply). ``capacity``: a saturated rank's token rate, learned from telemetry."""
     avg_prompt = _learned(policy, "avg_prompt_tokens", scaling.TOKENS_PER_WAITING_REQUEST)
+    routable = [s for s in snaps if s.healthy and not s.draining]
+    served, offered = _fleet_rates(routable)
+    arriving = min(1.0, offered / served) if offered is not None and served > 0 else 1.0
     loads, backlog = [], held_tokens
-    for snap in snaps:
-        if not snap.healthy or snap.draining:
-            continue
+    for snap in routable:
         fresh = snap.fresh(stale_s)
-        busy = capacity.busy(snap.tokens_per_s) if capacity is not None else 0.0
+        busy = capacity.busy(snap.tokens_per_s * arriving) if capacity is not None else 0.0
         loads.append(rank_load(snap.unstarted_tokens, snap.waiting, snap.kv_usage, fresh,
                                max_tokens=flow.max_prefill_tokens_per_rank,
                                max_waiting=flow.max_waiting_per_rank, max_kv=flow.max_kv_usage, busy=busy))
         backlog += max(snap.unstarted_tokens, snap.waiting * avg_prompt if fresh else 0.0)
     rate = _learned(policy, "rate", scaling.PREFILL_TOKENS_PER_S)
     signals = scaling.fleet_signals(loads, round(backlog), ttft_target_s, rate)
+    signals = replace(signals, served_tokens_per_s=round(served, 3),
+                      offered_tokens_per_s=round(offered, 3) if offered is not None else None)
     if capacity is not None and capacity.tokens_per_s > 0:
         signals = replace(signals, capacity_tokens_per_s=round(capacity.tokens_per_s, 3))
     return scaling.report(signals, target_utilization=target_utilization)
+
+
+def _fleet_rates(snaps: list[EndpointSnapshot]) -> tuple[float, float | None]:
+    """The tokens per second ``snaps`` serve, and those offered to them (None where a rank's is unknown)."""
+    served = sum(s.tokens_per_s for s in snaps)
+    rates = [s.offered_tokens_per_s for s in snaps]
+    return served, None if not rates or None in rates else sum(r for r in rates if r is not None)
 
 
 def held_tokens(rows: Iterable[Any]) -> float:
@@ -100,6 +113,12 @@ class AutoscaleCollector(Collector):
             ("capacity_tokens_per_second", "Prompt + generated tokens per second a saturated rank served, "
              "which each rank's throughput counts against in saturation (0 until one was seen).",
              s.capacity_tokens_per_s),
+            ("served_tokens_per_second", "Prompt + generated tokens per second the ranks taking traffic "
+             "serve.", s.served_tokens_per_s),
+            ("offered_tokens_per_second", "Tokens per second of the work arriving at them: prompt tokens "
+             "taken in plus requests sent times the fleet's generated tokens per finished request (-1 "
+             "until known); their throughput counts in saturation in this share of the served tokens.",
+             -1.0 if s.offered_tokens_per_s is None else s.offered_tokens_per_s),
             ("recommended_ranks", "Ranks the scaling rule recommends (lbd.common.scaling).",
              r.recommended_ranks),
         ):

@@ -10,9 +10,9 @@ source of knowledge calls one of its named methods, never a field:
   ``lbd.router.discovery``): ``add``, ``remove``, ``supervise`` (ready, draining, role, pid); /v1/models:
   ``set_models``; --prefill/--decode (``lbd.router.disagg``): ``set_role``;
 - telemetry, scraped (``lbd.router.monitor``) or pushed (``lbd.router.load_feed``): ``observe`` (a
-  ``lbd.router.telemetry.Sample``; it also feeds each rank's token rate and the fleet's ``capacity``,
-  ``lbd.router.throughput``), ``sample_holds`` (a fresh stream sent no change), ``use_telemetry`` and
-  ``refuse_telemetry`` (which path to scrape), ``scrape_failed``;
+  ``lbd.router.telemetry.Sample``; it also feeds each rank's token rates, served and offered, and the
+  fleet's ``capacity`` and ``output`` size, ``lbd.router.throughput``), ``sample_holds`` (a fresh stream
+  sent no change), ``use_telemetry`` and ``refuse_telemetry`` (which path to scrape), ``scrape_failed``;
 - health probes and request outcomes: ``fail``, ``succeeded``, ``readmit``; a new process behind the URL:
   ``restarted``;
 - passive outlier detection (``lbd.router.outlier`` decides; the fleet records): ``sent``, ``answered``,
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from lbd.policies import EndpointSnapshot
 from lbd.router.shared import SharedCounters, Totals
 from lbd.router.telemetry import Sample, with_cards
-from lbd.router.throughput import Capacity, TokenRate
+from lbd.router.throughput import Capacity, Offered, OutputSize, TokenRate
 
 if TYPE_CHECKING:  # (not the config: lbd.router.config imports lbd.router.outlier, which imports this)
     from lbd.router.metrics import RouterMetrics
@@ -89,6 +89,7 @@ class Endpoint:
     sample_at: float = -math.inf  # loop time the sampled scrape began
     samples: int = 0  # samples taken in (the snapshot's telemetry_seq)
     rate: TokenRate = field(default_factory=TokenRate)  # prompt + generated tokens per second
+    offered: Offered = field(default_factory=Offered)  # of the work arriving (lbd.router.throughput)
     base_dispatched: int = 0  # shared totals when that scrape began (delta accounting)
     base_finished: int = 0
     prefix_hit_rate: float = 0.0
@@ -144,6 +145,7 @@ class Fleet:
         self.order: list[Endpoint] = []
         self.half_open: list[Endpoint] = []  # waiting for (or running) their trial request
         self.capacity = Capacity()  # a saturated rank's tokens per second (lbd.router.throughput)
+        self.output = OutputSize()  # the fleet's generated tokens per finished request (the same)
         self.on_added: list[Callable[[Endpoint], None]] = []
         self.on_removed: list[Callable[[Endpoint], None]] = []
         self.on_readmitted: list[Callable[[Endpoint], None]] = []  # back from an ejection
@@ -221,6 +223,7 @@ class Fleet:
         s = ep.sample
         snap.lora = with_cards(s.lora if s is not None else None, ep.model_cards)
         snap.telemetry_seq, snap.tokens_per_s = ep.samples, ep.rate.rate
+        snap.offered_tokens_per_s = ep.offered.tokens_per_s()
         if s is not None:
             snap.running, snap.waiting, snap.kv_usage = s.running, s.waiting, s.kv_usage
             snap.prefix_hit_rate, snap.block_size, snap.num_blocks = ep.prefix_hit_rate, s.block_size or 16, \
@@ -348,6 +351,8 @@ class Fleet:
         ep.samples += 1
         ep.rate.update(sample.prompt_tokens + sample.generation_tokens, began_at, sample.waiting > 0)
         self.capacity.observe(ep.rate, began_at)
+        ep.offered.update(sample.prompt_tokens, sample.generation_tokens, totals.dispatched, totals.finished,
+                          began_at, self.output)
         ep.base_dispatched, ep.base_finished = totals.dispatched, totals.finished
         ep.new_process = False
         if sample.models and not ep.model_cards:

@@ -15,6 +15,14 @@ that serves ``rate`` tokens per second, where a saturated rank of the fleet serv
   some rank has been saturated that long: then this signal says nothing and the others decide. It is a rate
   under the fleet's own mix of prompt and generated tokens; a mix that serves more tokens a second raises
   it, one that serves fewer does not lower it (the signal then reads low, as queue and KV alone do).
+- ``Offered``: the tokens per second of the work still arriving at a rank: the prompt tokens it took in plus,
+  for each request sent to it, the fleet's generated tokens per finished request (``OutputSize``). In a
+  steady load it reads what the rank serves; after the load drops, what a rank serves runs ahead of it for as
+  long as the streams of the passed load decode (on CPU ranks, 500-token streams for 20-30 s). Those streams
+  need no rank of their own (a removed rank's streams resume on the ranks that stay), so the autoscaling rule
+  counts served tokens only in the share the fleet's offered tokens make of them
+  (``lbd.router.autoscale_signals``): never more than served, so the measure can only read a fleet less
+  busy, never ask for a rank that the served tokens would not.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import math
 
 TAU_S = 5.0
+OUTPUT_TAU_S = 60.0  # OutputSize: longer than a long stream, so its tokens and its end fall together
+OUTPUT_MIN_REQUESTS = 5.0  # finished requests (decayed) before OutputSize says anything
 
 
 class TokenRate:
@@ -59,6 +69,11 @@ class TokenRate:
         self.rate += weight * ((tokens - last) / dt - self.rate)
         return self.rate
 
+    @property
+    def primed(self) -> bool:
+        """A rate was measured (two readings at least)."""
+        return self._primed
+
     def saturated(self, at: float) -> bool:
         """Saturated long enough (two time constants) for the average to be the saturated rate."""
         return self.saturated_since is not None and at - self.saturated_since >= 2.0 * self.tau_s
@@ -83,3 +98,62 @@ class Capacity:
     def busy(self, rate: float) -> float:
         """``rate`` as a fraction of the capacity (0 while it is unknown)."""
         return rate / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+
+
+class OutputSize:
+    """The fleet's generated tokens per finished request: the ranks' generated tokens and the router's
+    finished requests, each summed with exponential decay (time constant ``tau_s``), one over the other.
+    Tokens are counted as they are generated and requests as they end, so the ratio is the mean output only
+    over a window longer than a stream: 60 s. 0 until ``OUTPUT_MIN_REQUESTS`` ended (unknown)."""
+
+    __slots__ = ("tau_s", "tokens", "requests", "_at")
+
+    def __init__(self, tau_s: float = OUTPUT_TAU_S) -> None:
+        self.tau_s = tau_s
+        self.tokens = 0.0
+        self.requests = 0.0
+        self._at: float | None = None
+
+    def observe(self, generated: float, finished: float, at: float) -> None:
+        """A rank generated ``generated`` tokens and ended ``finished`` requests since its last reading."""
+        if self._at is not None and at > self._at:
+            decay = math.exp(-(at - self._at) / self.tau_s)
+            self.tokens *= decay
+            self.requests *= decay
+        self._at = at if self._at is None else max(self._at, at)
+        self.tokens += max(0.0, generated)
+        self.requests += max(0.0, finished)
+
+    @property
+    def per_request(self) -> float:
+        return self.tokens / self.requests if self.requests >= OUTPUT_MIN_REQUESTS else 0.0
+
+
+class Offered:
+    """One rank's offered tokens per second (module docstring): its counters' last readings and the rate,
+    a ``TokenRate`` over a running total of prompt tokens taken in plus requests sent times ``OutputSize``.
+    ``known`` once the fleet's output size is known and two readings made a rate."""
+
+    __slots__ = ("rate", "total", "_last")
+
+    def __init__(self, tau_s: float = TAU_S) -> None:
+        self.rate = TokenRate(tau_s)
+        self.total = 0.0
+        self._last: tuple[float, float, int, int] | None = None  # prompt, generated, sent, finished
+
+    def update(self, prompt: float, generated: float, sent: int, finished: int, at: float,
+               output: OutputSize) -> None:
+        """The rank's counters (``prompt``/``generated`` tokens: its engine's; ``sent``/``finished``
+        requests: the router's) at ``at``; feeds ``output`` with what it generated and ended meanwhile. A
+        counter that went down (a new process, a new slot) is a new start: nothing counted for it."""
+        last, self._last = self._last, (prompt, generated, sent, finished)
+        if last is not None and prompt >= last[0] and generated >= last[1] and sent >= last[2] \
+                and finished >= last[3]:
+            output.observe(generated - last[1], finished - last[3], at)
+            self.total += (prompt - last[0]) + (sent - last[2]) * output.per_request
+        if output.per_request > 0:  # from the first reading with an output size on (an honest first rate)
+            self.rate.update(self.total, at)
+
+    def tokens_per_s(self) -> float | None:
+        """The offered rate, None while unknown."""
+        return self.rate.rate if self.rate.primed else None
