@@ -122,6 +122,24 @@ def test_planner_jumps_up_and_comes_down_to_the_window_s_mean_demand() -> None:
     assert p.decisions == 3
 
 
+def test_planner_averages_before_it_floors_at_one_rank() -> None:
+    """Two ranks whose demand swings between 0.6 and 1.2 ranks' worth (mean 0.9) go down to one. Floored
+    per sample at one rank, the swing read 1.0 and 1.2 and its mean stayed above one rank's worth for as long
+    as any sample of the window did (CPU ranks after a 3x load: shrunk 33 s after the step, not 18)."""
+    p = Planner(1, 4, up_after_s=3.0, down_after_s=10.0, cooldown_s=0.0)
+    for t in range(10):  # demand 2 x sat / 0.9: 1.2 at odd seconds, 0.6 at even ones
+        sat = 0.54 if t % 2 else 0.27
+        assert p.observe(Signals(2, sat, 0, 0.0), 2, float(t)) is None, t
+    assert p.observe(Signals(2, 0.27, 0, 0.0), 2, 10.0) == 1  # a whole window since t = 0: mean 0.93
+    q = Planner(0, 4, down_after_s=2.0, cooldown_s=0.0)  # scale to zero: the floor holds while work is seen
+    for t in range(3):
+        assert q.observe(Signals(1, 0.05, 0, 0.0), 1, float(t)) is None, t
+    assert q.observe(Signals(1, 0.0, 0, 0.0), 1, 3.0) is None  # the window still saw work
+    for t in range(4, 7):
+        q.observe(Signals(1, 0.0, 0, 0.0), 1, float(t))
+    assert q.decisions == 1 and q.last is not None and q.last.recommended_ranks == 0
+
+
 def test_planner_holds_at_the_minimum_and_pulls_back_into_bounds() -> None:
     p = Planner(2, 4, down_after_s=0.0, cooldown_s=0.0)
     assert p.observe(_idle(2), 2, 0.0) is None  # recommendation 2 (the minimum): nothing to do

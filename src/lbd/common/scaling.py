@@ -51,7 +51,8 @@ the ranks that stay, so in-flight work needs no rank of its own.
 **The planner** (``Planner``) turns recommendations into resizes: up at once to the recommendation once it
 has stayed above the current size for ``up_after_s``; down once it has ``down_after_s`` of samples since its
 last change (longer: capacity is cheap to keep for a minute and slow to bring back) and the mean demand of
-the last ``down_after_s`` (``demand``: the rule before rounding) recommends fewer ranks, to that many.
+the last ``down_after_s`` (``demand``: the rule before rounding; the terms averaged, then floored at one rank
+where the window saw work) recommends fewer ranks, to that many.
 The mean, not the window's highest recommendation: one-second samples of a KV-bound fleet's saturation swing
 by +-0.2 around their mean (one 500-token stream holds a third of a small rank's KV), so the highest sample
 of a window is the top of that noise, not a load to keep ranks for (elastic.py: 5 ranks held through a 3x
@@ -138,10 +139,12 @@ def fleet_signals(loads: list[float], token_backlog: int, ttft_target_s: float =
     return Signals(n, round(saturation, 6), max(0, int(token_backlog)), ttft, ttft_target_s)
 
 
-def demand(s: Signals, target_utilization: float = TARGET_UTILIZATION, max_ranks: int = 1 << 16) -> float:
+def demand(s: Signals, target_utilization: float = TARGET_UTILIZATION, max_ranks: int = 1 << 16,
+           floor: bool = True) -> float:
     """The rule's need in ranks before rounding (module docstring): the larger of the utilisation and the
-    backlog terms, at least 1 while there is work."""
-    busy = s.token_backlog > 0 or s.saturation > 0
+    backlog terms, at least 1 while there is work (unless not ``floor``: the planner averages the terms and
+    floors the mean)."""
+    busy = has_work(s)
     if s.ranks <= 0:
         return 1.0 if busy else 0.0
     for_load = s.ranks * s.saturation / target_utilization if target_utilization > 0 else 0.0
@@ -152,7 +155,12 @@ def demand(s: Signals, target_utilization: float = TARGET_UTILIZATION, max_ranks
     else:
         for_ttft = s.ranks * s.predicted_ttft_s / s.ttft_target_s
     need = max(for_load, for_ttft)
-    return max(need, 1.0) if busy else need
+    return max(need, 1.0) if busy and floor else need
+
+
+def has_work(s: Signals) -> bool:
+    """A backlog or a busy rank: the rule keeps one rank at least."""
+    return s.token_backlog > 0 or s.saturation > 0
 
 
 def recommended_ranks(s: Signals, min_ranks: int = 1, max_ranks: int = 1 << 16,
@@ -185,7 +193,7 @@ class Planner:
     target_utilization: float = TARGET_UTILIZATION
     above_since: float | None = None
     below_since: float | None = None  # since when the down window's mean recommends fewer ranks
-    window: deque[tuple[float, float]] = field(default_factory=deque)  # (now, demand), last down_after_s
+    window: deque[tuple[float, float, bool]] = field(default_factory=deque)  # (now, demand unfloored, work)
     window_from: float | None = None  # the first sample since the last change
     changed_at: float | None = None
     last: AutoscaleReport | None = None
@@ -196,7 +204,8 @@ class Planner:
         rec = _ranks(need, self.min_ranks, self.max_ranks)
         self.last = AutoscaleReport(s, rec, self.min_ranks, self.max_ranks)
         self.above_since = _since(self.above_since, now) if rec > current else None
-        settled = self._settled(need, now)
+        settled = self._settled(demand(s, self.target_utilization, self.max_ranks, floor=False),
+                                has_work(s), now)
         self.below_since = _since(self.below_since, now) if settled < current else None
         if self.changed_at is not None and now - self.changed_at < self.cooldown_s:
             return None
@@ -209,14 +218,20 @@ class Planner:
             return self._change(settled, now)
         return None
 
-    def _settled(self, need: float, now: float) -> int:
+    def _settled(self, need: float, work: bool, now: float) -> int:
         """The recommendation of the down window's mean demand (samples since the last change, the last
-        ``down_after_s`` of them)."""
-        self.window.append((now, need))
+        ``down_after_s`` of them). The mean of the terms, floored at one rank after averaging where the
+        window saw work: floored per sample, every sample of a fleet that needs less than one rank's worth
+        reads 1.0, and the mean of a window with one sample above it stays above 1.0 (a 2 -> 1 shrink then
+        waits for a whole window of quiet samples: the window's highest, not its mean)."""
+        self.window.append((now, need, work))
         self.window_from = now if self.window_from is None else self.window_from
         while self.window[0][0] < now - self.down_after_s:
             self.window.popleft()
-        return _ranks(sum(d for _, d in self.window) / len(self.window), self.min_ranks, self.max_ranks)
+        mean = sum(d for _, d, _ in self.window) / len(self.window)
+        if any(w for _, _, w in self.window):
+            mean = max(mean, 1.0)
+        return _ranks(mean, self.min_ranks, self.max_ranks)
 
     def _change(self, size: int, now: float) -> int:
         self.changed_at, self.above_since, self.below_since, self.window_from = now, None, None, None
