@@ -11,7 +11,7 @@ only; ``Signals`` and ``AutoscaleReport`` are dataclasses msgspec and orjson enc
 ``max_tokens``, its engine's waiting requests over ``max_waiting`` and its KV-cache use over ``max_kv``.
 1.0 is the point where flow control calls the rank saturated and starts holding requests. Where the router
 knows it, also its token throughput over what a saturated rank of the fleet served
-(``lbd.router.throughput``): a compute-bound rank (a CPU rank decoding many streams) runs slow with no
+(``lbd.common.throughput``): a compute-bound rank (a CPU rank decoding many streams) runs slow with no
 queue and little KV in use, and only its throughput says how close it is to its limit.
 
 **The signals** (``Signals``):
@@ -23,9 +23,9 @@ queue and little KV in use, and only its throughput says how close it is to its 
   evenly: ``token_backlog / (ranks x prefill tokens per second per rank)``;
 - ``ttft_target_s``: the TTFT the deployment aims for (``--ttft-target-ms``);
 - ``capacity_tokens_per_s``: the tokens per second a saturated rank served, which a rank's throughput is
-  measured against (0 until the router saw one: ``lbd.router.throughput``).
+  measured against (0 until the router saw one: ``lbd.common.throughput``).
 - ``served_tokens_per_s``, ``offered_tokens_per_s``: the tokens per second the ranks serve and those of the
-  work arriving at them (``lbd.router.throughput``); a rank's throughput counts in ``saturation`` only in the
+  work arriving at them (``lbd.common.throughput``); a rank's throughput counts in ``saturation`` only in the
   share the offered make of the served (after a drop in load, the passed load's streams are served, not
   offered: they resume on the ranks that stay when a rank leaves, so they need no rank of their own).
 
@@ -114,7 +114,7 @@ def rank_load(queued_tokens: float, waiting: float, kv_usage: float, fresh: bool
               max_kv: float = MAX_KV, busy: float = 0.0) -> float:
     """One rank's load, 1.0 at flow control's saturation point; the engine's numbers count only when
     ``fresh`` (stale telemetry: only the router's own queued tokens). ``busy``: its token throughput over a
-    saturated rank's (``lbd.router.throughput``; 0 where unknown), which sees a compute-bound rank."""
+    saturated rank's (``lbd.common.throughput``; 0 where unknown), which sees a compute-bound rank."""
     load = queued_tokens / max_tokens if max_tokens > 0 else 0.0
     if fresh:
         if max_waiting > 0:

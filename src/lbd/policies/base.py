@@ -86,7 +86,7 @@ class EndpointSnapshot:
     num_blocks: int = 0
     age_s: float = math.inf
     telemetry_seq: int = 0  # telemetry samples taken in from it (scrapes or pushes): which view is newer
-    tokens_per_s: float = 0.0  # prompt + generated tokens per second (lbd.router.throughput)
+    tokens_per_s: float = 0.0  # prompt + generated tokens per second (lbd.common.throughput)
     offered_tokens_per_s: float | None = None  # of the work arriving there (the same); None: not known
     role: str = "mixed"  # prefill, decode or mixed (P/D: --prefill/--decode, or a supervisor's /status)
     lora: LoraView | None = None  # its adapters (--enable-lora ranks' telemetry); None: none reported

@@ -6,7 +6,7 @@ Per endpoint that takes traffic (healthy, not draining), from the same snapshot 
 - its load (``lbd.common.scaling.rank_load``) against flow control's thresholds (``--flow-max-*``): queued
   prefill tokens (the router's requests there without a first byte, every worker's), the engine's waiting
   requests and KV use (while fresh), and its token throughput against a saturated rank's
-  (``lbd.router.throughput``: the busy measure of a compute-bound rank, once some rank was seen saturated),
+  (``lbd.common.throughput``: the busy measure of a compute-bound rank, once some rank was seen saturated),
   counted in the share of the fleet's served tokens that its offered tokens make (at most all of them):
   after the load drops, the streams of the passed load still decode and need no rank of their own (a removed
   rank's streams resume elsewhere);
@@ -32,9 +32,9 @@ from prometheus_client.registry import Collector
 
 from lbd.common import scaling
 from lbd.common.scaling import AutoscaleReport, rank_load
+from lbd.common.throughput import Capacity
 from lbd.policies import EndpointSnapshot
 from lbd.router.flow.settings import FlowSettings
-from lbd.router.throughput import Capacity
 
 
 def router_report(snaps: Iterable[EndpointSnapshot], flow: FlowSettings, stale_s: float, held_tokens: float,

@@ -11,7 +11,7 @@ source of knowledge calls one of its named methods, never a field:
   ``set_models``; --prefill/--decode (``lbd.router.disagg``): ``set_role``;
 - telemetry, scraped (``lbd.router.monitor``) or pushed (``lbd.router.load_feed``): ``observe`` (a
   ``lbd.router.telemetry.Sample``; it also feeds each rank's token rates, served and offered, and the
-  fleet's ``capacity`` and ``output`` size, ``lbd.router.throughput``), ``sample_holds`` (a fresh stream
+  fleet's ``capacity`` and ``output`` size, ``lbd.common.throughput``), ``sample_holds`` (a fresh stream
   sent no change), ``use_telemetry`` and ``refuse_telemetry`` (which path to scrape), ``scrape_failed``;
 - health probes and request outcomes: ``fail``, ``succeeded``, ``readmit``; a new process behind the URL:
   ``restarted``;
@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lbd.common.throughput import Capacity, Offered, OutputSize, TokenRate
 from lbd.policies import EndpointSnapshot
 from lbd.router.shared import SharedCounters, Totals
 from lbd.router.telemetry import Sample, with_cards
-from lbd.router.throughput import Capacity, Offered, OutputSize, TokenRate
 
 if TYPE_CHECKING:  # (not the config: lbd.router.config imports lbd.router.outlier, which imports this)
     from lbd.router.metrics import RouterMetrics
@@ -89,7 +89,7 @@ class Endpoint:
     sample_at: float = -math.inf  # loop time the sampled scrape began
     samples: int = 0  # samples taken in (the snapshot's telemetry_seq)
     rate: TokenRate = field(default_factory=TokenRate)  # prompt + generated tokens per second
-    offered: Offered = field(default_factory=Offered)  # of the work arriving (lbd.router.throughput)
+    offered: Offered = field(default_factory=Offered)  # of the work arriving (lbd.common.throughput)
     base_dispatched: int = 0  # shared totals when that scrape began (delta accounting)
     base_finished: int = 0
     prefix_hit_rate: float = 0.0
@@ -144,7 +144,7 @@ class Fleet:
         self.endpoints: dict[str, Endpoint] = {}
         self.order: list[Endpoint] = []
         self.half_open: list[Endpoint] = []  # waiting for (or running) their trial request
-        self.capacity = Capacity()  # a saturated rank's tokens per second (lbd.router.throughput)
+        self.capacity = Capacity()  # a saturated rank's tokens per second (lbd.common.throughput)
         self.output = OutputSize()  # the fleet's generated tokens per finished request (the same)
         self.on_added: list[Callable[[Endpoint], None]] = []
         self.on_removed: list[Callable[[Endpoint], None]] = []

@@ -10,6 +10,7 @@ import contextlib
 import ssl
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 import orjson
@@ -20,6 +21,9 @@ from lbd.common.limits import PeerReadTooLarge, read_aiohttp
 _IN_FLIGHT = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
               ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")  # the same engines' KV-cache use (0..1)
+# their cumulative prompt and generated token counters (a rank's throughput: lbd.common.throughput)
+_TOKENS = (("vllm:prompt_tokens_total", "vllm:generation_tokens_total"),
+           ("sglang:prompt_tokens_total", "sglang:generation_tokens_total"))
 # Probe failure reasons (also the `reason` label of lbd_supervisor_probe_failures_total).
 TIMEOUT, CONNECTION, CORE_DEAD, BAD_STATUS = "timeout", "connection", "status_503", "bad_status"
 # Not a failure: a member of an MoE group answering 503 with this header is alive and waiting for its group
@@ -133,23 +137,36 @@ class Prober:
                 return int(_metric_sum(text, running) + _metric_sum(text, waiting))
         return None
 
-    async def load(self, base_url: str) -> tuple[float, float] | None:
-        """The rank's (waiting requests, KV-cache use 0..1) for the autoscaling signals: lbd's JSON
-        `/telemetry` (vLLM's names without the prefix), else `/metrics` (vLLM's or SGLang's names); None when
-        it tells neither."""
+    async def load(self, base_url: str) -> RankLoad | None:
+        """The rank's load for the autoscaling signals: lbd's JSON `/telemetry` (vLLM's names without the
+        prefix), else `/metrics` (vLLM's or SGLang's names); None when it tells neither."""
         data = await self._json(base_url + "/telemetry") or {}
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            return float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
+            waiting, kv = float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
+            counters = [data.get("prompt_tokens_total"), data.get("generation_tokens_total")]
+            known = all(isinstance(c, int | float) and not isinstance(c, bool) for c in counters)
+            return RankLoad(waiting, kv, float(sum(counters)) if known else None)  # type: ignore[arg-type]
         text = await self._metrics(base_url)
-        for (_, waiting), kv in zip(_IN_FLIGHT, _KV_USAGE, strict=True):
-            if waiting in text:
-                return _metric_sum(text, waiting), _metric_sum(text, kv)
+        for (_, waiting_name), kv_name, tokens in zip(_IN_FLIGHT, _KV_USAGE, _TOKENS, strict=True):
+            if waiting_name in text:
+                told = any(name in text for name in tokens)
+                return RankLoad(_metric_sum(text, waiting_name), _metric_sum(text, kv_name),
+                                sum(_metric_sum(text, name) for name in tokens) if told else None)
         return None
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             await asyncio.sleep(0)
+
+
+class RankLoad(NamedTuple):
+    """What ``Prober.load`` read of a rank: its waiting requests, KV-cache use (0..1) and its prompt plus
+    generated tokens so far (cumulative; None where the engine does not tell)."""
+
+    waiting: float
+    kv_usage: float
+    tokens: float | None = None
 
 
 def _metric_sum(text: str, name: str) -> float:

@@ -1,4 +1,4 @@
-"""A rank's token rate and the fleet's capacity (lbd.router.throughput): the busy measure of a compute-bound
+"""A rank's token rate and the fleet's capacity (lbd.common.throughput): the busy measure of a compute-bound
 rank, which the autoscaling rule reads (issue 46). Pure: no processes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lbd.common import scaling
-from lbd.router.throughput import Capacity, Offered, OutputSize, TokenRate
+from lbd.common.throughput import Capacity, Offered, OutputSize, TokenRate
 
 
 def _feed(rate: TokenRate, per_s: float, seconds: float, start: float = 0.0, tokens: float = 0.0,
