@@ -19,27 +19,34 @@ from pathlib import Path
 
 import httpx
 
+_GIVEN: set[int] = set()  # ports free_port_run handed out in this process
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range (``free_port_run``): a port the kernel hands out for
+    binding port 0 is one it also hands to outgoing connections, and a test's many clients took one between
+    this check and a router's bind ("address 127.0.0.1:42373 is already in use", a full-suite run)."""
+    return free_port_run(1, host)
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     """A port P such that P .. P+count-1 are free now (a supervisor's ranks take consecutive ports).
 
     Chosen below Linux's ephemeral range (32768+), so no outgoing connection can take one of them between
-    this check and the server's bind.
+    this check and the server's bind; never one this process handed out before (a test that asks twice before
+    it binds gets two).
     """
     for _ in range(200):
         base = random.randrange(20000, 32000 - count)
+        if _GIVEN.intersection(range(base, base + count)):
+            continue
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + count):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(s)
                 s.bind((host, port))
+            _GIVEN.update(range(base, base + count))
             return base
         except OSError:
             continue
