@@ -200,12 +200,11 @@ class Planner:
     decisions: int = field(default=0)
 
     def observe(self, s: Signals, current: int, now: float) -> int | None:
-        need = demand(s, self.target_utilization, self.max_ranks)
-        rec = _ranks(need, self.min_ranks, self.max_ranks)
+        raw, work = demand(s, self.target_utilization, self.max_ranks, floor=False), has_work(s)
+        rec = _ranks(max(raw, 1.0) if work else raw, self.min_ranks, self.max_ranks)
         self.last = AutoscaleReport(s, rec, self.min_ranks, self.max_ranks)
         self.above_since = _since(self.above_since, now) if rec > current else None
-        settled = self._settled(demand(s, self.target_utilization, self.max_ranks, floor=False),
-                                has_work(s), now)
+        settled = self._settled(raw, work, now)
         self.below_since = _since(self.below_since, now) if settled < current else None
         if self.changed_at is not None and now - self.changed_at < self.cooldown_s:
             return None

@@ -143,9 +143,9 @@ class Prober:
         data = await self._json(base_url + "/telemetry") or {}
         with contextlib.suppress(KeyError, TypeError, ValueError):
             waiting, kv = float(data["num_requests_waiting"]), float(data["kv_cache_usage_perc"])
-            counters = [data.get("prompt_tokens_total"), data.get("generation_tokens_total")]
-            known = all(isinstance(c, int | float) and not isinstance(c, bool) for c in counters)
-            return RankLoad(waiting, kv, float(sum(counters)) if known else None)  # type: ignore[arg-type]
+            prompt, generated = data.get("prompt_tokens_total"), data.get("generation_tokens_total")
+            known = all(isinstance(c, int | float) and not isinstance(c, bool) for c in (prompt, generated))
+            return RankLoad(waiting, kv, float(prompt) + float(generated) if known else None)
         text = await self._metrics(base_url)
         for (_, waiting_name), kv_name, tokens in zip(_IN_FLIGHT, _KV_USAGE, _TOKENS, strict=True):
             if waiting_name in text:
